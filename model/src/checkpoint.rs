@@ -1,0 +1,135 @@
+//! Memory-mapped safetensors checkpoints: `model.safetensors` or shards listed in
+//! `model.safetensors.index.json`. Tensors stay in the map in their on-disk dtype.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::config::read_json;
+use crate::error::{Error, Result};
+use crate::weights::{Weight, WeightDtype};
+
+struct Entry {
+    file: Arc<PathBuf>,
+    map: Arc<Mmap>,
+    range: Range<usize>,
+    dtype: Dtype,
+    shape: Vec<usize>,
+}
+
+/// The tensors of one checkpoint directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    tensors: HashMap<String, Entry>,
+}
+
+impl Checkpoint {
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index.exists() {
+            let v = read_json(&index)?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::config(&index, "weight_map", "missing or not an object"))?;
+            let mut names: Vec<String> = Vec::new();
+            for (tensor, file) in map {
+                let f = file.as_str().ok_or_else(|| {
+                    Error::config(&index, &format!("weight_map.{tensor}"), "not a file name")
+                })?;
+                if !names.iter().any(|n| n == f) {
+                    names.push(f.to_string());
+                }
+            }
+            names.into_iter().map(|n| dir.join(n)).collect()
+        } else if single.exists() {
+            vec![single]
+        } else {
+            return Err(Error::io(
+                &single,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no model.safetensors or model.safetensors.index.json in this directory",
+                ),
+            ));
+        };
+        let mut tensors = HashMap::new();
+        for path in files {
+            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: the file is opened read-only; like every mmap loader we assume it is
+            // not truncated by another process while mapped.
+            let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?);
+            let st = SafeTensors::deserialize(&map)
+                .map_err(|e| Error::Safetensors { path: path.clone(), msg: e.to_string() })?;
+            let base = map.as_ptr() as usize;
+            let path = Arc::new(path);
+            for (name, view) in st.tensors() {
+                let start = view.data().as_ptr() as usize - base;
+                tensors.insert(
+                    name,
+                    Entry {
+                        file: path.clone(),
+                        map: map.clone(),
+                        range: start..start + view.data().len(),
+                        dtype: view.dtype(),
+                        shape: view.shape().to_vec(),
+                    },
+                );
+            }
+        }
+        Ok(Checkpoint { dir: dir.to_path_buf(), tensors })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Tensor `name`, which must have exactly `shape` (1-D or 2-D).
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        if e.shape != shape {
+            return Err(Error::TensorShape {
+                path: (*e.file).clone(),
+                name: name.to_string(),
+                got: e.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        let dtype = match e.dtype {
+            Dtype::F32 => WeightDtype::F32,
+            Dtype::BF16 => WeightDtype::Bf16,
+            Dtype::F16 => WeightDtype::F16,
+            other => {
+                return Err(Error::TensorDtype {
+                    path: (*e.file).clone(),
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let (rows, cols) = match shape {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            _ => unreachable!("weights are 1-D or 2-D"),
+        };
+        Ok(Weight::mapped(e.map.clone(), e.range.clone(), dtype, rows, cols))
+    }
+
+    /// A small tensor widened to f32 (norm weights, biases).
+    pub fn get_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        Ok(self.get(name, &[len])?.to_f32())
+    }
+}

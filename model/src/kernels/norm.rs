@@ -1,0 +1,87 @@
+//! Per-row elementwise kernels: RMSNorm, SwiGLU, log-softmax, argmax, canonical sum.
+
+use super::simd::{dot_f32, LANES};
+
+/// `out = w * (x / sqrt(mean(x^2) + eps))`, row by row (rows of length `w.len()`).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    assert!(n > 0 && x.len() % n == 0 && out.len() == x.len(), "rms_norm: shape");
+    for (xr, or) in x.chunks(n).zip(out.chunks_mut(n)) {
+        let r = 1.0 / (dot_f32(xr, xr) / n as f32 + eps).sqrt();
+        for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
+            *o = wv * (xv * r);
+        }
+    }
+}
+
+/// In-place RMSNorm of each length-`w.len()` slice (Qwen3's per-head q/k norm).
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for xr in x.chunks_mut(n) {
+        let r = 1.0 / (dot_f32(xr, xr) / n as f32 + eps).sqrt();
+        for (v, &wv) in xr.iter_mut().zip(w) {
+            *v = wv * (*v * r);
+        }
+    }
+}
+
+/// `gate <- silu(gate) * up`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "swiglu: shape");
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Sum in the canonical 16-lane order (lane j takes i ≡ j mod 16, then the fixed tree).
+pub fn canonical_sum(x: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            lanes[j] += c[j];
+        }
+    }
+    for (j, v) in chunks.remainder().iter().enumerate() {
+        lanes[j] += v;
+    }
+    let mut v8 = [0.0f32; 8];
+    for i in 0..8 {
+        v8[i] = lanes[i] + lanes[i + 8];
+    }
+    let v4 = [v8[0] + v8[4], v8[1] + v8[5], v8[2] + v8[6], v8[3] + v8[7]];
+    (v4[0] + v4[2]) + (v4[1] + v4[3])
+}
+
+/// Natural-log softmax normaliser of a logit row: returns `(max, ln(sum(exp(x - max))))`,
+/// so `logprob(t) = (x[t] - max) - lse`.
+pub fn log_softmax_parts(logits: &[f32]) -> (f32, f32) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
+    (max, canonical_sum(&exps).ln())
+}
+
+/// Log-probability of `token` under `logits` at temperature 1.
+pub fn logprob(logits: &[f32], token: u32) -> f32 {
+    let (max, lse) = log_softmax_parts(logits);
+    (logits[token as usize] - max) - lse
+}
+
+/// Full log-softmax of a row.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let (max, lse) = log_softmax_parts(logits);
+    logits.iter().map(|&v| (v - max) - lse).collect()
+}
+
+/// Index of the largest logit; ties go to the lowest id, NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best_v {
+            best = i;
+            best_v = v;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,301 @@
+//! The canonical 16-lane reduction shared by every dot product in the engine.
+//!
+//! A dot product of length K is defined as: lane `j` (0..16) accumulates
+//! `x[k] * w[k]` for `k ≡ j (mod 16)` in increasing `k` with fused multiply-add
+//! (missing tail elements count as zero), then the lanes are summed by the fixed tree
+//! `v8[i] = l[i] + l[i+8]`, `v4[i] = v8[i] + v8[i+4]`, `v2[i] = v4[i] + v4[i+2]`,
+//! `r = v2[0] + v2[1]`. The order depends only on K, never on M, batch, padding or
+//! threads, and the AVX-512, AVX2 and portable paths compute exactly the same bits.
+
+use crate::weights::WeightDtype;
+
+pub const LANES: usize = 16;
+
+/// A vector of 16 f32 lanes.
+pub trait Simd16: Copy {
+    type V: Copy;
+    fn zero() -> Self::V;
+    /// Loads 16 f32 from `p` (unaligned).
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// Loads 16 weights of dtype `d` starting at byte pointer `p`, widened to f32.
+    unsafe fn load_w(p: *const u8, d: WeightDtype) -> Self::V;
+    /// `acc + a * b`, rounded once.
+    fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V;
+    /// The canonical lane tree.
+    fn reduce(v: Self::V) -> f32;
+}
+
+/// Portable path (also what non-x86 targets compile to).
+#[derive(Clone, Copy)]
+pub struct Portable;
+
+impl Simd16 for Portable {
+    type V = [f32; LANES];
+    #[inline(always)]
+    fn zero() -> Self::V {
+        [0.0; LANES]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        std::ptr::read_unaligned(p as *const [f32; LANES])
+    }
+    #[inline(always)]
+    unsafe fn load_w(p: *const u8, d: WeightDtype) -> Self::V {
+        let mut out = [0.0f32; LANES];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = d.read(p, i);
+        }
+        out
+    }
+    #[inline(always)]
+    fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V {
+        let mut r = acc;
+        for i in 0..LANES {
+            r[i] = a[i].mul_add(b[i], acc[i]);
+        }
+        r
+    }
+    #[inline(always)]
+    fn reduce(l: Self::V) -> f32 {
+        let mut v8 = [0.0f32; 8];
+        for i in 0..8 {
+            v8[i] = l[i] + l[i + 8];
+        }
+        let mut v4 = [0.0f32; 4];
+        for i in 0..4 {
+            v4[i] = v8[i] + v8[i + 4];
+        }
+        let v2 = [v4[0] + v4[2], v4[1] + v4[3]];
+        v2[0] + v2[1]
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::{Avx2, Avx512};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// 16 lanes in one zmm register.
+    #[derive(Clone, Copy)]
+    pub struct Avx512;
+
+    impl Simd16 for Avx512 {
+        type V = __m512;
+        #[inline(always)]
+        fn zero() -> __m512 {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_w(p: *const u8, d: WeightDtype) -> __m512 {
+            match d {
+                WeightDtype::F32 => _mm512_loadu_ps(p as *const f32),
+                WeightDtype::Bf16 => {
+                    let h = _mm256_loadu_si256(p as *const __m256i);
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                }
+                WeightDtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            }
+        }
+        #[inline(always)]
+        fn fma(acc: __m512, a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_fmadd_ps(a, b, acc) }
+        }
+        #[inline(always)]
+        fn reduce(v: __m512) -> f32 {
+            unsafe {
+                let lo = _mm512_castps512_ps256(v);
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+                reduce8(_mm256_add_ps(lo, hi))
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn reduce8(v8: __m256) -> f32 {
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        let r = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 0b01));
+        _mm_cvtss_f32(r)
+    }
+
+    /// 16 lanes as two ymm registers: lanes 0..8 and 8..16.
+    #[derive(Clone, Copy)]
+    pub struct Avx2;
+
+    impl Simd16 for Avx2 {
+        type V = (__m256, __m256);
+        #[inline(always)]
+        fn zero() -> Self::V {
+            unsafe { (_mm256_setzero_ps(), _mm256_setzero_ps()) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self::V {
+            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+        #[inline(always)]
+        unsafe fn load_w(p: *const u8, d: WeightDtype) -> Self::V {
+            match d {
+                WeightDtype::F32 => Self::load(p as *const f32),
+                WeightDtype::Bf16 => {
+                    let a = _mm_loadu_si128(p as *const __m128i);
+                    let b = _mm_loadu_si128(p.add(16) as *const __m128i);
+                    (
+                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)),
+                    )
+                }
+                WeightDtype::F16 => (
+                    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)),
+                ),
+            }
+        }
+        #[inline(always)]
+        fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V {
+            unsafe { (_mm256_fmadd_ps(a.0, b.0, acc.0), _mm256_fmadd_ps(a.1, b.1, acc.1)) }
+        }
+        #[inline(always)]
+        fn reduce(v: Self::V) -> f32 {
+            unsafe { reduce8(_mm256_add_ps(v.0, v.1)) }
+        }
+    }
+}
+
+/// Which SIMD path this machine takes; chosen once, the same for every call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+pub fn isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    })
+}
+
+/// Canonical dot product of f32 `x` with `x.len()` weights of dtype `d` at `w`.
+/// Shared by norms, attention and matmul tails so they all reduce the same way.
+pub fn dot(x: &[f32], w: &[u8], d: WeightDtype) -> f32 {
+    assert!(w.len() >= x.len() * d.size(), "dot: weight slice too short");
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { dot_avx512(x, w, d) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dot_avx2(x, w, d) },
+        _ => dot_generic::<Portable>(x, w, d),
+    }
+}
+
+/// Dot of two f32 slices, same canonical order.
+pub fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
+    assert_eq!(x.len(), y.len());
+    // SAFETY: reinterpreting f32 as bytes is always valid.
+    let bytes = unsafe { std::slice::from_raw_parts(y.as_ptr() as *const u8, y.len() * 4) };
+    dot(x, bytes, WeightDtype::F32)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn dot_avx512(x: &[f32], w: &[u8], d: WeightDtype) -> f32 {
+    dot_generic::<Avx512>(x, w, d)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(x: &[f32], w: &[u8], d: WeightDtype) -> f32 {
+    dot_generic::<Avx2>(x, w, d)
+}
+
+#[inline(always)]
+fn dot_generic<S: Simd16>(x: &[f32], w: &[u8], d: WeightDtype) -> f32 {
+    let mut out = 0.0f32;
+    // SAFETY: `dot` checked that `w` holds `x.len()` weights; one output.
+    unsafe { tile::<S, 1, 1>(x.as_ptr(), x.len(), w.as_ptr(), d, 0, &mut out, 0) };
+    out
+}
+
+/// An `MR x NR` block of dot products: rows `x[r*k..]` against weight rows at
+/// `w + j*w_stride`, written to `out[r*ldo + j]`. Each output follows the canonical order
+/// whatever MR and NR are, so tiling never changes a bit.
+///
+/// # Safety
+/// `x` must hold `MR * k` floats, each weight row `k` elements of `d`, and `out` must be
+/// writable at every `r*ldo + j`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub unsafe fn tile<S: Simd16, const MR: usize, const NR: usize>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    w_stride: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let ds = d.size();
+    let mut acc = [[S::zero(); NR]; MR];
+    let full = k / LANES * LANES;
+    let mut i = 0;
+    while i < full {
+        let mut wv = [S::zero(); NR];
+        for (j, v) in wv.iter_mut().enumerate() {
+            *v = S::load_w(w.add(j * w_stride + i * ds), d);
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xv = S::load(x.add(r * k + i));
+            for j in 0..NR {
+                row[j] = S::fma(row[j], xv, wv[j]);
+            }
+        }
+        i += LANES;
+    }
+    if full < k {
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xs = std::slice::from_raw_parts(x.add(r * k), k);
+            for (j, a) in row.iter_mut().enumerate() {
+                let ws = std::slice::from_raw_parts(w.add(j * w_stride), k * ds);
+                let (xt, wt) = tail_f32(xs, ws, d, full);
+                *a = S::fma(*a, S::load(xt.as_ptr()), S::load(wt.as_ptr()));
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (j, a) in row.iter().enumerate() {
+            *out.add(r * ldo + j) = S::reduce(*a);
+        }
+    }
+}
+
+/// The last partial chunk of a dot product, zero-padded to 16 lanes.
+#[inline(always)]
+pub fn tail_f32(x: &[f32], w: &[u8], d: WeightDtype, start: usize) -> ([f32; 16], [f32; 16]) {
+    let mut xt = [0.0f32; LANES];
+    let mut wt = [0.0f32; LANES];
+    for (j, i) in (start..x.len()).enumerate() {
+        xt[j] = x[i];
+        wt[j] = unsafe { d.read(w.as_ptr(), i) };
+    }
+    (xt, wt)
+}

@@ -1,0 +1,41 @@
+//! `tokenizer.json` through the tokenizers crate.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl Tokenizer {
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "not found")));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
+        Ok(Tokenizer { inner, path })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encodes text the way HF does by default (with the tokenizer's special tokens).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
+    }
+
+    /// Decodes ids to text, leaving out special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("decode: {e}") })
+    }
+}

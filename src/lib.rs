@@ -1,0 +1,15 @@
+//! `mtp`: lossless speculative generation with row-invariant numerics.
+//!
+//! This facade re-exports the workspace crates; the binaries live in `src/bin`.
+
+pub use mtp_cache as cache;
+pub use mtp_drafter as drafter;
+pub use mtp_engine as engine;
+pub use mtp_model as model;
+pub use mtp_verifier as verifier;
+
+pub mod prompts;
+
+/// The checkpoint `mtp generate` runs when no `--target` is given: shipped in the
+/// repository, so the command needs no download.
+pub const DEFAULT_TARGET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny/qwen3-target");

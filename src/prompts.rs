@@ -1,0 +1,48 @@
+//! The prompts JSONL format: one request per line,
+//! `{"id": "a", "prompt": "text"}` or `{"id": "a", "prompt_ids": [1, 2]}`,
+//! optional `"max_tokens"`.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use mtp_engine::Request;
+use mtp_model::Tokenizer;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    id: Option<String>,
+    prompt: Option<String>,
+    prompt_ids: Option<Vec<u32>>,
+    max_tokens: Option<usize>,
+}
+
+/// Parses every line of `path`, tokenizing text prompts with `tokenizer`. A malformed
+/// line is an error naming the file and line; nothing runs until all lines parse.
+pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, default_max: usize, ignore_eos: bool) -> Result<Vec<Request>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{}:{}", path.display(), n + 1);
+        let l: Line = serde_json::from_str(line).with_context(|| format!("{}: invalid request", at()))?;
+        let id = l.id.unwrap_or_else(|| format!("line{}", n + 1));
+        let prompt = match (l.prompt, l.prompt_ids) {
+            (Some(_), Some(_)) => bail!("{}: request {id}: give `prompt` or `prompt_ids`, not both", at()),
+            (None, None) => bail!("{}: request {id}: needs `prompt` or `prompt_ids`", at()),
+            (None, Some(ids)) => ids,
+            (Some(text), None) => {
+                let tok = tokenizer.ok_or_else(|| anyhow!("{}: request {id}: text prompt but the target has no tokenizer.json", at()))?;
+                tok.encode(&text).with_context(|| format!("{}: request {id}", at()))?
+            }
+        };
+        if out.iter().any(|r: &Request| r.id == id) {
+            bail!("{}: duplicate request id `{id}`", at());
+        }
+        out.push(Request { id, prompt, max_tokens: l.max_tokens.unwrap_or(default_max), ignore_eos });
+    }
+    Ok(out)
+}
