@@ -1,0 +1,34 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub const FAMILIES: [&str; 6] =
+    ["llama-target", "llama-draft", "qwen2-target", "qwen2-draft", "qwen3-target", "qwen3-draft"];
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(name)
+}
+
+/// A small deterministic generator for test data (no global RNG state).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn next_u32(&mut self) -> u32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        self.next_u32() as usize % n
+    }
+    pub fn f32(&mut self) -> f32 {
+        self.next_u32() as f32 / (1u64 << 31) as f32 * 2.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32()).collect()
+    }
+}
+
+pub fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}

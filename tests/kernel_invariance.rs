@@ -1,0 +1,180 @@
+//! Row invariance of the kernels, compared bit for bit, with negative controls on
+//! candle's stock ops.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{bits, Lcg};
+use mtp::model::kernels::{attend, linear, simd};
+use mtp::model::{Weight, WeightDtype};
+
+fn weight(rng: &mut Lcg, n: usize, k: usize, dtype: WeightDtype) -> Weight {
+    let v = rng.vec(n * k);
+    match dtype {
+        WeightDtype::F32 => Weight::from_f32(v, n, k),
+        // Round to the narrow dtype so the weight is exactly representable in it, then
+        // check the kernel's on-the-fly widening path through a checkpoint-like buffer.
+        WeightDtype::Bf16 => {
+            Weight::from_f32(v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect(), n, k)
+        }
+        WeightDtype::F16 => {
+            Weight::from_f32(v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect(), n, k)
+        }
+    }
+}
+
+fn run_linear(x: &[f32], m: usize, w: &Weight) -> Vec<f32> {
+    let mut out = vec![0.0; m * w.rows];
+    linear(x, m, w, None, &mut out);
+    out
+}
+
+#[test]
+fn matmul_row_is_independent_of_m_and_other_rows() {
+    let mut rng = Lcg(1);
+    let shapes = [(1, 1), (7, 3), (16, 5), (33, 64), (96, 96), (128, 1024), (1024, 128), (300, 67), (4096, 96)];
+    for &(k, n) in &shapes {
+        let w = weight(&mut rng, n, k, WeightDtype::F32);
+        let row = rng.vec(k);
+        let alone = run_linear(&row, 1, &w);
+        for m in [2, 3, 4, 5, 8, 13, 20, 64] {
+            let mut x = rng.vec(m * k);
+            let at = rng.below(m);
+            x[at * k..(at + 1) * k].copy_from_slice(&row);
+            let out = run_linear(&x, m, &w);
+            assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "k={k} n={n} m={m} row {at}");
+        }
+    }
+}
+
+#[test]
+fn matmul_is_independent_of_thread_count() {
+    let mut rng = Lcg(2);
+    let (m, k, n) = (9, 512, 700);
+    let w = weight(&mut rng, n, k, WeightDtype::F32);
+    let x = rng.vec(m * k);
+    let many = run_linear(&x, m, &w);
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| run_linear(&x, m, &w));
+    assert_eq!(bits(&many), bits(&one));
+}
+
+#[test]
+fn matmul_widens_bf16_and_f16_weights_like_f32() {
+    // A bf16/f16 checkpoint tensor read in place must give the same bits as the same
+    // values stored as f32.
+    let mut rng = Lcg(3);
+    let (m, k, n) = (5, 200, 37);
+    let x = rng.vec(m * k);
+    for dtype in [WeightDtype::Bf16, WeightDtype::F16] {
+        let vals: Vec<f32> = rng.vec(n * k);
+        let narrow: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| match dtype {
+                WeightDtype::Bf16 => half::bf16::from_f32(*v).to_le_bytes(),
+                _ => half::f16::from_f32(*v).to_le_bytes(),
+            })
+            .collect();
+        let widened: Vec<f32> = narrow
+            .chunks(2)
+            .map(|b| {
+                let u = u16::from_le_bytes([b[0], b[1]]);
+                match dtype {
+                    WeightDtype::Bf16 => half::bf16::from_bits(u).to_f32(),
+                    _ => half::f16::from_bits(u).to_f32(),
+                }
+            })
+            .collect();
+        let mut out_narrow = vec![0.0; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                out_narrow[r * n + c] = simd::dot(&x[r * k..(r + 1) * k], &narrow[c * k * 2..(c + 1) * k * 2], dtype);
+            }
+        }
+        let out_f32 = run_linear(&x, m, &Weight::from_f32(widened, n, k));
+        assert_eq!(bits(&out_narrow), bits(&out_f32), "{dtype:?}");
+    }
+}
+
+/// Negative control: candle's stock matmul gives a row different bits depending on M,
+/// so the test above is able to fail.
+#[test]
+fn negative_control_stock_matmul_depends_on_m() {
+    let mut rng = Lcg(4);
+    let mut differs = 0;
+    for &(k, n) in &[(4096, 4096), (1024, 128), (1024, 3072)] {
+        let x = rng.vec(8 * k);
+        let w = rng.vec(n * k);
+        let wt = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
+        let stock = |m: usize| -> Vec<f32> {
+            let xt = Tensor::from_slice(&x[..m * k], (m, k), &Device::Cpu).unwrap();
+            xt.matmul(&wt.t().unwrap()).unwrap().get(0).unwrap().to_vec1().unwrap()
+        };
+        let one = stock(1);
+        if [2, 3, 8].iter().any(|&m| bits(&stock(m)) != bits(&one)) {
+            differs += 1;
+        }
+    }
+    assert!(differs > 0, "candle's stock matmul was row-invariant on every shape: the control cannot fail");
+}
+
+fn attend_at(q: &[f32], keys: &[f32], values: &[f32], n_keys: usize, kvd: usize, hd: usize) -> Vec<f32> {
+    let mut out = vec![0.0; hd];
+    attend(q, keys, values, n_keys, kvd, 0, 1.0 / (hd as f32).sqrt(), &mut out);
+    out
+}
+
+#[test]
+fn attention_never_reads_past_its_position() {
+    let mut rng = Lcg(5);
+    for &(hd, kvh) in &[(16, 1), (24, 2), (128, 2)] {
+        let kvd = hd * kvh;
+        for n_keys in [1, 5, 31, 32, 33, 100, 257] {
+            let q = rng.vec(hd);
+            let keys = rng.vec(n_keys * kvd);
+            let values = rng.vec(n_keys * kvd);
+            let exact = attend_at(&q, &keys, &values, n_keys, kvd, hd);
+            // Same keys followed by garbage (padding, other windows, capacity).
+            for extra in [1, 7, 64, 500] {
+                let mut k2 = keys.clone();
+                k2.extend(rng.vec(extra * kvd).iter().map(|v| v * 1e3));
+                let mut v2 = values.clone();
+                v2.extend(rng.vec(extra * kvd));
+                assert_eq!(bits(&attend_at(&q, &k2, &v2, n_keys, kvd, hd)), bits(&exact));
+            }
+        }
+    }
+}
+
+/// Negative control: stock attention (matmul, masked softmax, matmul) over a zero-padded
+/// key length gives different bits for the same query as the unpadded length.
+#[test]
+fn negative_control_stock_attention_depends_on_padding() {
+    let mut rng = Lcg(6);
+    let hd = 64;
+    let mut differs = false;
+    for n_keys in [20usize, 40, 100, 300] {
+        let q = rng.vec(hd);
+        let keys = rng.vec(n_keys * hd);
+        let values = rng.vec(n_keys * hd);
+        let stock = |len: usize| -> Vec<f32> {
+            let dev = Device::Cpu;
+            let mut kp = keys.clone();
+            kp.resize(len * hd, 0.0);
+            let mut vp = values.clone();
+            vp.resize(len * hd, 0.0);
+            let qt = Tensor::from_slice(&q, (1, hd), &dev).unwrap();
+            let kt = Tensor::from_vec(kp, (len, hd), &dev).unwrap();
+            let vt = Tensor::from_vec(vp, (len, hd), &dev).unwrap();
+            let mask: Vec<f32> = (0..len).map(|j| if j < n_keys { 0.0 } else { f32::NEG_INFINITY }).collect();
+            let mask = Tensor::from_vec(mask, (1, len), &dev).unwrap();
+            let s = (qt.matmul(&kt.t().unwrap()).unwrap() * (1.0 / (hd as f64).sqrt())).unwrap();
+            let p = candle_nn::ops::softmax_last_dim(&s.broadcast_add(&mask).unwrap()).unwrap();
+            p.matmul(&vt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let base = stock(n_keys);
+        if [n_keys + 3, n_keys + 64, 1024].iter().any(|&len| bits(&stock(len)) != bits(&base)) {
+            differs = true;
+        }
+    }
+    assert!(differs, "stock attention ignored padding everywhere: the control cannot fail");
+}

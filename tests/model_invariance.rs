@@ -1,0 +1,154 @@
+//! Prefix determinism of the whole model, bit for bit: a row's logits and K/V do not
+//! depend on batch composition, on how its sequence was chunked, or on how many queries
+//! ran in one forward. The negative control runs the same check with candle's stock
+//! matmul and asserts that it fails.
+
+mod common;
+
+use common::{bits, fixture, Lcg};
+use mtp::model::kernels::matmul::negative_control;
+use mtp::model::synth::SynthSpec;
+use mtp::model::{Logits, Model, RowInput, WeightDtype};
+
+/// Runs `seq` through a fresh cache in pieces of the given sizes and returns the logits
+/// after every token plus the final cache.
+fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, mtp::cache::RowCache) {
+    let mut cache = model.new_cache();
+    let mut logits = Vec::new();
+    let mut at = 0;
+    for &c in chunks.iter().cycle() {
+        if at >= seq.len() {
+            break;
+        }
+        let piece = &seq[at..(at + c).min(seq.len())];
+        let mut rows = [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All }];
+        let out = model.forward(&mut rows).unwrap();
+        logits.extend(out[0].logits.iter().map(|l| bits(l)));
+        at += piece.len();
+    }
+    (logits, cache)
+}
+
+fn cache_bits(model: &Model, c: &mtp::cache::RowCache) -> Vec<u32> {
+    (0..model.config.num_hidden_layers)
+        .flat_map(|l| {
+            let (k, v) = c.committed(l);
+            bits(k).into_iter().chain(bits(v))
+        })
+        .collect()
+}
+
+fn random_seq(rng: &mut Lcg, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
+}
+
+/// True when every chunking of `seq` gives the token-by-token logits and cache.
+fn chunking_invariant(model: &Model, seq: &[u32]) -> bool {
+    let (one_by_one, c1) = run_chunked(model, seq, &[1]);
+    [&[seq.len()][..], &[5], &[3, 17, 2], &[32, 1]].iter().all(|chunks| {
+        let (l, c) = run_chunked(model, seq, chunks);
+        l == one_by_one && cache_bits(model, &c) == cache_bits(model, &c1)
+    })
+}
+
+#[test]
+fn query_in_a_block_equals_query_alone_for_every_family() {
+    let mut rng = Lcg(11);
+    for name in ["llama-target", "qwen2-target", "qwen3-target"] {
+        let model = Model::load(&fixture(name)).unwrap();
+        for len in [1, 9, 33, 70] {
+            let seq = random_seq(&mut rng, len, model.config.vocab_size);
+            assert!(chunking_invariant(&model, &seq), "{name}: chunking changed bits at len {len}");
+        }
+    }
+}
+
+/// True when a probe row decoded in windows of 7 gives the same logits and K/V alone as
+/// when every forward it takes part in also carries five other rows.
+fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
+    {
+        let vocab = model.config.vocab_size;
+        let probe = random_seq(rng, 21, vocab);
+        let (alone, alone_cache) = run_chunked(model, &probe, &[7]);
+        // The probe row shares every forward with rows of other lengths and window sizes.
+        let others: Vec<Vec<u32>> = (0..5).map(|i| random_seq(rng, 3 + 11 * i, vocab)).collect();
+        let mut caches: Vec<_> = (0..6).map(|_| model.new_cache()).collect();
+        let mut got: Vec<Vec<u32>> = Vec::new();
+        let mut at = vec![0usize; 6];
+        while at[0] < probe.len() {
+            let windows: Vec<&[u32]> = (0..6)
+                .map(|r| {
+                    let seq = if r == 0 { &probe } else { &others[r - 1] };
+                    let w = if r == 0 { 7 } else { 1 + (r * 3) % 5 };
+                    let s = at[r].min(seq.len());
+                    &seq[s..(s + w).min(seq.len())]
+                })
+                .collect();
+            let mut rows: Vec<RowInput> = caches
+                .iter_mut()
+                .zip(&windows)
+                .map(|(c, w)| RowInput { tokens: w, cache: c, logits: Logits::All })
+                .collect();
+            let out = model.forward(&mut rows).unwrap();
+            got.extend(out[0].logits.iter().map(|l| bits(l)));
+            for (r, w) in windows.iter().enumerate() {
+                at[r] += w.len();
+            }
+        }
+        got == alone && cache_bits(model, &caches[0]) == cache_bits(model, &alone_cache)
+    }
+}
+
+#[test]
+fn row_in_a_batch_equals_row_alone() {
+    let mut rng = Lcg(12);
+    for name in ["llama-target", "qwen2-target", "qwen3-target"] {
+        let model = Model::load(&fixture(name)).unwrap();
+        assert!(batch_invariant(&model, &mut rng), "{name}: batch changed the probe row's logits or K/V");
+    }
+}
+
+/// A synthetic checkpoint wide enough that stock matmul picks different kernels by M.
+fn wide_model(dir: &std::path::Path) -> Model {
+    let mut s = SynthSpec::preset("qwen3").unwrap();
+    s.vocab_size = 512;
+    s.hidden_size = 256;
+    s.num_hidden_layers = 2;
+    s.num_attention_heads = 4;
+    s.num_key_value_heads = 2;
+    s.head_dim = 64;
+    s.intermediate_size = 512;
+    s.max_position_embeddings = 256;
+    s.dtype = WeightDtype::Bf16;
+    s.seed = 5;
+    s.write(dir).unwrap();
+    Model::load(dir).unwrap()
+}
+
+#[test]
+fn negative_control_stock_matmul_breaks_chunking_invariance() {
+    let dir = std::env::temp_dir().join(format!("mtp-negctl-{}", std::process::id()));
+    let model = wide_model(&dir);
+    let mut rng = Lcg(13);
+    let seq = random_seq(&mut rng, 40, model.config.vocab_size);
+    // The row-invariant kernels pass on this model ...
+    assert!(chunking_invariant(&model, &seq));
+    // ... and the same check fails once candle's stock matmul is swapped in.
+    negative_control::set_stock_matmul(true);
+    let stock_ok = chunking_invariant(&model, &seq);
+    negative_control::set_stock_matmul(false);
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(!stock_ok, "stock matmul passed the invariance check: the check cannot fail");
+}
+
+#[test]
+fn negative_control_stock_matmul_breaks_batch_invariance() {
+    let dir = std::env::temp_dir().join(format!("mtp-negctl-batch-{}", std::process::id()));
+    let model = wide_model(&dir);
+    assert!(batch_invariant(&model, &mut Lcg(14)));
+    negative_control::set_stock_matmul(true);
+    let stock_ok = batch_invariant(&model, &mut Lcg(14));
+    negative_control::set_stock_matmul(false);
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(!stock_ok, "stock matmul passed the batch check: the check cannot fail");
+}
