@@ -1,0 +1,183 @@
+//! Loading real checkpoints, and clear errors (never panics) on bad ones.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::fixture;
+use mtp::model::{Config, Error, Model, Tokenizer};
+
+/// A writable copy of a fixture checkpoint.
+fn copy_fixture(name: &str, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mtp-load-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(fixture(name)).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(p, v.to_string()).unwrap();
+}
+
+fn load_err(dir: &Path) -> String {
+    match Model::load(dir) {
+        Ok(_) => panic!("{} loaded but should not", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn missing_files_are_named() {
+    let dir = copy_fixture("qwen3-draft", "missing");
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    assert!(load_err(&dir).contains("model.safetensors"));
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    assert!(load_err(&dir).contains("config.json"));
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    assert!(Tokenizer::from_dir(&dir).err().unwrap().to_string().contains("tokenizer.json"));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn unknown_architecture_is_named() {
+    let dir = copy_fixture("qwen3-draft", "arch");
+    edit_config(&dir, |v| v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]));
+    let e = load_err(&dir);
+    assert!(e.contains("GPT2LMHeadModel") && e.contains("config.json"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bad_json_is_named() {
+    let dir = copy_fixture("qwen3-draft", "json");
+    std::fs::write(dir.join("generation_config.json"), "{\"eos_token_id\": [0, ").unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("generation_config.json") && e.contains("invalid JSON"), "{e}");
+    std::fs::write(dir.join("config.json"), "not json").unwrap();
+    assert!(load_err(&dir).contains("config.json"));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bad_config_values_name_the_key() {
+    let dir = copy_fixture("qwen3-draft", "key");
+    edit_config(&dir, |v| v["hidden_size"] = serde_json::json!("wide"));
+    assert!(load_err(&dir).contains("hidden_size"));
+    edit_config(&dir, |v| {
+        v["hidden_size"] = serde_json::json!(48);
+        v.as_object_mut().unwrap().remove("vocab_size");
+    });
+    assert!(load_err(&dir).contains("vocab_size"));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn missing_and_misshapen_tensors_are_named() {
+    let dir = copy_fixture("qwen3-draft", "shape");
+    // Claim a wider intermediate size than the weights have.
+    edit_config(&dir, |v| v["intermediate_size"] = serde_json::json!(100));
+    let e = load_err(&dir);
+    assert!(e.contains("mlp.") && e.contains("shape") && e.contains("model.safetensors"), "{e}");
+    // One more layer than the file holds.
+    edit_config(&dir, |v| {
+        v["intermediate_size"] = serde_json::json!(96);
+        v["num_hidden_layers"] = serde_json::json!(2);
+    });
+    let e = load_err(&dir);
+    assert!(e.contains("missing tensor `model.layers.1."), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn truncated_safetensors_is_an_error() {
+    let dir = copy_fixture("qwen3-draft", "trunc");
+    let p = dir.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    for keep in [4, 100, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&p, &bytes[..keep]).unwrap();
+        let e = load_err(&dir);
+        assert!(e.contains("model.safetensors"), "{e}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn sharded_checkpoints_load() {
+    // An index naming one shard must load and give the same logits as the single file.
+    let dir = copy_fixture("qwen3-draft", "shard");
+    std::fs::rename(dir.join("model.safetensors"), dir.join("model-00001-of-00001.safetensors")).unwrap();
+    let single = Model::load(&fixture("qwen3-draft")).unwrap();
+    let names: Vec<String> = {
+        let b = std::fs::read(dir.join("model-00001-of-00001.safetensors")).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+        h.as_object().unwrap().keys().filter(|k| *k != "__metadata__").cloned().collect()
+    };
+    let map: serde_json::Map<String, serde_json::Value> =
+        names.into_iter().map(|n| (n, "model-00001-of-00001.safetensors".into())).collect();
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+    let sharded = Model::load(&dir).unwrap();
+    let run = |m: &Model| {
+        let mut c = m.new_cache();
+        mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8).unwrap()
+    };
+    assert_eq!(common::bits(&run(&single)), common::bits(&run(&sharded)));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn config_spellings_old_and_new() {
+    let p = Path::new("config.json");
+    let base = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "eos_token_id": 7, "rope_theta": 500000.0
+    });
+    let c = Config::from_value(p, &base).unwrap();
+    assert_eq!((c.rope_theta, c.eos_token_ids.clone(), c.head_dim, c.num_key_value_heads), (500000.0, vec![7], 4, 2));
+    let mut v = base.clone();
+    v["rope_parameters"] = serde_json::json!({"rope_theta": 1000.0, "rope_type": "default"});
+    v["eos_token_id"] = serde_json::json!([1, 2]);
+    let c = Config::from_value(p, &v).unwrap();
+    assert_eq!((c.rope_theta, c.eos_token_ids), (1000.0, vec![1, 2]));
+    let mut v = base.clone();
+    v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let s = Config::from_value(p, &v).unwrap().rope_scaling.unwrap();
+    // High frequencies are kept, low ones divided by the factor.
+    assert_eq!(s.adjust(1.0), 1.0);
+    assert_eq!(s.adjust(1e-5), 1e-5 / 32.0);
+    v["rope_scaling"]["rope_type"] = "yarn".into();
+    assert!(Config::from_value(p, &v).unwrap_err().to_string().contains("rope_type"));
+    let mut v = base;
+    v["num_key_value_heads"] = 3.into();
+    assert!(matches!(Config::from_value(p, &v), Err(Error::Config { .. })));
+}
+
+#[test]
+fn generation_config_eos_ids_join_the_config() {
+    let dir = copy_fixture("llama-draft", "eos");
+    edit_config(&dir, |v| v["eos_token_id"] = serde_json::json!(2));
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [2, 9]}"#).unwrap();
+    assert_eq!(Config::from_dir(&dir).unwrap().eos_token_ids, vec![2, 9]);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn prompts_over_the_context_fail_alone() {
+    let model = Model::load(&fixture("qwen2-draft")).unwrap();
+    let ok = mtp::engine::Request { id: "ok".into(), prompt: vec![3, 4, 5], max_tokens: 4, ignore_eos: true };
+    let long = mtp::engine::Request { id: "long".into(), prompt: vec![3; 5000], max_tokens: 4, ignore_eos: true };
+    let bad_id = mtp::engine::Request { id: "oov".into(), prompt: vec![100000], max_tokens: 4, ignore_eos: true };
+    let out = mtp::engine::generate(&model, &[long, ok, bad_id], &Default::default(), |_, _| {});
+    let e = out[0].as_ref().unwrap_err().to_string();
+    assert!(e.contains("long") && e.contains("context"), "{e}");
+    assert_eq!(out[1].as_ref().unwrap().tokens.len(), 4);
+    assert!(out[2].as_ref().unwrap_err().to_string().contains("vocabulary"));
+}
