@@ -20,8 +20,14 @@ struct Line {
 
 /// Parses every line of `path`, tokenizing text prompts with `tokenizer`. A malformed
 /// line is an error naming the file and line; nothing runs until all lines parse.
-pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, default_max: usize, ignore_eos: bool) -> Result<Vec<Request>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
+pub fn read(
+    path: &Path,
+    tokenizer: Option<&Tokenizer>,
+    default_max: usize,
+    ignore_eos: bool,
+) -> Result<Vec<Request>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -35,7 +41,9 @@ pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, default_max: usize, igno
             (None, None) => bail!("{}: request {id}: needs `prompt` or `prompt_ids`", at()),
             (None, Some(ids)) => ids,
             (Some(text), None) => {
-                let tok = tokenizer.ok_or_else(|| anyhow!("{}: request {id}: text prompt but the target has no tokenizer.json", at()))?;
+                let tok = tokenizer.ok_or_else(|| {
+                    anyhow!("{}: request {id}: text prompt but the target has no tokenizer.json", at())
+                })?;
                 tok.encode(&text).with_context(|| format!("{}: request {id}", at()))?
             }
         };

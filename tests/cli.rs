@@ -6,7 +6,11 @@ use std::process::Command;
 
 fn mtp(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_mtp")).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
 }
 
 fn write_prompts(tag: &str, text: &str) -> String {
@@ -24,8 +28,32 @@ fn generate_is_identical_alone_and_batched() {
     );
     let target = common::fixture("llama-target");
     let t = target.to_str().unwrap();
-    let (c1, alone, _) = mtp(&["generate", "--target", t, "--prompts", &prompts, "--max-batch", "1", "--ignore-eos", "--max-tokens", "12"]);
-    let (c8, batched, _) = mtp(&["generate", "--target", t, "--prompts", &prompts, "--max-batch", "8", "--prefill-chunk", "3", "--ignore-eos", "--max-tokens", "12"]);
+    let (c1, alone, _) = mtp(&[
+        "generate",
+        "--target",
+        t,
+        "--prompts",
+        &prompts,
+        "--max-batch",
+        "1",
+        "--ignore-eos",
+        "--max-tokens",
+        "12",
+    ]);
+    let (c8, batched, _) = mtp(&[
+        "generate",
+        "--target",
+        t,
+        "--prompts",
+        &prompts,
+        "--max-batch",
+        "8",
+        "--prefill-chunk",
+        "3",
+        "--ignore-eos",
+        "--max-tokens",
+        "12",
+    ]);
     assert_eq!((c1, c8), (0, 0));
     assert_eq!(alone, batched, "stdout differs between --max-batch 1 and 8");
     let lines: Vec<serde_json::Value> = alone.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
@@ -43,7 +71,10 @@ fn generate_is_identical_alone_and_batched() {
 fn bad_requests_fail_alone_and_bad_files_are_named() {
     let prompts = write_prompts(
         "bad",
-        &format!("{{\"id\": \"ok\", \"prompt_ids\": [3, 4]}}\n{{\"id\": \"huge\", \"prompt_ids\": [{}]}}\n", vec!["3"; 1100].join(",")),
+        &format!(
+            "{{\"id\": \"ok\", \"prompt_ids\": [3, 4]}}\n{{\"id\": \"huge\", \"prompt_ids\": [{}]}}\n",
+            vec!["3"; 1100].join(",")
+        ),
     );
     let (code, out, err) = mtp(&["generate", "--prompts", &prompts, "--max-tokens", "3"]);
     assert_eq!(code, 2, "{err}");

@@ -21,10 +21,13 @@ fn prefill_logits_match_transformers() {
     for name in FAMILIES {
         let model = Model::load(&fixture(name)).unwrap();
         let g = golden(name);
-        for (p, want) in g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap()) {
+        for (p, want) in
+            g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap())
+        {
             let mut cache = model.new_cache();
             let got = prefill(&model, &mut cache, &ids(p), 4).unwrap();
-            let want: Vec<f32> = want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            let want: Vec<f32> =
+                want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
             assert_eq!(got.len(), want.len());
             let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
             assert!(worst < 1e-4, "{name}: prefill logits differ by {worst}");

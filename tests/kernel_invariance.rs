@@ -32,7 +32,8 @@ fn run_linear(x: &[f32], m: usize, w: &Weight) -> Vec<f32> {
 #[test]
 fn matmul_row_is_independent_of_m_and_other_rows() {
     let mut rng = Lcg(1);
-    let shapes = [(1, 1), (7, 3), (16, 5), (33, 64), (96, 96), (128, 1024), (1024, 128), (300, 67), (4096, 96)];
+    let shapes =
+        [(1, 1), (7, 3), (16, 5), (33, 64), (96, 96), (128, 1024), (1024, 128), (300, 67), (4096, 96)];
     for &(k, n) in &shapes {
         let w = weight(&mut rng, n, k, WeightDtype::F32);
         let row = rng.vec(k);
@@ -54,7 +55,8 @@ fn matmul_is_independent_of_thread_count() {
     let w = weight(&mut rng, n, k, WeightDtype::F32);
     let x = rng.vec(m * k);
     let many = run_linear(&x, m, &w);
-    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| run_linear(&x, m, &w));
+    let one =
+        rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| run_linear(&x, m, &w));
     assert_eq!(bits(&many), bits(&one));
 }
 
@@ -87,7 +89,8 @@ fn matmul_widens_bf16_and_f16_weights_like_f32() {
         let mut out_narrow = vec![0.0; m * n];
         for r in 0..m {
             for c in 0..n {
-                out_narrow[r * n + c] = simd::dot(&x[r * k..(r + 1) * k], &narrow[c * k * 2..(c + 1) * k * 2], dtype);
+                out_narrow[r * n + c] =
+                    simd::dot(&x[r * k..(r + 1) * k], &narrow[c * k * 2..(c + 1) * k * 2], dtype);
             }
         }
         let out_f32 = run_linear(&x, m, &Weight::from_f32(widened, n, k));

@@ -121,7 +121,11 @@ fn sharded_checkpoints_load() {
     };
     let map: serde_json::Map<String, serde_json::Value> =
         names.into_iter().map(|n| (n, "model-00001-of-00001.safetensors".into())).collect();
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({"weight_map": map}).to_string(),
+    )
+    .unwrap();
     let sharded = Model::load(&dir).unwrap();
     let run = |m: &Model| {
         let mut c = m.new_cache();
@@ -140,7 +144,10 @@ fn config_spellings_old_and_new() {
         "eos_token_id": 7, "rope_theta": 500000.0
     });
     let c = Config::from_value(p, &base).unwrap();
-    assert_eq!((c.rope_theta, c.eos_token_ids.clone(), c.head_dim, c.num_key_value_heads), (500000.0, vec![7], 4, 2));
+    assert_eq!(
+        (c.rope_theta, c.eos_token_ids.clone(), c.head_dim, c.num_key_value_heads),
+        (500000.0, vec![7], 4, 2)
+    );
     let mut v = base.clone();
     v["rope_parameters"] = serde_json::json!({"rope_theta": 1000.0, "rope_type": "default"});
     v["eos_token_id"] = serde_json::json!([1, 2]);
@@ -173,8 +180,10 @@ fn generation_config_eos_ids_join_the_config() {
 fn prompts_over_the_context_fail_alone() {
     let model = Model::load(&fixture("qwen2-draft")).unwrap();
     let ok = mtp::engine::Request { id: "ok".into(), prompt: vec![3, 4, 5], max_tokens: 4, ignore_eos: true };
-    let long = mtp::engine::Request { id: "long".into(), prompt: vec![3; 5000], max_tokens: 4, ignore_eos: true };
-    let bad_id = mtp::engine::Request { id: "oov".into(), prompt: vec![100000], max_tokens: 4, ignore_eos: true };
+    let long =
+        mtp::engine::Request { id: "long".into(), prompt: vec![3; 5000], max_tokens: 4, ignore_eos: true };
+    let bad_id =
+        mtp::engine::Request { id: "oov".into(), prompt: vec![100000], max_tokens: 4, ignore_eos: true };
     let out = mtp::engine::generate(&model, &[long, ok, bad_id], &Default::default(), |_, _| {});
     let e = out[0].as_ref().unwrap_err().to_string();
     assert!(e.contains("long") && e.contains("context"), "{e}");

@@ -74,7 +74,7 @@ fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
         let others: Vec<Vec<u32>> = (0..5).map(|i| random_seq(rng, 3 + 11 * i, vocab)).collect();
         let mut caches: Vec<_> = (0..6).map(|_| model.new_cache()).collect();
         let mut got: Vec<Vec<u32>> = Vec::new();
-        let mut at = vec![0usize; 6];
+        let mut at = [0usize; 6];
         while at[0] < probe.len() {
             let windows: Vec<&[u32]> = (0..6)
                 .map(|r| {

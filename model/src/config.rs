@@ -181,11 +181,19 @@ impl Config {
         let hidden_size = k.usize("hidden_size")?;
         let heads = k.usize("num_attention_heads")?;
         if hidden_size % heads != 0 && k.opt("head_dim").is_none() {
-            return Err(Error::config(path, "num_attention_heads", "does not divide hidden_size and no head_dim"));
+            return Err(Error::config(
+                path,
+                "num_attention_heads",
+                "does not divide hidden_size and no head_dim",
+            ));
         }
         let kv_heads = k.usize_or("num_key_value_heads", heads)?;
         if heads % kv_heads != 0 {
-            return Err(Error::config(path, "num_key_value_heads", format!("{kv_heads} does not divide {heads} heads")));
+            return Err(Error::config(
+                path,
+                "num_key_value_heads",
+                format!("{kv_heads} does not divide {heads} heads"),
+            ));
         }
         let head_dim = k.usize_or("head_dim", hidden_size / heads)?;
         if head_dim % 2 != 0 {
@@ -195,7 +203,10 @@ impl Config {
         // `rope_theta` + `rope_scaling`.
         let rope_params = k.opt("rope_parameters").or_else(|| k.opt("rope_scaling"));
         let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
-            Some(t) => t.as_f64().ok_or_else(|| Error::config(path, "rope_parameters.rope_theta", "not a number"))? as f32,
+            Some(t) => {
+                t.as_f64().ok_or_else(|| Error::config(path, "rope_parameters.rope_theta", "not a number"))?
+                    as f32
+            }
             None => k.f32_or("rope_theta", 10000.0)?,
         };
         let rope_scaling = match rope_params {
@@ -235,10 +246,9 @@ fn rope_scaling(path: &Path, p: &Value) -> Result<Option<RopeScaling>> {
         "default" => Ok(None),
         "llama3" => {
             let num = |key: &str| {
-                p.get(key)
-                    .and_then(|v| v.as_f64())
-                    .map(|f| f as f32)
-                    .ok_or_else(|| Error::config(path, &format!("rope_scaling.{key}"), "missing or not a number"))
+                p.get(key).and_then(|v| v.as_f64()).map(|f| f as f32).ok_or_else(|| {
+                    Error::config(path, &format!("rope_scaling.{key}"), "missing or not a number")
+                })
             };
             Ok(Some(RopeScaling {
                 factor: num("factor")?,
@@ -247,6 +257,10 @@ fn rope_scaling(path: &Path, p: &Value) -> Result<Option<RopeScaling>> {
                 original_max_position_embeddings: num("original_max_position_embeddings")?,
             }))
         }
-        other => Err(Error::config(path, "rope_scaling.rope_type", format!("`{other}` is not supported (default, llama3)"))),
+        other => Err(Error::config(
+            path,
+            "rope_scaling.rope_type",
+            format!("`{other}` is not supported (default, llama3)"),
+        )),
     }
 }

@@ -78,13 +78,15 @@ impl SynthSpec {
 
     fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (h, hd) = (self.hidden_size, self.head_dim);
-        let (qd, kvd, f) = (self.num_attention_heads * hd, self.num_key_value_heads * hd, self.intermediate_size);
+        let (qd, kvd, f) =
+            (self.num_attention_heads * hd, self.num_key_value_heads * hd, self.intermediate_size);
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
         for i in 0..self.num_hidden_layers {
             let p = format!("model.layers.{i}");
             t.push((format!("{p}.input_layernorm.weight"), vec![h]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            for (n, o, inp) in [("q_proj", qd, h), ("k_proj", kvd, h), ("v_proj", kvd, h), ("o_proj", h, qd)] {
+            for (n, o, inp) in [("q_proj", qd, h), ("k_proj", kvd, h), ("v_proj", kvd, h), ("o_proj", h, qd)]
+            {
                 t.push((format!("{p}.self_attn.{n}.weight"), vec![o, inp]));
             }
             if self.arch == Arch::Qwen2 {
@@ -123,6 +125,9 @@ impl SynthSpec {
             "rope_theta": self.rope_theta,
             "hidden_act": "silu",
             "attention_bias": false,
+            "sliding_window": null,
+            "use_sliding_window": false,
+            "max_window_layers": self.num_hidden_layers,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": 1,
             "eos_token_id": 0,
@@ -141,7 +146,8 @@ impl SynthSpec {
         write_json("generation_config.json", json!({"bos_token_id": 1, "eos_token_id": [0, 2]}))?;
         if self.vocab_size >= 512 {
             let p = dir.join("tokenizer.json");
-            std::fs::write(&p, include_str!("../assets/byte-bpe-512.tokenizer.json")).map_err(|e| Error::io(&p, e))?;
+            std::fs::write(&p, include_str!("../assets/byte-bpe-512.tokenizer.json"))
+                .map_err(|e| Error::io(&p, e))?;
         }
         self.write_safetensors(&dir.join("model.safetensors"))
     }
@@ -154,11 +160,14 @@ impl SynthSpec {
         let mut off = 0usize;
         for (name, shape) in &tensors {
             let n: usize = shape.iter().product::<usize>() * ds;
-            header.insert(name.clone(), json!({"dtype": self.dtype.name(), "shape": shape, "data_offsets": [off, off + n]}));
+            header.insert(
+                name.clone(),
+                json!({"dtype": self.dtype.name(), "shape": shape, "data_offsets": [off, off + n]}),
+            );
             off += n;
         }
         let mut h = serde_json::to_string(&header).expect("json");
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(' ');
         }
         let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;

@@ -106,7 +106,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Generate { target, prompts, max_tokens, ignore_eos, max_batch, prefill_chunk, backend } => {
             backend.parse::<Backend>()?.check()?;
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
-            let prompts = prompts.unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl")));
+            let prompts = prompts.unwrap_or_else(|| {
+                PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl"))
+            });
             let t0 = std::time::Instant::now();
             let model = Model::load(&target)?;
             let tokenizer = match Tokenizer::from_dir(&target) {
@@ -157,10 +159,27 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 writeln!(stdout, "{line}")?;
             }
             let secs = t1.elapsed().as_secs_f64();
-            tracing::info!(tokens = generated, seconds = secs, tokens_per_second = generated as f64 / secs, "done");
+            tracing::info!(
+                tokens = generated,
+                seconds = secs,
+                tokens_per_second = generated as f64 / secs,
+                "done"
+            );
             Ok(if failed > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
         }
-        Command::Synth { like, hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, dtype, seed, out } => {
+        Command::Synth {
+            like,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+            vocab,
+            dtype,
+            seed,
+            out,
+        } => {
             let Some(mut s) = SynthSpec::preset(&like) else {
                 bail!("unknown --like `{like}` (qwen3, qwen2, llama)");
             };

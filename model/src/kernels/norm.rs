@@ -5,7 +5,7 @@ use super::simd::{dot_f32, LANES};
 /// `out = w * (x / sqrt(mean(x^2) + eps))`, row by row (rows of length `w.len()`).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
-    assert!(n > 0 && x.len() % n == 0 && out.len() == x.len(), "rms_norm: shape");
+    assert!(n > 0 && x.len().is_multiple_of(n) && out.len() == x.len(), "rms_norm: shape");
     for (xr, or) in x.chunks(n).zip(out.chunks_mut(n)) {
         let r = 1.0 / (dot_f32(xr, xr) / n as f32 + eps).sqrt();
         for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {

@@ -16,8 +16,14 @@ pub trait Simd16: Copy {
     type V: Copy;
     fn zero() -> Self::V;
     /// Loads 16 f32 from `p` (unaligned).
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable f32.
     unsafe fn load(p: *const f32) -> Self::V;
     /// Loads 16 weights of dtype `d` starting at byte pointer `p`, widened to f32.
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable elements of dtype `d`.
     unsafe fn load_w(p: *const u8, d: WeightDtype) -> Self::V;
     /// `acc + a * b`, rounded once.
     fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V;
