@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{isa, tile, Isa, Portable, Simd16};
+use super::simd::{isa, tile, Portable, Simd16};
 use crate::weights::{Weight, WeightDtype};
 
 /// Columns of the output one task computes; a task covers every row for its columns so
@@ -108,9 +108,9 @@ unsafe fn columns(
 ) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => columns_avx512(x, m, k, w, d, n0, n1, out, ldo),
+        super::simd::Isa::Avx512 => columns_avx512(x, m, k, w, d, n0, n1, out, ldo),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => columns_avx2(x, m, k, w, d, n0, n1, out, ldo),
+        super::simd::Isa::Avx2 => columns_avx2(x, m, k, w, d, n0, n1, out, ldo),
         _ => columns_generic::<Portable, 2, 2>(x, m, k, w, d, n0, n1, out, ldo),
     }
 }

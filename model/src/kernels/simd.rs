@@ -305,3 +305,38 @@ pub fn tail_f32(x: &[f32], w: &[u8], d: WeightDtype, start: usize) -> ([f32; 16]
     }
     (xt, wt)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0 - 1.0).collect()
+    }
+
+    /// Every SIMD path computes exactly the portable path's bits.
+    #[test]
+    fn all_paths_agree_bitwise() {
+        for k in [1, 15, 16, 17, 100, 1024, 3071] {
+            let x = data(k, 1);
+            let w = data(k, 2);
+            let wb: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let portable = dot_generic::<Portable>(&x, &wb, WeightDtype::F32).to_bits();
+            assert_eq!(dot(&x, &wb, WeightDtype::F32).to_bits(), portable, "k={k}");
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                let avx2 = unsafe { dot_avx2(&x, &wb, WeightDtype::F32) }.to_bits();
+                assert_eq!(avx2, portable, "k={k}");
+            }
+        }
+    }
+
+    /// Negative control: a plain sequential sum (another order) gives other bits.
+    #[test]
+    fn a_different_order_changes_bits() {
+        let x = data(3071, 1);
+        let w = data(3071, 2);
+        let sequential = x.iter().zip(&w).fold(0.0f32, |a, (x, w)| a + x * w);
+        assert_ne!(dot_f32(&x, &w).to_bits(), sequential.to_bits());
+    }
+}
