@@ -190,3 +190,18 @@ fn prompts_over_the_context_fail_alone() {
     assert_eq!(out[1].as_ref().unwrap().tokens.len(), 4);
     assert!(out[2].as_ref().unwrap_err().to_string().contains("vocabulary"));
 }
+
+#[test]
+fn a_prompt_filling_the_whole_context_still_gets_its_token() {
+    let model = Model::load(&fixture("qwen3-draft")).unwrap();
+    let n = model.max_positions();
+    let full =
+        mtp::engine::Request { id: "full".into(), prompt: vec![3; n], max_tokens: 5, ignore_eos: true };
+    let near =
+        mtp::engine::Request { id: "near".into(), prompt: vec![3; n - 2], max_tokens: 5, ignore_eos: true };
+    let out = mtp::engine::generate(&model, &[full, near], &Default::default(), |_, _| {});
+    // No room to feed a token back: exactly one token, from the prefill logits.
+    assert_eq!(out[0].as_ref().unwrap().tokens.len(), 1);
+    // Two free positions: the prefill token plus two decode steps.
+    assert_eq!(out[1].as_ref().unwrap().tokens.len(), 3);
+}

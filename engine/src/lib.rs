@@ -75,7 +75,7 @@ impl Row {
         self.logprobs.push(logprob(logits, t));
         if !self.ignore_eos && eos.contains(&t) {
             self.done = Some(FinishReason::Eos);
-        } else if self.tokens.len() >= self.max_tokens || self.cache.len() + 1 >= context {
+        } else if self.tokens.len() >= self.max_tokens || self.cache.len() >= context {
             self.done = Some(FinishReason::Length);
         }
     }
@@ -95,7 +95,7 @@ pub fn validate(model: &Model, r: &Request) -> Result<(), Error> {
     if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
         return err(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
     }
-    if r.prompt.len() >= model.max_positions() {
+    if r.prompt.len() > model.max_positions() {
         return err(format!(
             "prompt of {} tokens does not fit the model's context of {}",
             r.prompt.len(),
