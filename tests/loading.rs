@@ -176,14 +176,16 @@ fn generation_config_eos_ids_join_the_config() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+fn request(id: &str, prompt: Vec<u32>) -> mtp::engine::Request {
+    mtp::engine::Request { id: id.into(), prompt, max_tokens: 4, ignore_eos: true }
+}
+
 #[test]
 fn prompts_over_the_context_fail_alone() {
     let model = Model::load(&fixture("qwen2-draft")).unwrap();
-    let ok = mtp::engine::Request { id: "ok".into(), prompt: vec![3, 4, 5], max_tokens: 4, ignore_eos: true };
-    let long =
-        mtp::engine::Request { id: "long".into(), prompt: vec![3; 5000], max_tokens: 4, ignore_eos: true };
-    let bad_id =
-        mtp::engine::Request { id: "oov".into(), prompt: vec![100000], max_tokens: 4, ignore_eos: true };
+    let ok = request("ok", vec![3, 4, 5]);
+    let long = request("long", vec![3; 5000]);
+    let bad_id = request("oov", vec![100000]);
     let out = mtp::engine::generate(&model, &[long, ok, bad_id], &Default::default(), |_, _| {});
     let e = out[0].as_ref().unwrap_err().to_string();
     assert!(e.contains("long") && e.contains("context"), "{e}");
@@ -195,10 +197,8 @@ fn prompts_over_the_context_fail_alone() {
 fn a_prompt_filling_the_whole_context_still_gets_its_token() {
     let model = Model::load(&fixture("qwen3-draft")).unwrap();
     let n = model.max_positions();
-    let full =
-        mtp::engine::Request { id: "full".into(), prompt: vec![3; n], max_tokens: 5, ignore_eos: true };
-    let near =
-        mtp::engine::Request { id: "near".into(), prompt: vec![3; n - 2], max_tokens: 5, ignore_eos: true };
+    let full = mtp::engine::Request { max_tokens: 5, ..request("full", vec![3; n]) };
+    let near = mtp::engine::Request { max_tokens: 5, ..request("near", vec![3; n - 2]) };
     let out = mtp::engine::generate(&model, &[full, near], &Default::default(), |_, _| {});
     // No room to feed a token back: exactly one token, from the prefill logits.
     assert_eq!(out[0].as_ref().unwrap().tokens.len(), 1);

@@ -58,6 +58,17 @@ pub enum Logits {
     All,
 }
 
+impl Logits {
+    /// Indices, within a window of `t` tokens, of the tokens whose logits are wanted.
+    fn wanted(self, t: usize) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => t..t,
+            Logits::Last => t.saturating_sub(1)..t,
+            Logits::All => 0..t,
+        }
+    }
+}
+
 /// One row of a batched forward: new tokens appended after the row's cache.
 pub struct RowInput<'a> {
     pub tokens: &'a [u32],
@@ -223,12 +234,7 @@ impl Model {
         let mut off = 0;
         for row in rows.iter() {
             let t = row.tokens.len();
-            match row.logits {
-                Logits::None => {}
-                Logits::Last if t > 0 => want.push(off + t - 1),
-                Logits::Last => {}
-                Logits::All => want.extend(off..off + t),
-            }
+            want.extend(row.logits.wanted(t).map(|i| off + i));
             off += t;
         }
         let mut sel = vec![0.0f32; want.len() * h];
@@ -243,11 +249,7 @@ impl Model {
         let mut off = 0;
         for row in rows.iter() {
             let t = row.tokens.len();
-            let n = match row.logits {
-                Logits::None => 0,
-                Logits::Last => t.min(1),
-                Logits::All => t,
-            };
+            let n = row.logits.wanted(t).len();
             outs.push(RowOutput {
                 logits: logit_rows.by_ref().take(n).collect(),
                 hidden: x[off * h..(off + t) * h].to_vec(),

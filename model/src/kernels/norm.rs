@@ -1,13 +1,18 @@
 //! Per-row elementwise kernels: RMSNorm, SwiGLU, log-softmax, argmax, canonical sum.
 
-use super::simd::{dot_f32, LANES};
+use super::simd::{dot_f32, Portable, Simd16, LANES};
+
+/// `1 / sqrt(mean(x^2) + eps)` of one row, with the canonical dot product.
+fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    1.0 / (dot_f32(x, x) / x.len() as f32 + eps).sqrt()
+}
 
 /// `out = w * (x / sqrt(mean(x^2) + eps))`, row by row (rows of length `w.len()`).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert!(n > 0 && x.len().is_multiple_of(n) && out.len() == x.len(), "rms_norm: shape");
     for (xr, or) in x.chunks(n).zip(out.chunks_mut(n)) {
-        let r = 1.0 / (dot_f32(xr, xr) / n as f32 + eps).sqrt();
+        let r = inv_rms(xr, eps);
         for ((o, &xv), &wv) in or.iter_mut().zip(xr).zip(w) {
             *o = wv * (xv * r);
         }
@@ -18,7 +23,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     let n = w.len();
     for xr in x.chunks_mut(n) {
-        let r = 1.0 / (dot_f32(xr, xr) / n as f32 + eps).sqrt();
+        let r = inv_rms(xr, eps);
         for (v, &wv) in xr.iter_mut().zip(w) {
             *v = wv * (*v * r);
         }
@@ -45,12 +50,7 @@ pub fn canonical_sum(x: &[f32]) -> f32 {
     for (j, v) in chunks.remainder().iter().enumerate() {
         lanes[j] += v;
     }
-    let mut v8 = [0.0f32; 8];
-    for i in 0..8 {
-        v8[i] = lanes[i] + lanes[i + 8];
-    }
-    let v4 = [v8[0] + v8[4], v8[1] + v8[5], v8[2] + v8[6], v8[3] + v8[7]];
-    (v4[0] + v4[2]) + (v4[1] + v4[3])
+    Portable::reduce(lanes)
 }
 
 /// Natural-log softmax normaliser of a logit row: returns `(max, ln(sum(exp(x - max))))`,

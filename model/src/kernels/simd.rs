@@ -296,7 +296,7 @@ pub unsafe fn tile<S: Simd16, const MR: usize, const NR: usize>(
 
 /// The last partial chunk of a dot product, zero-padded to 16 lanes.
 #[inline(always)]
-pub fn tail_f32(x: &[f32], w: &[u8], d: WeightDtype, start: usize) -> ([f32; 16], [f32; 16]) {
+fn tail_f32(x: &[f32], w: &[u8], d: WeightDtype, start: usize) -> ([f32; 16], [f32; 16]) {
     let mut xt = [0.0f32; LANES];
     let mut wt = [0.0f32; LANES];
     for (j, i) in (start..x.len()).enumerate() {
