@@ -1,6 +1,7 @@
 //! The prompts JSONL format: one request per line,
 //! `{"id": "a", "prompt": "text"}` or `{"id": "a", "prompt_ids": [1, 2]}`,
-//! optional `"max_tokens"`.
+//! optional `"max_tokens"`, `"stop"` (a list of strings) and `"arrive_at"` (submit the
+//! request once the engine has completed that many rounds).
 
 use std::path::Path;
 
@@ -16,6 +17,14 @@ struct Line {
     prompt: Option<String>,
     prompt_ids: Option<Vec<u32>>,
     max_tokens: Option<usize>,
+    stop: Option<Vec<String>>,
+    arrive_at: Option<u64>,
+}
+
+/// The requests of a prompts file and the round each one arrives at.
+pub struct Prompts {
+    pub requests: Vec<Request>,
+    pub arrive_at: Vec<u64>,
 }
 
 /// Parses every line of `path`, tokenizing text prompts with `tokenizer`. A malformed
@@ -25,10 +34,11 @@ pub fn read(
     tokenizer: Option<&Tokenizer>,
     default_max: usize,
     ignore_eos: bool,
-) -> Result<Vec<Request>> {
+) -> Result<Prompts> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
     let mut out = Vec::new();
+    let mut arrive_at = Vec::new();
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -50,7 +60,14 @@ pub fn read(
         if out.iter().any(|r: &Request| r.id == id) {
             bail!("{}: duplicate request id `{id}`", at());
         }
-        out.push(Request { id, prompt, max_tokens: l.max_tokens.unwrap_or(default_max), ignore_eos });
+        out.push(Request {
+            id,
+            prompt,
+            max_tokens: l.max_tokens.unwrap_or(default_max),
+            ignore_eos,
+            stop: l.stop.unwrap_or_default(),
+        });
+        arrive_at.push(l.arrive_at.unwrap_or(0));
     }
-    Ok(out)
+    Ok(Prompts { requests: out, arrive_at })
 }

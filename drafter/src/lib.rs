@@ -1,67 +1,79 @@
-//! Drafters propose tokens for the target to verify.
+//! Drafters propose tokens for the target to verify. One interface, several kinds:
+//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), n-gram
+//! prompt lookup ([`NgramDrafter`]) and, for benchmarks and tests, an [`OracleDrafter`]
+//! that replays the target's own continuation with controlled corruption.
 //!
-//! So far: the [`Drafter`] interface and the weight-free n-gram prompt-lookup drafter.
-//! Draft-model and MTP-head drafters land with the speculative engine.
+//! Contract with the engine, per row: every time the target commits positions it calls
+//! [`Drafter::commit`] (first with the prompt, then after every verify), which also rolls
+//! back whatever the drafter computed past the accepted prefix; between commits it calls
+//! [`Drafter::propose`] at most once.
 
-/// Proposes up to `k` tokens to follow a row's sequence (prompt + output so far).
+mod draft_model;
+mod mtp;
+mod ngram;
+mod oracle;
+mod sequences;
+
+pub use draft_model::DraftModelDrafter;
+pub use mtp::MtpDrafter;
+pub use ngram::NgramDrafter;
+pub use oracle::OracleDrafter;
+
+use mtp_model::Error;
+
+/// The engine's handle for a row (unique for the engine's lifetime).
+pub type RowId = u64;
+
+/// What the target committed for a row: `tokens` at logical positions
+/// `[start, start + tokens.len())`, and `next`, the token the target emitted after them
+/// (not yet run through the target).
+#[derive(Clone, Copy, Debug)]
+pub struct Commit<'a> {
+    pub start: usize,
+    pub tokens: &'a [u32],
+    /// The target's final-normed hidden state at each of those positions
+    /// (`tokens.len() * hidden_size` floats) when [`Drafter::needs_hidden`], else empty.
+    pub hidden: &'a [f32],
+    pub next: u32,
+}
+
+/// Proposes draft tokens for many rows at once and keeps per-row state in step with the
+/// target.
 pub trait Drafter {
-    /// Up to `k` proposed tokens; fewer or none is allowed.
-    fn propose(&mut self, sequence: &[u32], k: usize) -> Vec<u32>;
-}
+    /// A short name for tables and logs (`draft-model`, `mtp`, `ngram`, `oracle`).
+    fn name(&self) -> &str;
 
-/// N-gram prompt lookup: finds the most recent earlier occurrence of the sequence's
-/// trailing n-gram (longest n first, from `max_n` down to `min_n`) and proposes the
-/// tokens that followed it. Stateless, so it needs no rollback.
-#[derive(Clone, Debug)]
-pub struct NgramDrafter {
-    pub min_n: usize,
-    pub max_n: usize,
-}
-
-impl Default for NgramDrafter {
-    fn default() -> Self {
-        NgramDrafter { min_n: 1, max_n: 4 }
-    }
-}
-
-impl Drafter for NgramDrafter {
-    fn propose(&mut self, seq: &[u32], k: usize) -> Vec<u32> {
-        if k == 0 {
-            return Vec::new();
-        }
-        for n in (self.min_n.max(1)..=self.max_n).rev() {
-            if seq.len() <= n {
-                continue;
-            }
-            let tail = &seq[seq.len() - n..];
-            // Latest earlier match whose continuation exists.
-            if let Some(start) = (0..seq.len() - n).rev().find(|&s| &seq[s..s + n] == tail) {
-                let from = start + n;
-                return seq[from..(from + k).min(seq.len())].to_vec();
-            }
-        }
-        Vec::new()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn proposes_what_followed_the_latest_match() {
-        let mut d = NgramDrafter { min_n: 1, max_n: 3 };
-        // trailing [1, 2] occurred at 0 and 4; the latest (4) is followed by 7, 1, 2.
-        assert_eq!(d.propose(&[1, 2, 3, 9, 1, 2, 7, 1, 2], 2), vec![7, 1]);
-        assert_eq!(d.propose(&[1, 2, 3, 1, 2], 5), vec![3, 1, 2]);
-        assert_eq!(d.propose(&[5, 6, 7], 3), Vec::<u32>::new());
-        assert_eq!(d.propose(&[5, 5], 0), Vec::<u32>::new());
+    /// Whether commits must carry the target's hidden states.
+    fn needs_hidden(&self) -> bool {
+        false
     }
 
-    #[test]
-    fn prefers_longer_ngrams() {
-        let mut d = NgramDrafter { min_n: 1, max_n: 2 };
-        // n=2 tail [4, 2] matches at 0 (-> 8); n=1 tail [2] would match at 3 (-> 6).
-        assert_eq!(d.propose(&[4, 2, 8, 2, 6, 4, 2], 1), vec![8]);
+    /// KV bytes the drafter holds per row position (for the engine's memory budget).
+    fn kv_bytes_per_token(&self) -> usize {
+        0
+    }
+
+    /// Records a commit for `row` (a row is created by its first commit, at start 0) and
+    /// discards any drafter state past the committed prefix.
+    fn commit(&mut self, row: RowId, commit: Commit) -> Result<(), Error>;
+
+    /// Up to `k` tokens to follow each `(row, k)`; fewer or none is allowed.
+    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error>;
+
+    /// Forgets a row that finished or was cancelled.
+    fn remove(&mut self, row: RowId);
+}
+
+fn unknown_row(row: RowId) -> Error {
+    Error::Request { request: format!("row {row}"), msg: "drafter has no state for this row".into() }
+}
+
+/// Refuses a proposal request that names a row twice.
+fn check_distinct(rows: &[(RowId, usize)]) -> Result<(), Error> {
+    let mut ids: Vec<RowId> = rows.iter().map(|r| r.0).collect();
+    ids.sort_unstable();
+    match ids.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(Error::Request { request: format!("row {}", w[0]), msg: "proposed for twice in one call".into() }),
+        None => Ok(()),
     }
 }

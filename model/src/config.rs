@@ -22,7 +22,8 @@ impl Arch {
     pub fn from_hf(name: &str) -> Option<Arch> {
         match name {
             "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
-            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            // MiMo is a Qwen2 decoder plus MTP layers (`model.mtp_layers.*`).
+            "Qwen2ForCausalLM" | "MiMoForCausalLM" => Some(Arch::Qwen2),
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             _ => None,
         }
@@ -85,6 +86,8 @@ pub struct Config {
     /// Every id that ends a generation: config.json's plus generation_config.json's.
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+    /// MTP modules shipped with the checkpoint (DeepSeek-V3 / MiMo); 0 when none.
+    pub num_nextn_predict_layers: usize,
 }
 
 struct Keys<'a> {
@@ -236,6 +239,7 @@ impl Config {
             tie_word_embeddings: k.bool_or("tie_word_embeddings", false)?,
             eos_token_ids: token_ids(path, "eos_token_id", k.opt("eos_token_id"))?,
             bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id"))?.first().copied(),
+            num_nextn_predict_layers: k.usize_or("num_nextn_predict_layers", 0)?,
         })
     }
 }

@@ -24,6 +24,11 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Token string -> id, added tokens included (to compare two tokenizers).
+    pub fn vocab(&self) -> std::collections::HashMap<String, u32> {
+        self.inner.get_vocab(true)
+    }
+
     /// Encodes text the way HF does by default (with the tokenizer's special tokens).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         self.inner

@@ -5,13 +5,14 @@
 
 use std::path::Path;
 
-use mtp_cache::RowCache;
+use mtp_cache::{KvView, RowCache};
 use rayon::prelude::*;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{Arch, Config};
 use crate::error::{Error, Result};
 use crate::kernels::{attend, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
+use crate::negative_control;
 use crate::weights::Weight;
 
 struct Proj {
@@ -34,7 +35,8 @@ impl Proj {
     }
 }
 
-struct Layer {
+/// One decoder layer: attention and SwiGLU MLP, each pre-normed with a residual add.
+pub(crate) struct Block {
     input_norm: Vec<f32>,
     post_norm: Vec<f32>,
     q: Proj,
@@ -46,6 +48,110 @@ struct Layer {
     gate: Proj,
     up: Proj,
     down: Proj,
+}
+
+/// Where each token of a batched forward sits: its row and logical position.
+pub(crate) struct Slot {
+    pub row: usize,
+    pub pos: usize,
+    /// Position used for RoPE: `pos`, unless a test turns on the physical-slot fault.
+    pub rope_pos: usize,
+}
+
+impl Block {
+    /// Loads the layer whose tensors start with `p` (e.g. `model.layers.3`).
+    pub(crate) fn load(ck: &Checkpoint, p: &str, c: &Config) -> Result<Block> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let qk_norm = c.arch == Arch::Qwen3;
+        let a = format!("{p}.self_attn");
+        Ok(Block {
+            input_norm: ck.get_f32(&format!("{p}.input_layernorm.weight"), h)?,
+            post_norm: ck.get_f32(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            q: Proj::load(ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
+            k: Proj::load(ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
+            v: Proj::load(ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?,
+            o: Proj::load(ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
+            q_norm: if qk_norm { Some(ck.get_f32(&format!("{a}.q_norm.weight"), hd)?) } else { None },
+            k_norm: if qk_norm { Some(ck.get_f32(&format!("{a}.k_norm.weight"), hd)?) } else { None },
+            gate: Proj::load(ck, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
+            up: Proj::load(ck, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
+            down: Proj::load(ck, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
+        })
+    }
+
+    /// Runs the layer over `x` (one `hidden_size` row per slot), writing each row's new
+    /// K/V into layer `li` of its cache window and attending over its own logical prefix.
+    pub(crate) fn forward(
+        &self,
+        c: &Config,
+        rope: &RopeTable,
+        x: &mut [f32],
+        slots: &[Slot],
+        caches: &mut [&mut RowCache],
+        li: usize,
+    ) {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let m = slots.len();
+        let mut normed = vec![0.0f32; m * h];
+        rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut normed);
+        let mut q = self.q.forward(&normed, m);
+        let mut k = self.k.forward(&normed, m);
+        let v = self.v.forward(&normed, m);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            rms_norm_inplace(&mut q, qn, c.rms_norm_eps);
+            rms_norm_inplace(&mut k, kn, c.rms_norm_eps);
+        }
+        for (i, s) in slots.iter().enumerate() {
+            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
+            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
+        }
+        let mut off = 0;
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let t = slots[off..].iter().take_while(|s| s.row == r).count();
+            cache.write_window(li, &k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            off += t;
+        }
+        let views: Vec<KvView> = caches.iter().map(|c| c.view(li)).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut attn = vec![0.0f32; m * qd];
+        attn.par_chunks_mut(qd).zip(q.par_chunks(qd)).zip(slots.par_iter()).for_each(|((out, qt), s)| {
+            for head in 0..nh {
+                let kv_off = (head / (nh / nkv)) * hd;
+                let o = &mut out[head * hd..(head + 1) * hd];
+                attend(&qt[head * hd..(head + 1) * hd], &views[s.row], s.pos + 1, kv_off, scale, o);
+            }
+        });
+        add(x, &self.o.forward(&attn, m));
+        rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed);
+        let mut g = self.gate.forward(&normed, m);
+        swiglu(&mut g, &self.up.forward(&normed, m));
+        add(x, &self.down.forward(&g, m));
+    }
+}
+
+/// Token slots of a batched forward over rows of `t` new tokens each, at logical
+/// positions `[len, len + t)` of their caches. Refuses a row that would pass `context`.
+pub(crate) fn slots_for(rows: &[(&RowCache, usize)], context: usize) -> Result<Vec<Slot>> {
+    let physical = negative_control::physical_rope();
+    let mut slots = Vec::new();
+    for (r, &(cache, t)) in rows.iter().enumerate() {
+        let (start, base) = (cache.len(), cache.window_base());
+        if start + t > context || base + t > context {
+            return Err(Error::Request {
+                request: format!("row {r}"),
+                msg: format!("{} positions exceed the model's context of {context}", start + t),
+            });
+        }
+        slots.extend((0..t).map(|i| Slot {
+            row: r,
+            pos: start + i,
+            rope_pos: if physical { base + i } else { start + i },
+        }));
+    }
+    Ok(slots)
 }
 
 /// Which logits a row wants back from a forward.
@@ -80,15 +186,15 @@ pub struct RowInput<'a> {
 pub struct RowOutput {
     /// One vocab-sized row per requested token.
     pub logits: Vec<Vec<f32>>,
-    /// The residual stream after the last layer (before the final norm), one
-    /// `hidden_size` row per input token: what MTP heads read.
+    /// The last layer's output after the final norm, one `hidden_size` row per input
+    /// token: the hidden state MTP heads read.
     pub hidden: Vec<f32>,
 }
 
 pub struct Model {
     pub config: Config,
     embed: Weight,
-    layers: Vec<Layer>,
+    layers: Vec<Block>,
     norm: Vec<f32>,
     lm_head: Weight,
     rope: RopeTable,
@@ -104,27 +210,9 @@ impl Model {
 
     pub fn from_checkpoint(config: Config, ck: &Checkpoint) -> Result<Model> {
         let c = &config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let qk_norm = c.arch == Arch::Qwen3;
+        let h = c.hidden_size;
         let layers = (0..c.num_hidden_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                let a = format!("{p}.self_attn");
-                Ok(Layer {
-                    input_norm: ck.get_f32(&format!("{p}.input_layernorm.weight"), h)?,
-                    post_norm: ck.get_f32(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                    q: Proj::load(ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
-                    k: Proj::load(ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
-                    v: Proj::load(ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?,
-                    o: Proj::load(ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
-                    q_norm: if qk_norm { Some(ck.get_f32(&format!("{a}.q_norm.weight"), hd)?) } else { None },
-                    k_norm: if qk_norm { Some(ck.get_f32(&format!("{a}.k_norm.weight"), hd)?) } else { None },
-                    gate: Proj::load(ck, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
-                    up: Proj::load(ck, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
-                    down: Proj::load(ck, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
-                })
-            })
+            .map(|i| Block::load(ck, &format!("model.layers.{i}"), c))
             .collect::<Result<Vec<_>>>()?;
         let embed = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
@@ -133,7 +221,8 @@ impl Model {
         } else {
             embed.clone()
         };
-        let rope = RopeTable::new(hd, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
+        let rope =
+            RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
         Ok(Model { norm: ck.get_f32("model.norm.weight", h)?, config, embed, layers, lm_head, rope })
     }
 
@@ -152,35 +241,24 @@ impl Model {
         self.rope.max_positions()
     }
 
-    /// Appends every row's tokens at its own logical positions `[len, len + t)` and
-    /// returns the requested logits. Every value a row gets back is a function of its own
-    /// prefix only: batch composition and chunking change no bit.
+    /// Runs every row's tokens at its own logical positions `[len, len + t)` and returns
+    /// the requested logits and the final-normed hidden state of every token. The new
+    /// K/V are left in each row's open window (at the slot the caller chose with
+    /// `RowCache::begin_window`, the row's tail by default); the caller commits what it
+    /// keeps with `RowCache::commit_window`. Every value a row gets back is a function of
+    /// its own prefix only: batch composition and chunking change no bit.
     pub fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
         let c = &self.config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        // token -> (row, logical position)
-        let mut slots: Vec<(usize, usize)> = Vec::new();
+        let h = c.hidden_size;
+        let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
+        let slots = slots_for(&sizes, self.max_positions())?;
         for (r, row) in rows.iter().enumerate() {
-            let start = row.cache.len();
-            if start + row.tokens.len() > self.max_positions() {
-                return Err(Error::Request {
-                    request: format!("row {r}"),
-                    msg: format!(
-                        "{} positions exceed the model's context of {}",
-                        start + row.tokens.len(),
-                        self.max_positions()
-                    ),
-                });
-            }
             if let Some(&bad) = row.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
                 return Err(Error::Request {
                     request: format!("row {r}"),
                     msg: format!("token id {bad} is outside the vocabulary of {}", c.vocab_size),
                 });
             }
-            slots.extend((0..row.tokens.len()).map(|i| (r, start + i)));
         }
         let m = slots.len();
         let mut x = vec![0.0f32; m * h];
@@ -188,48 +266,14 @@ impl Model {
         for (xr, &t) in x.chunks_mut(h).zip(tokens) {
             self.embed.row_f32(t as usize, xr);
         }
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut normed = vec![0.0f32; m * h];
-        let mut attn = vec![0.0f32; m * qd];
+        let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, c.rms_norm_eps, &mut normed);
-            let mut q = layer.q.forward(&normed, m);
-            let mut k = layer.k.forward(&normed, m);
-            let v = layer.v.forward(&normed, m);
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                rms_norm_inplace(&mut q, qn, c.rms_norm_eps);
-                rms_norm_inplace(&mut k, kn, c.rms_norm_eps);
-            }
-            for (i, &(_, pos)) in slots.iter().enumerate() {
-                self.rope.apply(&mut q[i * qd..(i + 1) * qd], pos);
-                self.rope.apply(&mut k[i * kvd..(i + 1) * kvd], pos);
-            }
-            let mut off = 0;
-            for row in rows.iter_mut() {
-                let t = row.tokens.len();
-                row.cache.append(li, &k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
-                off += t;
-            }
-            let caches: Vec<&RowCache> = rows.iter().map(|r| &*r.cache).collect();
-            attn.par_chunks_mut(qd).zip(q.par_chunks(qd)).enumerate().for_each(|(i, (out, qt))| {
-                let (r, pos) = slots[i];
-                let (ks, vs) = caches[r].layer(li);
-                for head in 0..nh {
-                    let kv_off = (head / (nh / nkv)) * hd;
-                    let o = &mut out[head * hd..(head + 1) * hd];
-                    attend(&qt[head * hd..(head + 1) * hd], ks, vs, pos + 1, kvd, kv_off, scale, o);
-                }
-            });
-            add(&mut x, &layer.o.forward(&attn, m));
-            rms_norm(&x, &layer.post_norm, c.rms_norm_eps, &mut normed);
-            let mut g = layer.gate.forward(&normed, m);
-            swiglu(&mut g, &layer.up.forward(&normed, m));
-            add(&mut x, &layer.down.forward(&g, m));
+            layer.forward(c, &self.rope, &mut x, &slots, &mut caches, li);
         }
-        for row in rows.iter_mut() {
-            row.cache.advance(row.tokens.len());
-        }
-        // Final norm and lm_head only for the tokens whose logits were asked for.
+        drop(caches);
+        let mut normed = vec![0.0f32; m * h];
+        rms_norm(&x, &self.norm, c.rms_norm_eps, &mut normed);
+        // lm_head only for the tokens whose logits were asked for.
         let mut want: Vec<usize> = Vec::new();
         let mut off = 0;
         for row in rows.iter() {
@@ -237,13 +281,9 @@ impl Model {
             want.extend(row.logits.wanted(t).map(|i| off + i));
             off += t;
         }
-        let mut sel = vec![0.0f32; want.len() * h];
-        for (dst, &i) in sel.chunks_mut(h).zip(&want) {
-            rms_norm(&x[i * h..(i + 1) * h], &self.norm, c.rms_norm_eps, dst);
-        }
+        let sel: Vec<f32> = want.iter().flat_map(|&i| normed[i * h..(i + 1) * h].iter().copied()).collect();
+        let logits = self.head_logits(&sel, want.len());
         let vocab = c.vocab_size;
-        let mut logits = vec![0.0f32; want.len() * vocab];
-        linear(&sel, want.len(), &self.lm_head, None, &mut logits);
         let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
         let mut outs = Vec::with_capacity(rows.len());
         let mut off = 0;
@@ -252,11 +292,27 @@ impl Model {
             let n = row.logits.wanted(t).len();
             outs.push(RowOutput {
                 logits: logit_rows.by_ref().take(n).collect(),
-                hidden: x[off * h..(off + t) * h].to_vec(),
+                hidden: normed[off * h..(off + t) * h].to_vec(),
             });
             off += t;
         }
         Ok(outs)
+    }
+
+    /// Logits of `m` final-normed hidden rows through the LM head.
+    pub fn head_logits(&self, normed: &[f32], m: usize) -> Vec<f32> {
+        let mut logits = vec![0.0f32; m * self.config.vocab_size];
+        linear(normed, m, &self.lm_head, None, &mut logits);
+        logits
+    }
+
+    /// The embedding row of `token`, widened to f32.
+    pub fn embed(&self, token: u32, out: &mut [f32]) {
+        self.embed.row_f32(token as usize, out);
+    }
+
+    pub(crate) fn rope(&self) -> &RopeTable {
+        &self.rope
     }
 }
 

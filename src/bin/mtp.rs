@@ -1,4 +1,4 @@
-//! `mtp generate` and `mtp synth`.
+//! `mtp generate`, `mtp synth` and `mtp synth-mtp`.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -6,10 +6,14 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use mtp::engine::{generate, GenerateOptions};
+use std::path::Path;
+use std::sync::Arc;
+
+use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
+use mtp::engine::{generate, Engine, EngineOptions};
 use mtp::model::backend::Backend;
 use mtp::model::synth::SynthSpec;
-use mtp::model::{Model, Tokenizer, WeightDtype};
+use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -21,8 +25,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Greedy generation for every request of a prompts JSONL; one JSON line per request
-    /// on stdout, in input order.
+    /// Greedy generation (plain or speculative) for every request of a prompts JSONL; one
+    /// JSON line per request on stdout, in input order. The output is bitwise the same
+    /// whatever the drafter, k, batch size and arrival order.
     Generate {
         /// Hugging Face checkpoint directory (default: the tiny checkpoint shipped in the repo).
         #[arg(long)]
@@ -36,9 +41,28 @@ enum Command {
         /// Do not stop at EOS ids.
         #[arg(long)]
         ignore_eos: bool,
-        /// Rows decoded together.
+        /// Rows decoded together; later requests wait in a queue.
         #[arg(long, default_value_t = 8)]
         max_batch: usize,
+        /// none, draft-model (needs --draft), mtp (--draft, or the target's own MTP
+        /// weights) or ngram (prompt lookup).
+        #[arg(long, default_value = "none")]
+        drafter: String,
+        /// Draft model or MTP head checkpoint directory.
+        #[arg(long)]
+        draft: Option<PathBuf>,
+        /// Draft tokens per row per round.
+        #[arg(long, default_value_t = 4)]
+        k: usize,
+        /// Shortest and longest n-gram the ngram drafter matches.
+        #[arg(long, default_value_t = 1)]
+        ngram_min: usize,
+        #[arg(long, default_value_t = 4)]
+        ngram_max: usize,
+        /// KV cache budget in MiB; requests wait for room, and one that cannot fit at all
+        /// is refused (default: no limit).
+        #[arg(long)]
+        kv_budget_mib: Option<usize>,
         /// Prompt tokens per prefill forward.
         #[arg(long, default_value_t = 64)]
         prefill_chunk: usize,
@@ -72,6 +96,41 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Writes a random MTP head for a checkpoint, in MiMo or DeepSeek-V3 tensor layout.
+    SynthMtp {
+        /// The target checkpoint the head belongs to.
+        #[arg(long)]
+        target: PathBuf,
+        /// mimo (`model.mtp_layers.0.*`) or deepseek (`model.layers.{N}.*`).
+        #[arg(long, default_value = "mimo")]
+        layout: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn make_drafter(
+    kind: &str,
+    draft: Option<&Path>,
+    target_dir: &Path,
+    target: &Arc<Model>,
+    ngram: (usize, usize),
+) -> Result<Option<Box<dyn Drafter>>> {
+    Ok(match kind {
+        "none" => None,
+        "ngram" => Some(Box::new(NgramDrafter::new(ngram.0, ngram.1)?)),
+        "draft-model" => {
+            let dir = draft.context("--drafter draft-model needs --draft DIR")?;
+            Some(Box::new(DraftModelDrafter::load(dir, target_dir, target)?))
+        }
+        "mtp" => {
+            let dir = draft.unwrap_or(target_dir);
+            Some(Box::new(MtpDrafter::load(dir, target.clone())?))
+        }
+        other => bail!("unknown --drafter `{other}` (none, draft-model, mtp, ngram)"),
+    })
 }
 
 /// One stdout line. Logprobs serialize as f32 (shortest round-trip), so equal text means
@@ -103,32 +162,59 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate { target, prompts, max_tokens, ignore_eos, max_batch, prefill_chunk, backend } => {
+        Command::Generate {
+            target,
+            prompts,
+            max_tokens,
+            ignore_eos,
+            max_batch,
+            prefill_chunk,
+            drafter,
+            draft,
+            k,
+            ngram_min,
+            ngram_max,
+            kv_budget_mib,
+            backend,
+        } => {
             backend.parse::<Backend>()?.check()?;
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
             let prompts = prompts.unwrap_or_else(|| {
                 PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl"))
             });
             let t0 = std::time::Instant::now();
-            let model = Model::load(&target)?;
+            let model = Arc::new(Model::load(&target)?);
             let tokenizer = match Tokenizer::from_dir(&target) {
                 Ok(t) => Some(t),
                 Err(e) => {
-                    tracing::warn!("{e}; text prompts and output text are unavailable");
+                    tracing::warn!("{e}; text prompts, stop strings and output text are unavailable");
                     None
                 }
             };
-            let requests = mtp::prompts::read(&prompts, tokenizer.as_ref(), max_tokens, ignore_eos)?;
+            let mtp::prompts::Prompts { requests, arrive_at } =
+                mtp::prompts::read(&prompts, tokenizer.as_ref(), max_tokens, ignore_eos)?;
+            let drafter = make_drafter(&drafter, draft.as_deref(), &target, &model, (ngram_min, ngram_max))?;
             tracing::info!(
                 target = %target.display(),
                 arch = ?model.config.arch,
+                drafter = drafter.as_ref().map_or("none", |d| d.name()),
                 requests = requests.len(),
                 load_ms = t0.elapsed().as_millis() as u64,
                 "loaded"
             );
             let t1 = std::time::Instant::now();
-            let opts = GenerateOptions { max_batch, prefill_chunk };
-            let results = generate(&model, &requests, &opts, |done, total| {
+            let opts = EngineOptions {
+                max_batch,
+                prefill_chunk,
+                k,
+                kv_budget_bytes: kv_budget_mib.map(|m| m << 20),
+                ..EngineOptions::default()
+            };
+            let mut engine = Engine::new(&model, drafter, opts);
+            if let Some(t) = &tokenizer {
+                engine = engine.with_tokenizer(t);
+            }
+            let results = generate(&mut engine, &requests, &arrive_at, |done, total| {
                 tracing::info!("finished {done}/{total} requests");
             });
             let mut stdout = std::io::stdout().lock();
@@ -159,10 +245,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 writeln!(stdout, "{line}")?;
             }
             let secs = t1.elapsed().as_secs_f64();
+            let stats = engine.stats();
             tracing::info!(
                 tokens = generated,
                 seconds = secs,
                 tokens_per_second = generated as f64 / secs,
+                rounds = stats.rounds,
+                acceptance_rate = stats.acceptance_rate(),
+                mean_accepted_length = stats.mean_accepted_length(),
                 "done"
             );
             Ok(if failed > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
@@ -202,6 +292,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             tracing::info!(arch = ?s.arch, "writing {}", out.display());
             s.write(&out).with_context(|| format!("writing {}", out.display()))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::SynthMtp { target, layout, seed, out } => {
+            let layout = match layout.as_str() {
+                "mimo" => MtpLayout::MiMo,
+                "deepseek" => MtpLayout::DeepSeek,
+                other => bail!("unknown --layout `{other}` (mimo, deepseek)"),
+            };
+            tracing::info!(layout = layout.name(), "writing {}", out.display());
+            SynthSpec::write_mtp_head(&target, layout, &out, seed)
+                .with_context(|| format!("writing {}", out.display()))?;
             Ok(ExitCode::SUCCESS)
         }
     }

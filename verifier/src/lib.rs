@@ -1,30 +1,9 @@
-//! Batched verification of drafted tokens.
-//!
-//! So far this crate holds greedy acceptance; the batched verify forward itself builds on
-//! `mtp_model::Model::forward` with `Logits::All` and lands with the speculative engine.
+//! Batched verification: one forward over B rows x (1 + k_r) tokens, each row at its own
+//! logical positions; greedy acceptance; rollback of every row's cache to its accepted
+//! prefix.
 
-/// Greedy acceptance for one row: the number of draft tokens accepted, i.e. the length
-/// of the longest prefix of `draft` equal to the target's choices. `target[i]` is the
-/// target's argmax after the prefix plus `draft[..i]`, so `target` has `draft.len() + 1`
-/// entries and `target[accepted_len]` is the bonus token the target emits next.
-pub fn accepted_len(draft: &[u32], target: &[u32]) -> usize {
-    assert_eq!(
-        target.len(),
-        draft.len() + 1,
-        "accepted_len: need one target choice per draft plus the bonus"
-    );
-    draft.iter().zip(target).take_while(|(d, t)| d == t).count()
-}
+mod acceptance;
+mod verify;
 
-#[cfg(test)]
-mod tests {
-    use super::accepted_len;
-
-    #[test]
-    fn longest_matching_prefix() {
-        assert_eq!(accepted_len(&[], &[4]), 0);
-        assert_eq!(accepted_len(&[1, 2, 3], &[1, 2, 3, 9]), 3);
-        assert_eq!(accepted_len(&[1, 2, 3], &[1, 5, 3, 9]), 1);
-        assert_eq!(accepted_len(&[7, 2, 3], &[1, 2, 3, 9]), 0);
-    }
-}
+pub use acceptance::accepted_len;
+pub use verify::{verify, Verified, VerifyRow, WindowLayout};

@@ -3,28 +3,20 @@
 //! boundaries are anchored at position 0, so the result depends only on `p` and the
 //! row's K/V: never on padding, batch, other rows or how many queries ran together.
 
+use mtp_cache::KvView;
+
 use super::simd::dot_f32;
 
 /// Keys per online-softmax chunk.
 pub const CHUNK: usize = 32;
 
-/// One query head against `n_keys` cached keys.
+/// One query head against the first `n_keys` logical positions of a row's cache.
 ///
-/// `keys`/`values` are the row's cache, `[pos][kv_head][head_dim]`; `kv_off` picks the KV
-/// head (`kv_head * head_dim`), `stride` is `n_kv_heads * head_dim`.
-#[allow(clippy::too_many_arguments)]
-pub fn attend(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    n_keys: usize,
-    stride: usize,
-    kv_off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+/// `kv` maps logical positions to the row's slots; `kv_off` picks the KV head
+/// (`kv_head * head_dim`) within a position.
+pub fn attend(q: &[f32], kv: &KvView, n_keys: usize, kv_off: usize, scale: f32, out: &mut [f32]) {
     let hd = q.len();
-    assert!(n_keys > 0 && keys.len() >= n_keys * stride && values.len() >= n_keys * stride);
+    assert!(n_keys > 0 && kv.len() >= n_keys, "attend: {n_keys} keys wanted, {} readable", kv.len());
     assert_eq!(out.len(), hd);
     let mut m = f32::NEG_INFINITY;
     let mut l = 0.0f32;
@@ -34,7 +26,7 @@ pub fn attend(
         let c1 = (c0 + CHUNK).min(n_keys);
         let s = &mut scores[..c1 - c0];
         for (j, sj) in s.iter_mut().enumerate() {
-            let k = &keys[(c0 + j) * stride + kv_off..][..hd];
+            let k = &kv.key(c0 + j)[kv_off..kv_off + hd];
             *sj = dot_f32(q, k) * scale;
         }
         let cm = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -50,7 +42,7 @@ pub fn attend(
         for (j, &sj) in s.iter().enumerate() {
             let p = (sj - m).exp();
             l += p;
-            let v = &values[(c0 + j) * stride + kv_off..][..hd];
+            let v = &kv.value(c0 + j)[kv_off..kv_off + hd];
             for (o, &vv) in out.iter_mut().zip(v) {
                 *o += p * vv;
             }

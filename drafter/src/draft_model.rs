@@ -1,0 +1,137 @@
+//! A separate small model with the target's tokenizer, decoding greedily ahead.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use mtp_cache::RowCache;
+use mtp_model::kernels::argmax;
+use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
+
+use crate::sequences::Sequences;
+use crate::{check_distinct, unknown_row, Commit, Drafter, RowId};
+
+/// Per row: its own KV cache and the tokens that cache holds.
+struct DraftRow {
+    cache: RowCache,
+    fed: Vec<u32>,
+}
+
+pub struct DraftModelDrafter {
+    model: Arc<Model>,
+    seqs: Sequences,
+    rows: HashMap<RowId, DraftRow>,
+}
+
+impl DraftModelDrafter {
+    /// Wraps `draft` for drafting ahead of `target`; refuses a vocabulary mismatch.
+    pub fn new(draft: Arc<Model>, target: &Model) -> Result<DraftModelDrafter, Error> {
+        let (dv, tv) = (draft.config.vocab_size, target.config.vocab_size);
+        if dv != tv {
+            return Err(Error::Request {
+                request: "draft model".into(),
+                msg: format!("vocabulary of {dv} tokens does not match the target's {tv}"),
+            });
+        }
+        Ok(DraftModelDrafter { model: draft, seqs: Sequences::default(), rows: HashMap::new() })
+    }
+
+    /// Loads the draft checkpoint in `draft_dir` and checks it against the target in
+    /// `target_dir`: same vocabulary size and, when both ship a tokenizer.json, the same
+    /// token-to-id map.
+    pub fn load(draft_dir: &Path, target_dir: &Path, target: &Model) -> Result<DraftModelDrafter, Error> {
+        let draft = Model::load(draft_dir)?;
+        let mismatch = |msg: String| Error::Request { request: format!("draft model {}", draft_dir.display()), msg };
+        let (dv, tv) = (draft.config.vocab_size, target.config.vocab_size);
+        if dv != tv {
+            return Err(mismatch(format!(
+                "vocabulary of {dv} tokens does not match the target's {tv} ({})",
+                target_dir.display()
+            )));
+        }
+        if draft_dir.join("tokenizer.json").exists() && target_dir.join("tokenizer.json").exists() {
+            let (d, t) = (Tokenizer::from_dir(draft_dir)?, Tokenizer::from_dir(target_dir)?);
+            if d.vocab() != t.vocab() {
+                return Err(mismatch(format!(
+                    "tokenizer.json maps tokens to different ids than the target's ({})",
+                    target_dir.display()
+                )));
+            }
+        }
+        DraftModelDrafter::new(Arc::new(draft), target)
+    }
+}
+
+impl Drafter for DraftModelDrafter {
+    fn name(&self) -> &str {
+        "draft-model"
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        self.model.kv_bytes_per_token()
+    }
+
+    fn commit(&mut self, row: RowId, c: Commit) -> Result<(), Error> {
+        let seq = self.seqs.apply(row, &c)?;
+        let r = self.rows.entry(row).or_insert_with(|| DraftRow { cache: self.model.new_cache(), fed: Vec::new() });
+        // Rollback: keep the cache only as far as it agrees with the committed tokens.
+        let valid = r.fed.iter().zip(seq).take_while(|(a, b)| a == b).count().min(r.cache.len());
+        r.cache.truncate(valid);
+        r.fed.truncate(valid);
+        Ok(())
+    }
+
+    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error> {
+        check_distinct(rows)?;
+        let context = self.model.max_positions();
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
+        // Step 0 feeds each row what its cache lacks (at least its last token); step s
+        // feeds draft s. Rows drop out when they have their k tokens.
+        let mut feed: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
+        let mut want: Vec<usize> = Vec::with_capacity(rows.len());
+        for &(row, k) in rows {
+            let seq = self.seqs.get(row).ok_or_else(|| unknown_row(row))?;
+            let r = self.rows.get_mut(&row).ok_or_else(|| unknown_row(row))?;
+            if r.fed.len() >= seq.len() {
+                r.cache.truncate(seq.len() - 1);
+                r.fed.truncate(seq.len() - 1);
+            }
+            // The k-th draft is never fed, so the cache reaches seq.len() + k - 1.
+            want.push(k.min((context + 1).saturating_sub(seq.len())));
+            feed.push(seq[r.fed.len()..].to_vec());
+        }
+        for step in 0.. {
+            let active: Vec<usize> = (0..rows.len()).filter(|&i| want[i] > step).collect();
+            if active.is_empty() {
+                break;
+            }
+            let mut caches: HashMap<RowId, &mut DraftRow> =
+                self.rows.iter_mut().filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id)).map(|(&id, r)| (id, r)).collect();
+            let mut inputs: Vec<RowInput> = Vec::with_capacity(active.len());
+            let mut order = Vec::with_capacity(active.len());
+            for &i in &active {
+                let r = caches.remove(&rows[i].0).expect("row state exists");
+                r.fed.extend_from_slice(&feed[i]);
+                order.push(i);
+                inputs.push(RowInput { tokens: &feed[i], cache: &mut r.cache, logits: Logits::Last });
+            }
+            let outs = self.model.forward(&mut inputs)?;
+            for input in inputs.iter_mut() {
+                let t = input.tokens.len();
+                input.cache.commit_window(t);
+            }
+            drop(inputs);
+            for (&i, out) in order.iter().zip(outs) {
+                let d = argmax(&out.logits[0]);
+                drafts[i].push(d);
+                feed[i] = vec![d];
+            }
+        }
+        Ok(drafts)
+    }
+
+    fn remove(&mut self, row: RowId) {
+        self.seqs.remove(row);
+        self.rows.remove(&row);
+    }
+}

@@ -1,0 +1,169 @@
+//! Drafting with an MTP head that reads the target's hidden states.
+//!
+//! The head's cache holds one entry per target position `i`: the pair (target hidden at
+//! `i`, token at `i + 1`). Commits queue the pairs the target just made known; a
+//! proposal runs the queued pairs (the last one predicts the first draft), then feeds the
+//! head its own output and draft for each further token. Those recursive entries are not
+//! the target's, so the next commit truncates them: that is the head's rollback.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use mtp_cache::RowCache;
+use mtp_model::kernels::argmax;
+use mtp_model::{Error, Model, MtpHead, MtpInput};
+
+use crate::{check_distinct, unknown_row, Commit, Drafter, RowId};
+
+struct MtpRow {
+    cache: RowCache,
+    /// Entries in `cache` that came from the target (the rest are recursive drafts).
+    true_len: usize,
+    /// Pairs committed by the target but not run yet.
+    queued_hidden: Vec<f32>,
+    queued_tokens: Vec<u32>,
+}
+
+pub struct MtpDrafter {
+    head: MtpHead,
+    target: Arc<Model>,
+    rows: HashMap<RowId, MtpRow>,
+}
+
+impl MtpDrafter {
+    pub fn new(head: MtpHead, target: Arc<Model>) -> MtpDrafter {
+        MtpDrafter { head, target, rows: HashMap::new() }
+    }
+
+    /// Loads the head from `dir` (a separate MTP checkpoint or the target's own).
+    pub fn load(dir: &Path, target: Arc<Model>) -> Result<MtpDrafter, Error> {
+        Ok(MtpDrafter::new(MtpHead::load(dir, &target)?, target))
+    }
+
+    pub fn head(&self) -> &MtpHead {
+        &self.head
+    }
+}
+
+impl Drafter for MtpDrafter {
+    fn name(&self) -> &str {
+        "mtp"
+    }
+
+    fn needs_hidden(&self) -> bool {
+        true
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        self.head.kv_bytes_per_token()
+    }
+
+    fn commit(&mut self, row: RowId, c: Commit) -> Result<(), Error> {
+        let h = self.target.config.hidden_size;
+        if c.hidden.len() != c.tokens.len() * h {
+            return Err(Error::Request {
+                request: format!("row {row}"),
+                msg: format!("MTP commit needs {} hidden floats, got {}", c.tokens.len() * h, c.hidden.len()),
+            });
+        }
+        let r = self.rows.entry(row).or_insert_with(|| MtpRow {
+            cache: self.head.new_cache(),
+            true_len: 0,
+            queued_hidden: Vec::new(),
+            queued_tokens: Vec::new(),
+        });
+        let known = r.true_len + r.queued_tokens.len();
+        if c.start > known {
+            return Err(Error::Request {
+                request: format!("row {row}"),
+                msg: format!("commit at position {} leaves a gap after {known} MTP entries", c.start),
+            });
+        }
+        // Drop recursive entries and anything at or past `start`, then queue the new pairs.
+        if c.start < r.true_len {
+            r.true_len = c.start;
+            r.queued_tokens.clear();
+            r.queued_hidden.clear();
+        } else {
+            r.queued_tokens.truncate(c.start - r.true_len);
+            r.queued_hidden.truncate((c.start - r.true_len) * h);
+        }
+        r.cache.truncate(r.true_len);
+        r.queued_hidden.extend_from_slice(c.hidden);
+        r.queued_tokens.extend(c.tokens.iter().skip(1).copied().chain([c.next]));
+        Ok(())
+    }
+
+    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error> {
+        check_distinct(rows)?;
+        let h = self.target.config.hidden_size;
+        let context = self.target.max_positions();
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
+        let mut want = Vec::with_capacity(rows.len());
+        for &(row, k) in rows {
+            let r = self.rows.get(&row).ok_or_else(|| unknown_row(row))?;
+            let end = r.true_len + r.queued_tokens.len();
+            // Without queued pairs there is nothing new to predict from.
+            want.push(if r.queued_tokens.is_empty() { 0 } else { k.min((context + 1).saturating_sub(end)) });
+        }
+        // (hidden, token) to feed each row at the next recursive step.
+        let mut next: Vec<(Vec<f32>, u32)> = vec![(Vec::new(), 0); rows.len()];
+        for step in 0.. {
+            let active: Vec<usize> = (0..rows.len()).filter(|&i| want[i] > step).collect();
+            if active.is_empty() {
+                break;
+            }
+            let mut state: HashMap<RowId, &mut MtpRow> =
+                self.rows.iter_mut().filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id)).map(|(&id, r)| (id, r)).collect();
+            let mut inputs: Vec<MtpInput> = Vec::with_capacity(active.len());
+            for &i in &active {
+                let r = state.remove(&rows[i].0).expect("row state exists");
+                if step == 0 {
+                    r.true_len += r.queued_tokens.len();
+                    inputs.push(MtpInput { hidden: &r.queued_hidden, tokens: &r.queued_tokens, cache: &mut r.cache });
+                } else {
+                    let (hid, tok) = &next[i];
+                    inputs.push(MtpInput { hidden: hid, tokens: std::slice::from_ref(tok), cache: &mut r.cache });
+                }
+            }
+            let result = self.head.forward(&self.target, &mut inputs);
+            for input in inputs.iter_mut() {
+                let t = if result.is_ok() { input.tokens.len() } else { 0 };
+                input.cache.commit_window(t);
+            }
+            drop(inputs);
+            let outs = match result {
+                Ok(outs) => outs,
+                Err(e) => {
+                    // Nothing was committed: put the queued pairs back in the queue.
+                    if step == 0 {
+                        for &i in &active {
+                            let r = self.rows.get_mut(&rows[i].0).expect("row state exists");
+                            r.true_len -= r.queued_tokens.len();
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            for (&i, out) in active.iter().zip(outs) {
+                let d = argmax(&out.logits);
+                drafts[i].push(d);
+                debug_assert_eq!(out.hidden.len(), h);
+                next[i] = (out.hidden, d);
+            }
+            if step == 0 {
+                for &i in &active {
+                    let r = self.rows.get_mut(&rows[i].0).expect("row state exists");
+                    r.queued_tokens.clear();
+                    r.queued_hidden.clear();
+                }
+            }
+        }
+        Ok(drafts)
+    }
+
+    fn remove(&mut self, row: RowId) {
+        self.rows.remove(&row);
+    }
+}

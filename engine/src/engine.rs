@@ -1,0 +1,413 @@
+//! The round loop (see design.md, "One round of the engine"):
+//! admit and prefill newcomers -> propose drafts -> verify all rows in one forward ->
+//! roll back target cache and drafter state -> emit tokens, retire finished rows.
+//! Plain decoding is the same loop without a drafter (k = 0).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use mtp_cache::RowCache;
+use mtp_drafter::{Commit, Drafter};
+use mtp_model::kernels::{argmax, logprob};
+use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
+use mtp_verifier::{verify, VerifyRow, WindowLayout};
+
+use crate::metrics::SpecStats;
+use crate::request::{Event, FinishReason, Request, RequestId};
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Rows decoded together; further requests wait in a queue.
+    pub max_batch: usize,
+    /// Prompt tokens per prefill forward.
+    pub prefill_chunk: usize,
+    /// Draft tokens per row per round (ignored without a drafter).
+    pub k: usize,
+    /// Where verify windows are written (results are identical either way).
+    pub layout: WindowLayout,
+    /// KV bytes (target + drafter) that admitted requests may reserve; a request waits
+    /// until its worst case fits, and one that can never fit is refused.
+    pub kv_budget_bytes: Option<usize>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { max_batch: 8, prefill_chunk: 64, k: 4, layout: WindowLayout::RowTail, kv_budget_bytes: None }
+    }
+}
+
+struct Row {
+    id: RequestId,
+    name: String,
+    cache: RowCache,
+    prompt_len: usize,
+    /// Emitted tokens; the last one is not yet in `cache`.
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    ignore_eos: bool,
+    stop: Vec<String>,
+    reserved: usize,
+    /// False once the drafter failed on this row: it decodes plainly from then on.
+    drafting: bool,
+}
+
+pub struct Engine<'a> {
+    model: &'a Model,
+    drafter: Option<Box<dyn Drafter + 'a>>,
+    tokenizer: Option<&'a Tokenizer>,
+    opts: EngineOptions,
+    queue: VecDeque<(RequestId, Request)>,
+    active: Vec<Row>,
+    outbox: Vec<Event>,
+    next_id: RequestId,
+    reserved: usize,
+    stats: SpecStats,
+}
+
+impl<'a> Engine<'a> {
+    /// An engine over `model`; with no drafter it decodes plainly.
+    pub fn new(model: &'a Model, drafter: Option<Box<dyn Drafter + 'a>>, opts: EngineOptions) -> Self {
+        Engine {
+            model,
+            drafter,
+            tokenizer: None,
+            opts,
+            queue: VecDeque::new(),
+            active: Vec::new(),
+            outbox: Vec::new(),
+            next_id: 0,
+            reserved: 0,
+            stats: SpecStats::default(),
+        }
+    }
+
+    /// Enables stop strings (decoded with this tokenizer).
+    pub fn with_tokenizer(mut self, tokenizer: &'a Tokenizer) -> Self {
+        self.tokenizer = Some(tokenizer);
+        self
+    }
+
+    /// Completed rounds (each ran one verify forward).
+    pub fn rounds(&self) -> u64 {
+        self.stats.rounds
+    }
+
+    pub fn stats(&self) -> &SpecStats {
+        &self.stats
+    }
+
+    /// No request waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.active.is_empty() && self.outbox.is_empty()
+    }
+
+    fn per_token_bytes(&self) -> usize {
+        self.model.kv_bytes_per_token() + self.drafter.as_ref().map_or(0, |d| d.kv_bytes_per_token())
+    }
+
+    /// Worst-case KV bytes a request can hold.
+    fn reservation(&self, r: &Request) -> usize {
+        let k = if self.drafter.is_some() { self.opts.k } else { 0 };
+        let positions = (r.prompt.len() + r.max_tokens + k + 1).min(self.model.max_positions() + k + 1);
+        positions * self.per_token_bytes()
+    }
+
+    /// Queues a request; it is admitted at the start of a round when the batch and the
+    /// KV budget have room. A request that can never run is refused here.
+    pub fn submit(&mut self, r: Request) -> Result<RequestId, Error> {
+        let err = |msg: String| Err(Error::Request { request: r.id.clone(), msg });
+        let (vocab, context) = (self.model.config.vocab_size, self.model.max_positions());
+        if r.prompt.is_empty() {
+            return err("empty prompt".into());
+        }
+        if r.max_tokens == 0 {
+            return err("max_tokens must be at least 1".into());
+        }
+        if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return err(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
+        }
+        if r.prompt.len() > context {
+            return err(format!("prompt of {} tokens does not fit the model's context of {context}", r.prompt.len()));
+        }
+        if !r.stop.is_empty() && self.tokenizer.is_none() {
+            return err("stop strings need a tokenizer (the target has no tokenizer.json)".into());
+        }
+        if r.stop.iter().any(|s| s.is_empty()) {
+            return err("empty stop string".into());
+        }
+        if let Some(budget) = self.opts.kv_budget_bytes {
+            let need = self.reservation(&r);
+            if need > budget {
+                return err(format!(
+                    "needs up to {:.1} MiB of KV cache ({} positions), more than the whole budget of {:.1} MiB",
+                    need as f64 / 1048576.0,
+                    need / self.per_token_bytes().max(1),
+                    budget as f64 / 1048576.0
+                ));
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.queue.push_back((id, r));
+        Ok(id)
+    }
+
+    /// Cancels a waiting or running request; its `Finished(Cancelled)` event comes with
+    /// the next step. Returns false for an unknown or finished request.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.queue.iter().position(|(q, _)| *q == id) {
+            self.queue.remove(i);
+        } else if let Some(i) = self.active.iter().position(|r| r.id == id) {
+            let row = self.active.swap_remove(i);
+            self.release(&row);
+        } else {
+            return false;
+        }
+        self.outbox.push(Event::Finished { request: id, reason: FinishReason::Cancelled });
+        true
+    }
+
+    fn release(&mut self, row: &Row) {
+        self.reserved -= row.reserved;
+        if let Some(d) = self.drafter.as_mut() {
+            d.remove(row.id);
+        }
+    }
+
+    /// Runs one round and returns what happened, in order.
+    pub fn step(&mut self) -> Vec<Event> {
+        let mut events = std::mem::take(&mut self.outbox);
+        self.admit(&mut events);
+        if !self.active.is_empty() {
+            self.round(&mut events);
+        }
+        events
+    }
+
+    fn admit(&mut self, events: &mut Vec<Event>) {
+        while self.active.len() < self.opts.max_batch.max(1) {
+            let Some((_, front)) = self.queue.front() else { break };
+            let need = self.reservation(front);
+            if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
+                break; // waits for running rows to free their reservations
+            }
+            let (id, r) = self.queue.pop_front().expect("front exists");
+            let t0 = Instant::now();
+            let mut cache = self.model.new_cache();
+            let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
+            let prefilled = prefill(self.model, &mut cache, &r.prompt, self.opts.prefill_chunk, want_hidden);
+            self.stats.prefill_time += t0.elapsed();
+            let (logits, hidden) = match prefilled {
+                Ok(x) => x,
+                Err(e) => {
+                    events.push(Event::Failed { request: id, error: with_request(e, &r.id) });
+                    continue;
+                }
+            };
+            let mut row = Row {
+                id,
+                name: r.id,
+                cache,
+                prompt_len: r.prompt.len(),
+                tokens: Vec::new(),
+                max_tokens: r.max_tokens,
+                ignore_eos: r.ignore_eos,
+                stop: r.stop,
+                reserved: need,
+                drafting: self.drafter.is_some(),
+            };
+            self.reserved += need;
+            let first = argmax(&logits);
+            if let Some(reason) = self.emit(&mut row, &[first], &[logprob(&logits, first)], events) {
+                events.push(Event::Finished { request: id, reason });
+                self.release(&row);
+                continue;
+            }
+            let commit = Commit { start: 0, tokens: &r.prompt, hidden: &hidden, next: first };
+            self.drafter_commit(&mut row, commit);
+            self.active.push(row);
+        }
+    }
+
+    fn drafter_commit(&mut self, row: &mut Row, c: Commit) {
+        let Some(d) = self.drafter.as_mut() else { return };
+        if !row.drafting {
+            return;
+        }
+        if let Err(e) = d.commit(row.id, c) {
+            tracing::warn!(request = %row.name, "drafter: {e}; decoding this row without drafts");
+            d.remove(row.id);
+            row.drafting = false;
+        }
+    }
+
+    /// Appends tokens to a row until one finishes it; returns why it finished.
+    fn emit(&self, row: &mut Row, tokens: &[u32], logprobs: &[f32], events: &mut Vec<Event>) -> Option<FinishReason> {
+        let eos = &self.model.config.eos_token_ids;
+        for (&token, &logprob) in tokens.iter().zip(logprobs) {
+            row.tokens.push(token);
+            events.push(Event::Token { request: row.id, token, logprob });
+            if !row.ignore_eos && eos.contains(&token) {
+                return Some(FinishReason::Eos);
+            }
+            if self.hits_stop(row) {
+                return Some(FinishReason::Stop);
+            }
+            if row.tokens.len() >= row.max_tokens || row.prompt_len + row.tokens.len() >= self.model.max_positions() {
+                return Some(FinishReason::Length);
+            }
+        }
+        None
+    }
+
+    /// Whether the output's tail now contains a stop string. Only the last tokens are
+    /// decoded: each token is at least one byte, so a stop string of n bytes spans at
+    /// most n tokens.
+    fn hits_stop(&self, row: &Row) -> bool {
+        let (Some(tok), Some(longest)) = (self.tokenizer, row.stop.iter().map(|s| s.len()).max()) else {
+            return false;
+        };
+        let tail = &row.tokens[row.tokens.len().saturating_sub(longest + 1)..];
+        match tok.decode(tail) {
+            Ok(text) => row.stop.iter().any(|s| text.contains(s.as_str())),
+            Err(_) => false,
+        }
+    }
+
+    fn round(&mut self, events: &mut Vec<Event>) {
+        let context = self.model.max_positions();
+        let shared_base = self.active.iter().map(|r| r.cache.len()).max().unwrap_or(0);
+        // Per-row draft length: no drafts past max_tokens or the context.
+        let ks: Vec<usize> = self
+            .active
+            .iter()
+            .map(|r| {
+                if !r.drafting {
+                    return 0;
+                }
+                let base = match self.opts.layout {
+                    WindowLayout::RowTail => r.cache.len(),
+                    WindowLayout::SharedSlots => shared_base,
+                };
+                self.opts.k.min(r.max_tokens - r.tokens.len() - 1).min(context.saturating_sub(base + 1))
+            })
+            .collect();
+        let t0 = Instant::now();
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); self.active.len()];
+        let asks: Vec<(u64, usize)> =
+            self.active.iter().zip(&ks).filter(|(_, &k)| k > 0).map(|(r, &k)| (r.id, k)).collect();
+        if let (Some(d), false) = (self.drafter.as_mut(), asks.is_empty()) {
+            match d.propose(&asks) {
+                Ok(proposed) => {
+                    let mut it = proposed.into_iter();
+                    for (i, &k) in ks.iter().enumerate() {
+                        if k > 0 {
+                            drafts[i] = it.next().unwrap_or_default();
+                            drafts[i].truncate(k);
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!("drafter: {e}; verifying this round without drafts"),
+            }
+        }
+        let draft_time = t0.elapsed();
+        let t1 = Instant::now();
+        let pending: Vec<u32> = self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
+        let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
+        let mut rows: Vec<VerifyRow> = self
+            .active
+            .iter_mut()
+            .zip(&pending)
+            .zip(&drafts)
+            .map(|((r, &p), d)| VerifyRow { cache: &mut r.cache, pending: p, draft: d })
+            .collect();
+        let results = verify(self.model, &mut rows, self.opts.layout);
+        drop(rows);
+        let verify_time = t1.elapsed();
+        self.stats.draft_time += draft_time;
+        self.stats.verify_time += verify_time;
+        self.stats.rounds += 1;
+        let (drafted, mut accepted) = (drafts.iter().map(Vec::len).sum::<usize>(), 0);
+        let mut rows = std::mem::take(&mut self.active);
+        let mut keep = Vec::with_capacity(rows.len());
+        for (i, (mut row, result)) in rows.drain(..).zip(results).enumerate() {
+            let v = match result {
+                Ok(v) => v,
+                Err(e) => {
+                    events.push(Event::Failed { request: row.id, error: with_request(e, &row.name) });
+                    self.release(&row);
+                    continue;
+                }
+            };
+            self.stats.record(drafts[i].len(), v.accepted);
+            accepted += v.accepted;
+            if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, events) {
+                events.push(Event::Finished { request: row.id, reason });
+                self.release(&row);
+                continue;
+            }
+            let kept: Vec<u32> = std::iter::once(pending[i]).chain(drafts[i][..v.accepted].iter().copied()).collect();
+            let hidden: &[f32] = if self.drafter.as_ref().is_some_and(|d| d.needs_hidden()) { &v.hidden } else { &[] };
+            let bonus = *v.tokens.last().expect("verify emits the bonus token");
+            self.drafter_commit(&mut row, Commit { start: starts[i], tokens: &kept, hidden, next: bonus });
+            keep.push(row);
+        }
+        self.active = keep;
+        tracing::debug!(
+            round = self.stats.rounds,
+            rows = drafts.len(),
+            drafted,
+            accepted,
+            draft_ms = draft_time.as_secs_f64() * 1e3,
+            verify_ms = verify_time.as_secs_f64() * 1e3,
+            "round"
+        );
+    }
+}
+
+/// Names the request in an error that came from a batched call.
+fn with_request(e: Error, name: &str) -> Error {
+    match e {
+        Error::Request { msg, .. } => Error::Request { request: name.to_string(), msg },
+        other => Error::Request { request: name.to_string(), msg: other.to_string() },
+    }
+}
+
+/// Runs `prompt` through `cache` in chunks; returns the logits after its last token and,
+/// when asked, the final-normed hidden state of every prompt position.
+pub fn prefill(
+    model: &Model,
+    cache: &mut RowCache,
+    prompt: &[u32],
+    chunk: usize,
+    want_hidden: bool,
+) -> Result<(Vec<f32>, Vec<f32>), Error> {
+    if cache.try_reserve_window(cache.len(), prompt.len()).is_err() {
+        return Err(Error::Request {
+            request: String::new(),
+            msg: format!(
+                "out of memory: cannot allocate {} bytes of KV for the prompt",
+                prompt.len() * model.kv_bytes_per_token()
+            ),
+        });
+    }
+    let chunk = chunk.max(1);
+    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+    let n_chunks = prompt.len().div_ceil(chunk);
+    for (i, piece) in prompt.chunks(chunk).enumerate() {
+        let want = if i + 1 == n_chunks { Logits::Last } else { Logits::None };
+        let mut rows = [RowInput { tokens: piece, cache: &mut *cache, logits: want }];
+        let out = model.forward(&mut rows);
+        let committed = if out.is_ok() { piece.len() } else { 0 };
+        cache.commit_window(committed);
+        let mut out = out?;
+        let o = out.pop().expect("one row in, one row out");
+        if want_hidden {
+            hidden.extend_from_slice(&o.hidden);
+        }
+        if let Some(l) = o.logits.into_iter().next() {
+            logits = l;
+        }
+    }
+    Ok((logits, hidden))
+}

@@ -1,0 +1,80 @@
+//! Speculative-decoding counters: acceptance rate, mean accepted length (bonus token
+//! included), per-position acceptance, and where the time went.
+
+use std::time::Duration;
+
+#[derive(Clone, Debug, Default)]
+pub struct SpecStats {
+    /// Engine rounds that ran a verify forward.
+    pub rounds: u64,
+    /// Row verifications (one per row per round).
+    pub verifies: u64,
+    /// Draft tokens proposed and verified.
+    pub drafted: u64,
+    /// Draft tokens accepted.
+    pub accepted: u64,
+    /// `drafted_at[j]`: verifications with a draft at position `j + 1`.
+    pub drafted_at: Vec<u64>,
+    /// `accepted_at[j]`: verifications that accepted position `j + 1`.
+    pub accepted_at: Vec<u64>,
+    pub prefill_time: Duration,
+    pub draft_time: Duration,
+    pub verify_time: Duration,
+}
+
+impl SpecStats {
+    /// Counts one row's verification of `drafted` tokens, `accepted` of them accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.verifies += 1;
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+        if self.drafted_at.len() < drafted {
+            self.drafted_at.resize(drafted, 0);
+            self.accepted_at.resize(drafted, 0);
+        }
+        for j in 0..drafted {
+            self.drafted_at[j] += 1;
+            self.accepted_at[j] += (j < accepted) as u64;
+        }
+    }
+
+    /// Accepted / drafted (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        ratio(self.accepted, self.drafted)
+    }
+
+    /// Tokens a row gains per verification: accepted drafts plus the bonus token.
+    pub fn mean_accepted_length(&self) -> f64 {
+        ratio(self.accepted + self.verifies, self.verifies)
+    }
+
+    /// Acceptance rate at draft positions 1..=k (of the verifications that drafted there).
+    pub fn per_position_acceptance(&self) -> Vec<f64> {
+        self.accepted_at.iter().zip(&self.drafted_at).map(|(&a, &d)| ratio(a, d)).collect()
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_positions_and_bonus() {
+        let mut s = SpecStats::default();
+        s.record(3, 1);
+        s.record(2, 2);
+        s.record(0, 0);
+        assert_eq!((s.drafted, s.accepted, s.verifies), (5, 3, 3));
+        assert_eq!(s.acceptance_rate(), 0.6);
+        assert_eq!(s.mean_accepted_length(), 2.0);
+        assert_eq!(s.per_position_acceptance(), vec![1.0, 0.5, 0.0]);
+    }
+}

@@ -1,0 +1,61 @@
+//! What goes in (requests) and what comes out (events, completions).
+
+use mtp_model::Error;
+
+/// The engine's handle for a submitted request.
+pub type RequestId = u64;
+
+/// One generation request.
+#[derive(Clone, Debug, Default)]
+pub struct Request {
+    /// The caller's name for it (echoed in errors and output).
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    /// Keep going past EOS ids (benchmarks, golden comparisons).
+    pub ignore_eos: bool,
+    /// Finish once the decoded output contains one of these (needs a tokenizer). The
+    /// token that completes the string is the last one emitted.
+    pub stop: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// Emitted an EOS id (config.json or generation_config.json).
+    Eos,
+    /// Reached `max_tokens` or the model's context.
+    Length,
+    /// The output contains a stop string.
+    Stop,
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What the engine reports, in order, from [`crate::Engine::step`].
+#[derive(Debug)]
+pub enum Event {
+    /// One generated token and its natural-log probability under the target.
+    Token { request: RequestId, token: u32, logprob: f32 },
+    Finished { request: RequestId, reason: FinishReason },
+    /// The request ended with an error; other requests are unaffected.
+    Failed { request: RequestId, error: Error },
+}
+
+/// A finished request, assembled from its events.
+#[derive(Clone, Debug)]
+pub struct Completion {
+    pub id: String,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub finish: FinishReason,
+}

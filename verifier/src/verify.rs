@@ -1,0 +1,105 @@
+//! The verify step and the rollback that follows it.
+//!
+//! Row `r` has committed positions `[0, L_r)` and one pending token `x` (emitted, not yet
+//! run). Its window `[x, d_1, .., d_k]` runs at logical positions `[L_r, L_r + k]`; the
+//! logits after window token `j` give the target's choice `t_j`. With `a` drafts accepted,
+//! the row emits `t_0 .. t_a` (the accepted drafts and the bonus token) and keeps `a + 1`
+//! window positions. Plain decoding is the same step with no drafts.
+
+use mtp_cache::RowCache;
+use mtp_model::kernels::{argmax, logprob};
+use mtp_model::{Error, Logits, Model, RowInput};
+
+use crate::accepted_len;
+
+/// Where a verify forward writes each row's window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WindowLayout {
+    /// At the row's own tail: no hole, rollback only truncates.
+    #[default]
+    RowTail,
+    /// At one slot shared by every row of the forward (the longest row's length), as a
+    /// padded batch tensor would: shorter rows get a hole that rollback compacts.
+    SharedSlots,
+}
+
+/// One row to verify.
+pub struct VerifyRow<'a> {
+    pub cache: &'a mut RowCache,
+    /// The row's last emitted token, not yet in the cache.
+    pub pending: u32,
+    pub draft: &'a [u32],
+}
+
+/// The outcome for one row, after its cache was rolled back to the accepted prefix.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Verified {
+    /// Drafts accepted.
+    pub accepted: usize,
+    /// The accepted drafts then the target's bonus token (`accepted + 1` tokens).
+    pub tokens: Vec<u32>,
+    /// Natural-log probability of each of `tokens` under the target.
+    pub logprobs: Vec<f32>,
+    /// The target's final-normed hidden state at each kept position (`pending` and the
+    /// accepted drafts), `(accepted + 1) * hidden_size` floats: what MTP heads read.
+    pub hidden: Vec<f32>,
+}
+
+/// Verifies every row in one forward and rolls each cache back to its accepted prefix.
+/// A row whose window cannot be allocated gets an error and is left out; the others run.
+pub fn verify(model: &Model, rows: &mut [VerifyRow], layout: WindowLayout) -> Vec<Result<Verified, Error>> {
+    let shared = rows.iter().map(|r| r.cache.len()).max().unwrap_or(0);
+    let mut results: Vec<Option<Result<Verified, Error>>> = rows.iter().map(|_| None).collect();
+    let mut windows: Vec<Vec<u32>> = Vec::new();
+    let mut live: Vec<usize> = Vec::new();
+    for (i, row) in rows.iter_mut().enumerate() {
+        let base = match layout {
+            WindowLayout::RowTail => row.cache.len(),
+            WindowLayout::SharedSlots => shared,
+        };
+        let t = 1 + row.draft.len();
+        if row.cache.try_reserve_window(base, t).is_err() {
+            let bytes = t * model.kv_bytes_per_token();
+            results[i] = Some(Err(Error::Request {
+                request: format!("row {i}"),
+                msg: format!("out of memory: cannot allocate {bytes} bytes of KV for the verify window"),
+            }));
+            continue;
+        }
+        row.cache.begin_window(base);
+        windows.push(std::iter::once(row.pending).chain(row.draft.iter().copied()).collect());
+        live.push(i);
+    }
+    let mut inputs: Vec<RowInput> = Vec::with_capacity(live.len());
+    let mut window_of = windows.iter();
+    for (i, row) in rows.iter_mut().enumerate() {
+        if live.contains(&i) {
+            let tokens = window_of.next().expect("one window per live row");
+            inputs.push(RowInput { tokens, cache: &mut *row.cache, logits: Logits::All });
+        }
+    }
+    let h = model.config.hidden_size;
+    match model.forward(&mut inputs) {
+        Ok(outs) => {
+            drop(inputs);
+            for ((&i, out), window) in live.iter().zip(outs).zip(&windows) {
+                let target: Vec<u32> = out.logits.iter().map(|l| argmax(l)).collect();
+                let a = accepted_len(&window[1..], &target);
+                let tokens = target[..=a].to_vec();
+                let logprobs = tokens.iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
+                // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
+                rows[i].cache.commit_window(a + 1);
+                let hidden = out.hidden[..(a + 1) * h].to_vec();
+                results[i] = Some(Ok(Verified { accepted: a, tokens, logprobs, hidden }));
+            }
+        }
+        Err(e) => {
+            drop(inputs);
+            for &i in &live {
+                rows[i].cache.commit_window(0);
+                results[i] = Some(Err(Error::Request { request: format!("row {i}"), msg: e.to_string() }));
+            }
+        }
+    }
+    results.into_iter().map(|r| r.expect("every row has a result")).collect()
+}
