@@ -115,12 +115,13 @@ fn decode(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     let model = Model::load(dir)?;
     let ours = || {
         let mut cache = model.new_cache();
-        let l = mtp::engine::prefill(&model, &mut cache, &prompt, 64).unwrap();
+        let (l, _) = mtp::engine::prefill(&model, &mut cache, &prompt, 64, false).unwrap();
         let mut t = mtp::model::kernels::argmax(&l);
         let start = Instant::now();
         for _ in 0..steps {
             let mut rows = [RowInput { tokens: &[t], cache: &mut cache, logits: Logits::Last }];
             let out = model.forward(&mut rows).unwrap();
+            cache.commit_window(1);
             t = mtp::model::kernels::argmax(&out[0].logits[0]);
         }
         steps as f64 / start.elapsed().as_secs_f64()

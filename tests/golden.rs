@@ -3,7 +3,7 @@
 mod common;
 
 use common::{fixture, FAMILIES};
-use mtp::engine::{generate, prefill, GenerateOptions, Request};
+use mtp::engine::{prefill, EngineOptions, Request};
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -25,7 +25,7 @@ fn prefill_logits_match_transformers() {
             g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap())
         {
             let mut cache = model.new_cache();
-            let got = prefill(&model, &mut cache, &ids(p), 4).unwrap();
+            let (got, _) = prefill(&model, &mut cache, &ids(p), 4, false).unwrap();
             let want: Vec<f32> =
                 want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
             assert_eq!(got.len(), want.len());
@@ -44,9 +44,10 @@ fn greedy_tokens_match_transformers() {
         let requests: Vec<Request> = prompts
             .iter()
             .enumerate()
-            .map(|(i, p)| Request { id: i.to_string(), prompt: ids(p), max_tokens: 40, ignore_eos: true })
+            .map(|(i, p)| common::request(&i.to_string(), ids(p), 40))
             .collect();
-        let out = generate(&model, &requests, &GenerateOptions { max_batch: 3, prefill_chunk: 5 }, |_, _| {});
+        let opts = EngineOptions { max_batch: 3, prefill_chunk: 5, ..EngineOptions::default() };
+        let out = common::run(&model, None, opts, &requests, &[]);
         for (i, res) in out.into_iter().enumerate() {
             let got = res.unwrap().tokens;
             let want = ids(&g["greedy"][i]);

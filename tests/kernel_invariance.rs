@@ -5,6 +5,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::{bits, Lcg};
+use mtp::cache::KvView;
 use mtp::model::kernels::{attend, linear, simd};
 use mtp::model::{Weight, WeightDtype};
 
@@ -122,7 +123,7 @@ fn negative_control_stock_matmul_depends_on_m() {
 
 fn attend_at(q: &[f32], keys: &[f32], values: &[f32], n_keys: usize, kvd: usize, hd: usize) -> Vec<f32> {
     let mut out = vec![0.0; hd];
-    attend(q, keys, values, n_keys, kvd, 0, 1.0 / (hd as f32).sqrt(), &mut out);
+    attend(q, &KvView::contiguous(keys, values, kvd), n_keys, 0, 1.0 / (hd as f32).sqrt(), &mut out);
     out
 }
 

@@ -129,7 +129,7 @@ fn sharded_checkpoints_load() {
     let sharded = Model::load(&dir).unwrap();
     let run = |m: &Model| {
         let mut c = m.new_cache();
-        mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8).unwrap()
+        mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8, false).unwrap().0
     };
     assert_eq!(common::bits(&run(&single)), common::bits(&run(&sharded)));
     std::fs::remove_dir_all(dir).ok();
@@ -177,7 +177,7 @@ fn generation_config_eos_ids_join_the_config() {
 }
 
 fn request(id: &str, prompt: Vec<u32>) -> mtp::engine::Request {
-    mtp::engine::Request { id: id.into(), prompt, max_tokens: 4, ignore_eos: true }
+    common::request(id, prompt, 4)
 }
 
 #[test]
@@ -186,7 +186,7 @@ fn prompts_over_the_context_fail_alone() {
     let ok = request("ok", vec![3, 4, 5]);
     let long = request("long", vec![3; 5000]);
     let bad_id = request("oov", vec![100000]);
-    let out = mtp::engine::generate(&model, &[long, ok, bad_id], &Default::default(), |_, _| {});
+    let out = common::plain(&model, &[long, ok, bad_id], 8);
     let e = out[0].as_ref().unwrap_err().to_string();
     assert!(e.contains("long") && e.contains("context"), "{e}");
     assert_eq!(out[1].as_ref().unwrap().tokens.len(), 4);
@@ -199,7 +199,7 @@ fn a_prompt_filling_the_whole_context_still_gets_its_token() {
     let n = model.max_positions();
     let full = mtp::engine::Request { max_tokens: 5, ..request("full", vec![3; n]) };
     let near = mtp::engine::Request { max_tokens: 5, ..request("near", vec![3; n - 2]) };
-    let out = mtp::engine::generate(&model, &[full, near], &Default::default(), |_, _| {});
+    let out = common::plain(&model, &[full, near], 8);
     // No room to feed a token back: exactly one token, from the prefill logits.
     assert_eq!(out[0].as_ref().unwrap().tokens.len(), 1);
     // Two free positions: the prefill token plus two decode steps.

@@ -23,6 +23,7 @@ fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, 
         let piece = &seq[at..(at + c).min(seq.len())];
         let mut rows = [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All }];
         let out = model.forward(&mut rows).unwrap();
+        cache.commit_window(piece.len());
         logits.extend(out[0].logits.iter().map(|l| bits(l)));
         at += piece.len();
     }
@@ -90,6 +91,10 @@ fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
                 .map(|(c, w)| RowInput { tokens: w, cache: c, logits: Logits::All })
                 .collect();
             let out = model.forward(&mut rows).unwrap();
+            drop(rows);
+            for (c, w) in caches.iter_mut().zip(&windows) {
+                c.commit_window(w.len());
+            }
             got.extend(out[0].logits.iter().map(|l| bits(l)));
             for (r, w) in windows.iter().enumerate() {
                 at[r] += w.len();

@@ -253,7 +253,8 @@ impl<'a> Engine<'a> {
             if self.hits_stop(row) {
                 return Some(FinishReason::Stop);
             }
-            if row.tokens.len() >= row.max_tokens || row.prompt_len + row.tokens.len() >= self.model.max_positions() {
+            // The last token needs no position of its own: a sequence may reach context + 1.
+            if row.tokens.len() >= row.max_tokens || row.prompt_len + row.tokens.len() > self.model.max_positions() {
                 return Some(FinishReason::Length);
             }
         }

@@ -3,6 +3,10 @@
 
 use std::path::PathBuf;
 
+use mtp::drafter::Drafter;
+use mtp::engine::{generate, Completion, Engine, EngineOptions, Request};
+use mtp::model::{Error, Model};
+
 pub const FAMILIES: [&str; 6] =
     ["llama-target", "llama-draft", "qwen2-target", "qwen2-draft", "qwen3-target", "qwen3-draft"];
 
@@ -31,4 +35,25 @@ impl Lcg {
 
 pub fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `requests` through an engine with `drafter` and returns one result per request.
+pub fn run<'a>(
+    model: &'a Model,
+    drafter: Option<Box<dyn Drafter + 'a>>,
+    opts: EngineOptions,
+    requests: &[Request],
+    arrive_at: &[u64],
+) -> Vec<Result<Completion, Error>> {
+    let mut engine = Engine::new(model, drafter, opts);
+    generate(&mut engine, requests, arrive_at, |_, _| {})
+}
+
+/// Plain greedy decoding, `max_batch` rows at a time.
+pub fn plain(model: &Model, requests: &[Request], max_batch: usize) -> Vec<Result<Completion, Error>> {
+    run(model, None, EngineOptions { max_batch, ..EngineOptions::default() }, requests, &[])
+}
+
+pub fn request(id: &str, prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request { id: id.into(), prompt, max_tokens, ignore_eos: true, ..Request::default() }
 }
