@@ -1,0 +1,222 @@
+//! The parity gate. For every hf-tiny target, every drafter kind, k in {1, 3, 5} and max
+//! batch in {1, 3, 8}, with staggered arrivals: tokens and logprobs are bitwise those of
+//! plain decoding of each request alone. Decode equals prefill: a fresh prefill of
+//! prompt + tokens so far gives each token's logprob bit for bit. Negative controls: a
+//! rollback that skips compaction and RoPE at physical slots must each break the gate.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use common::{bits, fixture, plain, request, run};
+use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
+use mtp::engine::{prefill, Completion, EngineOptions, Request, WindowLayout};
+use mtp::model::kernels::logprob;
+use mtp::model::synth::SynthSpec;
+use mtp::model::{Model, MtpLayout};
+
+const TARGETS: [(&str, &str); 3] =
+    [("llama-target", "llama-draft"), ("qwen2-target", "qwen2-draft"), ("qwen3-target", "qwen3-draft")];
+const DRAFTERS: [&str; 5] = ["draft-model", "mtp-mimo", "mtp-deepseek", "ngram", "oracle"];
+
+/// Eight requests of different lengths; some stop at EOS, so rows retire at different
+/// rounds. Returns them with their arrival rounds.
+fn workload() -> (Vec<Request>, Vec<u64>) {
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3-target").join("golden.json")).unwrap()).unwrap();
+    let mut prompts: Vec<Vec<u32>> = golden["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect())
+        .collect();
+    prompts.push(vec![7, 8, 9, 7, 8, 9, 7, 8]);
+    prompts.push((0..40).map(|i| 3 + (i * 37) % 500).collect());
+    prompts.push(vec![300]);
+    prompts.push(vec![11, 12, 13, 14, 11, 12]);
+    let requests = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| Request { ignore_eos: i % 3 != 2, ..request(&format!("r{i}"), p, 10 + 3 * i) })
+        .collect();
+    (requests, vec![0, 0, 1, 2, 3, 5, 8, 13])
+}
+
+/// A fresh MTP head for `target`, in a directory no other test uses (the loader mmaps it).
+fn mtp_dir(tag: &str, target: &str, layout: MtpLayout) -> PathBuf {
+    let name = format!("mtp-parity-{}-{tag}-{target}-{}", std::process::id(), layout.name());
+    let dir = std::env::temp_dir().join(name);
+    SynthSpec::write_mtp_head(&fixture(target), layout, &dir, 5).unwrap();
+    dir
+}
+
+struct Target {
+    model: Arc<Model>,
+    draft: Arc<Model>,
+    mimo: PathBuf,
+    deepseek: PathBuf,
+    requests: Vec<Request>,
+    arrive_at: Vec<u64>,
+    reference: Vec<Completion>,
+}
+
+impl Target {
+    fn load(tag: &str, name: &'static str, draft: &str) -> Target {
+        let model = Arc::new(Model::load(&fixture(name)).unwrap());
+        let (requests, arrive_at) = workload();
+        // The reference: plain decoding, each request alone.
+        let reference = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
+        Target {
+            draft: Arc::new(Model::load(&fixture(draft)).unwrap()),
+            mimo: mtp_dir(tag, name, MtpLayout::MiMo),
+            deepseek: mtp_dir(tag, name, MtpLayout::DeepSeek),
+            model,
+            requests,
+            arrive_at,
+            reference,
+        }
+    }
+
+    fn drafter(&self, kind: &str) -> Box<dyn Drafter + 'static> {
+        match kind {
+            "draft-model" => Box::new(DraftModelDrafter::new(self.draft.clone(), &self.model).unwrap()),
+            "mtp-mimo" => Box::new(MtpDrafter::load(&self.mimo, self.model.clone()).unwrap()),
+            "mtp-deepseek" => Box::new(MtpDrafter::load(&self.deepseek, self.model.clone()).unwrap()),
+            "ngram" => Box::new(NgramDrafter::new(1, 3).unwrap()),
+            "oracle" => {
+                // The target's own continuation, each token corrupted with probability 0.4:
+                // rows of one batch accept different lengths every round.
+                let refs = self.requests.iter().zip(&self.reference).map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
+                Box::new(OracleDrafter::new(refs, 0.6, 11, self.model.config.vocab_size).unwrap())
+            }
+            other => panic!("unknown drafter {other}"),
+        }
+    }
+
+    /// Runs the workload with staggered arrivals; returns the first difference from the
+    /// reference, if any, and the engine's (drafted, accepted) counts.
+    fn check(&self, drafter: Option<&str>, opts: EngineOptions) -> (Option<String>, (u64, u64)) {
+        let mut engine = mtp::engine::Engine::new(&self.model, drafter.map(|d| self.drafter(d)), opts);
+        let got = mtp::engine::generate(&mut engine, &self.requests, &self.arrive_at, |_, _| {});
+        let counts = (engine.stats().drafted, engine.stats().accepted);
+        for (i, (g, want)) in got.into_iter().zip(&self.reference).enumerate() {
+            let g = match g {
+                Ok(g) => g,
+                Err(e) => return (Some(format!("request {i} failed: {e}")), counts),
+            };
+            if g.tokens != want.tokens || bits(&g.logprobs) != bits(&want.logprobs) || g.finish != want.finish {
+                return (
+                    Some(format!("request {i}: got {:?} {:?}, want {:?} {:?}", g.tokens, g.finish, want.tokens, want.finish)),
+                    counts,
+                );
+            }
+        }
+        (None, counts)
+    }
+}
+
+fn opts(k: usize, max_batch: usize, layout: WindowLayout) -> EngineOptions {
+    EngineOptions { k, max_batch, prefill_chunk: 4, layout, ..EngineOptions::default() }
+}
+
+fn gate(target: &'static str, draft: &str) {
+    let t = Target::load("gate", target, draft);
+    assert!(t.reference.iter().any(|c| c.tokens.len() >= 10), "{target}: reference too short to test anything");
+    for max_batch in [3, 8] {
+        let (diff, _) = t.check(None, opts(0, max_batch, WindowLayout::RowTail));
+        assert_eq!(diff, None, "{target}: plain decoding, max batch {max_batch}");
+    }
+    for kind in DRAFTERS {
+        let mut totals = (0, 0);
+        for k in [1, 3, 5] {
+            for max_batch in [1, 3, 8] {
+                let layout = if max_batch == 8 { WindowLayout::SharedSlots } else { WindowLayout::RowTail };
+                let (diff, (d, a)) = t.check(Some(kind), opts(k, max_batch, layout));
+                assert_eq!(diff, None, "{target}: drafter {kind}, k {k}, max batch {max_batch}");
+                totals = (totals.0 + d, totals.1 + a);
+            }
+        }
+        eprintln!("{target} {kind}: drafted {}, accepted {}", totals.0, totals.1);
+        assert!(totals.0 > 0 || kind == "ngram", "{target} {kind}: nothing was drafted");
+        if kind == "oracle" {
+            assert!(totals.1 > 0 && totals.1 < totals.0, "{target}: the oracle must force mixed accepts");
+        }
+    }
+    for p in [&t.mimo, &t.deepseek] {
+        std::fs::remove_dir_all(p).ok();
+    }
+}
+
+#[test]
+fn gate_llama() {
+    gate(TARGETS[0].0, TARGETS[0].1);
+}
+
+#[test]
+fn gate_qwen2() {
+    gate(TARGETS[1].0, TARGETS[1].1);
+}
+
+#[test]
+fn gate_qwen3() {
+    gate(TARGETS[2].0, TARGETS[2].1);
+}
+
+#[test]
+fn decode_equals_prefill() {
+    for (name, _) in TARGETS {
+        let model = Model::load(&fixture(name)).unwrap();
+        let (requests, _) = workload();
+        for (r, c) in requests.iter().zip(plain(&model, &requests, 8)) {
+            let c = c.unwrap();
+            for j in 0..c.tokens.len() {
+                let seq: Vec<u32> = r.prompt.iter().chain(&c.tokens[..j]).copied().collect();
+                let mut cache = model.new_cache();
+                let (logits, _) = prefill(&model, &mut cache, &seq, 7, false).unwrap();
+                assert_eq!(
+                    logprob(&logits, c.tokens[j]).to_bits(),
+                    c.logprobs[j].to_bits(),
+                    "{name} {}: token {j} logprob differs between decode and prefill",
+                    r.id
+                );
+            }
+        }
+    }
+}
+
+/// The gate run with each fault turned on must fail; with shared slots and no fault it
+/// passes, so the compaction it exercises is real.
+#[test]
+fn negative_controls_break_the_gate() {
+    let t = Target::load("controls", "qwen3-target", "qwen3-draft");
+    let shared = opts(3, 8, WindowLayout::SharedSlots);
+    assert_eq!(t.check(Some("oracle"), shared.clone()).0, None, "shared slots with compaction must pass");
+
+    mtp::cache::negative_control::set_skip_compaction(true);
+    let (no_compaction, _) = t.check(Some("oracle"), shared.clone());
+    mtp::cache::negative_control::set_skip_compaction(false);
+    assert!(no_compaction.is_some(), "the gate missed a rollback that leaves holes uncompacted");
+
+    mtp::model::negative_control::set_physical_rope(true);
+    let (physical, _) = t.check(Some("oracle"), shared);
+    mtp::model::negative_control::set_physical_rope(false);
+    assert!(physical.is_some(), "the gate missed RoPE at physical slots");
+    eprintln!("no compaction: {}\nphysical rope: {}", no_compaction.unwrap(), physical.unwrap());
+    for p in [&t.mimo, &t.deepseek] {
+        std::fs::remove_dir_all(p).ok();
+    }
+}
+
+#[test]
+fn plain_run_helper_matches_engine() {
+    // `run` with no drafter is the same loop as `plain`: a sanity check of the helpers.
+    let model = Model::load(&fixture("llama-draft")).unwrap();
+    let (requests, arrive_at) = workload();
+    let a = plain(&model, &requests, 2);
+    let b = run(&model, None, opts(4, 5, WindowLayout::SharedSlots), &requests, &arrive_at);
+    for (x, y) in a.iter().zip(&b) {
+        let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+        assert_eq!((&x.tokens, bits(&x.logprobs)), (&y.tokens, bits(&y.logprobs)));
+    }
+}
