@@ -92,3 +92,39 @@ fn bad_requests_fail_alone_and_bad_files_are_named() {
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
 }
+
+#[test]
+fn every_drafter_prints_what_plain_decoding_prints() {
+    let prompts = write_prompts(
+        "drafters",
+        "{\"id\": \"a\", \"prompt\": \"fn main() {\", \"arrive_at\": 2}\n\
+         {\"id\": \"b\", \"prompt_ids\": [7, 8, 9, 7, 8, 9, 7], \"max_tokens\": 9}\n\
+         {\"id\": \"c\", \"prompt\": \"let x = 1;\\nlet y = 2;\", \"arrive_at\": 5}\n",
+    );
+    let target = common::fixture("qwen3-target");
+    let mtp_dir = std::env::temp_dir().join(format!("mtp-cli-head-{}", std::process::id()));
+    let (t, head) = (target.to_str().unwrap(), mtp_dir.to_str().unwrap());
+    let (code, _, err) = mtp(&["synth-mtp", "--target", t, "--layout", "deepseek", "--out", head]);
+    assert_eq!(code, 0, "{err}");
+    let draft = common::fixture("qwen3-draft");
+    let base = ["generate", "--target", t, "--prompts", &prompts, "--ignore-eos", "--max-tokens", "14"];
+    let (code, want, err) = mtp(&base);
+    assert_eq!(code, 0, "{err}");
+    for extra in [
+        vec!["--drafter", "ngram", "--k", "3", "--max-batch", "2"],
+        vec!["--drafter", "draft-model", "--draft", draft.to_str().unwrap(), "--k", "5"],
+        vec!["--drafter", "mtp", "--draft", head, "--k", "2", "--max-batch", "1"],
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let (code, got, err) = mtp(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        assert_eq!(got, want, "{extra:?} changed the output");
+    }
+    let (code, _, err) = mtp(&[&base[..], &["--drafter", "draft-model"]].concat());
+    assert!(code == 1 && err.contains("--draft"), "{err}");
+    let (code, _, err) = mtp(&[&base[..], &["--drafter", "medusa"]].concat());
+    assert!(code == 1 && err.contains("unknown --drafter `medusa`"), "{err}");
+    let (code, _, err) = mtp(&[&base[..], &["--drafter", "mtp"]].concat());
+    assert!(code == 1 && err.contains("num_nextn_predict_layers"), "{err}");
+    std::fs::remove_dir_all(mtp_dir).ok();
+}

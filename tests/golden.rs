@@ -41,11 +41,8 @@ fn greedy_tokens_match_transformers() {
         let model = Model::load(&fixture(name)).unwrap();
         let g = golden(name);
         let prompts = g["prompts"].as_array().unwrap();
-        let requests: Vec<Request> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| common::request(&i.to_string(), ids(p), 40))
-            .collect();
+        let requests: Vec<Request> =
+            prompts.iter().enumerate().map(|(i, p)| common::request(&i.to_string(), ids(p), 40)).collect();
         let opts = EngineOptions { max_batch: 3, prefill_chunk: 5, ..EngineOptions::default() };
         let out = common::run(&model, None, opts, &requests, &[]);
         for (i, res) in out.into_iter().enumerate() {

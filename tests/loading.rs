@@ -205,3 +205,97 @@ fn a_prompt_filling_the_whole_context_still_gets_its_token() {
     // Two free positions: the prefill token plus two decode steps.
     assert_eq!(out[1].as_ref().unwrap().tokens.len(), 3);
 }
+
+fn tensor_names(file: &Path) -> Vec<String> {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").cloned().collect()
+}
+
+fn mtp_err(dir: &Path, target: &std::sync::Arc<Model>) -> String {
+    match mtp::drafter::MtpDrafter::load(dir, target.clone()) {
+        Ok(_) => panic!("{} loaded as an MTP head but should not", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn mtp_heads_load_in_both_layouts_and_inside_the_target() {
+    use mtp::drafter::{Commit, Drafter, MtpDrafter};
+    use mtp::model::{synth::SynthSpec, MtpLayout};
+    let target_dir = fixture("qwen2-target");
+    let target = std::sync::Arc::new(Model::load(&target_dir).unwrap());
+    let mut proposals = Vec::new();
+    for layout in [MtpLayout::MiMo, MtpLayout::DeepSeek] {
+        let dir =
+            std::env::temp_dir().join(format!("mtp-load-head-{}-{}", layout.name(), std::process::id()));
+        SynthSpec::write_mtp_head(&target_dir, layout, &dir, 3).unwrap();
+        let mut d = MtpDrafter::load(&dir, target.clone()).unwrap();
+        assert_eq!(d.head().layout, layout);
+        let h = target.config.hidden_size;
+        let hidden: Vec<f32> = (0..3 * h).map(|i| (i as f32 * 0.37).sin()).collect();
+        d.commit(0, Commit { start: 0, tokens: &[4, 5, 6], hidden: &hidden, next: 7 }).unwrap();
+        let p = d.propose(&[(0, 3)]).unwrap().remove(0);
+        assert_eq!(p.len(), 3);
+        proposals.push((dir, p));
+    }
+    // DeepSeek-V3 style: the head's tensors ship inside the target checkpoint, in a second
+    // shard listed by model.safetensors.index.json.
+    let (ds_dir, ds_proposal) = &proposals[1];
+    let inside = copy_fixture("qwen2-target", "mtp-inside");
+    std::fs::rename(inside.join("model.safetensors"), inside.join("model-00001-of-00002.safetensors"))
+        .unwrap();
+    std::fs::copy(ds_dir.join("model.safetensors"), inside.join("model-00002-of-00002.safetensors")).unwrap();
+    let mut map = serde_json::Map::new();
+    for shard in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
+        for name in tensor_names(&inside.join(shard)) {
+            map.insert(name, shard.into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(inside.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    edit_config(&inside, |v| v["num_nextn_predict_layers"] = 1.into());
+    let own = Model::load(&inside).unwrap();
+    assert_eq!(own.config.num_nextn_predict_layers, 1);
+    let mut d = MtpDrafter::load(&inside, target.clone()).unwrap();
+    let h = target.config.hidden_size;
+    let hidden: Vec<f32> = (0..3 * h).map(|i| (i as f32 * 0.37).sin()).collect();
+    d.commit(0, Commit { start: 0, tokens: &[4, 5, 6], hidden: &hidden, next: 7 }).unwrap();
+    assert_eq!(&d.propose(&[(0, 3)]).unwrap()[0], ds_proposal, "same weights, same drafts");
+
+    // A checkpoint that declares no MTP head, or whose head is not where the config says.
+    let e = mtp_err(&target_dir, &target);
+    assert!(e.contains("num_nextn_predict_layers"), "{e}");
+    let (mimo_dir, _) = &proposals[0];
+    edit_config(ds_dir, |v| v["num_hidden_layers"] = 7.into());
+    let e = mtp_err(ds_dir, &target);
+    assert!(
+        e.contains("model.layers.7.eh_proj.weight") && e.contains("model.mtp_layers.0.input_proj.weight"),
+        "{e}"
+    );
+    edit_config(mimo_dir, |v| v["hidden_size"] = 8.into());
+    let e = mtp_err(mimo_dir, &target);
+    assert!(e.contains("hidden_size") && e.contains("config.json"), "{e}");
+    for dir in [&proposals[0].0, &proposals[1].0, &inside] {
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+#[test]
+fn draft_model_with_another_vocabulary_is_refused() {
+    let target_dir = fixture("llama-target");
+    let target = Model::load(&target_dir).unwrap();
+    let dir = copy_fixture("llama-draft", "vocab");
+    let spec = mtp::model::synth::SynthSpec {
+        vocab_size: 256,
+        ..mtp::model::synth::SynthSpec::from_config(&Model::load(&dir).unwrap().config)
+    };
+    spec.write(&dir).unwrap();
+    let e = match mtp::drafter::DraftModelDrafter::load(&dir, &target_dir, &target) {
+        Ok(_) => panic!("a 256-token draft model was accepted for a 512-token target"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("vocabulary of 256") && e.contains("512") && e.contains("draft model"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}

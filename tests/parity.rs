@@ -24,7 +24,8 @@ const DRAFTERS: [&str; 5] = ["draft-model", "mtp-mimo", "mtp-deepseek", "ngram",
 /// rounds. Returns them with their arrival rounds.
 fn workload() -> (Vec<Request>, Vec<u64>) {
     let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3-target").join("golden.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3-target").join("golden.json")).unwrap())
+            .unwrap();
     let mut prompts: Vec<Vec<u32>> = golden["prompts"]
         .as_array()
         .unwrap()
@@ -87,7 +88,11 @@ impl Target {
             "oracle" => {
                 // The target's own continuation, each token corrupted with probability 0.4:
                 // rows of one batch accept different lengths every round.
-                let refs = self.requests.iter().zip(&self.reference).map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
+                let refs = self
+                    .requests
+                    .iter()
+                    .zip(&self.reference)
+                    .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
                 Box::new(OracleDrafter::new(refs, 0.6, 11, self.model.config.vocab_size).unwrap())
             }
             other => panic!("unknown drafter {other}"),
@@ -105,9 +110,13 @@ impl Target {
                 Ok(g) => g,
                 Err(e) => return (Some(format!("request {i} failed: {e}")), counts),
             };
-            if g.tokens != want.tokens || bits(&g.logprobs) != bits(&want.logprobs) || g.finish != want.finish {
+            if g.tokens != want.tokens || bits(&g.logprobs) != bits(&want.logprobs) || g.finish != want.finish
+            {
                 return (
-                    Some(format!("request {i}: got {:?} {:?}, want {:?} {:?}", g.tokens, g.finish, want.tokens, want.finish)),
+                    Some(format!(
+                        "request {i}: got {:?} {:?}, want {:?} {:?}",
+                        g.tokens, g.finish, want.tokens, want.finish
+                    )),
                     counts,
                 );
             }
@@ -122,7 +131,10 @@ fn opts(k: usize, max_batch: usize, layout: WindowLayout) -> EngineOptions {
 
 fn gate(target: &'static str, draft: &str) {
     let t = Target::load("gate", target, draft);
-    assert!(t.reference.iter().any(|c| c.tokens.len() >= 10), "{target}: reference too short to test anything");
+    assert!(
+        t.reference.iter().any(|c| c.tokens.len() >= 10),
+        "{target}: reference too short to test anything"
+    );
     for max_batch in [3, 8] {
         let (diff, _) = t.check(None, opts(0, max_batch, WindowLayout::RowTail));
         assert_eq!(diff, None, "{target}: plain decoding, max batch {max_batch}");

@@ -41,7 +41,8 @@ impl DraftModelDrafter {
     /// token-to-id map.
     pub fn load(draft_dir: &Path, target_dir: &Path, target: &Model) -> Result<DraftModelDrafter, Error> {
         let draft = Model::load(draft_dir)?;
-        let mismatch = |msg: String| Error::Request { request: format!("draft model {}", draft_dir.display()), msg };
+        let mismatch =
+            |msg: String| Error::Request { request: format!("draft model {}", draft_dir.display()), msg };
         let (dv, tv) = (draft.config.vocab_size, target.config.vocab_size);
         if dv != tv {
             return Err(mismatch(format!(
@@ -73,7 +74,10 @@ impl Drafter for DraftModelDrafter {
 
     fn commit(&mut self, row: RowId, c: Commit) -> Result<(), Error> {
         let seq = self.seqs.apply(row, &c)?;
-        let r = self.rows.entry(row).or_insert_with(|| DraftRow { cache: self.model.new_cache(), fed: Vec::new() });
+        let r = self
+            .rows
+            .entry(row)
+            .or_insert_with(|| DraftRow { cache: self.model.new_cache(), fed: Vec::new() });
         // Rollback: keep the cache only as far as it agrees with the committed tokens.
         let valid = r.fed.iter().zip(seq).take_while(|(a, b)| a == b).count().min(r.cache.len());
         r.cache.truncate(valid);
@@ -105,8 +109,12 @@ impl Drafter for DraftModelDrafter {
             if active.is_empty() {
                 break;
             }
-            let mut caches: HashMap<RowId, &mut DraftRow> =
-                self.rows.iter_mut().filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id)).map(|(&id, r)| (id, r)).collect();
+            let mut caches: HashMap<RowId, &mut DraftRow> = self
+                .rows
+                .iter_mut()
+                .filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id))
+                .map(|(&id, r)| (id, r))
+                .collect();
             let mut inputs: Vec<RowInput> = Vec::with_capacity(active.len());
             let mut order = Vec::with_capacity(active.len());
             for &i in &active {

@@ -73,7 +73,10 @@ fn check_distinct(rows: &[(RowId, usize)]) -> Result<(), Error> {
     let mut ids: Vec<RowId> = rows.iter().map(|r| r.0).collect();
     ids.sort_unstable();
     match ids.windows(2).find(|w| w[0] == w[1]) {
-        Some(w) => Err(Error::Request { request: format!("row {}", w[0]), msg: "proposed for twice in one call".into() }),
+        Some(w) => Err(Error::Request {
+            request: format!("row {}", w[0]),
+            msg: "proposed for twice in one call".into(),
+        }),
         None => Ok(()),
     }
 }

@@ -114,17 +114,29 @@ impl Drafter for MtpDrafter {
             if active.is_empty() {
                 break;
             }
-            let mut state: HashMap<RowId, &mut MtpRow> =
-                self.rows.iter_mut().filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id)).map(|(&id, r)| (id, r)).collect();
+            let mut state: HashMap<RowId, &mut MtpRow> = self
+                .rows
+                .iter_mut()
+                .filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id))
+                .map(|(&id, r)| (id, r))
+                .collect();
             let mut inputs: Vec<MtpInput> = Vec::with_capacity(active.len());
             for &i in &active {
                 let r = state.remove(&rows[i].0).expect("row state exists");
                 if step == 0 {
                     r.true_len += r.queued_tokens.len();
-                    inputs.push(MtpInput { hidden: &r.queued_hidden, tokens: &r.queued_tokens, cache: &mut r.cache });
+                    inputs.push(MtpInput {
+                        hidden: &r.queued_hidden,
+                        tokens: &r.queued_tokens,
+                        cache: &mut r.cache,
+                    });
                 } else {
                     let (hid, tok) = &next[i];
-                    inputs.push(MtpInput { hidden: hid, tokens: std::slice::from_ref(tok), cache: &mut r.cache });
+                    inputs.push(MtpInput {
+                        hidden: hid,
+                        tokens: std::slice::from_ref(tok),
+                        cache: &mut r.cache,
+                    });
                 }
             }
             let result = self.head.forward(&self.target, &mut inputs);

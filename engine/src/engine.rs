@@ -32,7 +32,13 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { max_batch: 8, prefill_chunk: 64, k: 4, layout: WindowLayout::RowTail, kv_budget_bytes: None }
+        EngineOptions {
+            max_batch: 8,
+            prefill_chunk: 64,
+            k: 4,
+            layout: WindowLayout::RowTail,
+            kv_budget_bytes: None,
+        }
     }
 }
 
@@ -96,6 +102,16 @@ impl<'a> Engine<'a> {
         &self.stats
     }
 
+    /// Requests decoding now.
+    pub fn running(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Requests queued for admission.
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
     /// No request waiting or running.
     pub fn is_idle(&self) -> bool {
         self.queue.is_empty() && self.active.is_empty() && self.outbox.is_empty()
@@ -127,7 +143,10 @@ impl<'a> Engine<'a> {
             return err(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
         }
         if r.prompt.len() > context {
-            return err(format!("prompt of {} tokens does not fit the model's context of {context}", r.prompt.len()));
+            return err(format!(
+                "prompt of {} tokens does not fit the model's context of {context}",
+                r.prompt.len()
+            ));
         }
         if !r.stop.is_empty() && self.tokenizer.is_none() {
             return err("stop strings need a tokenizer (the target has no tokenizer.json)".into());
@@ -242,7 +261,13 @@ impl<'a> Engine<'a> {
     }
 
     /// Appends tokens to a row until one finishes it; returns why it finished.
-    fn emit(&self, row: &mut Row, tokens: &[u32], logprobs: &[f32], events: &mut Vec<Event>) -> Option<FinishReason> {
+    fn emit(
+        &self,
+        row: &mut Row,
+        tokens: &[u32],
+        logprobs: &[f32],
+        events: &mut Vec<Event>,
+    ) -> Option<FinishReason> {
         let eos = &self.model.config.eos_token_ids;
         for (&token, &logprob) in tokens.iter().zip(logprobs) {
             row.tokens.push(token);
@@ -254,7 +279,9 @@ impl<'a> Engine<'a> {
                 return Some(FinishReason::Stop);
             }
             // The last token needs no position of its own: a sequence may reach context + 1.
-            if row.tokens.len() >= row.max_tokens || row.prompt_len + row.tokens.len() > self.model.max_positions() {
+            if row.tokens.len() >= row.max_tokens
+                || row.prompt_len + row.tokens.len() > self.model.max_positions()
+            {
                 return Some(FinishReason::Length);
             }
         }
@@ -313,7 +340,8 @@ impl<'a> Engine<'a> {
         }
         let draft_time = t0.elapsed();
         let t1 = Instant::now();
-        let pending: Vec<u32> = self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
+        let pending: Vec<u32> =
+            self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
         let mut rows: Vec<VerifyRow> = self
             .active
@@ -347,8 +375,10 @@ impl<'a> Engine<'a> {
                 self.release(&row);
                 continue;
             }
-            let kept: Vec<u32> = std::iter::once(pending[i]).chain(drafts[i][..v.accepted].iter().copied()).collect();
-            let hidden: &[f32] = if self.drafter.as_ref().is_some_and(|d| d.needs_hidden()) { &v.hidden } else { &[] };
+            let kept: Vec<u32> =
+                std::iter::once(pending[i]).chain(drafts[i][..v.accepted].iter().copied()).collect();
+            let hidden: &[f32] =
+                if self.drafter.as_ref().is_some_and(|d| d.needs_hidden()) { &v.hidden } else { &[] };
             let bonus = *v.tokens.last().expect("verify emits the bonus token");
             self.drafter_commit(&mut row, Commit { start: starts[i], tokens: &kept, hidden, next: bonus });
             keep.push(row);

@@ -45,10 +45,20 @@ impl FinishReason {
 #[derive(Debug)]
 pub enum Event {
     /// One generated token and its natural-log probability under the target.
-    Token { request: RequestId, token: u32, logprob: f32 },
-    Finished { request: RequestId, reason: FinishReason },
+    Token {
+        request: RequestId,
+        token: u32,
+        logprob: f32,
+    },
+    Finished {
+        request: RequestId,
+        reason: FinishReason,
+    },
     /// The request ended with an error; other requests are unaffected.
-    Failed { request: RequestId, error: Error },
+    Failed {
+        request: RequestId,
+        error: Error,
+    },
 }
 
 /// A finished request, assembled from its events.

@@ -1,0 +1,151 @@
+//! The engine's request lifecycle: event stream, stop strings, cancellation, the KV
+//! budget, and per-request errors that leave other rows running.
+
+mod common;
+
+use common::{bits, fixture, plain, request};
+use mtp::drafter::{NgramDrafter, OracleDrafter};
+use mtp::engine::{generate, Engine, EngineOptions, Event, FinishReason, Request};
+use mtp::model::{Model, Tokenizer};
+
+fn requests() -> Vec<Request> {
+    (0..5)
+        .map(|i| request(&format!("q{i}"), (0..3 + 4 * i as u32).map(|t| 30 + t * 11).collect(), 14))
+        .collect()
+}
+
+#[test]
+fn events_stream_every_token_then_the_finish() {
+    let model = Model::load(&fixture("qwen2-target")).unwrap();
+    let reqs = requests();
+    let want = plain(&model, &reqs, 1);
+    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), EngineOptions::default());
+    let ids: Vec<u64> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    let mut streamed: Vec<Vec<(u32, f32)>> = vec![Vec::new(); reqs.len()];
+    let mut finished = vec![None; reqs.len()];
+    while !engine.is_idle() {
+        for e in engine.step() {
+            match e {
+                Event::Token { request, token, logprob } => {
+                    let i = ids.iter().position(|&x| x == request).unwrap();
+                    assert!(finished[i].is_none(), "token after finish");
+                    streamed[i].push((token, logprob));
+                }
+                Event::Finished { request, reason } => {
+                    finished[ids.iter().position(|&x| x == request).unwrap()] = Some(reason);
+                }
+                Event::Failed { error, .. } => panic!("{error}"),
+            }
+        }
+    }
+    for (i, w) in want.into_iter().enumerate() {
+        let w = w.unwrap();
+        let (t, l): (Vec<u32>, Vec<f32>) = streamed[i].iter().copied().unzip();
+        assert_eq!((t, bits(&l), finished[i]), (w.tokens, bits(&w.logprobs), Some(w.finish)));
+    }
+}
+
+#[test]
+fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
+    let dir = fixture("qwen3-target");
+    let model = Model::load(&dir).unwrap();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let reqs = requests();
+    let full = plain(&model, &reqs, 1);
+    // A stop string taken from the middle of request 2's output.
+    let out = &full[2].as_ref().unwrap().tokens;
+    let stop = tok.decode(&out[6..8]).unwrap();
+    assert!(!stop.is_empty());
+    let reqs: Vec<Request> = reqs.into_iter().map(|r| Request { stop: vec![stop.clone()], ..r }).collect();
+    let mut plain_engine = Engine::new(&model, None, EngineOptions::default()).with_tokenizer(&tok);
+    let want = generate(&mut plain_engine, &reqs, &[], |_, _| {});
+    let w2 = want[2].as_ref().unwrap();
+    assert_eq!(w2.finish, FinishReason::Stop);
+    assert!(w2.tokens.len() <= 8 && tok.decode(&w2.tokens).unwrap().contains(&stop));
+    assert!(!tok.decode(&w2.tokens[..w2.tokens.len() - 1]).unwrap().contains(&stop), "stopped late");
+    // The oracle accepts whole blocks; the stop must still cut at the same token.
+    let refs = reqs.iter().zip(&full).map(|(r, c)| (r.prompt.clone(), c.as_ref().unwrap().tokens.clone()));
+    let oracle = OracleDrafter::new(refs, 1.0, 0, 512).unwrap();
+    let mut spec =
+        Engine::new(&model, Some(Box::new(oracle)), EngineOptions { k: 5, ..EngineOptions::default() })
+            .with_tokenizer(&tok);
+    let got = generate(&mut spec, &reqs, &[], |_, _| {});
+    assert!(spec.stats().acceptance_rate() > 0.9);
+    for (g, w) in got.iter().zip(&want) {
+        let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+        assert_eq!((&g.tokens, bits(&g.logprobs), g.finish), (&w.tokens, bits(&w.logprobs), w.finish));
+    }
+    // Without a tokenizer a stop string cannot be honoured: refused, not ignored.
+    let mut bare = Engine::new(&model, None, EngineOptions::default());
+    assert!(bare.submit(reqs[0].clone()).unwrap_err().to_string().contains("tokenizer"));
+}
+
+#[test]
+fn cancel_removes_waiting_and_running_requests_only() {
+    let model = Model::load(&fixture("llama-target")).unwrap();
+    let reqs = requests();
+    let want = plain(&model, &reqs, 1);
+    let opts = EngineOptions { max_batch: 2, ..EngineOptions::default() };
+    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts);
+    let ids: Vec<u64> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    let mut events = engine.step();
+    assert_eq!((engine.running(), engine.waiting()), (2, 3));
+    assert!(engine.cancel(ids[0]) && engine.cancel(ids[4]));
+    assert!(!engine.cancel(ids[4]) && !engine.cancel(999));
+    while !engine.is_idle() {
+        events.extend(engine.step());
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let tokens: Vec<u32> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { request, token, .. } if request == id => Some(*token),
+                _ => None,
+            })
+            .collect();
+        let reason = events.iter().find_map(|e| match e {
+            Event::Finished { request, reason } if request == id => Some(*reason),
+            _ => None,
+        });
+        let w = want[i].as_ref().unwrap();
+        match i {
+            0 => assert_eq!(reason, Some(FinishReason::Cancelled)),
+            4 => assert_eq!((reason, tokens.len()), (Some(FinishReason::Cancelled), 0)),
+            _ => assert_eq!((tokens, reason), (w.tokens.clone(), Some(w.finish))),
+        }
+    }
+}
+
+#[test]
+fn kv_budget_queues_and_refuses_without_changing_outputs() {
+    let model = Model::load(&fixture("qwen2-target")).unwrap();
+    let reqs = requests();
+    let want = plain(&model, &reqs, 1);
+    // Room for the two largest requests' worst case, not three.
+    let per = model.kv_bytes_per_token();
+    let budget = 2 * (reqs[4].prompt.len() + 14 + 5) * per;
+    let opts =
+        EngineOptions { max_batch: 8, k: 4, kv_budget_bytes: Some(budget), ..EngineOptions::default() };
+    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts);
+    let huge = request("huge", vec![5; 400], 400);
+    let e = engine.submit(huge).unwrap_err().to_string();
+    assert!(e.contains("huge") && e.contains("budget"), "{e}");
+    let ids: Vec<u64> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    let mut most_running = 0;
+    let mut events = Vec::new();
+    while !engine.is_idle() {
+        events.extend(engine.step());
+        most_running = most_running.max(engine.running());
+    }
+    assert!((2..=3).contains(&most_running), "budget admitted {most_running} rows");
+    for (id, w) in ids.iter().zip(want) {
+        let tokens: Vec<u32> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token { request, token, .. } if request == id => Some(*token),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tokens, w.unwrap().tokens);
+    }
+}
