@@ -356,7 +356,9 @@ impl<'a> Engine<'a> {
         self.stats.draft_time += draft_time;
         self.stats.verify_time += verify_time;
         self.stats.rounds += 1;
-        let (drafted, mut accepted) = (drafts.iter().map(Vec::len).sum::<usize>(), 0);
+        let drafted = drafts.iter().map(Vec::len).sum::<usize>();
+        // accepted_at[j]: rows that accepted draft position j + 1 this round.
+        let mut accepted_at = vec![0usize; self.opts.k];
         let mut rows = std::mem::take(&mut self.active);
         let mut keep = Vec::with_capacity(rows.len());
         for (i, (mut row, result)) in rows.drain(..).zip(results).enumerate() {
@@ -369,7 +371,9 @@ impl<'a> Engine<'a> {
                 }
             };
             self.stats.record(drafts[i].len(), v.accepted);
-            accepted += v.accepted;
+            for a in &mut accepted_at[..v.accepted] {
+                *a += 1;
+            }
             if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, events) {
                 events.push(Event::Finished { request: row.id, reason });
                 self.release(&row);
@@ -388,7 +392,8 @@ impl<'a> Engine<'a> {
             round = self.stats.rounds,
             rows = drafts.len(),
             drafted,
-            accepted,
+            accepted = accepted_at.iter().sum::<usize>(),
+            ?accepted_at,
             draft_ms = draft_time.as_secs_f64() * 1e3,
             verify_ms = verify_time.as_secs_f64() * 1e3,
             "round"
