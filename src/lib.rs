@@ -8,8 +8,16 @@ pub use mtp_engine as engine;
 pub use mtp_model as model;
 pub use mtp_verifier as verifier;
 
+pub mod bench;
 pub mod prompts;
 
 /// The checkpoint `mtp generate` runs when no `--target` is given: shipped in the
 /// repository, so the command needs no download.
 pub const DEFAULT_TARGET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny/qwen3-target");
+
+/// The draft model shipped for [`DEFAULT_TARGET`] (same tokenizer, smaller).
+pub const DEFAULT_DRAFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny/qwen3-draft");
+
+/// An MTP head (MiMo layout, random weights, written by `mtp synth-mtp`) for
+/// [`DEFAULT_TARGET`].
+pub const DEFAULT_MTP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/mtp-heads/qwen3-target-mimo");

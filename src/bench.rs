@@ -1,0 +1,314 @@
+//! `mtp-bench`: plain decoding and every drafter x k x batch on one workload, with an
+//! identity check of every row against plain decoding.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use mtp_drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
+use mtp_engine::{generate, Completion, Engine, EngineOptions, Request, SpecStats};
+use mtp_model::{Model, Tokenizer};
+use serde::Serialize;
+
+/// One `--drafters` entry.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DrafterSpec {
+    DraftModel(PathBuf),
+    /// An MTP head from this directory, or from the target's own checkpoint.
+    Mtp(Option<PathBuf>),
+    Ngram,
+    /// Replays plain decoding's output, each token kept with probability `alpha`.
+    Oracle(f64),
+}
+
+impl DrafterSpec {
+    /// Parses `draft-model:DIR,mtp[:DIR],ngram,oracle:ALPHA`.
+    pub fn parse_list(list: &str) -> Result<Vec<DrafterSpec>> {
+        list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(DrafterSpec::parse).collect()
+    }
+
+    fn parse(s: &str) -> Result<DrafterSpec> {
+        let (kind, arg) = match s.split_once(':') {
+            Some((k, a)) => (k, Some(a)),
+            None => (s, None),
+        };
+        Ok(match (kind, arg) {
+            ("draft-model", Some(dir)) => DrafterSpec::DraftModel(dir.into()),
+            ("draft-model", None) => bail!("`draft-model` needs a directory: draft-model:DIR"),
+            ("mtp", dir) => DrafterSpec::Mtp(dir.map(PathBuf::from)),
+            ("ngram", None) => DrafterSpec::Ngram,
+            ("oracle", Some(a)) => {
+                let alpha: f64 = a.parse().with_context(|| format!("oracle:{a}: ALPHA must be a number"))?;
+                if !(0.0..=1.0).contains(&alpha) {
+                    bail!("oracle:{a}: ALPHA must be in [0, 1]");
+                }
+                DrafterSpec::Oracle(alpha)
+            }
+            ("oracle", None) => bail!("`oracle` needs an acceptance probability: oracle:ALPHA"),
+            _ => bail!("unknown drafter `{s}` (draft-model:DIR, mtp[:DIR], ngram, oracle:ALPHA)"),
+        })
+    }
+
+    /// The name in tables and JSON.
+    pub fn label(&self) -> String {
+        match self {
+            DrafterSpec::DraftModel(_) => "draft-model".into(),
+            DrafterSpec::Mtp(_) => "mtp".into(),
+            DrafterSpec::Ngram => "ngram".into(),
+            DrafterSpec::Oracle(a) => format!("oracle:{a}"),
+        }
+    }
+}
+
+/// Builds drafters once per spec (weights loaded once, state fresh per run).
+pub struct DrafterFactory {
+    spec: DrafterSpec,
+    draft: Option<Arc<Model>>,
+    target_dir: PathBuf,
+}
+
+impl DrafterFactory {
+    pub fn new(spec: DrafterSpec, target_dir: &Path, target: &Model) -> Result<DrafterFactory> {
+        let draft = match &spec {
+            DrafterSpec::DraftModel(dir) => {
+                // Loads and checks the vocabulary once; runs reuse the weights.
+                let d = DraftModelDrafter::load(dir, target_dir, target)?;
+                drop(d);
+                Some(Arc::new(Model::load(dir)?))
+            }
+            _ => None,
+        };
+        Ok(DrafterFactory { spec, draft, target_dir: target_dir.to_path_buf() })
+    }
+
+    pub fn spec(&self) -> &DrafterSpec {
+        &self.spec
+    }
+
+    /// A fresh drafter; `reference` is plain decoding's output (for the oracle).
+    pub fn make(&self, target: &Arc<Model>, requests: &[Request], reference: &[Completion]) -> Result<Box<dyn Drafter>> {
+        Ok(match &self.spec {
+            DrafterSpec::DraftModel(_) => {
+                Box::new(DraftModelDrafter::new(self.draft.clone().expect("loaded in new"), target)?)
+            }
+            DrafterSpec::Mtp(dir) => {
+                Box::new(MtpDrafter::load(dir.as_deref().unwrap_or(&self.target_dir), target.clone())?)
+            }
+            DrafterSpec::Ngram => Box::new(NgramDrafter::default()),
+            DrafterSpec::Oracle(alpha) => {
+                let refs = requests.iter().zip(reference).map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
+                Box::new(OracleDrafter::new(refs, *alpha, 0x5eed, target.config.vocab_size)?)
+            }
+        })
+    }
+}
+
+/// One run's measurements.
+pub struct Run {
+    pub completions: Vec<Completion>,
+    pub stats: SpecStats,
+    pub seconds: f64,
+}
+
+impl Run {
+    pub fn tokens(&self) -> usize {
+        self.completions.iter().map(|c| c.tokens.len()).sum()
+    }
+
+    /// Decode throughput: generated tokens over the run's wall time minus prefill time
+    /// (prompt processing is the same work for every drafter and is reported apart).
+    pub fn tokens_per_second(&self) -> f64 {
+        let decode = self.seconds - self.stats.prefill_time.as_secs_f64();
+        self.tokens() as f64 / decode.max(1e-9)
+    }
+}
+
+/// Runs every request to completion (all arriving at once) and times the whole run.
+pub fn run(
+    model: &Model,
+    drafter: Option<Box<dyn Drafter + '_>>,
+    requests: &[Request],
+    batch: usize,
+    k: usize,
+) -> Result<Run> {
+    let opts = EngineOptions { max_batch: batch, k, ..EngineOptions::default() };
+    let mut engine = Engine::new(model, drafter, opts);
+    let t0 = Instant::now();
+    let results = generate(&mut engine, requests, &[], |_, _| {});
+    let seconds = t0.elapsed().as_secs_f64();
+    let completions = results.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(Run { completions, stats: engine.stats().clone(), seconds })
+}
+
+/// Per-request detail in the JSON report.
+#[derive(Serialize)]
+pub struct RequestDetail {
+    pub id: String,
+    pub tokens: usize,
+    pub identical: bool,
+}
+
+/// One table row.
+#[derive(Serialize)]
+pub struct Row {
+    pub drafter: String,
+    pub k: usize,
+    pub batch: usize,
+    pub acceptance_rate: f64,
+    pub mean_accepted_length: f64,
+    pub per_position_acceptance: Vec<f64>,
+    pub tokens: usize,
+    /// Wall time of the whole run, prefill included.
+    pub seconds: f64,
+    pub prefill_seconds: f64,
+    /// Generated tokens per second of decoding (prefill excluded).
+    pub tokens_per_second: f64,
+    pub speedup: f64,
+    pub draft_ms_per_round: f64,
+    pub verify_ms_per_round: f64,
+    pub rounds: u64,
+    pub identical: bool,
+    pub requests: Vec<RequestDetail>,
+}
+
+impl Row {
+    /// Measurements of `run` against plain decoding's `reference` and tokens/s `plain_tps`.
+    pub fn new(drafter: &str, k: usize, batch: usize, run: &Run, reference: &[Completion], plain_tps: f64) -> Row {
+        let requests: Vec<RequestDetail> = run
+            .completions
+            .iter()
+            .zip(reference)
+            .map(|(c, r)| RequestDetail { id: c.id.clone(), tokens: c.tokens.len(), identical: same(c, r) })
+            .collect();
+        let s = &run.stats;
+        let per_round = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.rounds.max(1) as f64;
+        Row {
+            drafter: drafter.to_string(),
+            k,
+            batch,
+            acceptance_rate: s.acceptance_rate(),
+            mean_accepted_length: s.mean_accepted_length(),
+            per_position_acceptance: s.per_position_acceptance(),
+            tokens: run.tokens(),
+            seconds: run.seconds,
+            prefill_seconds: s.prefill_time.as_secs_f64(),
+            tokens_per_second: run.tokens_per_second(),
+            speedup: run.tokens_per_second() / plain_tps.max(1e-9),
+            draft_ms_per_round: per_round(s.draft_time),
+            verify_ms_per_round: per_round(s.verify_time),
+            rounds: s.rounds,
+            identical: requests.len() == reference.len() && requests.iter().all(|r| r.identical),
+            requests,
+        }
+    }
+}
+
+/// Same tokens, same logprob bits, same finish.
+pub fn same(a: &Completion, b: &Completion) -> bool {
+    a.tokens == b.tokens
+        && a.finish == b.finish
+        && a.logprobs.len() == b.logprobs.len()
+        && a.logprobs.iter().zip(&b.logprobs).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The Markdown table of all rows.
+pub fn markdown(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| drafter | k | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let pos: Vec<String> = r.per_position_acceptance.iter().map(|p| format!("{p:.2}")).collect();
+        let dash = r.drafter == "none";
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} |\n",
+            r.drafter,
+            if dash { "-".into() } else { r.k.to_string() },
+            r.batch,
+            if dash { "-".into() } else { format!("{:.3}", r.acceptance_rate) },
+            if dash { "1.00".into() } else { format!("{:.2}", r.mean_accepted_length) },
+            if dash { "-".into() } else { pos.join(" ") },
+            r.tokens_per_second,
+            r.speedup,
+            r.draft_ms_per_round,
+            r.verify_ms_per_round,
+            if r.identical { "yes" } else { "**NO**" },
+        );
+    }
+    s
+}
+
+/// `n` prompts of `len` tokens cut from the text files under `dir` (sorted by path,
+/// concatenated, tokenized; cuts evenly spaced), so the same folder always gives the same
+/// prompts.
+pub fn prompts_from_dir(dir: &Path, tok: &Tokenizer, n: usize, len: usize, max_tokens: usize) -> Result<Vec<Request>> {
+    let mut files = Vec::new();
+    collect_files(dir, &mut files)?;
+    files.sort();
+    let mut ids = Vec::new();
+    for f in &files {
+        // Binary files are skipped; only text is cut into prompts.
+        if let Ok(text) = std::fs::read_to_string(f) {
+            ids.extend(tok.encode(&text).with_context(|| format!("tokenizing {}", f.display()))?);
+        }
+        if ids.len() >= 64 * n * len.max(1) {
+            break; // plenty to cut from
+        }
+    }
+    if n == 0 || len == 0 {
+        bail!("--num-prompts and --prompt-tokens must be at least 1");
+    }
+    if ids.len() < len {
+        bail!("{}: {} tokens of text, fewer than --prompt-tokens {len}", dir.display(), ids.len());
+    }
+    let span = ids.len() - len;
+    Ok((0..n)
+        .map(|i| {
+            let at = if n == 1 { 0 } else { span * i / (n - 1) };
+            Request {
+                id: format!("p{i}"),
+                prompt: ids[at..at + len].to_vec(),
+                max_tokens,
+                ignore_eos: true,
+                ..Request::default()
+            }
+        })
+        .collect())
+}
+
+fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    let entries = std::fs::read_dir(dir).with_context(|| format!("{}: cannot read folder", dir.display()))?;
+    for e in entries {
+        let p = e.with_context(|| format!("{}: cannot list", dir.display()))?.path();
+        if p.is_dir() {
+            collect_files(&p, out)?;
+        } else {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_drafter_lists() {
+        let l = DrafterSpec::parse_list("draft-model:/m, mtp,mtp:/h,ngram,oracle:0.7").unwrap();
+        assert_eq!(
+            l,
+            vec![
+                DrafterSpec::DraftModel("/m".into()),
+                DrafterSpec::Mtp(None),
+                DrafterSpec::Mtp(Some("/h".into())),
+                DrafterSpec::Ngram,
+                DrafterSpec::Oracle(0.7)
+            ]
+        );
+        for bad in ["draft-model", "oracle", "oracle:2", "oracle:x", "medusa", "ngram:3"] {
+            assert!(DrafterSpec::parse_list(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! `mtp-bench`: acceptance and speed of every drafter x k x batch against plain
+//! decoding, with a bitwise identity check of every row. Exits non-zero on any mismatch.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row};
+use mtp::model::{Model, Tokenizer};
+
+#[derive(Parser)]
+#[command(name = "mtp-bench", version, about = "Compare drafters' acceptance and speed; check every row is identical")]
+struct Cli {
+    /// Target checkpoint (default: the tiny checkpoint shipped in the repository).
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Comma-separated: draft-model:DIR, mtp[:DIR], ngram, oracle:ALPHA (default: the
+    /// shipped draft model and MTP head of the default target, and ngram).
+    #[arg(long)]
+    drafters: Option<String>,
+    /// Draft lengths to try.
+    #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
+    k: Vec<usize>,
+    /// Max batch sizes to try (every request arrives at once).
+    #[arg(long, default_value = "1,4", value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Prompts JSONL (as for `mtp generate`; default: examples/prompts.jsonl).
+    #[arg(long, conflicts_with = "prompts_dir")]
+    prompts: Option<PathBuf>,
+    /// Cut prompts from the text files in this folder instead.
+    #[arg(long)]
+    prompts_dir: Option<PathBuf>,
+    #[arg(long, default_value_t = 8)]
+    num_prompts: usize,
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    /// New tokens per request (EOS is ignored so every run generates the same count).
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Also write every number and per-request details here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    match bench(Cli::parse()) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("error: some rows differ from plain decoding (see `identical`): this is a bug");
+            ExitCode::from(3)
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench(cli: Cli) -> Result<bool> {
+    let default_target = cli.target.is_none();
+    let target_dir = cli.target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
+    let model = Arc::new(Model::load(&target_dir)?);
+    let tokenizer = Tokenizer::from_dir(&target_dir).ok();
+    let drafters = match (&cli.drafters, default_target) {
+        (Some(list), _) => DrafterSpec::parse_list(list)?,
+        (None, true) => vec![
+            DrafterSpec::DraftModel(mtp::DEFAULT_DRAFT.into()),
+            DrafterSpec::Mtp(Some(mtp::DEFAULT_MTP.into())),
+            DrafterSpec::Ngram,
+        ],
+        (None, false) => vec![DrafterSpec::Ngram],
+    };
+    if cli.k.contains(&0) || cli.batch.contains(&0) {
+        bail!("--k and --batch values must be at least 1");
+    }
+    let requests = match &cli.prompts_dir {
+        Some(dir) => {
+            let tok = tokenizer.as_ref().context("--prompts-dir needs the target's tokenizer.json")?;
+            prompts_from_dir(dir, tok, cli.num_prompts, cli.prompt_tokens, cli.max_tokens)?
+        }
+        None => {
+            let path = cli.prompts.clone().unwrap_or_else(|| {
+                PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl"))
+            });
+            let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), cli.max_tokens, true)?.requests;
+            for r in &mut reqs {
+                r.max_tokens = cli.max_tokens;
+            }
+            reqs
+        }
+    };
+    let factories =
+        drafters.into_iter().map(|d| DrafterFactory::new(d, &target_dir, &model)).collect::<Result<Vec<_>>>()?;
+    let runs = cli.batch.len() * (1 + factories.len() * cli.k.len());
+    let bar = ProgressBar::new(runs as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"));
+    eprintln!(
+        "target {} ({:?}, {} layers), {} requests x {} tokens",
+        target_dir.display(),
+        model.config.arch,
+        model.config.num_hidden_layers,
+        requests.len(),
+        cli.max_tokens
+    );
+    let mut rows = Vec::new();
+    let mut reference: Option<Vec<mtp::engine::Completion>> = None;
+    for &batch in &cli.batch {
+        bar.set_message(format!("plain, batch {batch}"));
+        let plain = run(&model, None, &requests, batch, 0)?;
+        // Plain decoding at every batch size must match plain decoding at the first.
+        let reference = reference.get_or_insert_with(|| plain.completions.clone());
+        let plain_tps = plain.tokens_per_second();
+        rows.push(Row::new("none", 0, batch, &plain, reference, plain_tps));
+        bar.inc(1);
+        for f in &factories {
+            for &k in &cli.k {
+                bar.set_message(format!("{}, k {k}, batch {batch}", f.spec().label()));
+                let drafter = f.make(&model, &requests, reference)?;
+                let r = run(&model, Some(drafter), &requests, batch, k)?;
+                rows.push(Row::new(&f.spec().label(), k, batch, &r, reference, plain_tps));
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    println!("{}", markdown(&rows));
+    let all_identical = rows.iter().all(|r| r.identical);
+    if let Some(path) = &cli.json {
+        let doc = serde_json::json!({
+            "target": target_dir,
+            "requests": requests.len(),
+            "max_tokens": cli.max_tokens,
+            "threads": rayon_threads(),
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+    }
+    Ok(all_identical)
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}

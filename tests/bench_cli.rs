@@ -1,0 +1,86 @@
+//! `mtp-bench` end to end: the default run, the JSON report, the oracle drafter's
+//! acceptance, prompts cut from a folder, and errors.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mtp-bench")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
+fn tmp(name: &str) -> String {
+    std::env::temp_dir().join(format!("mtp-bench-{name}-{}", std::process::id())).to_string_lossy().into_owned()
+}
+
+#[test]
+fn default_run_covers_every_drafter_and_is_identical() {
+    let json = tmp("default.json");
+    let (code, out, err) = bench(&["--json", &json]);
+    assert_eq!(code, 0, "{err}");
+    for drafter in ["| none |", "| draft-model |", "| mtp |", "| ngram |"] {
+        assert!(out.contains(drafter), "missing {drafter} in\n{out}");
+    }
+    assert!(!out.contains("**NO**"));
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = doc["rows"].as_array().unwrap();
+    // 2 batch sizes x (plain + 3 drafters x 3 k).
+    assert_eq!(rows.len(), 20);
+    for r in rows {
+        for key in ["drafter", "k", "batch", "acceptance_rate", "mean_accepted_length", "per_position_acceptance"] {
+            assert!(!r[key].is_null(), "{key} missing in {r}");
+        }
+        assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
+        assert_eq!(r["identical"], true);
+        assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == true));
+    }
+    std::fs::remove_file(json).ok();
+}
+
+#[test]
+fn oracle_sets_the_acceptance_rate() {
+    let json = tmp("oracle.json");
+    let (code, _, err) =
+        bench(&["--drafters", "oracle:1.0,oracle:0.0,oracle:0.5", "--k", "3", "--batch", "2", "--json", &json]);
+    assert_eq!(code, 0, "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rate = |name: &str| {
+        let r = doc["rows"].as_array().unwrap().iter().find(|r| r["drafter"] == name).unwrap().clone();
+        (r["acceptance_rate"].as_f64().unwrap(), r["mean_accepted_length"].as_f64().unwrap())
+    };
+    let (a1, len1) = rate("oracle:1");
+    assert_eq!(a1, 1.0);
+    assert!(len1 > 3.0, "k=3 with every draft accepted: {len1}");
+    assert_eq!(rate("oracle:0").0, 0.0);
+    let (a5, _) = rate("oracle:0.5");
+    assert!(a5 > 0.1 && a5 < 0.9, "{a5}");
+    std::fs::remove_file(json).ok();
+}
+
+#[test]
+fn prompts_dir_is_cut_deterministically() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+    let args = ["--drafters", "ngram", "--k", "2", "--batch", "1", "--prompts-dir", dir, "--num-prompts", "3"];
+    let (j1, j2) = (tmp("dir1.json"), tmp("dir2.json"));
+    let a: Vec<&str> = args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j1]).collect();
+    let b: Vec<&str> = args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j2]).collect();
+    assert_eq!(bench(&a).0, 0);
+    assert_eq!(bench(&b).0, 0);
+    let tokens = |p: &str| {
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+        (doc["requests"].clone(), doc["rows"][0]["tokens"].clone())
+    };
+    assert_eq!(tokens(&j1), tokens(&j2));
+    assert_eq!(tokens(&j1).0, 3);
+}
+
+#[test]
+fn bad_arguments_are_refused() {
+    let (code, _, err) = bench(&["--drafters", "medusa"]);
+    assert!(code == 1 && err.contains("unknown drafter `medusa`"), "{err}");
+    let (code, _, err) = bench(&["--drafters", "oracle:1.5"]);
+    assert!(code == 1 && err.contains("[0, 1]"), "{err}");
+    let (code, _, err) = bench(&["--k", "0"]);
+    assert!(code == 1 && err.contains("at least 1"), "{err}");
+    let (code, _, err) = bench(&["--prompts-dir", "/nonexistent/dir"]);
+    assert!(code == 1 && err.contains("/nonexistent/dir"), "{err}");
+}
