@@ -1,5 +1,6 @@
 //! Side-by-side speed of the row-invariant CPU kernels against candle's stock ops, on
-//! Qwen3-0.6B shapes (bf16 weights), plus B=1 decode against candle-transformers' qwen3.
+//! Qwen3-0.6B shapes (bf16 weights): matmul, attention; then one decode step, one verify
+//! step for k in {1, 4, 8} and rollback; then B=1 decode against candle-transformers' qwen3.
 //!
 //! `cargo bench --bench kernels [-- --checkpoint DIR] [--reps N] [--skip-decode]`
 //! Without `--checkpoint` it synthesizes a Qwen3-0.6B-shaped bf16 checkpoint (random
@@ -71,7 +72,7 @@ fn main() -> anyhow::Result<()> {
         let wb = wf.to_dtype(DType::BF16)?;
         let wft = wf.t()?;
         let wbt = wb.t()?;
-        for m in [1usize, 5, 20, 64] {
+        for m in [1usize, 5, 20, 64, 512] {
             let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 1000.0).collect();
             let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu)?;
             let xb = xt.to_dtype(DType::BF16)?;
@@ -101,10 +102,108 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    attention(&cfg, reps)?;
+    steps(&dir, reps)?;
     if args.iter().any(|a| a == "--skip-decode") {
         return Ok(());
     }
     decode(&dir, reps.clamp(1, 3))
+}
+
+/// One query row, all heads, against `ctx` cached keys: ours vs candle's stock
+/// `softmax(q k^T / sqrt(d)) v`.
+fn attention(cfg: &mtp::model::Config, reps: usize) -> anyhow::Result<()> {
+    use mtp::cache::KvView;
+    use mtp::model::kernels::attend;
+    let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    println!("\n## Attention, one query, {nh} heads / {nkv} KV heads x {hd}\n");
+    println!("| context | row-invariant µs | candle stock µs | ratio |\n|---|---|---|---|");
+    for ctx in [128usize, 512, 1024, 4096] {
+        let kvd = nkv * hd;
+        let gen = |n: usize, s: usize| -> Vec<f32> {
+            (0..n).map(|i| (((i * s) % 997) as f32 - 498.0) / 700.0).collect()
+        };
+        let (q, k, v) = (gen(nh * hd, 31), gen(ctx * kvd, 17), gen(ctx * kvd, 13));
+        let view = KvView::contiguous(&k, &v, kvd);
+        let mut out = vec![0.0f32; nh * hd];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let qt = Tensor::from_slice(&q, (nh, 1, hd), &Device::Cpu)?;
+        // Stock path: GQA by repeating KV heads, as candle-transformers does.
+        let kt = Tensor::from_slice(&k, (ctx, nkv, hd), &Device::Cpu)?.transpose(0, 1)?.contiguous()?;
+        let vt = Tensor::from_slice(&v, (ctx, nkv, hd), &Device::Cpu)?.transpose(0, 1)?.contiguous()?;
+        let rep = nh / nkv;
+        let kt = Tensor::cat(&vec![&kt; rep], 1)?.reshape((nh, ctx, hd))?;
+        let vt = Tensor::cat(&vec![&vt; rep], 1)?.reshape((nh, ctx, hd))?;
+        let (ours, stock) = side_by_side(
+            reps,
+            || {
+                for h in 0..nh {
+                    let o = &mut out[h * hd..(h + 1) * hd];
+                    attend(&q[h * hd..(h + 1) * hd], &view, ctx, (h / rep) * hd, scale, o);
+                }
+            },
+            || {
+                let s = (qt.matmul(&kt.t().unwrap()).unwrap() * scale as f64).unwrap();
+                let p = candle_nn::ops::softmax_last_dim(&s).unwrap();
+                p.matmul(&vt).unwrap();
+            },
+        );
+        println!("| {ctx} | {:.0} | {:.0} | {:.2} |", ours * 1e6, stock * 1e6, ours / stock);
+    }
+    Ok(())
+}
+
+/// One decode step, one verify step of 1 + k tokens, and the rollback after it (B = 1,
+/// 64 cached positions), on the real checkpoint.
+fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
+    use mtp::verifier::{verify, VerifyRow, WindowLayout};
+    let model = Model::load(dir)?;
+    let prompt: Vec<u32> = (0..64u32).map(|i| 100 + i * 37).collect();
+    let mut base = model.new_cache();
+    mtp::engine::prefill(&model, &mut base, &prompt, 64, false)?;
+    println!("\n## Steps, B=1, 64 cached positions ({} threads)\n", rayon::current_num_threads());
+    println!("| step | ms (median of {reps}) | per token vs decode |\n|---|---|---|");
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        median(
+            (0..reps)
+                .map(|_| {
+                    let t = Instant::now();
+                    f();
+                    t.elapsed().as_secs_f64()
+                })
+                .collect(),
+        )
+    };
+    let decode = time(&mut || {
+        let mut c = base.clone();
+        let mut rows = [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last }];
+        model.forward(&mut rows).unwrap();
+    });
+    println!("| decode (1 token) | {:.1} | 1.00 |", decode * 1e3);
+    for k in [1usize, 4, 8] {
+        let draft: Vec<u32> = (0..k as u32).map(|i| 200 + i).collect();
+        let t = time(&mut || {
+            let mut c = base.clone();
+            let mut rows = [VerifyRow { cache: &mut c, pending: 7, draft: &draft }];
+            verify(&model, &mut rows, WindowLayout::RowTail);
+        });
+        println!("| verify k={k} ({} tokens) | {:.1} | {:.2} |", k + 1, t * 1e3, t / decode / (k + 1) as f64);
+    }
+    // Rollback alone: compact an 8-position window written 40 slots past the row's end.
+    let mut c = base.clone();
+    let kvd = model.config.num_key_value_heads * model.config.head_dim;
+    let window = vec![0.5f32; 8 * kvd];
+    let t = time(&mut || {
+        c.truncate(64);
+        c.begin_window(104);
+        for l in 0..c.n_layers() {
+            c.write_window(l, &window, &window);
+        }
+        c.commit_window(5);
+    });
+    println!("| rollback (write 8-position window over a hole, keep 5, compact) | {:.3} | - |", t * 1e3);
+    Ok(())
 }
 
 /// B=1 greedy decode tokens/s: this engine vs candle-transformers' qwen3 on one checkpoint.

@@ -87,7 +87,12 @@ impl DrafterFactory {
     }
 
     /// A fresh drafter; `reference` is plain decoding's output (for the oracle).
-    pub fn make(&self, target: &Arc<Model>, requests: &[Request], reference: &[Completion]) -> Result<Box<dyn Drafter>> {
+    pub fn make(
+        &self,
+        target: &Arc<Model>,
+        requests: &[Request],
+        reference: &[Completion],
+    ) -> Result<Box<dyn Drafter>> {
         Ok(match &self.spec {
             DrafterSpec::DraftModel(_) => {
                 Box::new(DraftModelDrafter::new(self.draft.clone().expect("loaded in new"), target)?)
@@ -174,7 +179,14 @@ pub struct Row {
 
 impl Row {
     /// Measurements of `run` against plain decoding's `reference` and tokens/s `plain_tps`.
-    pub fn new(drafter: &str, k: usize, batch: usize, run: &Run, reference: &[Completion], plain_tps: f64) -> Row {
+    pub fn new(
+        drafter: &str,
+        k: usize,
+        batch: usize,
+        run: &Run,
+        reference: &[Completion],
+        plain_tps: f64,
+    ) -> Row {
         let requests: Vec<RequestDetail> = run
             .completions
             .iter()
@@ -242,7 +254,13 @@ pub fn markdown(rows: &[Row]) -> String {
 /// `n` prompts of `len` tokens cut from the text files under `dir` (sorted by path,
 /// concatenated, tokenized; cuts evenly spaced), so the same folder always gives the same
 /// prompts.
-pub fn prompts_from_dir(dir: &Path, tok: &Tokenizer, n: usize, len: usize, max_tokens: usize) -> Result<Vec<Request>> {
+pub fn prompts_from_dir(
+    dir: &Path,
+    tok: &Tokenizer,
+    n: usize,
+    len: usize,
+    max_tokens: usize,
+) -> Result<Vec<Request>> {
     let mut files = Vec::new();
     collect_files(dir, &mut files)?;
     files.sort();

@@ -20,4 +20,5 @@ pub const DEFAULT_DRAFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixt
 
 /// An MTP head (MiMo layout, random weights, written by `mtp synth-mtp`) for
 /// [`DEFAULT_TARGET`].
-pub const DEFAULT_MTP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/mtp-heads/qwen3-target-mimo");
+pub const DEFAULT_MTP: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/mtp-heads/qwen3-target-mimo");

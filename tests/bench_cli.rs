@@ -5,11 +5,18 @@ use std::process::Command;
 
 fn bench(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_mtp-bench")).args(args).output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8(out.stderr).unwrap(),
+    )
 }
 
 fn tmp(name: &str) -> String {
-    std::env::temp_dir().join(format!("mtp-bench-{name}-{}", std::process::id())).to_string_lossy().into_owned()
+    std::env::temp_dir()
+        .join(format!("mtp-bench-{name}-{}", std::process::id()))
+        .to_string_lossy()
+        .into_owned()
 }
 
 #[test]
@@ -26,7 +33,9 @@ fn default_run_covers_every_drafter_and_is_identical() {
     // 2 batch sizes x (plain + 3 drafters x 3 k).
     assert_eq!(rows.len(), 20);
     for r in rows {
-        for key in ["drafter", "k", "batch", "acceptance_rate", "mean_accepted_length", "per_position_acceptance"] {
+        for key in
+            ["drafter", "k", "batch", "acceptance_rate", "mean_accepted_length", "per_position_acceptance"]
+        {
             assert!(!r[key].is_null(), "{key} missing in {r}");
         }
         assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
@@ -39,8 +48,16 @@ fn default_run_covers_every_drafter_and_is_identical() {
 #[test]
 fn oracle_sets_the_acceptance_rate() {
     let json = tmp("oracle.json");
-    let (code, _, err) =
-        bench(&["--drafters", "oracle:1.0,oracle:0.0,oracle:0.5", "--k", "3", "--batch", "2", "--json", &json]);
+    let (code, _, err) = bench(&[
+        "--drafters",
+        "oracle:1.0,oracle:0.0,oracle:0.5",
+        "--k",
+        "3",
+        "--batch",
+        "2",
+        "--json",
+        &json,
+    ]);
     assert_eq!(code, 0, "{err}");
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rate = |name: &str| {
@@ -59,10 +76,13 @@ fn oracle_sets_the_acceptance_rate() {
 #[test]
 fn prompts_dir_is_cut_deterministically() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
-    let args = ["--drafters", "ngram", "--k", "2", "--batch", "1", "--prompts-dir", dir, "--num-prompts", "3"];
+    let args =
+        ["--drafters", "ngram", "--k", "2", "--batch", "1", "--prompts-dir", dir, "--num-prompts", "3"];
     let (j1, j2) = (tmp("dir1.json"), tmp("dir2.json"));
-    let a: Vec<&str> = args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j1]).collect();
-    let b: Vec<&str> = args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j2]).collect();
+    let a: Vec<&str> =
+        args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j1]).collect();
+    let b: Vec<&str> =
+        args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j2]).collect();
     assert_eq!(bench(&a).0, 0);
     assert_eq!(bench(&b).0, 0);
     let tokens = |p: &str| {

@@ -15,12 +15,18 @@ fn weight(rng: &mut Lcg, n: usize, k: usize, dtype: WeightDtype) -> Weight {
         WeightDtype::F32 => Weight::from_f32(v, n, k),
         // Round to the narrow dtype so the weight is exactly representable in it, then
         // check the kernel's on-the-fly widening path through a checkpoint-like buffer.
-        WeightDtype::Bf16 => {
-            Weight::from_f32(v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect(), n, k)
-        }
-        WeightDtype::F16 => {
-            Weight::from_f32(v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect(), n, k)
-        }
+        WeightDtype::Bf16 => Weight::from_le_bytes(
+            v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+            dtype,
+            n,
+            k,
+        ),
+        WeightDtype::F16 => Weight::from_le_bytes(
+            v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+            dtype,
+            n,
+            k,
+        ),
     }
 }
 
@@ -35,8 +41,10 @@ fn matmul_row_is_independent_of_m_and_other_rows() {
     let mut rng = Lcg(1);
     let shapes =
         [(1, 1), (7, 3), (16, 5), (33, 64), (96, 96), (128, 1024), (1024, 128), (300, 67), (4096, 96)];
-    for &(k, n) in &shapes {
-        let w = weight(&mut rng, n, k, WeightDtype::F32);
+    for (&(k, n), dtype) in
+        shapes.iter().zip([WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16].iter().cycle())
+    {
+        let w = weight(&mut rng, n, k, *dtype);
         let row = rng.vec(k);
         let alone = run_linear(&row, 1, &w);
         for m in [2, 3, 4, 5, 8, 13, 20, 64] {
@@ -44,7 +52,11 @@ fn matmul_row_is_independent_of_m_and_other_rows() {
             let at = rng.below(m);
             x[at * k..(at + 1) * k].copy_from_slice(&row);
             let out = run_linear(&x, m, &w);
-            assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "k={k} n={n} m={m} row {at}");
+            assert_eq!(
+                bits(&out[at * n..(at + 1) * n]),
+                bits(&alone),
+                "k={k} n={n} m={m} row {at} {dtype:?}"
+            );
         }
     }
 }

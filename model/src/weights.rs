@@ -77,6 +77,12 @@ impl Weight {
         Weight { bytes: Bytes::Mapped(map, range), dtype, rows, cols }
     }
 
+    /// An owned weight from little-endian bytes of `dtype` (as a checkpoint stores them).
+    pub fn from_le_bytes(bytes: Vec<u8>, dtype: WeightDtype, rows: usize, cols: usize) -> Self {
+        assert_eq!(bytes.len(), rows * cols * dtype.size(), "from_le_bytes: {rows} x {cols} {dtype:?}");
+        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype, rows, cols }
+    }
+
     /// An owned f32 weight (used by tests and for small converted tensors).
     pub fn from_f32(values: Vec<f32>, rows: usize, cols: usize) -> Self {
         assert_eq!(values.len(), rows * cols, "Weight::from_f32: shape mismatch");

@@ -12,7 +12,11 @@ use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, R
 use mtp::model::{Model, Tokenizer};
 
 #[derive(Parser)]
-#[command(name = "mtp-bench", version, about = "Compare drafters' acceptance and speed; check every row is identical")]
+#[command(
+    name = "mtp-bench",
+    version,
+    about = "Compare drafters' acceptance and speed; check every row is identical"
+)]
 struct Cli {
     /// Target checkpoint (default: the tiny checkpoint shipped in the repository).
     #[arg(long)]
@@ -98,11 +102,15 @@ fn bench(cli: Cli) -> Result<bool> {
             reqs
         }
     };
-    let factories =
-        drafters.into_iter().map(|d| DrafterFactory::new(d, &target_dir, &model)).collect::<Result<Vec<_>>>()?;
+    let factories = drafters
+        .into_iter()
+        .map(|d| DrafterFactory::new(d, &target_dir, &model))
+        .collect::<Result<Vec<_>>>()?;
     let runs = cli.batch.len() * (1 + factories.len() * cli.k.len());
     let bar = ProgressBar::new(runs as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"));
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),
+    );
     eprintln!(
         "target {} ({:?}, {} layers), {} requests x {} tokens",
         target_dir.display(),

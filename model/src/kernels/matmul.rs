@@ -129,8 +129,7 @@ unsafe fn columns_avx512(
     out: *mut f32,
     ldo: usize,
 ) {
-    // 6 x 4 accumulators + 4 weight vectors + 1 input vector = 29 of 32 zmm registers.
-    columns_generic::<super::simd::Avx512, 6, 4>(x, m, k, w, d, n0, n1, out, ldo)
+    columns_generic::<super::simd::Avx512, 4, 4>(x, m, k, w, d, n0, n1, out, ldo)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -150,10 +149,8 @@ unsafe fn columns_avx2(
     columns_generic::<super::simd::Avx2, 2, 2>(x, m, k, w, d, n0, n1, out, ldo)
 }
 
-/// Tiles columns `n0..n1` for all `m` rows: `NR` weight rows stay hot in L1 while
-/// blocks of up to `MR` rows of `x` stream past them. When several row blocks share a
-/// weight block, its rows are widened to f32 once (exactly) instead of once per block.
-/// Every tile shape runs the same per-lane FMA order, so the shape never changes a bit.
+/// Tiles columns `n0..n1` for all `m` rows: `NR` weight rows stay hot in L1 while the
+/// `MR`-row blocks of `x` stream past them.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn columns_generic<S: Simd16, const MR: usize, const NR: usize>(
@@ -168,56 +165,23 @@ unsafe fn columns_generic<S: Simd16, const MR: usize, const NR: usize>(
     ldo: usize,
 ) {
     let ws = k * d.size();
-    let widen = m > MR && d != WeightDtype::F32;
-    let mut wide = if widen { vec![0.0f32; NR * k] } else { Vec::new() };
     let mut n = n0;
     while n < n1 {
         let nr = NR.min(n1 - n);
-        let (mut wp, mut wd, mut wstride) = (w.add(n * ws), d, ws);
-        if widen {
-            for (j, row) in wide.chunks_mut(k).take(nr).enumerate() {
-                for (i, v) in row.iter_mut().enumerate() {
-                    *v = d.read(wp.add(j * ws), i);
-                }
-            }
-            (wp, wd, wstride) = (wide.as_ptr() as *const u8, WeightDtype::F32, k * 4);
-        }
+        let wp = w.add(n * ws);
         let mut r = 0;
         while r < m {
             let mr = MR.min(m - r);
             let xp = x.add(r * k);
             let op = out.add(r * ldo + n);
-            if nr == NR {
-                rows::<S, NR>(mr, xp, k, wp, wd, wstride, op, ldo);
+            if mr == MR && nr == NR {
+                tile::<S, MR, NR>(xp, k, wp, d, ws, op, ldo);
             } else {
-                edge::<S>(mr, nr, xp, k, wp, wd, wstride, op, ldo);
+                edge::<S>(mr, nr, xp, k, wp, d, ws, op, ldo);
             }
             r += mr;
         }
         n += nr;
-    }
-}
-
-/// A full-width tile of `mr` (1..=6) rows.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn rows<S: Simd16, const NR: usize>(
-    mr: usize,
-    x: *const f32,
-    k: usize,
-    w: *const u8,
-    d: WeightDtype,
-    ws: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    match mr {
-        6 => tile::<S, 6, NR>(x, k, w, d, ws, out, ldo),
-        5 => tile::<S, 5, NR>(x, k, w, d, ws, out, ldo),
-        4 => tile::<S, 4, NR>(x, k, w, d, ws, out, ldo),
-        3 => tile::<S, 3, NR>(x, k, w, d, ws, out, ldo),
-        2 => tile::<S, 2, NR>(x, k, w, d, ws, out, ldo),
-        _ => tile::<S, 1, NR>(x, k, w, d, ws, out, ldo),
     }
 }
 
