@@ -117,12 +117,10 @@ impl Block {
         let views: Vec<KvView> = caches.iter().map(|c| c.view(li)).collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut attn = vec![0.0f32; m * qd];
-        attn.par_chunks_mut(qd).zip(q.par_chunks(qd)).zip(slots.par_iter()).for_each(|((out, qt), s)| {
-            for head in 0..nh {
-                let kv_off = (head / (nh / nkv)) * hd;
-                let o = &mut out[head * hd..(head + 1) * hd];
-                attend(&qt[head * hd..(head + 1) * hd], &views[s.row], s.pos + 1, kv_off, scale, o);
-            }
+        // One task per (token, head): a single decode token still uses every core.
+        attn.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (s, head) = (&slots[i / nh], i % nh);
+            attend(qh, &views[s.row], s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
         });
         add(x, &self.o.forward(&attn, m));
         rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed);
