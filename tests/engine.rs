@@ -8,6 +8,17 @@ use mtp::drafter::{NgramDrafter, OracleDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Event, FinishReason, Request};
 use mtp::model::{Model, Tokenizer};
 
+/// The tokens streamed for `id`, in order.
+fn tokens_of(events: &[Event], id: u64) -> Vec<u32> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token { request, token, .. } if *request == id => Some(*token),
+            _ => None,
+        })
+        .collect()
+}
+
 fn requests() -> Vec<Request> {
     (0..5)
         .map(|i| request(&format!("q{i}"), (0..3 + 4 * i as u32).map(|t| 30 + t * 11).collect(), 14))
@@ -96,13 +107,7 @@ fn cancel_removes_waiting_and_running_requests_only() {
         events.extend(engine.step());
     }
     for (i, id) in ids.iter().enumerate() {
-        let tokens: Vec<u32> = events
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { request, token, .. } if request == id => Some(*token),
-                _ => None,
-            })
-            .collect();
+        let tokens = tokens_of(&events, *id);
         let reason = events.iter().find_map(|e| match e {
             Event::Finished { request, reason } if request == id => Some(*reason),
             _ => None,
@@ -139,13 +144,7 @@ fn kv_budget_queues_and_refuses_without_changing_outputs() {
     }
     assert!((2..=3).contains(&most_running), "budget admitted {most_running} rows");
     for (id, w) in ids.iter().zip(want) {
-        let tokens: Vec<u32> = events
-            .iter()
-            .filter_map(|e| match e {
-                Event::Token { request, token, .. } if request == id => Some(*token),
-                _ => None,
-            })
-            .collect();
+        let tokens = tokens_of(&events, *id);
         assert_eq!(tokens, w.unwrap().tokens);
     }
 }

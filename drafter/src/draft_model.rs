@@ -9,7 +9,7 @@ use mtp_model::kernels::argmax;
 use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
 
 use crate::sequences::Sequences;
-use crate::{check_distinct, unknown_row, Commit, Drafter, RowId};
+use crate::{check_distinct, states_of, unknown_row, Commit, Drafter, RowId};
 
 /// Per row: its own KV cache and the tokens that cache holds.
 struct DraftRow {
@@ -109,16 +109,12 @@ impl Drafter for DraftModelDrafter {
             if active.is_empty() {
                 break;
             }
-            let mut caches: HashMap<RowId, &mut DraftRow> = self
-                .rows
-                .iter_mut()
-                .filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id))
-                .map(|(&id, r)| (id, r))
-                .collect();
+            let ids: Vec<RowId> = active.iter().map(|&i| rows[i].0).collect();
+            let mut caches = states_of(&mut self.rows, &ids).into_iter();
             let mut inputs: Vec<RowInput> = Vec::with_capacity(active.len());
             let mut order = Vec::with_capacity(active.len());
             for &i in &active {
-                let r = caches.remove(&rows[i].0).expect("row state exists");
+                let r = caches.next().expect("one state per active row");
                 r.fed.extend_from_slice(&feed[i]);
                 order.push(i);
                 inputs.push(RowInput { tokens: &feed[i], cache: &mut r.cache, logits: Logits::Last });

@@ -80,3 +80,10 @@ fn check_distinct(rows: &[(RowId, usize)]) -> Result<(), Error> {
         None => Ok(()),
     }
 }
+
+/// Mutable state of the rows `ids` (distinct, all present), in `ids` order.
+fn states_of<'a, T>(states: &'a mut std::collections::HashMap<RowId, T>, ids: &[RowId]) -> Vec<&'a mut T> {
+    let mut found: std::collections::HashMap<RowId, &'a mut T> =
+        states.iter_mut().filter(|(id, _)| ids.contains(id)).map(|(&id, s)| (id, s)).collect();
+    ids.iter().map(|id| found.remove(id).expect("row state exists")).collect()
+}

@@ -14,7 +14,7 @@ use mtp_cache::RowCache;
 use mtp_model::kernels::argmax;
 use mtp_model::{Error, Model, MtpHead, MtpInput};
 
-use crate::{check_distinct, unknown_row, Commit, Drafter, RowId};
+use crate::{check_distinct, states_of, unknown_row, Commit, Drafter, RowId};
 
 struct MtpRow {
     cache: RowCache,
@@ -114,15 +114,11 @@ impl Drafter for MtpDrafter {
             if active.is_empty() {
                 break;
             }
-            let mut state: HashMap<RowId, &mut MtpRow> = self
-                .rows
-                .iter_mut()
-                .filter(|(id, _)| active.iter().any(|&i| rows[i].0 == **id))
-                .map(|(&id, r)| (id, r))
-                .collect();
+            let ids: Vec<RowId> = active.iter().map(|&i| rows[i].0).collect();
+            let mut state = states_of(&mut self.rows, &ids).into_iter();
             let mut inputs: Vec<MtpInput> = Vec::with_capacity(active.len());
             for &i in &active {
-                let r = state.remove(&rows[i].0).expect("row state exists");
+                let r = state.next().expect("one state per active row");
                 if step == 0 {
                     r.true_len += r.queued_tokens.len();
                     inputs.push(MtpInput {
