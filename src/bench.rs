@@ -71,12 +71,8 @@ pub struct DrafterFactory {
 impl DrafterFactory {
     pub fn new(spec: DrafterSpec, target_dir: &Path, target: &Model) -> Result<DrafterFactory> {
         let draft = match &spec {
-            DrafterSpec::DraftModel(dir) => {
-                // Loads and checks the vocabulary once; runs reuse the weights.
-                let d = DraftModelDrafter::load(dir, target_dir, target)?;
-                drop(d);
-                Some(Arc::new(Model::load(dir)?))
-            }
+            // Loads and checks the draft model once; every run reuses the weights.
+            DrafterSpec::DraftModel(dir) => Some(DraftModelDrafter::load(dir, target_dir, target)?.model()),
             _ => None,
         };
         Ok(DrafterFactory { spec, draft, target_dir: target_dir.to_path_buf() })

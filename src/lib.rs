@@ -9,6 +9,17 @@ pub use mtp_model as model;
 pub use mtp_verifier as verifier;
 
 pub mod bench;
+
+/// Logs to stderr; `RUST_LOG` overrides `default_level`.
+pub fn init_logging(default_level: &str) {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into()),
+        )
+        .init();
+}
+
 pub mod prompts;
 
 /// The checkpoint `mtp generate` runs when no `--target` is given: shipped in the

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{bits, fixture, Lcg};
-use mtp::model::kernels::matmul::negative_control;
+use mtp::model::negative_control;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Logits, Model, RowInput, WeightDtype};
 

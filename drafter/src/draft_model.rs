@@ -40,26 +40,27 @@ impl DraftModelDrafter {
     /// `target_dir`: same vocabulary size and, when both ship a tokenizer.json, the same
     /// token-to-id map.
     pub fn load(draft_dir: &Path, target_dir: &Path, target: &Model) -> Result<DraftModelDrafter, Error> {
-        let draft = Model::load(draft_dir)?;
-        let mismatch =
-            |msg: String| Error::Request { request: format!("draft model {}", draft_dir.display()), msg };
-        let (dv, tv) = (draft.config.vocab_size, target.config.vocab_size);
-        if dv != tv {
-            return Err(mismatch(format!(
-                "vocabulary of {dv} tokens does not match the target's {tv} ({})",
-                target_dir.display()
-            )));
-        }
+        let named = |msg: String| Error::Request {
+            request: format!("draft model {}", draft_dir.display()),
+            msg: format!("{msg} ({})", target_dir.display()),
+        };
+        let drafter =
+            DraftModelDrafter::new(Arc::new(Model::load(draft_dir)?), target).map_err(|e| match e {
+                Error::Request { msg, .. } => named(msg),
+                other => other,
+            })?;
         if draft_dir.join("tokenizer.json").exists() && target_dir.join("tokenizer.json").exists() {
             let (d, t) = (Tokenizer::from_dir(draft_dir)?, Tokenizer::from_dir(target_dir)?);
             if d.vocab() != t.vocab() {
-                return Err(mismatch(format!(
-                    "tokenizer.json maps tokens to different ids than the target's ({})",
-                    target_dir.display()
-                )));
+                return Err(named("tokenizer.json maps tokens to different ids than the target's".into()));
             }
         }
-        DraftModelDrafter::new(Arc::new(draft), target)
+        Ok(drafter)
+    }
+
+    /// The draft model's weights (shared, so fresh drafters need not reload them).
+    pub fn model(&self) -> Arc<Model> {
+        self.model.clone()
     }
 }
 

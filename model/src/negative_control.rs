@@ -4,10 +4,18 @@
 
 use std::cell::Cell;
 
-pub use crate::kernels::matmul::negative_control::set_stock_matmul;
-
 thread_local! {
+    static STOCK_MATMUL: Cell<bool> = const { Cell::new(false) };
     static PHYSICAL_ROPE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// When on, `linear` runs candle's stock matmul, whose kernel choice depends on M.
+pub fn set_stock_matmul(on: bool) {
+    STOCK_MATMUL.with(|c| c.set(on));
+}
+
+pub(crate) fn stock_matmul() -> bool {
+    STOCK_MATMUL.with(|c| c.get())
 }
 
 /// When on, new tokens are rotated at the physical slot they are written to instead of

@@ -50,12 +50,7 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
+    mtp::init_logging("warn");
     match bench(Cli::parse()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {

@@ -145,12 +145,7 @@ struct OutputLine<'a> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    mtp::init_logging("info");
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {

@@ -28,8 +28,8 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [
     if m == 0 {
         return;
     }
-    if negative_control::stock_matmul_enabled() {
-        negative_control::stock_linear(x, m, w, out);
+    if crate::negative_control::stock_matmul() {
+        stock_linear(x, m, w, out);
     } else {
         row_invariant(x, m, w, out);
     }
@@ -62,36 +62,16 @@ fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     }
 }
 
-/// Test-only switch: route `linear` through candle's stock matmul, whose kernel choice
-/// depends on M. Invariance tests turn it on to prove they can fail. Thread-local, so it
-/// only affects forwards called from the thread that set it.
-#[doc(hidden)]
-pub mod negative_control {
-    use std::cell::Cell;
-
-    use crate::weights::Weight;
-
-    thread_local! {
-        static STOCK: Cell<bool> = const { Cell::new(false) };
-    }
-
-    pub fn set_stock_matmul(on: bool) {
-        STOCK.with(|s| s.set(on));
-    }
-
-    pub(super) fn stock_matmul_enabled() -> bool {
-        STOCK.with(|s| s.get())
-    }
-
-    pub(super) fn stock_linear(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-        use candle_core::{Device, Tensor};
-        let run = || -> candle_core::Result<Vec<f32>> {
-            let xt = Tensor::from_slice(x, (m, w.cols), &Device::Cpu)?;
-            let wt = Tensor::from_vec(w.to_f32(), (w.rows, w.cols), &Device::Cpu)?;
-            xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1::<f32>()
-        };
-        out.copy_from_slice(&run().expect("stock matmul on valid shapes"));
-    }
+/// candle's stock matmul, whose kernel choice depends on M: the path the invariance
+/// tests switch on (`negative_control::set_stock_matmul`) to prove they can fail.
+fn stock_linear(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    use candle_core::{Device, Tensor};
+    let run = || -> candle_core::Result<Vec<f32>> {
+        let xt = Tensor::from_slice(x, (m, w.cols), &Device::Cpu)?;
+        let wt = Tensor::from_vec(w.to_f32(), (w.rows, w.cols), &Device::Cpu)?;
+        xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1::<f32>()
+    };
+    out.copy_from_slice(&run().expect("stock matmul on valid shapes"));
 }
 
 #[allow(clippy::too_many_arguments)]
