@@ -22,14 +22,21 @@ pub fn init_logging(default_level: &str) {
 
 pub mod prompts;
 
-/// The checkpoint `mtp generate` runs when no `--target` is given: shipped in the
-/// repository, so the command needs no download.
-pub const DEFAULT_TARGET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny/qwen3-target");
+/// The checkpoint `mtp generate` and `mtp-bench` run when no `--target` is given: the
+/// trained family shipped in the repository (a small Qwen3 code model trained on Rust
+/// sources; recipe in `training/`), so the commands need no download. Its MTP head ships
+/// inside the checkpoint.
+pub const DEFAULT_TARGET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/target");
 
-/// The draft model shipped for [`DEFAULT_TARGET`] (same tokenizer, smaller).
-pub const DEFAULT_DRAFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny/qwen3-draft");
+/// The draft model trained for [`DEFAULT_TARGET`] (same tokenizer, smaller).
+pub const DEFAULT_DRAFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/draft");
 
-/// An MTP head (MiMo layout, random weights, written by `mtp synth-mtp`) for
-/// [`DEFAULT_TARGET`].
-pub const DEFAULT_MTP: &str =
-    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/mtp-heads/qwen3-target-mimo");
+/// The MTP head trained for [`DEFAULT_TARGET`] (MiMo layout, inside the target checkpoint).
+pub const DEFAULT_MTP: &str = DEFAULT_TARGET;
+
+/// `mtp generate`'s prompts when no `--prompts` is given.
+pub const DEFAULT_PROMPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl");
+
+/// `mtp-bench`'s prompts when neither `--prompts` nor `--prompts-dir` is given: cut from
+/// this repository's own sources, which the trained family never saw in training.
+pub const HELDOUT_PROMPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/heldout-prompts.jsonl");

@@ -1,5 +1,5 @@
-//! `mtp-bench` end to end: the default run, the JSON report, the oracle drafter's
-//! acceptance, prompts cut from a folder, and errors.
+//! `mtp-bench` end to end: the default run (the trained family on held-out prompts), the
+//! JSON report, the oracle drafter's acceptance, prompts cut from a folder, and errors.
 
 use std::process::Command;
 
@@ -17,6 +17,10 @@ fn tmp(name: &str) -> String {
         .join(format!("mtp-bench-{name}-{}", std::process::id()))
         .to_string_lossy()
         .into_owned()
+}
+
+fn row<'a>(rows: &'a [serde_json::Value], drafter: &str, k: u64, batch: u64) -> &'a serde_json::Value {
+    rows.iter().find(|r| r["drafter"] == drafter && r["k"] == k && r["batch"] == batch).unwrap()
 }
 
 #[test]
@@ -41,6 +45,23 @@ fn default_run_covers_every_drafter_and_is_identical() {
         assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
         assert_eq!(r["identical"], true);
         assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == true));
+    }
+    // The default run is the trained family on held-out prompts; it must show real
+    // drafting (the README's quality bars): the MTP head accepts at least 60% at k=1, and
+    // the best drafter averages at least 2 tokens per verify at k=4.
+    assert!(doc["target"].as_str().unwrap().ends_with("tests/fixtures/trained/target"));
+    assert_eq!(doc["requests"], 16);
+    let mtp1 = row(rows, "mtp", 1, 1)["acceptance_rate"].as_f64().unwrap();
+    assert!(mtp1 >= 0.6, "MTP acceptance at k=1: {mtp1}");
+    let best4 = ["draft-model", "mtp", "ngram"]
+        .map(|d| row(rows, d, 4, 1)["mean_accepted_length"].as_f64().unwrap())
+        .into_iter()
+        .fold(0.0, f64::max);
+    assert!(best4 >= 2.0, "best mean accepted length at k=4: {best4}");
+    // Acceptance depends only on the tokens, never on the batch size.
+    for r in rows.iter().filter(|r| r["drafter"] != "none") {
+        let alone = row(rows, r["drafter"].as_str().unwrap(), r["k"].as_u64().unwrap(), 1);
+        assert_eq!(r["acceptance_rate"], alone["acceptance_rate"], "{r}");
     }
     std::fs::remove_file(json).ok();
 }

@@ -128,3 +128,27 @@ fn every_drafter_prints_what_plain_decoding_prints() {
     assert!(code == 1 && err.contains("num_nextn_predict_layers"), "{err}");
     std::fs::remove_dir_all(mtp_dir).ok();
 }
+
+#[test]
+fn default_family_drafters_print_what_plain_decoding_prints() {
+    // No --target and no --prompts: the trained family on examples/prompts.jsonl. Its MTP
+    // head ships inside the target, so `--drafter mtp` needs no --draft.
+    let base = ["generate", "--max-tokens", "24"];
+    let (code, want, err) = mtp(&base);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("tests/fixtures/trained/target"), "{err}");
+    let lines: Vec<serde_json::Value> = want.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3);
+    assert!(lines.iter().all(|l| !l["text"].as_str().unwrap().is_empty()));
+    for extra in [
+        vec!["--drafter", "mtp", "--k", "3"],
+        vec!["--drafter", "draft-model", "--draft", mtp::DEFAULT_DRAFT, "--max-batch", "1"],
+        vec!["--drafter", "ngram", "--k", "5", "--max-batch", "2"],
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let (code, got, err) = mtp(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        assert_eq!(got, want, "{extra:?} changed the output");
+        assert!(err.contains("acceptance_rate"), "{err}");
+    }
+}

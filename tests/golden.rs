@@ -1,14 +1,20 @@
-//! Greedy tokens and prefill logits against HF transformers (golden.json of hf-tiny).
+//! Greedy tokens and prefill logits against HF transformers (golden.json of hf-tiny and
+//! of the trained family), and the trained MTP head's drafts against the training code.
 
 mod common;
 
-use common::{fixture, FAMILIES};
+use std::path::Path;
+use std::sync::Arc;
+
+use common::{fixture, trained, FAMILIES};
+use mtp::drafter::{Commit, Drafter, MtpDrafter};
 use mtp::engine::{prefill, EngineOptions, Request};
+use mtp::model::kernels::argmax;
 use mtp::model::Model;
 use serde_json::Value;
 
-fn golden(name: &str) -> Value {
-    let text = std::fs::read_to_string(fixture(name).join("golden.json")).unwrap();
+fn golden(dir: &Path) -> Value {
+    let text = std::fs::read_to_string(dir.join("golden.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
@@ -16,44 +22,92 @@ fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
+/// Steps before the first whose top-2 margin is below 1e-4: from there a correct f32
+/// implementation may legitimately pick the other token.
+fn trusted_steps(margins: &Value) -> usize {
+    let m = margins.as_array().unwrap();
+    m.iter().position(|m| m.as_f64().unwrap() < 1e-4).unwrap_or(m.len())
+}
+
+/// The logits after each prompt that has recorded ones are within `tol` of transformers'.
+fn check_prefill_logits(dir: &Path, tol: f32) {
+    let model = Model::load(dir).unwrap();
+    let g = golden(dir);
+    let wants = g["prefill_last_logits"].as_array().unwrap();
+    assert!(!wants.is_empty());
+    for (p, want) in g["prompts"].as_array().unwrap().iter().zip(wants) {
+        let mut cache = model.new_cache();
+        let (got, _) = prefill(&model, &mut cache, &ids(p), 4, false).unwrap();
+        let want: Vec<f32> = want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        assert_eq!(got.len(), want.len());
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < tol, "{}: prefill logits differ by {worst}", dir.display());
+    }
+}
+
+fn check_greedy(dir: &Path) {
+    let model = Model::load(dir).unwrap();
+    let g = golden(dir);
+    let prompts = g["prompts"].as_array().unwrap();
+    let n = g["greedy"][0].as_array().unwrap().len();
+    let requests: Vec<Request> =
+        prompts.iter().enumerate().map(|(i, p)| common::request(&i.to_string(), ids(p), n)).collect();
+    let opts = EngineOptions { max_batch: 3, prefill_chunk: 5, ..EngineOptions::default() };
+    let out = common::run(&model, None, opts, &requests, &[]);
+    for (i, res) in out.into_iter().enumerate() {
+        let got = res.unwrap().tokens;
+        let want = ids(&g["greedy"][i]);
+        let upto = trusted_steps(&g["margins"][i]);
+        assert!(upto > 0);
+        assert_eq!(got[..upto], want[..upto], "{} prompt {i}: greedy tokens differ", dir.display());
+    }
+}
+
 #[test]
 fn prefill_logits_match_transformers() {
     for name in FAMILIES {
-        let model = Model::load(&fixture(name)).unwrap();
-        let g = golden(name);
-        for (p, want) in
-            g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap())
-        {
-            let mut cache = model.new_cache();
-            let (got, _) = prefill(&model, &mut cache, &ids(p), 4, false).unwrap();
-            let want: Vec<f32> =
-                want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
-            assert_eq!(got.len(), want.len());
-            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            assert!(worst < 1e-4, "{name}: prefill logits differ by {worst}");
-        }
+        check_prefill_logits(&fixture(name), 1e-4);
     }
 }
 
 #[test]
 fn greedy_tokens_match_transformers() {
     for name in FAMILIES {
-        let model = Model::load(&fixture(name)).unwrap();
-        let g = golden(name);
-        let prompts = g["prompts"].as_array().unwrap();
-        let requests: Vec<Request> =
-            prompts.iter().enumerate().map(|(i, p)| common::request(&i.to_string(), ids(p), 40)).collect();
-        let opts = EngineOptions { max_batch: 3, prefill_chunk: 5, ..EngineOptions::default() };
-        let out = common::run(&model, None, opts, &requests, &[]);
-        for (i, res) in out.into_iter().enumerate() {
-            let got = res.unwrap().tokens;
-            let want = ids(&g["greedy"][i]);
-            let margins = g["margins"][i].as_array().unwrap();
-            // Compare up to the first step where a correct f32 implementation may
-            // legitimately pick the other token.
-            let upto = margins.iter().position(|m| m.as_f64().unwrap() < 1e-4).unwrap_or(want.len());
-            assert!(upto > 0);
-            assert_eq!(got[..upto], want[..upto], "{name} prompt {i}: greedy tokens differ");
+        check_greedy(&fixture(name));
+    }
+}
+
+#[test]
+fn trained_family_matches_transformers() {
+    for name in ["target", "draft"] {
+        check_prefill_logits(&trained(name), 1e-4);
+        check_greedy(&trained(name));
+    }
+}
+
+/// The head inside the trained target proposes, after each golden prompt, the four
+/// recursive drafts that the training code's reference (`training/models.py`,
+/// `mtp_drafts`) computed: the head's math here is the math it was trained with.
+#[test]
+fn trained_mtp_head_drafts_match_the_training_code() {
+    let dir = trained("target");
+    let model = Arc::new(Model::load(&dir).unwrap());
+    let g = golden(&dir);
+    for (i, p) in g["prompts"].as_array().unwrap().iter().enumerate() {
+        let prompt = ids(p);
+        let mut cache = model.new_cache();
+        let (logits, hidden) = prefill(&model, &mut cache, &prompt, 16, true).unwrap();
+        let next = argmax(&logits);
+        if trusted_steps(&g["margins"][i]) == 0 {
+            continue;
         }
+        assert_eq!(next, ids(&g["greedy"][i])[0]);
+        let mut drafter = MtpDrafter::load(&dir, model.clone()).unwrap();
+        drafter.commit(0, Commit { start: 0, tokens: &prompt, hidden: &hidden, next }).unwrap();
+        let got = drafter.propose(&[(0, 4)]).unwrap().remove(0);
+        let want = ids(&g["mtp_drafts"][i]);
+        let upto = trusted_steps(&g["mtp_margins"][i]);
+        assert_eq!(got.len(), 4);
+        assert_eq!(got[..upto], want[..upto], "prompt {i}: MTP drafts differ");
     }
 }

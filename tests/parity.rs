@@ -1,15 +1,15 @@
-//! The parity gate. For every hf-tiny target, every drafter kind, k in {1, 3, 5} and max
-//! batch in {1, 3, 8}, with staggered arrivals: tokens and logprobs are bitwise those of
+//! The parity gate. For every hf-tiny target and the trained family, every drafter kind,
+//! k in {1, 3, 5} and max batch in {1, 3, 8}, with staggered arrivals: tokens and logprobs are bitwise those of
 //! plain decoding of each request alone. Decode equals prefill: a fresh prefill of
 //! prompt + tokens so far gives each token's logprob bit for bit. Negative controls: a
 //! rollback that skips compaction and RoPE at physical slots must each break the gate.
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{bits, fixture, plain, request, run};
+use common::{bits, fixture, plain, request, run, trained};
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
 use mtp::engine::{prefill, Completion, EngineOptions, Request, WindowLayout};
 use mtp::model::kernels::logprob;
@@ -44,11 +44,13 @@ fn workload() -> (Vec<Request>, Vec<u64>) {
     (requests, vec![0, 0, 1, 2, 3, 5, 8, 13])
 }
 
-/// A fresh MTP head for `target`, in a directory no other test uses (the loader mmaps it).
-fn mtp_dir(tag: &str, target: &str, layout: MtpLayout) -> PathBuf {
-    let name = format!("mtp-parity-{}-{tag}-{target}-{}", std::process::id(), layout.name());
+/// A fresh random MTP head for `target`, in a directory no other test uses (the loader
+/// mmaps it).
+fn mtp_dir(tag: &str, target: &Path, layout: MtpLayout) -> PathBuf {
+    let name = target.file_name().unwrap().to_string_lossy();
+    let name = format!("mtp-parity-{}-{tag}-{name}-{}", std::process::id(), layout.name());
     let dir = std::env::temp_dir().join(name);
-    SynthSpec::write_mtp_head(&fixture(target), layout, &dir, 5).unwrap();
+    SynthSpec::write_mtp_head(target, layout, &dir, 5).unwrap();
     dir
 }
 
@@ -57,21 +59,53 @@ struct Target {
     draft: Arc<Model>,
     mimo: PathBuf,
     deepseek: PathBuf,
+    /// Head directories this test wrote (removed at the end).
+    written: Vec<PathBuf>,
     requests: Vec<Request>,
     arrive_at: Vec<u64>,
     reference: Vec<Completion>,
 }
 
 impl Target {
-    fn load(tag: &str, name: &'static str, draft: &str) -> Target {
-        let model = Arc::new(Model::load(&fixture(name)).unwrap());
+    /// An hf-tiny target with its draft model and random MTP heads in both layouts.
+    fn load(tag: &str, name: &str, draft: &str) -> Target {
+        let (mimo, deepseek) = (
+            mtp_dir(tag, &fixture(name), MtpLayout::MiMo),
+            mtp_dir(tag, &fixture(name), MtpLayout::DeepSeek),
+        );
+        Target::from_dirs(
+            &fixture(name),
+            &fixture(draft),
+            mimo.clone(),
+            deepseek.clone(),
+            vec![mimo, deepseek],
+        )
+    }
+
+    /// The trained family: its own draft model and MTP head (MiMo, inside the target), and
+    /// a random DeepSeek-layout head.
+    fn trained(tag: &str) -> Target {
+        let target = trained("target");
+        let deepseek = mtp_dir(tag, &target, MtpLayout::DeepSeek);
+        Target::from_dirs(&target, &trained("draft"), target.clone(), deepseek.clone(), vec![deepseek])
+    }
+
+    fn from_dirs(
+        target: &Path,
+        draft: &Path,
+        mimo: PathBuf,
+        deepseek: PathBuf,
+        written: Vec<PathBuf>,
+    ) -> Target {
+        let model = Arc::new(Model::load(target).unwrap());
         let (requests, arrive_at) = workload();
         // The reference: plain decoding, each request alone.
         let reference = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
         Target {
-            draft: Arc::new(Model::load(&fixture(draft)).unwrap()),
-            mimo: mtp_dir(tag, name, MtpLayout::MiMo),
-            deepseek: mtp_dir(tag, name, MtpLayout::DeepSeek),
+            draft: Arc::new(Model::load(draft).unwrap()),
+            mimo,
+            deepseek,
+            written,
             model,
             requests,
             arrive_at,
@@ -129,8 +163,7 @@ fn opts(k: usize, max_batch: usize, layout: WindowLayout) -> EngineOptions {
     EngineOptions { k, max_batch, prefill_chunk: 4, layout, ..EngineOptions::default() }
 }
 
-fn gate(target: &'static str, draft: &str) {
-    let t = Target::load("gate", target, draft);
+fn gate(t: Target, target: &str) {
     assert!(
         t.reference.iter().any(|c| c.tokens.len() >= 10),
         "{target}: reference too short to test anything"
@@ -155,24 +188,29 @@ fn gate(target: &'static str, draft: &str) {
             assert!(totals.1 > 0 && totals.1 < totals.0, "{target}: the oracle must force mixed accepts");
         }
     }
-    for p in [&t.mimo, &t.deepseek] {
+    for p in &t.written {
         std::fs::remove_dir_all(p).ok();
     }
 }
 
 #[test]
 fn gate_llama() {
-    gate(TARGETS[0].0, TARGETS[0].1);
+    gate(Target::load("gate", TARGETS[0].0, TARGETS[0].1), TARGETS[0].0);
 }
 
 #[test]
 fn gate_qwen2() {
-    gate(TARGETS[1].0, TARGETS[1].1);
+    gate(Target::load("gate", TARGETS[1].0, TARGETS[1].1), TARGETS[1].0);
 }
 
 #[test]
 fn gate_qwen3() {
-    gate(TARGETS[2].0, TARGETS[2].1);
+    gate(Target::load("gate", TARGETS[2].0, TARGETS[2].1), TARGETS[2].0);
+}
+
+#[test]
+fn gate_trained_family() {
+    gate(Target::trained("gate"), "trained");
 }
 
 #[test]
@@ -215,7 +253,7 @@ fn negative_controls_break_the_gate() {
     mtp::model::negative_control::set_physical_rope(false);
     assert!(physical.is_some(), "the gate missed RoPE at physical slots");
     eprintln!("no compaction: {}\nphysical rope: {}", no_compaction.unwrap(), physical.unwrap());
-    for p in [&t.mimo, &t.deepseek] {
+    for p in &t.written {
         std::fs::remove_dir_all(p).ok();
     }
 }

@@ -18,7 +18,7 @@ use mtp::model::{Model, Tokenizer};
     about = "Compare drafters' acceptance and speed; check every row is identical"
 )]
 struct Cli {
-    /// Target checkpoint (default: the tiny checkpoint shipped in the repository).
+    /// Target checkpoint (default: the trained family shipped in the repository).
     #[arg(long)]
     target: Option<PathBuf>,
     /// Comma-separated: draft-model:DIR, mtp[:DIR], ngram, oracle:ALPHA (default: the
@@ -31,7 +31,8 @@ struct Cli {
     /// Max batch sizes to try (every request arrives at once).
     #[arg(long, default_value = "1,4", value_delimiter = ',')]
     batch: Vec<usize>,
-    /// Prompts JSONL (as for `mtp generate`; default: examples/prompts.jsonl).
+    /// Prompts JSONL (as for `mtp generate`; default: examples/heldout-prompts.jsonl, cut
+    /// from this repository's sources, which the shipped family never saw in training).
     #[arg(long, conflicts_with = "prompts_dir")]
     prompts: Option<PathBuf>,
     /// Cut prompts from the text files in this folder instead.
@@ -87,9 +88,7 @@ fn bench(cli: Cli) -> Result<bool> {
             prompts_from_dir(dir, tok, cli.num_prompts, cli.prompt_tokens, cli.max_tokens)?
         }
         None => {
-            let path = cli.prompts.clone().unwrap_or_else(|| {
-                PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl"))
-            });
+            let path = cli.prompts.clone().unwrap_or_else(|| PathBuf::from(mtp::HELDOUT_PROMPTS));
             let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), cli.max_tokens, true)?.requests;
             for r in &mut reqs {
                 r.max_tokens = cli.max_tokens;

@@ -29,7 +29,7 @@ enum Command {
     /// JSON line per request on stdout, in input order. The output is bitwise the same
     /// whatever the drafter, k, batch size and arrival order.
     Generate {
-        /// Hugging Face checkpoint directory (default: the tiny checkpoint shipped in the repo).
+        /// Hugging Face checkpoint directory (default: the trained family shipped in the repo).
         #[arg(long)]
         target: Option<PathBuf>,
         /// Prompts JSONL (default: examples/prompts.jsonl).
@@ -174,9 +174,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         } => {
             backend.parse::<Backend>()?.check()?;
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
-            let prompts = prompts.unwrap_or_else(|| {
-                PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl"))
-            });
+            let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
             let t0 = std::time::Instant::now();
             let model = Arc::new(Model::load(&target)?);
             let tokenizer = match Tokenizer::from_dir(&target) {

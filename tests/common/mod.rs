@@ -14,6 +14,12 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(name)
 }
 
+/// The trained family (`target`, with its MTP head inside, and `draft`), written by
+/// `training/export.py`.
+pub fn trained(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trained").join(name)
+}
+
 /// A small deterministic generator for test data (no global RNG state).
 pub struct Lcg(pub u64);
 
