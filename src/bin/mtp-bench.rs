@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row};
+use mtp::engine::Request;
 use mtp::model::{Model, Tokenizer};
 
 #[derive(Parser)]
@@ -90,7 +91,8 @@ fn bench(cli: Cli) -> Result<bool> {
             let path = cli.prompts.clone().unwrap_or_else(|| {
                 PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl"))
             });
-            let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), cli.max_tokens, true)?.requests;
+            let defaults = Request { max_tokens: cli.max_tokens, ignore_eos: true, ..Request::default() };
+            let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), &defaults)?.requests;
             for r in &mut reqs {
                 r.max_tokens = cli.max_tokens;
             }
