@@ -30,17 +30,34 @@ fn default_run_covers_every_drafter_and_is_identical() {
     assert!(!out.contains("**NO**"));
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = doc["rows"].as_array().unwrap();
-    // 2 batch sizes x (plain + 3 drafters x 3 k).
-    assert_eq!(rows.len(), 20);
+    // 2 batch sizes x 3 temperatures x plain, then 3 drafters x 3 k for each of greedy,
+    // T=0.7 exact and rejection, T=1 exact and rejection.
+    assert_eq!(rows.len(), 2 * (3 + 5 * 3 * 3));
     for r in rows {
-        for key in
-            ["drafter", "k", "batch", "acceptance_rate", "mean_accepted_length", "per_position_acceptance"]
-        {
+        for key in [
+            "drafter",
+            "k",
+            "batch",
+            "temperature",
+            "sampling",
+            "acceptance_rate",
+            "mean_accepted_length",
+            "per_position_acceptance",
+        ] {
             assert!(!r[key].is_null(), "{key} missing in {r}");
         }
         assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
-        assert_eq!(r["identical"], true);
-        assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == true));
+        // Rejection rows at the first batch size are the reference of later ones.
+        let own_reference = r["sampling"] == "rejection" && r["batch"] == 1;
+        let want = if own_reference { serde_json::Value::Null } else { true.into() };
+        assert_eq!(r["identical"], want, "{r}");
+        assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == want));
+    }
+    for (sampling, temperature) in [("greedy", 0.0), ("exact", 0.7), ("rejection", 0.7), ("exact", 1.0)] {
+        assert!(
+            rows.iter().any(|r| r["sampling"] == sampling && r["temperature"].as_f64() == Some(temperature)),
+            "no {sampling} row at T={temperature}"
+        );
     }
     std::fs::remove_file(json).ok();
 }
@@ -55,6 +72,8 @@ fn oracle_sets_the_acceptance_rate() {
         "3",
         "--batch",
         "2",
+        "--temperatures",
+        "0",
         "--json",
         &json,
     ]);
@@ -76,8 +95,20 @@ fn oracle_sets_the_acceptance_rate() {
 #[test]
 fn prompts_dir_is_cut_deterministically() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
-    let args =
-        ["--drafters", "ngram", "--k", "2", "--batch", "1", "--prompts-dir", dir, "--num-prompts", "3"];
+    let args = [
+        "--drafters",
+        "ngram",
+        "--k",
+        "2",
+        "--batch",
+        "1",
+        "--temperatures",
+        "0",
+        "--prompts-dir",
+        dir,
+        "--num-prompts",
+        "3",
+    ];
     let (j1, j2) = (tmp("dir1.json"), tmp("dir2.json"));
     let a: Vec<&str> =
         args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j1]).collect();
@@ -101,6 +132,10 @@ fn bad_arguments_are_refused() {
     assert!(code == 1 && err.contains("[0, 1]"), "{err}");
     let (code, _, err) = bench(&["--k", "0"]);
     assert!(code == 1 && err.contains("at least 1"), "{err}");
+    let (code, _, err) = bench(&["--sampling", "typical"]);
+    assert!(code == 1 && err.contains("unknown sampling mode `typical`"), "{err}");
+    let (code, _, err) = bench(&["--temperatures=-1"]);
+    assert!(code == 1 && err.contains("temperature"), "{err}");
     let (code, _, err) = bench(&["--prompts-dir", "/nonexistent/dir"]);
     assert!(code == 1 && err.contains("/nonexistent/dir"), "{err}");
 }
