@@ -47,7 +47,7 @@ fn setup() -> Setup {
     let mut cache = model.new_cache();
     let seq: Vec<u32> = prompt.iter().chain(&greedy[..1]).copied().collect();
     let (logits, _) = prefill(&model, &mut cache, &seq, 64, false).unwrap();
-    let p1 = Filtered::new(&logits, &sampling).dist;
+    let p1 = Filtered::new(&logits, &sampling).dist();
     Setup { model, prompt, sampling, greedy, p1 }
 }
 

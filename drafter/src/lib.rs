@@ -21,7 +21,7 @@ pub use oracle::OracleDrafter;
 
 use mtp_model::kernels::argmax;
 use mtp_model::Error;
-use mtp_sampling::{Dist, Filtered, SamplingParams};
+use mtp_sampling::{Filtered, SamplingParams};
 
 /// The engine's handle for a row (unique for the engine's lifetime).
 pub type RowId = u64;
@@ -59,7 +59,7 @@ pub struct Proposal {
     pub tokens: Vec<u32>,
     /// The distribution each token was drawn from, when the drafter sampled from one
     /// (temperature > 0); empty when its drafts are deterministic (one-hot).
-    pub dists: Vec<Dist>,
+    pub dists: Vec<Filtered>,
 }
 
 /// Proposes draft tokens for many rows at once and keeps per-row state in step with the
@@ -119,10 +119,10 @@ fn states_of<'a, T>(states: &'a mut std::collections::HashMap<RowId, T>, ids: &[
 /// A drafter's token for logical `position` from its logits: the argmax when greedy, else
 /// the keyed Gumbel-max draw plain decoding would make with these logits, and the
 /// distribution it came from.
-fn draw(logits: &[f32], sampling: &SamplingParams, position: usize) -> (u32, Option<Dist>) {
+fn draw(logits: &[f32], sampling: &SamplingParams, position: usize) -> (u32, Option<Filtered>) {
     if sampling.is_greedy() {
         return (argmax(logits), None);
     }
     let f = Filtered::new(logits, sampling);
-    (f.sample(sampling.seed, position as u64), Some(f.dist))
+    (f.sample(sampling.seed, position as u64), Some(f))
 }

@@ -11,4 +11,4 @@ mod rng;
 pub use dist::{pick, sample_residual, Dist, Filtered};
 pub use params::{SamplingMode, SamplingParams};
 pub use rejection::{judge_draft, Judgement};
-pub use rng::{gumbel, philox4x32_10, uniform, Purpose};
+pub use rng::{philox4x32_10, uniform, uniform_pair, Purpose};

@@ -48,7 +48,7 @@ mod tests {
         let mut counts = vec![0u64; q_logits.len()];
         for seed in 0..n {
             let x = q.sample(seed, 40);
-            let token = match judge_draft(p, &q.dist, x, seed, 40) {
+            let token = match judge_draft(p, &q.dist(), x, seed, 40) {
                 Judgement::Accept => x,
                 Judgement::Replace(t) => t,
             };

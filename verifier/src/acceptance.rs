@@ -27,7 +27,7 @@ pub fn accepted_len(draft: &[u32], target: &[u32]) -> usize {
 pub fn decide(
     logits: &[Vec<f32>],
     draft: &[u32],
-    draft_dists: &[Dist],
+    draft_dists: &[Filtered],
     params: &SamplingParams,
     mode: SamplingMode,
     first_position: usize,
@@ -45,16 +45,9 @@ pub fn decide(
         }
     } else {
         for (j, &d) in draft.iter().enumerate() {
-            let p = Filtered::new(&logits[j], params).dist;
-            let one_hot;
-            let q = match draft_dists.get(j) {
-                Some(q) => q,
-                None => {
-                    one_hot = Dist::one_hot(d);
-                    &one_hot
-                }
-            };
-            match judge_draft(&p, q, d, params.seed, at(j)) {
+            let p = Filtered::new(&logits[j], params).dist();
+            let q = draft_dists.get(j).map_or_else(|| Dist::one_hot(d), Filtered::dist);
+            match judge_draft(&p, &q, d, params.seed, at(j)) {
                 Judgement::Accept => tokens.push(d),
                 Judgement::Replace(t) => {
                     tokens.push(t);

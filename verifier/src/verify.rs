@@ -10,7 +10,7 @@
 use mtp_cache::RowCache;
 use mtp_model::kernels::logprob;
 use mtp_model::{Error, Logits, Model, RowInput};
-use mtp_sampling::{Dist, SamplingMode, SamplingParams};
+use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 
 use crate::decide;
 
@@ -33,7 +33,7 @@ pub struct VerifyRow<'a> {
     pub draft: &'a [u32],
     /// The drafter's distribution for each draft token (rejection mode); missing
     /// entries count as one-hot on the draft.
-    pub draft_dists: &'a [Dist],
+    pub draft_dists: &'a [Filtered],
     pub sampling: SamplingParams,
 }
 
