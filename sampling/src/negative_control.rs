@@ -37,3 +37,31 @@ pub fn set_biased_rejection(on: bool) {
 pub(crate) fn biased_rejection() -> bool {
     BIASED.with(|b| b.get())
 }
+
+/// The fault switches of the calling thread, to carry onto worker threads.
+#[derive(Clone, Copy, Debug)]
+pub struct Faults {
+    stream: Option<u64>,
+    biased: bool,
+}
+
+/// This thread's switches.
+pub fn current() -> Faults {
+    Faults { stream: STREAM.with(|s| s.get()), biased: biased_rejection() }
+}
+
+impl Faults {
+    /// Runs `f` with these switches on the current thread, then restores its own.
+    pub fn apply<T>(self, f: impl FnOnce() -> T) -> T {
+        let saved = current();
+        self.install();
+        let out = f();
+        saved.install();
+        out
+    }
+
+    fn install(self) {
+        STREAM.with(|s| s.set(self.stream));
+        BIASED.with(|b| b.set(self.biased));
+    }
+}

@@ -11,6 +11,7 @@ use mtp_cache::RowCache;
 use mtp_model::kernels::logprob;
 use mtp_model::{Error, Logits, Model, RowInput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
+use rayon::prelude::*;
 
 use crate::decide;
 
@@ -102,10 +103,21 @@ pub fn verify(
     match model.forward(&mut inputs) {
         Ok(outs) => {
             drop(inputs);
-            for ((&i, out), window) in live.iter().zip(outs).zip(&windows) {
-                let row = &rows[i];
-                let (a, tokens) =
-                    decide(&out.logits, &window[1..], row.draft_dists, &row.sampling, mode, starts[i] + 1);
+            // Rows decide in parallel (a sampled pick over a large vocabulary costs ms);
+            // test fault switches follow the work onto the pool's threads.
+            let faults = mtp_sampling::negative_control::current();
+            let decided: Vec<(usize, Vec<u32>)> = live
+                .par_iter()
+                .zip(&outs)
+                .zip(&windows)
+                .map(|((&i, out), window)| {
+                    let row = &rows[i];
+                    faults.apply(|| {
+                        decide(&out.logits, &window[1..], row.draft_dists, &row.sampling, mode, starts[i] + 1)
+                    })
+                })
+                .collect();
+            for ((&i, out), (a, tokens)) in live.iter().zip(outs).zip(decided) {
                 let logprobs = tokens.iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
