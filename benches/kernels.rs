@@ -156,6 +156,7 @@ fn attention(cfg: &mtp::model::Config, reps: usize) -> anyhow::Result<()> {
 /// One decode step, one verify step of 1 + k tokens, and the rollback after it (B = 1,
 /// 64 cached positions), on the real checkpoint.
 fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
+    use mtp::sampling::SamplingMode;
     use mtp::verifier::{verify, VerifyRow, WindowLayout};
     let model = Model::load(dir)?;
     let prompt: Vec<u32> = (0..64u32).map(|i| 100 + i * 37).collect();
@@ -185,8 +186,8 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
         let draft: Vec<u32> = (0..k as u32).map(|i| 200 + i).collect();
         let t = time(&mut || {
             let mut c = base.clone();
-            let mut rows = [VerifyRow { cache: &mut c, pending: 7, draft: &draft }];
-            verify(&model, &mut rows, WindowLayout::RowTail);
+            let mut rows = [VerifyRow::greedy(&mut c, 7, &draft)];
+            verify(&model, &mut rows, WindowLayout::RowTail, SamplingMode::Exact);
         });
         println!("| verify k={k} ({} tokens) | {:.1} | {:.2} |", k + 1, t * 1e3, t / decode / (k + 1) as f64);
     }

@@ -1,5 +1,7 @@
-//! `mtp-bench`: plain decoding and every drafter x k x batch on one workload, with an
-//! identity check of every row against plain decoding.
+//! `mtp-bench`: plain decoding and every drafter x k x batch x sampling setting on one
+//! workload, with an identity check of every row: against plain decoding (greedy and
+//! exact sampling) or against the same drafter at the first batch size (rejection
+//! sampling, whose promise is batch invariance).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -7,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use mtp_drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp_engine::{generate, Completion, Engine, EngineOptions, Request, SpecStats};
+use mtp_engine::{generate, Completion, Engine, EngineOptions, Request, SamplingMode, SpecStats};
 use mtp_model::{Model, Tokenizer};
 use serde::Serialize;
 
@@ -132,8 +134,9 @@ pub fn run(
     requests: &[Request],
     batch: usize,
     k: usize,
+    sampling_mode: SamplingMode,
 ) -> Result<Run> {
-    let opts = EngineOptions { max_batch: batch, k, ..EngineOptions::default() };
+    let opts = EngineOptions { max_batch: batch, k, sampling_mode, ..EngineOptions::default() };
     let mut engine = Engine::new(model, drafter, opts);
     let t0 = Instant::now();
     let results = generate(&mut engine, requests, &[], |_, _| {});
@@ -147,7 +150,8 @@ pub fn run(
 pub struct RequestDetail {
     pub id: String,
     pub tokens: usize,
-    pub identical: bool,
+    /// None where the row has nothing to be identical to.
+    pub identical: Option<bool>,
 }
 
 /// One table row.
@@ -156,6 +160,10 @@ pub struct Row {
     pub drafter: String,
     pub k: usize,
     pub batch: usize,
+    /// As given on the command line (the f32's shortest decimal, not its binary value).
+    pub temperature: f64,
+    /// greedy, plain (no drafter, sampled), exact or rejection.
+    pub sampling: String,
     pub acceptance_rate: f64,
     pub mean_accepted_length: f64,
     pub per_position_acceptance: Vec<f64>,
@@ -169,25 +177,32 @@ pub struct Row {
     pub draft_ms_per_round: f64,
     pub verify_ms_per_round: f64,
     pub rounds: u64,
-    pub identical: bool,
+    /// Every request bitwise equal to its reference; None for rows that are their own
+    /// reference (rejection sampling at the first batch size).
+    pub identical: Option<bool>,
     pub requests: Vec<RequestDetail>,
 }
 
+/// What a row is compared with and how it sampled.
+pub struct Setting<'a> {
+    pub temperature: f32,
+    pub sampling: &'a str,
+    pub reference: Option<&'a [Completion]>,
+    pub plain_tps: f64,
+}
+
 impl Row {
-    /// Measurements of `run` against plain decoding's `reference` and tokens/s `plain_tps`.
-    pub fn new(
-        drafter: &str,
-        k: usize,
-        batch: usize,
-        run: &Run,
-        reference: &[Completion],
-        plain_tps: f64,
-    ) -> Row {
+    /// Measurements of `run` against its reference and plain decoding's tokens/s.
+    pub fn new(drafter: &str, k: usize, batch: usize, run: &Run, setting: &Setting) -> Row {
         let requests: Vec<RequestDetail> = run
             .completions
             .iter()
-            .zip(reference)
-            .map(|(c, r)| RequestDetail { id: c.id.clone(), tokens: c.tokens.len(), identical: same(c, r) })
+            .enumerate()
+            .map(|(i, c)| RequestDetail {
+                id: c.id.clone(),
+                tokens: c.tokens.len(),
+                identical: setting.reference.map(|r| r.get(i).is_some_and(|r| same(c, r))),
+            })
             .collect();
         let s = &run.stats;
         let per_round = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.rounds.max(1) as f64;
@@ -195,6 +210,8 @@ impl Row {
             drafter: drafter.to_string(),
             k,
             batch,
+            temperature: setting.temperature.to_string().parse().unwrap_or(setting.temperature as f64),
+            sampling: setting.sampling.to_string(),
             acceptance_rate: s.acceptance_rate(),
             mean_accepted_length: s.mean_accepted_length(),
             per_position_acceptance: s.per_position_acceptance(),
@@ -202,11 +219,13 @@ impl Row {
             seconds: run.seconds,
             prefill_seconds: s.prefill_time.as_secs_f64(),
             tokens_per_second: run.tokens_per_second(),
-            speedup: run.tokens_per_second() / plain_tps.max(1e-9),
+            speedup: run.tokens_per_second() / setting.plain_tps.max(1e-9),
             draft_ms_per_round: per_round(s.draft_time),
             verify_ms_per_round: per_round(s.verify_time),
             rounds: s.rounds,
-            identical: requests.len() == reference.len() && requests.iter().all(|r| r.identical),
+            identical: setting
+                .reference
+                .map(|r| requests.len() == r.len() && requests.iter().all(|q| q.identical == Some(true))),
             requests,
         }
     }
@@ -223,14 +242,19 @@ pub fn same(a: &Completion, b: &Completion) -> bool {
 /// The Markdown table of all rows.
 pub fn markdown(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| drafter | k | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| sampling | drafter | k | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let pos: Vec<String> = r.per_position_acceptance.iter().map(|p| format!("{p:.2}")).collect();
         let dash = r.drafter == "none";
         s += &format!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} |\n",
+            if r.sampling == "greedy" {
+                "greedy".to_string()
+            } else {
+                format!("T={} {}", r.temperature, r.sampling)
+            },
             r.drafter,
             if dash { "-".into() } else { r.k.to_string() },
             r.batch,
@@ -241,7 +265,11 @@ pub fn markdown(rows: &[Row]) -> String {
             r.speedup,
             r.draft_ms_per_round,
             r.verify_ms_per_round,
-            if r.identical { "yes" } else { "**NO**" },
+            match r.identical {
+                Some(true) => "yes",
+                Some(false) => "**NO**",
+                None => "-",
+            },
         );
     }
     s

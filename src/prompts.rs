@@ -1,12 +1,14 @@
 //! The prompts JSONL format: one request per line,
 //! `{"id": "a", "prompt": "text"}` or `{"id": "a", "prompt_ids": [1, 2]}`,
-//! optional `"max_tokens"`, `"stop"` (a list of strings) and `"arrive_at"` (submit the
-//! request once the engine has completed that many rounds).
+//! optional `"max_tokens"`, `"stop"` (a list of strings), `"arrive_at"` (submit the
+//! request once the engine has completed that many rounds) and the sampling fields
+//! `"temperature"`, `"top_k"`, `"top_p"`, `"min_p"`, `"seed"` (each overrides the
+//! command line's value for that request).
 
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use mtp_engine::Request;
+use mtp_engine::{Request, SamplingParams};
 use mtp_model::Tokenizer;
 use serde::Deserialize;
 
@@ -19,6 +21,11 @@ struct Line {
     max_tokens: Option<usize>,
     stop: Option<Vec<String>>,
     arrive_at: Option<u64>,
+    temperature: Option<f32>,
+    top_k: Option<usize>,
+    top_p: Option<f32>,
+    min_p: Option<f32>,
+    seed: Option<u64>,
 }
 
 /// The requests of a prompts file and the round each one arrives at.
@@ -27,14 +34,10 @@ pub struct Prompts {
     pub arrive_at: Vec<u64>,
 }
 
-/// Parses every line of `path`, tokenizing text prompts with `tokenizer`. A malformed
-/// line is an error naming the file and line; nothing runs until all lines parse.
-pub fn read(
-    path: &Path,
-    tokenizer: Option<&Tokenizer>,
-    default_max: usize,
-    ignore_eos: bool,
-) -> Result<Prompts> {
+/// Parses every line of `path`, tokenizing text prompts with `tokenizer`; fields a line
+/// leaves out come from `defaults`. A malformed line is an error naming the file and
+/// line; nothing runs until all lines parse.
+pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, defaults: &Request) -> Result<Prompts> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
     let mut out = Vec::new();
@@ -60,12 +63,22 @@ pub fn read(
         if out.iter().any(|r: &Request| r.id == id) {
             bail!("{}: duplicate request id `{id}`", at());
         }
+        let d = defaults.sampling;
+        let sampling = SamplingParams {
+            temperature: l.temperature.unwrap_or(d.temperature),
+            top_k: l.top_k.unwrap_or(d.top_k),
+            top_p: l.top_p.unwrap_or(d.top_p),
+            min_p: l.min_p.unwrap_or(d.min_p),
+            seed: l.seed.unwrap_or(d.seed),
+        };
+        sampling.validate().map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
         out.push(Request {
             id,
             prompt,
-            max_tokens: l.max_tokens.unwrap_or(default_max),
-            ignore_eos,
-            stop: l.stop.unwrap_or_default(),
+            max_tokens: l.max_tokens.unwrap_or(defaults.max_tokens),
+            ignore_eos: defaults.ignore_eos,
+            stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
+            sampling,
         });
         arrive_at.push(l.arrive_at.unwrap_or(0));
     }

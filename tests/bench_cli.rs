@@ -19,8 +19,23 @@ fn tmp(name: &str) -> String {
         .into_owned()
 }
 
-fn row<'a>(rows: &'a [serde_json::Value], drafter: &str, k: u64, batch: u64) -> &'a serde_json::Value {
-    rows.iter().find(|r| r["drafter"] == drafter && r["k"] == k && r["batch"] == batch).unwrap()
+/// The row of `drafter` at `k` and `batch` with the same temperature and sampling as `like`.
+fn row<'a>(
+    rows: &'a [serde_json::Value],
+    drafter: &str,
+    k: u64,
+    batch: u64,
+    like: &serde_json::Value,
+) -> &'a serde_json::Value {
+    rows.iter()
+        .find(|r| {
+            r["drafter"] == drafter
+                && r["k"] == k
+                && r["batch"] == batch
+                && r["temperature"] == like["temperature"]
+                && r["sampling"] == like["sampling"]
+        })
+        .unwrap()
 }
 
 #[test]
@@ -34,33 +49,51 @@ fn default_run_covers_every_drafter_and_is_identical() {
     assert!(!out.contains("**NO**"));
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let rows = doc["rows"].as_array().unwrap();
-    // 2 batch sizes x (plain + 3 drafters x 3 k).
-    assert_eq!(rows.len(), 20);
+    // 2 batch sizes x 3 temperatures x plain, then 3 drafters x 3 k for each of greedy,
+    // T=0.7 exact and rejection, T=1 exact and rejection.
+    assert_eq!(rows.len(), 2 * (3 + 5 * 3 * 3));
     for r in rows {
-        for key in
-            ["drafter", "k", "batch", "acceptance_rate", "mean_accepted_length", "per_position_acceptance"]
-        {
+        for key in [
+            "drafter",
+            "k",
+            "batch",
+            "temperature",
+            "sampling",
+            "acceptance_rate",
+            "mean_accepted_length",
+            "per_position_acceptance",
+        ] {
             assert!(!r[key].is_null(), "{key} missing in {r}");
         }
         assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
-        assert_eq!(r["identical"], true);
-        assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == true));
+        // Rejection rows at the first batch size are the reference of later ones.
+        let own_reference = r["sampling"] == "rejection" && r["batch"] == 1;
+        let want = if own_reference { serde_json::Value::Null } else { true.into() };
+        assert_eq!(r["identical"], want, "{r}");
+        assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == want));
+    }
+    for (sampling, temperature) in [("greedy", 0.0), ("exact", 0.7), ("rejection", 0.7), ("exact", 1.0)] {
+        assert!(
+            rows.iter().any(|r| r["sampling"] == sampling && r["temperature"].as_f64() == Some(temperature)),
+            "no {sampling} row at T={temperature}"
+        );
     }
     // The default run is the trained family on held-out prompts; it must show real
     // drafting (the README's quality bars): the MTP head accepts at least 60% at k=1, and
     // the best drafter averages at least 2 tokens per verify at k=4.
     assert!(doc["target"].as_str().unwrap().ends_with("tests/fixtures/trained/target"));
     assert_eq!(doc["requests"], 16);
-    let mtp1 = row(rows, "mtp", 1, 1)["acceptance_rate"].as_f64().unwrap();
+    let greedy = serde_json::json!({"temperature": 0.0, "sampling": "greedy"});
+    let mtp1 = row(rows, "mtp", 1, 1, &greedy)["acceptance_rate"].as_f64().unwrap();
     assert!(mtp1 >= 0.6, "MTP acceptance at k=1: {mtp1}");
     let best4 = ["draft-model", "mtp", "ngram"]
-        .map(|d| row(rows, d, 4, 1)["mean_accepted_length"].as_f64().unwrap())
+        .map(|d| row(rows, d, 4, 1, &greedy)["mean_accepted_length"].as_f64().unwrap())
         .into_iter()
         .fold(0.0, f64::max);
     assert!(best4 >= 2.0, "best mean accepted length at k=4: {best4}");
-    // Acceptance depends only on the tokens, never on the batch size.
+    // Acceptance depends only on each row's tokens, never on the batch size.
     for r in rows.iter().filter(|r| r["drafter"] != "none") {
-        let alone = row(rows, r["drafter"].as_str().unwrap(), r["k"].as_u64().unwrap(), 1);
+        let alone = row(rows, r["drafter"].as_str().unwrap(), r["k"].as_u64().unwrap(), 1, r);
         assert_eq!(r["acceptance_rate"], alone["acceptance_rate"], "{r}");
     }
     std::fs::remove_file(json).ok();
@@ -76,6 +109,8 @@ fn oracle_sets_the_acceptance_rate() {
         "3",
         "--batch",
         "2",
+        "--temperatures",
+        "0",
         "--json",
         &json,
     ]);
@@ -97,8 +132,20 @@ fn oracle_sets_the_acceptance_rate() {
 #[test]
 fn prompts_dir_is_cut_deterministically() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
-    let args =
-        ["--drafters", "ngram", "--k", "2", "--batch", "1", "--prompts-dir", dir, "--num-prompts", "3"];
+    let args = [
+        "--drafters",
+        "ngram",
+        "--k",
+        "2",
+        "--batch",
+        "1",
+        "--temperatures",
+        "0",
+        "--prompts-dir",
+        dir,
+        "--num-prompts",
+        "3",
+    ];
     let (j1, j2) = (tmp("dir1.json"), tmp("dir2.json"));
     let a: Vec<&str> =
         args.iter().copied().chain(["--prompt-tokens", "20", "--max-tokens", "6", "--json", &j1]).collect();
@@ -122,6 +169,10 @@ fn bad_arguments_are_refused() {
     assert!(code == 1 && err.contains("[0, 1]"), "{err}");
     let (code, _, err) = bench(&["--k", "0"]);
     assert!(code == 1 && err.contains("at least 1"), "{err}");
+    let (code, _, err) = bench(&["--sampling", "typical"]);
+    assert!(code == 1 && err.contains("unknown sampling mode `typical`"), "{err}");
+    let (code, _, err) = bench(&["--temperatures=-1"]);
+    assert!(code == 1 && err.contains("temperature"), "{err}");
     let (code, _, err) = bench(&["--prompts-dir", "/nonexistent/dir"]);
     assert!(code == 1 && err.contains("/nonexistent/dir"), "{err}");
 }

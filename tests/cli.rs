@@ -108,17 +108,21 @@ fn every_drafter_prints_what_plain_decoding_prints() {
     assert_eq!(code, 0, "{err}");
     let draft = common::fixture("qwen3-draft");
     let base = ["generate", "--target", t, "--prompts", &prompts, "--ignore-eos", "--max-tokens", "14"];
-    let (code, want, err) = mtp(&base);
-    assert_eq!(code, 0, "{err}");
-    for extra in [
-        vec!["--drafter", "ngram", "--k", "3", "--max-batch", "2"],
-        vec!["--drafter", "draft-model", "--draft", draft.to_str().unwrap(), "--k", "5"],
-        vec!["--drafter", "mtp", "--draft", head, "--k", "2", "--max-batch", "1"],
-    ] {
-        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
-        let (code, got, err) = mtp(&args);
-        assert_eq!(code, 0, "{extra:?}: {err}");
-        assert_eq!(got, want, "{extra:?} changed the output");
+    // Greedy, then sampled in exact mode (also bitwise plain decoding's output).
+    for sampling in [vec![], vec!["--temperature", "0.8", "--top-p", "0.95", "--seed", "3"]] {
+        let plain: Vec<&str> = base.iter().chain(&sampling).copied().collect();
+        let (code, want, err) = mtp(&plain);
+        assert_eq!(code, 0, "{err}");
+        for extra in [
+            vec!["--drafter", "ngram", "--k", "3", "--max-batch", "2"],
+            vec!["--drafter", "draft-model", "--draft", draft.to_str().unwrap(), "--k", "5"],
+            vec!["--drafter", "mtp", "--draft", head, "--k", "2", "--max-batch", "1"],
+        ] {
+            let args: Vec<&str> = plain.iter().chain(&extra).copied().collect();
+            let (code, got, err) = mtp(&args);
+            assert_eq!(code, 0, "{extra:?}: {err}");
+            assert_eq!(got, want, "{extra:?} {sampling:?} changed the output");
+        }
     }
     let (code, _, err) = mtp(&[&base[..], &["--drafter", "draft-model"]].concat());
     assert!(code == 1 && err.contains("--draft"), "{err}");
@@ -151,4 +155,56 @@ fn default_family_drafters_print_what_plain_decoding_prints() {
         assert_eq!(got, want, "{extra:?} changed the output");
         assert!(err.contains("acceptance_rate"), "{err}");
     }
+}
+
+#[test]
+fn sampling_flags_seeds_and_per_request_overrides() {
+    let prompts = write_prompts(
+        "sampling",
+        "{\"id\": \"a\", \"prompt_ids\": [5, 9, 200]}\n\
+         {\"id\": \"b\", \"prompt_ids\": [5, 9, 200], \"temperature\": 0}\n\
+         {\"id\": \"c\", \"prompt_ids\": [5, 9, 200], \"seed\": 77, \"top_k\": 50}\n",
+    );
+    let target = common::fixture("qwen3-target");
+    let t = target.to_str().unwrap();
+    let base = ["generate", "--target", t, "--prompts", &prompts, "--ignore-eos", "--max-tokens", "12"];
+    let tokens = |args: &[&str]| -> Vec<serde_json::Value> {
+        let all: Vec<&str> = base.iter().chain(args).copied().collect();
+        let (code, out, err) = mtp(&all);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["tokens"].clone()).collect()
+    };
+    let greedy = tokens(&[]);
+    let seed1 = tokens(&["--temperature", "1.0", "--seed", "1"]);
+    assert_eq!(seed1, tokens(&["--temperature", "1.0", "--seed", "1"]), "same seed, same output");
+    let seed2 = tokens(&["--temperature", "1.0", "--seed", "2"]);
+    assert_ne!(seed1[0], greedy[0], "temperature 1 sampled the greedy continuation");
+    assert_ne!(seed1[0], seed2[0], "different seeds gave the same sample");
+    assert_eq!(seed1[1], greedy[0], "a request's temperature 0 overrides the flag");
+    assert_ne!(seed1[2], seed1[0], "a request's seed and top_k override the flags");
+
+    // Rejection mode: not plain decoding's bits, but each row the same alone and batched.
+    let draft = common::fixture("qwen3-draft");
+    let rejection = ["--temperature", "1.0", "--sampling", "rejection", "--drafter", "draft-model"];
+    let with_draft: Vec<&str> =
+        rejection.iter().copied().chain(["--draft", draft.to_str().unwrap()]).collect();
+    let alone = tokens(&[&with_draft[..], &["--max-batch", "1", "--k", "3"]].concat());
+    let batched = tokens(&[&with_draft[..], &["--max-batch", "3", "--k", "3"]].concat());
+    assert_eq!(alone, batched);
+
+    for (bad, says) in [
+        (vec!["--top-p", "0"], "top_p"),
+        (vec!["--temperature=-0.5"], "temperature"),
+        (vec!["--temperature", "1", "--sampling", "typical"], "unknown sampling mode"),
+    ] {
+        let all: Vec<&str> = base.iter().chain(&bad).copied().collect();
+        let (code, _, err) = mtp(&all);
+        assert!(code == 1 && err.contains(says), "{bad:?}: {err}");
+    }
+    let broken = write_prompts(
+        "bad-min-p",
+        "{\"id\": \"x\", \"prompt_ids\": [1]}\n{\"id\": \"y\", \"prompt_ids\": [1], \"min_p\": 2}\n",
+    );
+    let (code, _, err) = mtp(&["generate", "--target", t, "--prompts", &broken]);
+    assert!(code == 1 && err.contains(":2") && err.contains("min_p"), "{err}");
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{fixture, trained, FAMILIES};
-use mtp::drafter::{Commit, Drafter, MtpDrafter};
+use mtp::drafter::{Commit, DraftAsk, Drafter, MtpDrafter};
 use mtp::engine::{prefill, EngineOptions, Request};
 use mtp::model::kernels::argmax;
 use mtp::model::Model;
@@ -104,7 +104,7 @@ fn trained_mtp_head_drafts_match_the_training_code() {
         assert_eq!(next, ids(&g["greedy"][i])[0]);
         let mut drafter = MtpDrafter::load(&dir, model.clone()).unwrap();
         drafter.commit(0, Commit { start: 0, tokens: &prompt, hidden: &hidden, next }).unwrap();
-        let got = drafter.propose(&[(0, 4)]).unwrap().remove(0);
+        let got = drafter.propose(&[DraftAsk::greedy(0, 4)]).unwrap().remove(0).tokens;
         let want = ids(&g["mtp_drafts"][i]);
         let upto = trusted_steps(&g["mtp_margins"][i]);
         assert_eq!(got.len(), 4);

@@ -5,6 +5,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::fixture;
+use mtp::drafter::DraftAsk;
 use mtp::model::{Config, Error, Model, Tokenizer};
 
 /// A writable copy of a fixture checkpoint.
@@ -236,7 +237,7 @@ fn mtp_heads_load_in_both_layouts_and_inside_the_target() {
         let h = target.config.hidden_size;
         let hidden: Vec<f32> = (0..3 * h).map(|i| (i as f32 * 0.37).sin()).collect();
         d.commit(0, Commit { start: 0, tokens: &[4, 5, 6], hidden: &hidden, next: 7 }).unwrap();
-        let p = d.propose(&[(0, 3)]).unwrap().remove(0);
+        let p = d.propose(&[DraftAsk::greedy(0, 3)]).unwrap().remove(0).tokens;
         assert_eq!(p.len(), 3);
         proposals.push((dir, p));
     }
@@ -262,7 +263,11 @@ fn mtp_heads_load_in_both_layouts_and_inside_the_target() {
     let h = target.config.hidden_size;
     let hidden: Vec<f32> = (0..3 * h).map(|i| (i as f32 * 0.37).sin()).collect();
     d.commit(0, Commit { start: 0, tokens: &[4, 5, 6], hidden: &hidden, next: 7 }).unwrap();
-    assert_eq!(&d.propose(&[(0, 3)]).unwrap()[0], ds_proposal, "same weights, same drafts");
+    assert_eq!(
+        &d.propose(&[DraftAsk::greedy(0, 3)]).unwrap()[0].tokens,
+        ds_proposal,
+        "same weights, same drafts"
+    );
 
     // A checkpoint that declares no MTP head, or whose head is not where the config says.
     let e = mtp_err(&target_dir, &target);

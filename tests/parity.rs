@@ -1,8 +1,11 @@
 //! The parity gate. For every hf-tiny target and the trained family, every drafter kind,
-//! k in {1, 3, 5} and max batch in {1, 3, 8}, with staggered arrivals: tokens and logprobs are bitwise those of
-//! plain decoding of each request alone. Decode equals prefill: a fresh prefill of
-//! prompt + tokens so far gives each token's logprob bit for bit. Negative controls: a
-//! rollback that skips compaction and RoPE at physical slots must each break the gate.
+//! k in {1, 3, 5} and max batch in {1, 3, 8}, with staggered arrivals: tokens and logprobs
+//! are bitwise those of plain decoding of each request alone, greedy and sampled (exact
+//! mode; the sampled workload mixes temperatures, top-k, top-p, min-p, seeds and greedy
+//! rows). In rejection mode each row is bitwise the same alone and in batches. Decode
+//! equals prefill: a fresh prefill of prompt + tokens so far gives each token's logprob bit
+//! for bit. Negative controls: a rollback that skips compaction, RoPE at physical slots and
+//! a stream (draw-count keyed) random generator must each break the gate.
 
 mod common;
 
@@ -11,7 +14,7 @@ use std::sync::Arc;
 
 use common::{bits, fixture, plain, request, run, trained};
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp::engine::{prefill, Completion, EngineOptions, Request, WindowLayout};
+use mtp::engine::{prefill, Completion, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout};
 use mtp::model::kernels::logprob;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout};
@@ -21,8 +24,9 @@ const TARGETS: [(&str, &str); 3] =
 const DRAFTERS: [&str; 5] = ["draft-model", "mtp-mimo", "mtp-deepseek", "ngram", "oracle"];
 
 /// Eight requests of different lengths; some stop at EOS, so rows retire at different
-/// rounds. Returns them with their arrival rounds.
-fn workload() -> (Vec<Request>, Vec<u64>) {
+/// rounds. Returns them with their arrival rounds. `sampled` gives each request its own
+/// sampling parameters and seed (one row stays greedy).
+fn workload(sampled: bool) -> (Vec<Request>, Vec<u64>) {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("qwen3-target").join("golden.json")).unwrap())
             .unwrap();
@@ -39,9 +43,25 @@ fn workload() -> (Vec<Request>, Vec<u64>) {
     let requests = prompts
         .into_iter()
         .enumerate()
-        .map(|(i, p)| Request { ignore_eos: i % 3 != 2, ..request(&format!("r{i}"), p, 10 + 3 * i) })
+        .map(|(i, p)| Request {
+            ignore_eos: i % 3 != 2,
+            sampling: if sampled { sampling_for(i) } else { SamplingParams::default() },
+            ..request(&format!("r{i}"), p, 10 + 3 * i)
+        })
         .collect();
     (requests, vec![0, 0, 1, 2, 3, 5, 8, 13])
+}
+
+/// Request `i`'s sampling: temperatures 0.7 to 1.5 with each filter on in some rows.
+fn sampling_for(i: usize) -> SamplingParams {
+    let temperature = [0.7, 1.0, 1.5, 0.0][i % 4];
+    SamplingParams {
+        temperature,
+        top_k: [0, 40, 0, 5][i % 4],
+        top_p: [1.0, 0.9, 0.95, 1.0][(i / 2) % 4],
+        min_p: if i % 3 == 1 { 0.05 } else { 0.0 },
+        seed: 1000 + i as u64,
+    }
 }
 
 /// A fresh random MTP head for `target`, in a directory no other test uses (the loader
@@ -59,7 +79,7 @@ struct Target {
     draft: Arc<Model>,
     mimo: PathBuf,
     deepseek: PathBuf,
-    /// Head directories this test wrote (removed at the end).
+    /// Head directories this test wrote (removed by `clean_up`).
     written: Vec<PathBuf>,
     requests: Vec<Request>,
     arrive_at: Vec<u64>,
@@ -68,26 +88,22 @@ struct Target {
 
 impl Target {
     /// An hf-tiny target with its draft model and random MTP heads in both layouts.
-    fn load(tag: &str, name: &str, draft: &str) -> Target {
+    fn load(tag: &str, name: &str, draft: &str, sampled: bool) -> Target {
         let (mimo, deepseek) = (
             mtp_dir(tag, &fixture(name), MtpLayout::MiMo),
             mtp_dir(tag, &fixture(name), MtpLayout::DeepSeek),
         );
-        Target::from_dirs(
-            &fixture(name),
-            &fixture(draft),
-            mimo.clone(),
-            deepseek.clone(),
-            vec![mimo, deepseek],
-        )
+        let written = vec![mimo.clone(), deepseek.clone()];
+        Target::from_dirs(&fixture(name), &fixture(draft), mimo, deepseek, written, sampled)
     }
 
     /// The trained family: its own draft model and MTP head (MiMo, inside the target), and
     /// a random DeepSeek-layout head.
-    fn trained(tag: &str) -> Target {
+    fn trained(tag: &str, sampled: bool) -> Target {
         let target = trained("target");
         let deepseek = mtp_dir(tag, &target, MtpLayout::DeepSeek);
-        Target::from_dirs(&target, &trained("draft"), target.clone(), deepseek.clone(), vec![deepseek])
+        let written = vec![deepseek.clone()];
+        Target::from_dirs(&target, &trained("draft"), target.clone(), deepseek, written, sampled)
     }
 
     fn from_dirs(
@@ -96,9 +112,10 @@ impl Target {
         mimo: PathBuf,
         deepseek: PathBuf,
         written: Vec<PathBuf>,
+        sampled: bool,
     ) -> Target {
         let model = Arc::new(Model::load(target).unwrap());
-        let (requests, arrive_at) = workload();
+        let (requests, arrive_at) = workload(sampled);
         // The reference: plain decoding, each request alone.
         let reference = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
         Target {
@@ -136,26 +153,37 @@ impl Target {
     /// Runs the workload with staggered arrivals; returns the first difference from the
     /// reference, if any, and the engine's (drafted, accepted) counts.
     fn check(&self, drafter: Option<&str>, opts: EngineOptions) -> (Option<String>, (u64, u64)) {
+        let (got, counts) = self.generate(drafter, opts);
+        (first_difference(got, &self.reference), counts)
+    }
+
+    fn clean_up(&self) {
+        for p in &self.written {
+            std::fs::remove_dir_all(p).ok();
+        }
+    }
+
+    fn generate(&self, drafter: Option<&str>, opts: EngineOptions) -> (Vec<Completion>, (u64, u64)) {
         let mut engine = mtp::engine::Engine::new(&self.model, drafter.map(|d| self.drafter(d)), opts);
         let got = mtp::engine::generate(&mut engine, &self.requests, &self.arrive_at, |_, _| {});
-        let counts = (engine.stats().drafted, engine.stats().accepted);
-        for (i, (g, want)) in got.into_iter().zip(&self.reference).enumerate() {
-            let g = match g {
-                Ok(g) => g,
-                Err(e) => return (Some(format!("request {i} failed: {e}")), counts),
-            };
+        let got = got.into_iter().map(|g| g.expect("no request fails")).collect();
+        (got, (engine.stats().drafted, engine.stats().accepted))
+    }
+}
+
+/// The first request whose tokens, logprob bits or finish reason differ, if any.
+fn first_difference(got: Vec<Completion>, reference: &[Completion]) -> Option<String> {
+    {
+        for (i, (g, want)) in got.into_iter().zip(reference).enumerate() {
             if g.tokens != want.tokens || bits(&g.logprobs) != bits(&want.logprobs) || g.finish != want.finish
             {
-                return (
-                    Some(format!(
-                        "request {i}: got {:?} {:?}, want {:?} {:?}",
-                        g.tokens, g.finish, want.tokens, want.finish
-                    )),
-                    counts,
-                );
+                return Some(format!(
+                    "request {i}: got {:?} {:?}, want {:?} {:?}",
+                    g.tokens, g.finish, want.tokens, want.finish
+                ));
             }
         }
-        (None, counts)
+        None
     }
 }
 
@@ -163,7 +191,12 @@ fn opts(k: usize, max_batch: usize, layout: WindowLayout) -> EngineOptions {
     EngineOptions { k, max_batch, prefill_chunk: 4, layout, ..EngineOptions::default() }
 }
 
-fn gate(t: Target, target: &str) {
+fn gate(target: &str, draft: &str, sampled: bool) {
+    let t = Target::load(if sampled { "sampled" } else { "gate" }, target, draft, sampled);
+    gate_on(&t, target);
+}
+
+fn gate_on(t: &Target, target: &str) {
     assert!(
         t.reference.iter().any(|c| c.tokens.len() >= 10),
         "{target}: reference too short to test anything"
@@ -188,36 +221,54 @@ fn gate(t: Target, target: &str) {
             assert!(totals.1 > 0 && totals.1 < totals.0, "{target}: the oracle must force mixed accepts");
         }
     }
-    for p in &t.written {
-        std::fs::remove_dir_all(p).ok();
-    }
+    t.clean_up();
 }
 
 #[test]
 fn gate_llama() {
-    gate(Target::load("gate", TARGETS[0].0, TARGETS[0].1), TARGETS[0].0);
+    gate(TARGETS[0].0, TARGETS[0].1, false);
+}
+
+#[test]
+fn gate_llama_sampled() {
+    gate(TARGETS[0].0, TARGETS[0].1, true);
 }
 
 #[test]
 fn gate_qwen2() {
-    gate(Target::load("gate", TARGETS[1].0, TARGETS[1].1), TARGETS[1].0);
+    gate(TARGETS[1].0, TARGETS[1].1, false);
+}
+
+#[test]
+fn gate_qwen2_sampled() {
+    gate(TARGETS[1].0, TARGETS[1].1, true);
 }
 
 #[test]
 fn gate_qwen3() {
-    gate(Target::load("gate", TARGETS[2].0, TARGETS[2].1), TARGETS[2].0);
+    gate(TARGETS[2].0, TARGETS[2].1, false);
+}
+
+#[test]
+fn gate_qwen3_sampled() {
+    gate(TARGETS[2].0, TARGETS[2].1, true);
 }
 
 #[test]
 fn gate_trained_family() {
-    gate(Target::trained("gate"), "trained");
+    gate_on(&Target::trained("gate", false), "trained");
+}
+
+#[test]
+fn gate_trained_family_sampled() {
+    gate_on(&Target::trained("sampled", true), "trained");
 }
 
 #[test]
 fn decode_equals_prefill() {
     for (name, _) in TARGETS {
         let model = Model::load(&fixture(name)).unwrap();
-        let (requests, _) = workload();
+        let (requests, _) = workload(true);
         for (r, c) in requests.iter().zip(plain(&model, &requests, 8)) {
             let c = c.unwrap();
             for j in 0..c.tokens.len() {
@@ -239,7 +290,7 @@ fn decode_equals_prefill() {
 /// passes, so the compaction it exercises is real.
 #[test]
 fn negative_controls_break_the_gate() {
-    let t = Target::load("controls", "qwen3-target", "qwen3-draft");
+    let t = Target::load("controls", "qwen3-target", "qwen3-draft", false);
     let shared = opts(3, 8, WindowLayout::SharedSlots);
     assert_eq!(t.check(Some("oracle"), shared.clone()).0, None, "shared slots with compaction must pass");
 
@@ -253,20 +304,70 @@ fn negative_controls_break_the_gate() {
     mtp::model::negative_control::set_physical_rope(false);
     assert!(physical.is_some(), "the gate missed RoPE at physical slots");
     eprintln!("no compaction: {}\nphysical rope: {}", no_compaction.unwrap(), physical.unwrap());
-    for p in &t.written {
-        std::fs::remove_dir_all(p).ok();
-    }
+    t.clean_up();
 }
 
 #[test]
 fn plain_run_helper_matches_engine() {
     // `run` with no drafter is the same loop as `plain`: a sanity check of the helpers.
     let model = Model::load(&fixture("llama-draft")).unwrap();
-    let (requests, arrive_at) = workload();
+    let (requests, arrive_at) = workload(false);
     let a = plain(&model, &requests, 2);
     let b = run(&model, None, opts(4, 5, WindowLayout::SharedSlots), &requests, &arrive_at);
     for (x, y) in a.iter().zip(&b) {
         let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
         assert_eq!((&x.tokens, bits(&x.logprobs)), (&y.tokens, bits(&y.logprobs)));
     }
+}
+
+/// Rejection mode: every row alone equals the same row in batches of 3 and 8 (both
+/// layouts), for every drafter and k; greedy rows equal plain decoding.
+#[test]
+fn rejection_rows_are_batch_invariant() {
+    let t = Target::load("rejection", "qwen3-target", "qwen3-draft", true);
+    let rejection = |k, max_batch, layout| EngineOptions {
+        sampling_mode: SamplingMode::Rejection,
+        ..opts(k, max_batch, layout)
+    };
+    let mut judged = 0;
+    for kind in DRAFTERS {
+        for k in [1, 4] {
+            let (alone, (drafted, _)) = t.generate(Some(kind), rejection(k, 1, WindowLayout::RowTail));
+            judged += drafted;
+            for (i, (a, want)) in alone.iter().zip(&t.reference).enumerate() {
+                if t.requests[i].sampling.is_greedy() {
+                    assert_eq!(
+                        first_difference(vec![a.clone()], std::slice::from_ref(want)),
+                        None,
+                        "{kind} k {k}: greedy row {i}"
+                    );
+                }
+            }
+            for (max_batch, layout) in [(3, WindowLayout::RowTail), (8, WindowLayout::SharedSlots)] {
+                let (batched, _) = t.generate(Some(kind), rejection(k, max_batch, layout));
+                assert_eq!(first_difference(batched, &alone), None, "{kind}, k {k}, max batch {max_batch}");
+            }
+        }
+    }
+    assert!(judged > 0, "no draft was judged");
+    t.clean_up();
+}
+
+/// Exact mode with a stream generator (numbers keyed by how many picks came before, not
+/// by position): speculative rows no longer match plain decoding under the same fault.
+#[test]
+fn stream_rng_breaks_the_sampled_gate() {
+    let t = Target::load("stream", "qwen3-target", "qwen3-draft", true);
+    let run = |drafter, opts| {
+        mtp::sampling::negative_control::set_stream_rng(true);
+        let (got, _) = t.generate(drafter, opts);
+        mtp::sampling::negative_control::set_stream_rng(false);
+        got
+    };
+    let reference = run(None, opts(0, 1, WindowLayout::RowTail));
+    let diff = first_difference(run(Some("oracle"), opts(3, 3, WindowLayout::RowTail)), &reference);
+    assert!(diff.is_some(), "the gate missed a stream random generator");
+    eprintln!("stream rng: {}", diff.unwrap());
+    assert_eq!(t.check(Some("oracle"), opts(3, 3, WindowLayout::RowTail)).0, None, "keyed noise passes");
+    t.clean_up();
 }

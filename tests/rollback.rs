@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use common::{bits, fixture, plain, request, Lcg};
 use mtp::cache::RowCache;
-use mtp::drafter::{Commit, DraftModelDrafter, Drafter, MtpDrafter};
+use mtp::drafter::{Commit, DraftAsk, DraftModelDrafter, Drafter, MtpDrafter};
 use mtp::engine::prefill;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Logits, Model, MtpLayout, RowInput};
+use mtp::sampling::SamplingMode;
 use mtp::verifier::{verify, Verified, VerifyRow, WindowLayout};
 
 fn cache_bits(c: &RowCache) -> Vec<u32> {
@@ -76,13 +77,9 @@ fn run(model: &Model, together: bool, layout: WindowLayout, seed: u64) -> (Vec<V
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| g.contains(i))
-                .map(|(i, r)| VerifyRow {
-                    cache: &mut r.cache,
-                    pending: r.truth[r.emitted - 1],
-                    draft: &drafts[i],
-                })
+                .map(|(i, r)| VerifyRow::greedy(&mut r.cache, r.truth[r.emitted - 1], &drafts[i]))
                 .collect();
-            for (i, v) in g.iter().zip(verify(model, &mut vr, layout)) {
+            for (i, v) in g.iter().zip(verify(model, &mut vr, layout, SamplingMode::Exact)) {
                 outs[*i] = Some(v.unwrap());
             }
         }
@@ -170,7 +167,7 @@ fn drafter_rolls_back(model: &Arc<Model>, make: &dyn Fn() -> Box<dyn Drafter>) {
     let mut rounds = 0;
     while committed + 8 < full.len() {
         let k = 1 + rng.below(4);
-        let got = d.propose(&[(1, k)]).unwrap().remove(0);
+        let got = d.propose(&[DraftAsk::greedy(1, k)]).unwrap().remove(0);
         let mut fresh = make();
         let c = Commit {
             start: 0,
@@ -179,7 +176,12 @@ fn drafter_rolls_back(model: &Arc<Model>, make: &dyn Fn() -> Box<dyn Drafter>) {
             next: full[committed],
         };
         fresh.commit(2, c).unwrap();
-        assert_eq!(got, fresh.propose(&[(2, k)]).unwrap().remove(0), "{}: round {rounds}", d.name());
+        assert_eq!(
+            got,
+            fresh.propose(&[DraftAsk::greedy(2, k)]).unwrap().remove(0),
+            "{}: round {rounds}",
+            d.name()
+        );
         // Accept a random number of positions (as if some drafts matched), then commit.
         let keep = 1 + rng.below(k + 1);
         let span = committed..committed + keep;

@@ -1,15 +1,15 @@
-//! A separate small model with the target's tokenizer, decoding greedily ahead.
+//! A separate small model with the target's tokenizer, decoding ahead (greedily, or
+//! sampling with the row's keyed noise).
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use mtp_cache::RowCache;
-use mtp_model::kernels::argmax;
 use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
 
 use crate::sequences::Sequences;
-use crate::{check_distinct, states_of, unknown_row, Commit, Drafter, RowId};
+use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 
 /// Per row: its own KV cache and the tokens that cache holds.
 struct DraftRow {
@@ -86,15 +86,17 @@ impl Drafter for DraftModelDrafter {
         Ok(())
     }
 
-    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error> {
-        check_distinct(rows)?;
+    fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error> {
+        check_distinct(asks)?;
         let context = self.model.max_positions();
-        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
+        let mut drafts: Vec<Proposal> = vec![Proposal::default(); asks.len()];
         // Step 0 feeds each row what its cache lacks (at least its last token); step s
         // feeds draft s. Rows drop out when they have their k tokens.
-        let mut feed: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
-        let mut want: Vec<usize> = Vec::with_capacity(rows.len());
-        for &(row, k) in rows {
+        let mut feed: Vec<Vec<u32>> = Vec::with_capacity(asks.len());
+        let mut want: Vec<usize> = Vec::with_capacity(asks.len());
+        // Logical position of each row's first draft.
+        let mut first: Vec<usize> = Vec::with_capacity(asks.len());
+        for &DraftAsk { row, k, .. } in asks {
             let seq = self.seqs.get(row).ok_or_else(|| unknown_row(row))?;
             let r = self.rows.get_mut(&row).ok_or_else(|| unknown_row(row))?;
             if r.fed.len() >= seq.len() {
@@ -103,14 +105,15 @@ impl Drafter for DraftModelDrafter {
             }
             // The k-th draft is never fed, so the cache reaches seq.len() + k - 1.
             want.push(k.min((context + 1).saturating_sub(seq.len())));
+            first.push(seq.len());
             feed.push(seq[r.fed.len()..].to_vec());
         }
         for step in 0.. {
-            let active: Vec<usize> = (0..rows.len()).filter(|&i| want[i] > step).collect();
+            let active: Vec<usize> = (0..asks.len()).filter(|&i| want[i] > step).collect();
             if active.is_empty() {
                 break;
             }
-            let ids: Vec<RowId> = active.iter().map(|&i| rows[i].0).collect();
+            let ids: Vec<RowId> = active.iter().map(|&i| asks[i].row).collect();
             let mut caches = states_of(&mut self.rows, &ids).into_iter();
             let mut inputs: Vec<RowInput> = Vec::with_capacity(active.len());
             let mut order = Vec::with_capacity(active.len());
@@ -127,8 +130,9 @@ impl Drafter for DraftModelDrafter {
             }
             drop(inputs);
             for (&i, out) in order.iter().zip(outs) {
-                let d = argmax(&out.logits[0]);
-                drafts[i].push(d);
+                let (d, dist) = draw(&out.logits[0], &asks[i].sampling, first[i] + step);
+                drafts[i].tokens.push(d);
+                drafts[i].dists.extend(dist);
                 feed[i] = vec![d];
             }
         }

@@ -19,7 +19,9 @@ pub use mtp::MtpDrafter;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
 
+use mtp_model::kernels::argmax;
 use mtp_model::Error;
+use mtp_sampling::{Filtered, SamplingParams};
 
 /// The engine's handle for a row (unique for the engine's lifetime).
 pub type RowId = u64;
@@ -35,6 +37,29 @@ pub struct Commit<'a> {
     /// (`tokens.len() * hidden_size` floats) when [`Drafter::needs_hidden`], else empty.
     pub hidden: &'a [f32],
     pub next: u32,
+}
+
+/// One row's request for drafts: up to `k` tokens, drawn the way the row samples.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftAsk {
+    pub row: RowId,
+    pub k: usize,
+    pub sampling: SamplingParams,
+}
+
+impl DraftAsk {
+    pub fn greedy(row: RowId, k: usize) -> DraftAsk {
+        DraftAsk { row, k, sampling: SamplingParams::default() }
+    }
+}
+
+/// A row's drafts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// The distribution each token was drawn from, when the drafter sampled from one
+    /// (temperature > 0); empty when its drafts are deterministic (one-hot).
+    pub dists: Vec<Filtered>,
 }
 
 /// Proposes draft tokens for many rows at once and keeps per-row state in step with the
@@ -57,8 +82,11 @@ pub trait Drafter {
     /// discards any drafter state past the committed prefix.
     fn commit(&mut self, row: RowId, commit: Commit) -> Result<(), Error>;
 
-    /// Up to `k` tokens to follow each `(row, k)`; fewer or none is allowed.
-    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error>;
+    /// Up to `k` tokens to follow each asking row, one proposal per ask; fewer or none is
+    /// allowed. Drafters with a distribution sample at temperature > 0 with the row's
+    /// keyed noise for each draft's position, so they agree with the target as often as
+    /// their distributions allow.
+    fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error>;
 
     /// Forgets a row that finished or was cancelled.
     fn remove(&mut self, row: RowId);
@@ -69,8 +97,8 @@ fn unknown_row(row: RowId) -> Error {
 }
 
 /// Refuses a proposal request that names a row twice.
-fn check_distinct(rows: &[(RowId, usize)]) -> Result<(), Error> {
-    let mut ids: Vec<RowId> = rows.iter().map(|r| r.0).collect();
+fn check_distinct(asks: &[DraftAsk]) -> Result<(), Error> {
+    let mut ids: Vec<RowId> = asks.iter().map(|a| a.row).collect();
     ids.sort_unstable();
     match ids.windows(2).find(|w| w[0] == w[1]) {
         Some(w) => Err(Error::Request {
@@ -86,4 +114,15 @@ fn states_of<'a, T>(states: &'a mut std::collections::HashMap<RowId, T>, ids: &[
     let mut found: std::collections::HashMap<RowId, &'a mut T> =
         states.iter_mut().filter(|(id, _)| ids.contains(id)).map(|(&id, s)| (id, s)).collect();
     ids.iter().map(|id| found.remove(id).expect("row state exists")).collect()
+}
+
+/// A drafter's token for logical `position` from its logits: the argmax when greedy, else
+/// the keyed Gumbel-max draw plain decoding would make with these logits, and the
+/// distribution it came from.
+fn draw(logits: &[f32], sampling: &SamplingParams, position: usize) -> (u32, Option<Filtered>) {
+    if sampling.is_greedy() {
+        return (argmax(logits), None);
+    }
+    let f = Filtered::new(logits, sampling);
+    (f.sample(sampling.seed, position as u64), Some(f))
 }

@@ -11,10 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use mtp_cache::RowCache;
-use mtp_model::kernels::argmax;
 use mtp_model::{Error, Model, MtpHead, MtpInput};
 
-use crate::{check_distinct, states_of, unknown_row, Commit, Drafter, RowId};
+use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 
 struct MtpRow {
     cache: RowCache,
@@ -95,26 +94,29 @@ impl Drafter for MtpDrafter {
         Ok(())
     }
 
-    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error> {
-        check_distinct(rows)?;
+    fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error> {
+        check_distinct(asks)?;
         let h = self.target.config.hidden_size;
         let context = self.target.max_positions();
-        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
-        let mut want = Vec::with_capacity(rows.len());
-        for &(row, k) in rows {
+        let mut drafts: Vec<Proposal> = vec![Proposal::default(); asks.len()];
+        let mut want = Vec::with_capacity(asks.len());
+        // Logical position of each row's first draft (entry `end - 1` predicts `end + 1`).
+        let mut first = Vec::with_capacity(asks.len());
+        for &DraftAsk { row, k, .. } in asks {
             let r = self.rows.get(&row).ok_or_else(|| unknown_row(row))?;
             let end = r.true_len + r.queued_tokens.len();
+            first.push(end + 1);
             // Without queued pairs there is nothing new to predict from.
             want.push(if r.queued_tokens.is_empty() { 0 } else { k.min((context + 1).saturating_sub(end)) });
         }
         // (hidden, token) to feed each row at the next recursive step.
-        let mut next: Vec<(Vec<f32>, u32)> = vec![(Vec::new(), 0); rows.len()];
+        let mut next: Vec<(Vec<f32>, u32)> = vec![(Vec::new(), 0); asks.len()];
         for step in 0.. {
-            let active: Vec<usize> = (0..rows.len()).filter(|&i| want[i] > step).collect();
+            let active: Vec<usize> = (0..asks.len()).filter(|&i| want[i] > step).collect();
             if active.is_empty() {
                 break;
             }
-            let ids: Vec<RowId> = active.iter().map(|&i| rows[i].0).collect();
+            let ids: Vec<RowId> = active.iter().map(|&i| asks[i].row).collect();
             let mut state = states_of(&mut self.rows, &ids).into_iter();
             let mut inputs: Vec<MtpInput> = Vec::with_capacity(active.len());
             for &i in &active {
@@ -147,7 +149,7 @@ impl Drafter for MtpDrafter {
                     // Nothing was committed: put the queued pairs back in the queue.
                     if step == 0 {
                         for &i in &active {
-                            let r = self.rows.get_mut(&rows[i].0).expect("row state exists");
+                            let r = self.rows.get_mut(&asks[i].row).expect("row state exists");
                             r.true_len -= r.queued_tokens.len();
                         }
                     }
@@ -155,14 +157,15 @@ impl Drafter for MtpDrafter {
                 }
             };
             for (&i, out) in active.iter().zip(outs) {
-                let d = argmax(&out.logits);
-                drafts[i].push(d);
+                let (d, dist) = draw(&out.logits, &asks[i].sampling, first[i] + step);
+                drafts[i].tokens.push(d);
+                drafts[i].dists.extend(dist);
                 debug_assert_eq!(out.hidden.len(), h);
                 next[i] = (out.hidden, d);
             }
             if step == 0 {
                 for &i in &active {
-                    let r = self.rows.get_mut(&rows[i].0).expect("row state exists");
+                    let r = self.rows.get_mut(&asks[i].row).expect("row state exists");
                     r.queued_tokens.clear();
                     r.queued_hidden.clear();
                 }

@@ -3,7 +3,7 @@
 use mtp_model::Error;
 
 use crate::sequences::Sequences;
-use crate::{unknown_row, Commit, Drafter, RowId};
+use crate::{unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 
 /// Finds the most recent earlier occurrence of the row's trailing n-gram (longest n
 /// first, from `max_n` down to `min_n`) in its prompt and output, and proposes the tokens
@@ -43,11 +43,11 @@ impl Drafter for NgramDrafter {
         self.seqs.apply(row, &c).map(|_| ())
     }
 
-    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error> {
-        rows.iter()
-            .map(|&(row, k)| {
-                let seq = self.seqs.get(row).ok_or_else(|| unknown_row(row))?;
-                Ok(lookup(seq, k, self.min_n, self.max_n))
+    fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error> {
+        asks.iter()
+            .map(|a| {
+                let seq = self.seqs.get(a.row).ok_or_else(|| unknown_row(a.row))?;
+                Ok(Proposal { tokens: lookup(seq, a.k, self.min_n, self.max_n), dists: Vec::new() })
             })
             .collect()
     }
@@ -100,11 +100,13 @@ mod tests {
         let mut d = NgramDrafter::new(1, 2).unwrap();
         let c = |start, tokens, next| Commit { start, tokens, hidden: &[], next };
         d.commit(7, c(0, &[1, 2, 3, 1], 2)).unwrap();
-        assert_eq!(d.propose(&[(7, 2)]).unwrap(), vec![vec![3, 1]]);
+        let tokens =
+            |d: &mut NgramDrafter, row| d.propose(&[DraftAsk::greedy(row, 2)]).map(|p| p[0].tokens.clone());
+        assert_eq!(tokens(&mut d, 7).unwrap(), vec![3, 1]);
         // Positions 4.. are replaced: the sequence is now 1 2 3 1 9 5.
         d.commit(7, c(4, &[9], 5)).unwrap();
-        assert_eq!(d.propose(&[(7, 2)]).unwrap(), vec![Vec::<u32>::new()]);
-        assert!(d.propose(&[(8, 1)]).is_err());
+        assert_eq!(tokens(&mut d, 7).unwrap(), Vec::<u32>::new());
+        assert!(tokens(&mut d, 8).is_err());
         assert!(NgramDrafter::new(0, 2).is_err());
     }
 }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use mtp_model::Error;
 
 use crate::sequences::Sequences;
-use crate::{unknown_row, Commit, Drafter, RowId};
+use crate::{unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 
 pub struct OracleDrafter {
     /// prompt -> the target's continuation of it.
@@ -75,16 +75,16 @@ impl Drafter for OracleDrafter {
         self.seqs.apply(row, &c).map(|_| ())
     }
 
-    fn propose(&mut self, rows: &[(RowId, usize)]) -> Result<Vec<Vec<u32>>, Error> {
-        rows.iter()
-            .map(|&(row, k)| {
+    fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error> {
+        asks.iter()
+            .map(|&DraftAsk { row, k, .. }| {
                 let seq = self.seqs.get(row).ok_or_else(|| unknown_row(row))?;
                 let p = *self.prompt_len.get(&row).ok_or_else(|| unknown_row(row))?;
                 let (prompt, out) = seq.split_at(p);
-                let Some(reference) = self.references.get(prompt) else { return Ok(Vec::new()) };
+                let Some(reference) = self.references.get(prompt) else { return Ok(Proposal::default()) };
                 // Only while the row still follows the reference.
                 if reference.len() < out.len() || reference[..out.len()] != *out {
-                    return Ok(Vec::new());
+                    return Ok(Proposal::default());
                 }
                 let proposal = reference[out.len()..].iter().take(k).enumerate().map(|(j, &t)| {
                     let (u, r) = self.uniform(prompt, seq.len() + j);
@@ -94,7 +94,7 @@ impl Drafter for OracleDrafter {
                         (t + 1 + r % (self.vocab_size - 1)) % self.vocab_size
                     }
                 });
-                Ok(proposal.collect())
+                Ok(Proposal { tokens: proposal.collect(), dists: Vec::new() })
             })
             .collect()
     }
@@ -115,10 +115,10 @@ mod tests {
         let c = Commit { start: 0, tokens: &[5, 6], hidden: &[], next: 7 };
         let mut exact = OracleDrafter::new(refs.clone(), 1.0, 3, 512).unwrap();
         exact.commit(1, c).unwrap();
-        assert_eq!(exact.propose(&[(1, 5)]).unwrap(), vec![vec![8, 9, 10]]);
+        assert_eq!(exact.propose(&[DraftAsk::greedy(1, 5)]).unwrap()[0].tokens, vec![8, 9, 10]);
         let mut wrong = OracleDrafter::new(refs, 0.0, 3, 512).unwrap();
         wrong.commit(1, c).unwrap();
-        let d = wrong.propose(&[(1, 3)]).unwrap().remove(0);
+        let d = wrong.propose(&[DraftAsk::greedy(1, 3)]).unwrap().remove(0).tokens;
         assert!(d.iter().zip([8, 9, 10]).all(|(a, b)| *a != b && *a < 512), "{d:?}");
         assert!(OracleDrafter::new([], 1.5, 0, 512).is_err());
     }

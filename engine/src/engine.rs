@@ -7,9 +7,10 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use mtp_cache::RowCache;
-use mtp_drafter::{Commit, Drafter};
-use mtp_model::kernels::{argmax, logprob};
+use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
+use mtp_model::kernels::logprob;
 use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
+use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, VerifyRow, WindowLayout};
 
 use crate::metrics::SpecStats;
@@ -28,6 +29,8 @@ pub struct EngineOptions {
     /// KV bytes (target + drafter) that admitted requests may reserve; a request waits
     /// until its worst case fits, and one that can never fit is refused.
     pub kv_budget_bytes: Option<usize>,
+    /// How rows at temperature > 0 judge drafts (greedy rows are unaffected).
+    pub sampling_mode: SamplingMode,
 }
 
 impl Default for EngineOptions {
@@ -38,6 +41,7 @@ impl Default for EngineOptions {
             k: 4,
             layout: WindowLayout::RowTail,
             kv_budget_bytes: None,
+            sampling_mode: SamplingMode::Exact,
         }
     }
 }
@@ -52,6 +56,7 @@ struct Row {
     max_tokens: usize,
     ignore_eos: bool,
     stop: Vec<String>,
+    sampling: SamplingParams,
     reserved: usize,
     /// False once the drafter failed on this row: it decodes plainly from then on.
     drafting: bool,
@@ -154,6 +159,9 @@ impl<'a> Engine<'a> {
         if r.stop.iter().any(|s| s.is_empty()) {
             return err("empty stop string".into());
         }
+        if let Err(msg) = r.sampling.validate() {
+            return err(msg);
+        }
         if let Some(budget) = self.opts.kv_budget_bytes {
             let need = self.reservation(&r);
             if need > budget {
@@ -232,11 +240,12 @@ impl<'a> Engine<'a> {
                 max_tokens: r.max_tokens,
                 ignore_eos: r.ignore_eos,
                 stop: r.stop,
+                sampling: r.sampling,
                 reserved: need,
                 drafting: self.drafter.is_some(),
             };
             self.reserved += need;
-            let first = argmax(&logits);
+            let first = pick(&logits, &r.sampling, r.prompt.len() as u64);
             if let Some(reason) = self.emit(&mut row, &[first], &[logprob(&logits, first)], events) {
                 events.push(Event::Finished { request: id, reason });
                 self.release(&row);
@@ -321,9 +330,14 @@ impl<'a> Engine<'a> {
             })
             .collect();
         let t0 = Instant::now();
-        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); self.active.len()];
-        let asks: Vec<(u64, usize)> =
-            self.active.iter().zip(&ks).filter(|(_, &k)| k > 0).map(|(r, &k)| (r.id, k)).collect();
+        let mut drafts: Vec<Proposal> = vec![Proposal::default(); self.active.len()];
+        let asks: Vec<DraftAsk> = self
+            .active
+            .iter()
+            .zip(&ks)
+            .filter(|(_, &k)| k > 0)
+            .map(|(r, &k)| DraftAsk { row: r.id, k, sampling: r.sampling })
+            .collect();
         if let (Some(d), false) = (self.drafter.as_mut(), asks.is_empty()) {
             match d.propose(&asks) {
                 Ok(proposed) => {
@@ -331,7 +345,8 @@ impl<'a> Engine<'a> {
                     for (i, &k) in ks.iter().enumerate() {
                         if k > 0 {
                             drafts[i] = it.next().unwrap_or_default();
-                            drafts[i].truncate(k);
+                            drafts[i].tokens.truncate(k);
+                            drafts[i].dists.truncate(k);
                         }
                     }
                 }
@@ -348,15 +363,21 @@ impl<'a> Engine<'a> {
             .iter_mut()
             .zip(&pending)
             .zip(&drafts)
-            .map(|((r, &p), d)| VerifyRow { cache: &mut r.cache, pending: p, draft: d })
+            .map(|((r, &p), d)| VerifyRow {
+                cache: &mut r.cache,
+                pending: p,
+                draft: &d.tokens,
+                draft_dists: &d.dists,
+                sampling: r.sampling,
+            })
             .collect();
-        let results = verify(self.model, &mut rows, self.opts.layout);
+        let results = verify(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode);
         drop(rows);
         let verify_time = t1.elapsed();
         self.stats.draft_time += draft_time;
         self.stats.verify_time += verify_time;
         self.stats.rounds += 1;
-        let drafted = drafts.iter().map(Vec::len).sum::<usize>();
+        let drafted = drafts.iter().map(|d| d.tokens.len()).sum::<usize>();
         // accepted_at[j]: rows that accepted draft position j + 1 this round.
         let mut accepted_at = vec![0usize; self.opts.k];
         let mut rows = std::mem::take(&mut self.active);
@@ -370,7 +391,7 @@ impl<'a> Engine<'a> {
                     continue;
                 }
             };
-            self.stats.record(drafts[i].len(), v.accepted);
+            self.stats.record(drafts[i].tokens.len(), v.accepted);
             for a in &mut accepted_at[..v.accepted] {
                 *a += 1;
             }
@@ -380,7 +401,7 @@ impl<'a> Engine<'a> {
                 continue;
             }
             let kept: Vec<u32> =
-                std::iter::once(pending[i]).chain(drafts[i][..v.accepted].iter().copied()).collect();
+                std::iter::once(pending[i]).chain(drafts[i].tokens[..v.accepted].iter().copied()).collect();
             let hidden: &[f32] =
                 if self.drafter.as_ref().is_some_and(|d| d.needs_hidden()) { &v.hidden } else { &[] };
             let bonus = *v.tokens.last().expect("verify emits the bonus token");

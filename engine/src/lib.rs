@@ -13,5 +13,6 @@ mod request;
 pub use engine::{prefill, Engine, EngineOptions};
 pub use generate::generate;
 pub use metrics::SpecStats;
+pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
 pub use request::{Completion, Event, FinishReason, Request, RequestId};

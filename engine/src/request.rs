@@ -1,6 +1,7 @@
 //! What goes in (requests) and what comes out (events, completions).
 
 use mtp_model::Error;
+use mtp_sampling::SamplingParams;
 
 /// The engine's handle for a submitted request.
 pub type RequestId = u64;
@@ -17,6 +18,8 @@ pub struct Request {
     /// Finish once the decoded output contains one of these (needs a tokenizer). The
     /// token that completes the string is the last one emitted.
     pub stop: Vec<String>,
+    /// Greedy by default; see [`SamplingParams`].
+    pub sampling: SamplingParams,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

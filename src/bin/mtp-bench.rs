@@ -1,5 +1,6 @@
-//! `mtp-bench`: acceptance and speed of every drafter x k x batch against plain
-//! decoding, with a bitwise identity check of every row. Exits non-zero on any mismatch.
+//! `mtp-bench`: acceptance and speed of every drafter x k x batch x sampling setting
+//! against plain decoding, with a bitwise identity check of every row. Exits non-zero on
+//! any mismatch.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,7 +9,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row};
+use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Setting};
+use mtp::engine::{Completion, Request, SamplingMode, SamplingParams};
 use mtp::model::{Model, Tokenizer};
 
 #[derive(Parser)]
@@ -31,6 +33,13 @@ struct Cli {
     /// Max batch sizes to try (every request arrives at once).
     #[arg(long, default_value = "1,4", value_delimiter = ',')]
     batch: Vec<usize>,
+    /// Temperatures to try (0 is greedy); request i samples with seed i.
+    #[arg(long, default_value = "0,0.7,1.0", value_delimiter = ',')]
+    temperatures: Vec<f32>,
+    /// Sampling modes to try at temperature > 0: exact (bitwise plain sampling) and/or
+    /// rejection (same distribution, rows identical across batch sizes).
+    #[arg(long, default_value = "exact,rejection", value_delimiter = ',')]
+    sampling: Vec<String>,
     /// Prompts JSONL (as for `mtp generate`; default: examples/heldout-prompts.jsonl, cut
     /// from this repository's sources, which the shipped family never saw in training).
     #[arg(long, conflicts_with = "prompts_dir")]
@@ -82,6 +91,14 @@ fn bench(cli: Cli) -> Result<bool> {
     if cli.k.contains(&0) || cli.batch.contains(&0) {
         bail!("--k and --batch values must be at least 1");
     }
+    let modes = cli
+        .sampling
+        .iter()
+        .map(|m| SamplingMode::parse(m).map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
+    for &temperature in &cli.temperatures {
+        SamplingParams { temperature, ..SamplingParams::default() }.validate().map_err(anyhow::Error::msg)?;
+    }
     let requests = match &cli.prompts_dir {
         Some(dir) => {
             let tok = tokenizer.as_ref().context("--prompts-dir needs the target's tokenizer.json")?;
@@ -89,7 +106,8 @@ fn bench(cli: Cli) -> Result<bool> {
         }
         None => {
             let path = cli.prompts.clone().unwrap_or_else(|| PathBuf::from(mtp::HELDOUT_PROMPTS));
-            let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), cli.max_tokens, true)?.requests;
+            let defaults = Request { max_tokens: cli.max_tokens, ignore_eos: true, ..Request::default() };
+            let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), &defaults)?.requests;
             for r in &mut reqs {
                 r.max_tokens = cli.max_tokens;
             }
@@ -100,7 +118,8 @@ fn bench(cli: Cli) -> Result<bool> {
         .into_iter()
         .map(|d| DrafterFactory::new(d, &target_dir, &model))
         .collect::<Result<Vec<_>>>()?;
-    let runs = cli.batch.len() * (1 + factories.len() * cli.k.len());
+    let settings: usize = cli.temperatures.iter().map(|&t| if t == 0.0 { 1 } else { modes.len() }).sum();
+    let runs = cli.batch.len() * (cli.temperatures.len() + settings * factories.len() * cli.k.len());
     let bar = ProgressBar::new(runs as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),
@@ -114,28 +133,63 @@ fn bench(cli: Cli) -> Result<bool> {
         cli.max_tokens
     );
     let mut rows = Vec::new();
-    let mut reference: Option<Vec<mtp::engine::Completion>> = None;
-    for &batch in &cli.batch {
-        bar.set_message(format!("plain, batch {batch}"));
-        let plain = run(&model, None, &requests, batch, 0)?;
-        // Plain decoding at every batch size must match plain decoding at the first.
-        let reference = reference.get_or_insert_with(|| plain.completions.clone());
-        let plain_tps = plain.tokens_per_second();
-        rows.push(Row::new("none", 0, batch, &plain, reference, plain_tps));
-        bar.inc(1);
-        for f in &factories {
-            for &k in &cli.k {
-                bar.set_message(format!("{}, k {k}, batch {batch}", f.spec().label()));
-                let drafter = f.make(&model, &requests, reference)?;
-                let r = run(&model, Some(drafter), &requests, batch, k)?;
-                rows.push(Row::new(&f.spec().label(), k, batch, &r, reference, plain_tps));
-                bar.inc(1);
+    for &temperature in &cli.temperatures {
+        let requests: Vec<Request> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Request {
+                sampling: SamplingParams { temperature, seed: i as u64, ..SamplingParams::default() },
+                ..r.clone()
+            })
+            .collect();
+        let modes = if temperature == 0.0 { &[SamplingMode::Exact][..] } else { &modes[..] };
+        // Plain decoding at the first batch size: what greedy and exact rows must equal.
+        let mut reference: Option<Vec<Completion>> = None;
+        // Rejection rows at the first batch size, per (drafter, k): what later batch sizes must equal.
+        let mut rejection_alone: Vec<Vec<Completion>> = Vec::new();
+        for (b, &batch) in cli.batch.iter().enumerate() {
+            bar.set_message(format!("plain, T={temperature}, batch {batch}"));
+            let plain = run(&model, None, &requests, batch, 0, SamplingMode::Exact)?;
+            let reference = &*reference.get_or_insert_with(|| plain.completions.clone());
+            let label = if temperature == 0.0 { "greedy" } else { "plain" };
+            let plain_tps = plain.tokens_per_second();
+            let setting = Setting { temperature, sampling: label, reference: Some(reference), plain_tps };
+            rows.push(Row::new("none", 0, batch, &plain, &setting));
+            bar.inc(1);
+            let mut alone_at = 0;
+            for &mode in modes {
+                for f in &factories {
+                    for &k in &cli.k {
+                        let name = if temperature == 0.0 { "greedy" } else { mode.name() };
+                        bar.set_message(format!(
+                            "{}, k {k}, batch {batch}, T={temperature} {name}",
+                            f.spec().label()
+                        ));
+                        let drafter = f.make(&model, &requests, reference)?;
+                        let r = run(&model, Some(drafter), &requests, batch, k, mode)?;
+                        let rejection = mode == SamplingMode::Rejection && temperature != 0.0;
+                        let against = match (rejection, b) {
+                            (true, 0) => None,
+                            (true, _) => {
+                                alone_at += 1;
+                                rejection_alone.get(alone_at - 1).map(|c| c.as_slice())
+                            }
+                            (false, _) => Some(reference.as_slice()),
+                        };
+                        let setting = Setting { temperature, sampling: name, reference: against, plain_tps };
+                        rows.push(Row::new(&f.spec().label(), k, batch, &r, &setting));
+                        if rejection && b == 0 {
+                            rejection_alone.push(r.completions);
+                        }
+                        bar.inc(1);
+                    }
+                }
             }
         }
     }
     bar.finish_and_clear();
     println!("{}", markdown(&rows));
-    let all_identical = rows.iter().all(|r| r.identical);
+    let all_identical = rows.iter().all(|r| r.identical != Some(false));
     if let Some(path) = &cli.json {
         let doc = serde_json::json!({
             "target": target_dir,

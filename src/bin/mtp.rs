@@ -5,12 +5,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use std::path::Path;
 use std::sync::Arc;
 
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
-use mtp::engine::{generate, Engine, EngineOptions};
+use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
 use mtp::model::backend::Backend;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
@@ -25,9 +25,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Greedy generation (plain or speculative) for every request of a prompts JSONL; one
-    /// JSON line per request on stdout, in input order. The output is bitwise the same
-    /// whatever the drafter, k, batch size and arrival order.
+    /// Generation (plain or speculative, greedy or sampled) for every request of a
+    /// prompts JSONL; one JSON line per request on stdout, in input order. Greedy and
+    /// exact-sampled output is bitwise the same whatever the drafter, k, batch size and
+    /// arrival order.
     Generate {
         /// Hugging Face checkpoint directory (default: the trained family shipped in the repo).
         #[arg(long)]
@@ -68,6 +69,8 @@ enum Command {
         prefill_chunk: usize,
         #[arg(long, default_value = "cpu")]
         backend: String,
+        #[command(flatten)]
+        sampling: SamplingArgs,
     },
     /// Writes an HF-layout checkpoint with random weights in the shape of a known model.
     Synth {
@@ -109,6 +112,44 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+/// Sampling defaults for every request (a prompts line may override each).
+#[derive(Args)]
+struct SamplingArgs {
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the most likely tokens up to this much probability mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep tokens at least this fraction as likely as the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Keys the random numbers (with each token's position): same seed, same output.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// exact: bitwise the tokens plain sampling picks; rejection: modified rejection
+    /// sampling, the same distribution with more drafts accepted.
+    #[arg(long, default_value = "exact")]
+    sampling: String,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> Result<(SamplingParams, SamplingMode)> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        };
+        p.validate().map_err(anyhow::Error::msg)?;
+        Ok((p, SamplingMode::parse(&self.sampling).map_err(anyhow::Error::msg)?))
+    }
 }
 
 fn make_drafter(
@@ -171,8 +212,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             ngram_max,
             kv_budget_mib,
             backend,
+            sampling,
         } => {
             backend.parse::<Backend>()?.check()?;
+            let (sampling, sampling_mode) = sampling.params()?;
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
             let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
             let t0 = std::time::Instant::now();
@@ -184,8 +227,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     None
                 }
             };
+            let defaults = Request { max_tokens, ignore_eos, sampling, ..Request::default() };
             let mtp::prompts::Prompts { requests, arrive_at } =
-                mtp::prompts::read(&prompts, tokenizer.as_ref(), max_tokens, ignore_eos)?;
+                mtp::prompts::read(&prompts, tokenizer.as_ref(), &defaults)?;
             let drafter = make_drafter(&drafter, draft.as_deref(), &target, &model, (ngram_min, ngram_max))?;
             tracing::info!(
                 target = %target.display(),
@@ -201,6 +245,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 prefill_chunk,
                 k,
                 kv_budget_bytes: kv_budget_mib.map(|m| m << 20),
+                sampling_mode,
                 ..EngineOptions::default()
             };
             let mut engine = Engine::new(&model, drafter, opts);

@@ -2,15 +2,18 @@
 //!
 //! Row `r` has committed positions `[0, L_r)` and one pending token `x` (emitted, not yet
 //! run). Its window `[x, d_1, .., d_k]` runs at logical positions `[L_r, L_r + k]`; the
-//! logits after window token `j` give the target's choice `t_j`. With `a` drafts accepted,
-//! the row emits `t_0 .. t_a` (the accepted drafts and the bonus token) and keeps `a + 1`
-//! window positions. Plain decoding is the same step with no drafts.
+//! logits after window token `j` decide the token at position `L_r + j + 1` (see
+//! [`crate::decide`]). With `a` drafts accepted, the row emits `a + 1` tokens (the accepted
+//! drafts, then the target's bonus or replacement token) and keeps `a + 1` window
+//! positions. Plain decoding is the same step with no drafts.
 
 use mtp_cache::RowCache;
-use mtp_model::kernels::{argmax, logprob};
+use mtp_model::kernels::logprob;
 use mtp_model::{Error, Logits, Model, RowInput};
+use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
+use rayon::prelude::*;
 
-use crate::accepted_len;
+use crate::decide;
 
 /// Where a verify forward writes each row's window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,6 +32,17 @@ pub struct VerifyRow<'a> {
     /// The row's last emitted token, not yet in the cache.
     pub pending: u32,
     pub draft: &'a [u32],
+    /// The drafter's distribution for each draft token (rejection mode); missing
+    /// entries count as one-hot on the draft.
+    pub draft_dists: &'a [Filtered],
+    pub sampling: SamplingParams,
+}
+
+impl<'a> VerifyRow<'a> {
+    /// A greedy row (temperature 0, one-hot drafts).
+    pub fn greedy(cache: &'a mut RowCache, pending: u32, draft: &'a [u32]) -> VerifyRow<'a> {
+        VerifyRow { cache, pending, draft, draft_dists: &[], sampling: SamplingParams::default() }
+    }
 }
 
 /// The outcome for one row, after its cache was rolled back to the accepted prefix.
@@ -38,7 +52,8 @@ pub struct Verified {
     pub accepted: usize,
     /// The accepted drafts then the target's bonus token (`accepted + 1` tokens).
     pub tokens: Vec<u32>,
-    /// Natural-log probability of each of `tokens` under the target.
+    /// Natural-log probability of each of `tokens` under the target's unfiltered
+    /// distribution at temperature 1.
     pub logprobs: Vec<f32>,
     /// The target's final-normed hidden state at each kept position (`pending` and the
     /// accepted drafts), `(accepted + 1) * hidden_size` floats: what MTP heads read.
@@ -47,11 +62,17 @@ pub struct Verified {
 
 /// Verifies every row in one forward and rolls each cache back to its accepted prefix.
 /// A row whose window cannot be allocated gets an error and is left out; the others run.
-pub fn verify(model: &Model, rows: &mut [VerifyRow], layout: WindowLayout) -> Vec<Result<Verified, Error>> {
+pub fn verify(
+    model: &Model,
+    rows: &mut [VerifyRow],
+    layout: WindowLayout,
+    mode: SamplingMode,
+) -> Vec<Result<Verified, Error>> {
     let shared = rows.iter().map(|r| r.cache.len()).max().unwrap_or(0);
     let mut results: Vec<Option<Result<Verified, Error>>> = rows.iter().map(|_| None).collect();
     let mut windows: Vec<Vec<u32>> = Vec::new();
     let mut live: Vec<usize> = Vec::new();
+    let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
     for (i, row) in rows.iter_mut().enumerate() {
         let base = match layout {
             WindowLayout::RowTail => row.cache.len(),
@@ -82,10 +103,21 @@ pub fn verify(model: &Model, rows: &mut [VerifyRow], layout: WindowLayout) -> Ve
     match model.forward(&mut inputs) {
         Ok(outs) => {
             drop(inputs);
-            for ((&i, out), window) in live.iter().zip(outs).zip(&windows) {
-                let target: Vec<u32> = out.logits.iter().map(|l| argmax(l)).collect();
-                let a = accepted_len(&window[1..], &target);
-                let tokens = target[..=a].to_vec();
+            // Rows decide in parallel (a sampled pick over a large vocabulary costs ms);
+            // test fault switches follow the work onto the pool's threads.
+            let faults = mtp_sampling::negative_control::current();
+            let decided: Vec<(usize, Vec<u32>)> = live
+                .par_iter()
+                .zip(&outs)
+                .zip(&windows)
+                .map(|((&i, out), window)| {
+                    let row = &rows[i];
+                    faults.apply(|| {
+                        decide(&out.logits, &window[1..], row.draft_dists, &row.sampling, mode, starts[i] + 1)
+                    })
+                })
+                .collect();
+            for ((&i, out), (a, tokens)) in live.iter().zip(outs).zip(decided) {
                 let logprobs = tokens.iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
