@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{bits, fixture, plain, request, run, trained};
+use mtp::bench::same;
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
 use mtp::engine::{prefill, Completion, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout};
 use mtp::model::kernels::logprob;
@@ -173,18 +174,9 @@ impl Target {
 
 /// The first request whose tokens, logprob bits or finish reason differ, if any.
 fn first_difference(got: Vec<Completion>, reference: &[Completion]) -> Option<String> {
-    {
-        for (i, (g, want)) in got.into_iter().zip(reference).enumerate() {
-            if g.tokens != want.tokens || bits(&g.logprobs) != bits(&want.logprobs) || g.finish != want.finish
-            {
-                return Some(format!(
-                    "request {i}: got {:?} {:?}, want {:?} {:?}",
-                    g.tokens, g.finish, want.tokens, want.finish
-                ));
-            }
-        }
-        None
-    }
+    let i = got.iter().zip(reference).position(|(g, want)| !same(g, want))?;
+    let (g, want) = (&got[i], &reference[i]);
+    Some(format!("request {i}: got {:?} {:?}, want {:?} {:?}", g.tokens, g.finish, want.tokens, want.finish))
 }
 
 fn opts(k: usize, max_batch: usize, layout: WindowLayout) -> EngineOptions {
