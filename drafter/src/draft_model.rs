@@ -116,11 +116,9 @@ impl Drafter for DraftModelDrafter {
             let ids: Vec<RowId> = active.iter().map(|&i| asks[i].row).collect();
             let mut caches = states_of(&mut self.rows, &ids).into_iter();
             let mut inputs: Vec<RowInput> = Vec::with_capacity(active.len());
-            let mut order = Vec::with_capacity(active.len());
             for &i in &active {
                 let r = caches.next().expect("one state per active row");
                 r.fed.extend_from_slice(&feed[i]);
-                order.push(i);
                 inputs.push(RowInput { tokens: &feed[i], cache: &mut r.cache, logits: Logits::Last });
             }
             let outs = self.model.forward(&mut inputs)?;
@@ -129,7 +127,7 @@ impl Drafter for DraftModelDrafter {
                 input.cache.commit_window(t);
             }
             drop(inputs);
-            for (&i, out) in order.iter().zip(outs) {
+            for (&i, out) in active.iter().zip(outs) {
                 let (d, dist) = draw(&out.logits[0], &asks[i].sampling, first[i] + step);
                 drafts[i].tokens.push(d);
                 drafts[i].dists.extend(dist);

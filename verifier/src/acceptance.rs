@@ -82,15 +82,14 @@ mod tests {
         let logits = logits_rows(4);
         let params = SamplingParams { temperature: 0.9, top_k: 20, seed: 5, ..Default::default() };
         let plain: Vec<u32> = (0..4).map(|j| pick(&logits[j], &params, 10 + j as u64)).collect();
-        for mode in [SamplingMode::Exact] {
-            // Perfect drafts: all kept, bonus is plain's 4th pick.
-            let (a, t) = decide(&logits, &plain[..3], &[], &params, mode, 10);
-            assert_eq!((a, t.as_slice()), (3, plain.as_slice()));
-            // A wrong second draft: one kept, then plain's second pick.
-            let wrong = [plain[0], plain[1] ^ 1, plain[2]];
-            let (a, t) = decide(&logits, &wrong, &[], &params, mode, 10);
-            assert_eq!((a, t.as_slice()), (1, &plain[..2]));
-        }
+        let mode = SamplingMode::Exact;
+        // Perfect drafts: all kept, bonus is plain's 4th pick.
+        let (a, t) = decide(&logits, &plain[..3], &[], &params, mode, 10);
+        assert_eq!((a, t.as_slice()), (3, plain.as_slice()));
+        // A wrong second draft: one kept, then plain's second pick.
+        let wrong = [plain[0], plain[1] ^ 1, plain[2]];
+        let (a, t) = decide(&logits, &wrong, &[], &params, mode, 10);
+        assert_eq!((a, t.as_slice()), (1, &plain[..2]));
     }
 
     #[test]
