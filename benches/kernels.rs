@@ -177,7 +177,7 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
         )
     };
     let decode = time(&mut || {
-        let mut c = base.clone();
+        let mut c = base.try_clone().unwrap();
         let mut rows = [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last }];
         model.forward(&mut rows).unwrap();
     });
@@ -185,14 +185,14 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     for k in [1usize, 4, 8] {
         let draft: Vec<u32> = (0..k as u32).map(|i| 200 + i).collect();
         let t = time(&mut || {
-            let mut c = base.clone();
+            let mut c = base.try_clone().unwrap();
             let mut rows = [VerifyRow::greedy(&mut c, 7, &draft)];
             verify(&model, &mut rows, WindowLayout::RowTail, SamplingMode::Exact);
         });
         println!("| verify k={k} ({} tokens) | {:.1} | {:.2} |", k + 1, t * 1e3, t / decode / (k + 1) as f64);
     }
     // Rollback alone: compact an 8-position window written 40 slots past the row's end.
-    let mut c = base.clone();
+    let mut c = base.try_clone()?;
     let kvd = model.config.num_key_value_heads * model.config.head_dim;
     let window = vec![0.5f32; 8 * kvd];
     let t = time(&mut || {

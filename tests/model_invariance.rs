@@ -30,11 +30,11 @@ fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, 
     (logits, cache)
 }
 
-fn cache_bits(model: &Model, c: &mtp::cache::RowCache) -> Vec<u32> {
+fn cache_bits(model: &Model, c: &mtp::cache::RowCache) -> Vec<u8> {
     (0..model.config.num_hidden_layers)
         .flat_map(|l| {
-            let (k, v) = c.committed(l);
-            bits(k).into_iter().chain(bits(v))
+            let (k, v) = c.committed_bytes(l).unwrap();
+            k.into_iter().chain(v)
         })
         .collect()
 }

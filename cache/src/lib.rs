@@ -1,30 +1,40 @@
 //! Per-row KV cache.
 //!
 //! Contract (the layout invariant): between forwards, a row's K/V for logical positions
-//! `[0, len)` sit contiguously at slots `[0, len)` of its own storage, laid out
-//! `[position][kv_head][head_dim]` per layer, and nothing else is stored.
+//! `[0, len)` sit contiguously at slots `[0, len)` of its own store, and nothing else is
+//! held. Where the bytes live (host memory, device memory) and in which dtype is the
+//! [`KvStore`]'s business; the logic below is the same for every backend.
 //!
 //! A forward writes a *window* of new positions `[len, len + t)` at physical slots
 //! `[base, base + t)` with `base >= len` (the caller picks `base`: the row's own tail, or a
 //! slot shared by every row of a batch, which leaves a hole `[len, base)`). Reads go
-//! through a [`KvView`], which maps logical positions to slots. [`RowCache::commit_window`]
+//! through a [`SlotMap`], which maps logical positions to slots. [`RowCache::commit_window`]
 //! keeps the first `keep` window positions, moves them down to `[len, len + keep)`
 //! (compacting the hole) and frees everything after: that is rollback after a partial
 //! accept. Memory follows the row's own length, never the longest row's.
 
+mod store;
+
+pub use store::{HostKv, KvError, KvStore};
+
 /// One row's K/V for every layer.
-#[derive(Clone, Debug, Default)]
 pub struct RowCache {
-    layers: Vec<LayerKv>,
+    store: Box<dyn KvStore>,
+    n_layers: usize,
     len: usize,
     stride: usize,
     window: Window,
 }
 
-#[derive(Clone, Debug, Default)]
-struct LayerKv {
-    k: Vec<f32>,
-    v: Vec<f32>,
+impl std::fmt::Debug for RowCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowCache")
+            .field("len", &self.len)
+            .field("window_base", &self.window.base)
+            .field("window_len", &self.window.len)
+            .field("bytes", &self.store.bytes())
+            .finish()
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -33,60 +43,81 @@ struct Window {
     len: usize,
 }
 
-/// Read access to one layer of a row: committed positions plus the open window.
-#[derive(Clone, Copy, Debug)]
-pub struct KvView<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
-    stride: usize,
-    committed: usize,
-    base: usize,
+/// Where logical positions of a row sit among its slots: committed positions at their own
+/// slot, the open window's from `base` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotMap {
+    pub committed: usize,
+    pub base: usize,
 }
 
-impl<'a> KvView<'a> {
-    /// A view of plain contiguous K/V (`[pos][stride]`), logical position = slot.
-    pub fn contiguous(k: &'a [f32], v: &'a [f32], stride: usize) -> Self {
-        KvView { k, v, stride, committed: k.len() / stride.max(1), base: k.len() / stride.max(1) }
-    }
-
-    /// Positions readable through this view.
-    pub fn len(&self) -> usize {
-        self.committed + (self.k.len() / self.stride.max(1)).saturating_sub(self.base)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
+impl SlotMap {
     #[inline]
-    fn slot(&self, pos: usize) -> usize {
+    pub fn slot(&self, pos: usize) -> usize {
         if pos < self.committed {
             pos
         } else {
             self.base + (pos - self.committed)
         }
     }
+}
+
+/// Read access to one layer of a host row: committed positions plus the open window.
+#[derive(Clone, Copy, Debug)]
+pub struct KvView<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    stride: usize,
+    map: SlotMap,
+}
+
+impl<'a> KvView<'a> {
+    /// A view of plain contiguous K/V (`[pos][stride]`), logical position = slot.
+    pub fn contiguous(k: &'a [f32], v: &'a [f32], stride: usize) -> Self {
+        let n = k.len() / stride.max(1);
+        KvView { k, v, stride, map: SlotMap { committed: n, base: n } }
+    }
+
+    /// Layer `layer` of a host store, read through `map`.
+    pub fn of(store: &'a HostKv, layer: usize, map: SlotMap, stride: usize) -> Self {
+        let (k, v) = store.layer(layer);
+        KvView { k, v, stride, map }
+    }
+
+    /// Positions readable through this view.
+    pub fn len(&self) -> usize {
+        self.map.committed + (self.k.len() / self.stride.max(1)).saturating_sub(self.map.base)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 
     /// K of logical position `pos`, all KV heads (`stride` floats).
     #[inline]
     pub fn key(&self, pos: usize) -> &'a [f32] {
-        let s = self.slot(pos) * self.stride;
+        let s = self.map.slot(pos) * self.stride;
         &self.k[s..s + self.stride]
     }
 
     /// V of logical position `pos`, all KV heads.
     #[inline]
     pub fn value(&self, pos: usize) -> &'a [f32] {
-        let s = self.slot(pos) * self.stride;
+        let s = self.map.slot(pos) * self.stride;
         &self.v[s..s + self.stride]
     }
 }
 
 impl RowCache {
-    /// An empty cache for `n_layers` layers of `stride = n_kv_heads * head_dim` floats per
-    /// position.
+    /// An empty host (f32) cache for `n_layers` layers of `stride = n_kv_heads * head_dim`
+    /// floats per position.
     pub fn new(n_layers: usize, stride: usize) -> Self {
-        RowCache { layers: vec![LayerKv::default(); n_layers], len: 0, stride, window: Window::default() }
+        RowCache::with_store(Box::new(HostKv::new(n_layers, stride)), n_layers, stride)
+    }
+
+    /// An empty cache whose bytes live in `store` (a backend's device memory).
+    pub fn with_store(store: Box<dyn KvStore>, n_layers: usize, stride: usize) -> Self {
+        RowCache { store, n_layers, len: 0, stride, window: Window::default() }
     }
 
     /// Logical length: positions whose K/V are committed.
@@ -99,18 +130,27 @@ impl RowCache {
     }
 
     pub fn n_layers(&self) -> usize {
-        self.layers.len()
+        self.n_layers
     }
 
+    /// Values per position and layer (`n_kv_heads * head_dim`).
     pub fn stride(&self) -> usize {
         self.stride
+    }
+
+    pub fn store(&self) -> &dyn KvStore {
+        &*self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut dyn KvStore {
+        &mut *self.store
     }
 
     /// Opens a window that the next writes fill at physical slots `[base, ..)`, dropping
     /// any window still open. Slots `[len, base)` become a hole until the commit.
     pub fn begin_window(&mut self, base: usize) {
         assert!(base >= self.len, "begin_window: slot {base} would overwrite committed positions");
-        self.truncate_storage(self.len);
+        self.store.truncate(self.len);
         self.window = Window { base, len: 0 };
     }
 
@@ -121,32 +161,40 @@ impl RowCache {
 
     /// Reserves room for a window of `t` positions at `base` in every layer, reporting
     /// allocation failure instead of aborting the process.
-    pub fn try_reserve_window(
-        &mut self,
-        base: usize,
-        t: usize,
-    ) -> Result<(), std::collections::TryReserveError> {
-        let need = (base.max(self.len) + t) * self.stride;
-        for l in &mut self.layers {
-            l.k.try_reserve(need.saturating_sub(l.k.len()))?;
-            l.v.try_reserve(need.saturating_sub(l.v.len()))?;
-        }
-        Ok(())
+    pub fn try_reserve_window(&mut self, base: usize, t: usize) -> Result<(), KvError> {
+        self.store.reserve(base.max(self.len) + t)
     }
 
-    /// Writes the window's K/V for `layer` (whole positions) at the window's slots.
-    pub fn write_window(&mut self, layer: usize, k: &[f32], v: &[f32]) {
-        assert_eq!(k.len(), v.len(), "write_window: K and V windows differ");
-        assert_eq!(k.len() % self.stride, 0, "write_window: window is not whole positions");
+    /// Sizes the open window to `t` positions (the hole before it reads as zeros, as a
+    /// padded tensor would) and returns where logical positions sit: what a forward
+    /// calls before writing the window's K/V at slots `[window_base(), window_base() + t)`.
+    pub fn open_window(&mut self, t: usize) -> Result<SlotMap, KvError> {
         let base = self.window_base();
-        let start = base * self.stride;
-        let l = &mut self.layers[layer];
-        // A hole left by a shared base reads as zeros, as a padded tensor would.
-        l.k.resize(start, 0.0);
-        l.v.resize(start, 0.0);
-        l.k.extend_from_slice(k);
-        l.v.extend_from_slice(v);
-        self.window = Window { base, len: k.len() / self.stride };
+        self.store.truncate(base);
+        self.store.grow(base + t)?;
+        self.window = Window { base, len: t };
+        Ok(self.slot_map())
+    }
+
+    /// Where committed positions and the open window sit.
+    pub fn slot_map(&self) -> SlotMap {
+        SlotMap { committed: self.len, base: self.window_base() }
+    }
+
+    /// Writes the window's K/V for `layer` (whole positions) at the window's slots, in a
+    /// host cache (tests and CPU benches; the forward writes through its backend).
+    ///
+    /// # Panics
+    /// If the cache is not a host cache or the host is out of memory.
+    pub fn write_window(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        assert_eq!(k.len() % self.stride, 0, "write_window: window is not whole positions");
+        let t = k.len() / self.stride;
+        if self.window.len != t {
+            self.open_window(t).expect("write_window: host KV allocation");
+        }
+        let base = self.window.base;
+        let host = self.store.as_any_mut().downcast_mut::<HostKv>().expect("write_window: host cache");
+        host.write(layer, base, k, v);
     }
 
     /// Positions written into the open window.
@@ -154,10 +202,11 @@ impl RowCache {
         self.window.len
     }
 
-    /// Committed positions plus the open window of `layer`, by logical position.
-    pub fn view(&self, layer: usize) -> KvView<'_> {
-        let l = &self.layers[layer];
-        KvView { k: &l.k, v: &l.v, stride: self.stride, committed: self.len, base: self.window_base() }
+    /// Committed positions plus the open window of `layer`, by logical position, for a host
+    /// cache (`None` for a device cache).
+    pub fn view(&self, layer: usize) -> Option<KvView<'_>> {
+        let host = self.store.as_any().downcast_ref::<HostKv>()?;
+        Some(KvView::of(host, layer, self.slot_map(), self.stride))
     }
 
     /// Keeps the first `keep` positions of the open window (rollback of the rest): moves
@@ -168,15 +217,12 @@ impl RowCache {
             "commit_window: keeping {keep} of a {}-position window",
             self.window.len
         );
-        let (from, to, n) = (self.window_base() * self.stride, self.len * self.stride, keep * self.stride);
-        if from != to && !negative_control::skip_compaction() {
-            for l in &mut self.layers {
-                l.k.copy_within(from..from + n, to);
-                l.v.copy_within(from..from + n, to);
-            }
+        let from = self.window_base();
+        if from != self.len && keep > 0 && !negative_control::skip_compaction() {
+            self.store.move_down(from, self.len, keep);
         }
         self.len += keep;
-        self.truncate_storage(self.len);
+        self.store.truncate(self.len);
         self.window = Window { base: self.len, len: 0 };
     }
 
@@ -184,27 +230,24 @@ impl RowCache {
     pub fn truncate(&mut self, len: usize) {
         assert!(len <= self.len, "truncate: {len} is beyond the row's length {}", self.len);
         self.len = len;
-        self.truncate_storage(len);
+        self.store.truncate(len);
         self.window = Window { base: len, len: 0 };
-    }
-
-    fn truncate_storage(&mut self, len: usize) {
-        for l in &mut self.layers {
-            l.k.truncate(len * self.stride);
-            l.v.truncate(len * self.stride);
-        }
     }
 
     /// Bytes of K/V currently held (committed and any open window, hole included).
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
+        self.store.bytes()
     }
 
-    /// Committed K and V of `layer` (positions `[0, len)`), for byte comparisons.
-    pub fn committed(&self, layer: usize) -> (&[f32], &[f32]) {
-        let n = self.len * self.stride;
-        let l = &self.layers[layer];
-        (&l.k[..n], &l.v[..n])
+    /// Committed K and V bytes of `layer` (positions `[0, len)`) as stored, for byte
+    /// comparisons.
+    pub fn committed_bytes(&self, layer: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
+        self.store.read(layer, self.len)
+    }
+
+    /// A copy of this row's cache (a device cache copies on the device).
+    pub fn try_clone(&self) -> Result<RowCache, KvError> {
+        Ok(RowCache { store: self.store.try_clone()?, ..*self })
     }
 }
 
@@ -232,6 +275,12 @@ pub mod negative_control {
 mod tests {
     use super::*;
 
+    fn committed(c: &RowCache, layer: usize) -> (Vec<f32>, Vec<f32>) {
+        let f = |b: Vec<u8>| b.chunks(4).map(|x| f32::from_le_bytes(x.try_into().unwrap())).collect();
+        let (k, v) = c.committed_bytes(layer).unwrap();
+        (f(k), f(v))
+    }
+
     fn write(c: &mut RowCache, base: usize, vals: &[f32]) {
         c.begin_window(base);
         for layer in 0..c.n_layers() {
@@ -245,15 +294,15 @@ mod tests {
         write(&mut c, 0, &[1.0, 2.0, 3.0, 4.0]);
         c.commit_window(2);
         assert_eq!(c.len(), 2);
-        assert_eq!(c.committed(1).0, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(committed(&c, 1).0, &[1.0, 2.0, 3.0, 4.0]);
         write(&mut c, 2, &[5.0, 6.0, 7.0, 8.0]);
-        assert_eq!(c.view(0).len(), 4);
-        assert_eq!(c.view(0).key(3), &[7.0, 8.0]);
+        assert_eq!(c.view(0).unwrap().len(), 4);
+        assert_eq!(c.view(0).unwrap().key(3), &[7.0, 8.0]);
         c.commit_window(1);
-        assert_eq!(c.committed(0).0, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(committed(&c, 0).0, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         assert_eq!(c.bytes(), 2 * 2 * 6 * 4);
         c.truncate(1);
-        assert_eq!(c.committed(0).1, &[-1.0, -2.0]);
+        assert_eq!(committed(&c, 0).1, &[-1.0, -2.0]);
     }
 
     #[test]
@@ -262,10 +311,10 @@ mod tests {
         write(&mut c, 0, &[1.0]);
         c.commit_window(1);
         write(&mut c, 4, &[5.0, 6.0, 7.0]);
-        let v = c.view(0);
+        let v = c.view(0).unwrap();
         assert_eq!((v.len(), v.key(0), v.key(1), v.key(3)), (4, &[1.0][..], &[5.0][..], &[7.0][..]));
         c.commit_window(2);
-        assert_eq!(c.committed(0).0, &[1.0, 5.0, 6.0]);
+        assert_eq!(committed(&c, 0).0, &[1.0, 5.0, 6.0]);
         assert_eq!(c.bytes(), 2 * 3 * 4);
     }
 
@@ -276,7 +325,7 @@ mod tests {
         negative_control::set_skip_compaction(true);
         c.commit_window(2);
         negative_control::set_skip_compaction(false);
-        assert_eq!(c.committed(0).0, &[0.0, 0.0]);
+        assert_eq!(committed(&c, 0).0, &[0.0, 0.0]);
     }
 
     #[test]

@@ -44,8 +44,8 @@ impl DraftModelDrafter {
             request: format!("draft model {}", draft_dir.display()),
             msg: format!("{msg} ({})", target_dir.display()),
         };
-        let drafter =
-            DraftModelDrafter::new(Arc::new(Model::load(draft_dir)?), target).map_err(|e| match e {
+        let drafter = DraftModelDrafter::new(Arc::new(Model::load_on(draft_dir, target.backend())?), target)
+            .map_err(|e| match e {
                 Error::Request { msg, .. } => named(msg),
                 other => other,
             })?;

@@ -137,7 +137,7 @@ impl Drafter for MtpDrafter {
                     });
                 }
             }
-            let result = self.head.forward(&self.target, &mut inputs);
+            let result = self.head.forward(&mut inputs);
             for input in inputs.iter_mut() {
                 let t = if result.is_ok() { input.tokens.len() } else { 0 };
                 input.cache.commit_window(t);

@@ -19,14 +19,15 @@
 
 use std::path::Path;
 
+use std::sync::Arc;
+
 use mtp_cache::RowCache;
 
+use crate::backend::{Kernels, Out};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kernels::{linear, rms_norm};
-use crate::transformer::{slots_for, Block, Model};
-use crate::weights::Weight;
+use crate::transformer::{check_tokens, slots_for, Block, Decoder, Model};
 
 /// Which naming scheme the head's tensors use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,21 +78,21 @@ pub struct MtpOutput {
     pub hidden: Vec<f32>,
 }
 
+/// An MTP head on its target's backend.
+pub(crate) trait MtpNet: Send + Sync {
+    fn forward(&self, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>>;
+    fn new_cache(&self) -> RowCache;
+    fn kv_bytes_per_token(&self) -> usize;
+}
+
 pub struct MtpHead {
     pub layout: MtpLayout,
-    config: Config,
-    token_norm: Vec<f32>,
-    hidden_norm: Vec<f32>,
-    proj: Weight,
-    final_norm: Vec<f32>,
-    block: Block,
-    embed: Option<Weight>,
-    head: Option<Weight>,
+    net: Box<dyn MtpNet>,
 }
 
 impl MtpHead {
     /// Loads module 0 from `dir` (a separate MTP checkpoint, or the target's own
-    /// directory when the weights ship inside it), shaped like `target`.
+    /// directory when the weights ship inside it), shaped like `target` and on its backend.
     pub fn load(dir: &Path, target: &Model) -> Result<MtpHead> {
         let cfg_path = dir.join("config.json");
         let raw = crate::config::read_json(&cfg_path)?;
@@ -132,44 +133,94 @@ impl MtpHead {
         if n_mtp > 1 {
             tracing::info!("{n_mtp} MTP modules in {}; drafting uses module 0 recursively", dir.display());
         }
-        let p = layout.prefix(n_layers, 0);
-        let [tn, hn, proj, fnorm] = layout.names(&p);
-        let h = tc.hidden_size;
-        let own = |name: String| -> Result<Option<Weight>> {
-            if layout == MtpLayout::DeepSeek && ck.contains(&name) {
-                Ok(Some(ck.get(&name, &[tc.vocab_size, h])?))
-            } else {
-                Ok(None)
-            }
-        };
-        Ok(MtpHead {
-            layout,
-            token_norm: ck.get_f32(&tn, h)?,
-            hidden_norm: ck.get_f32(&hn, h)?,
-            proj: ck.get(&proj, &[h, 2 * h])?,
-            final_norm: ck.get_f32(&fnorm, h)?,
-            block: Block::load(&ck, &p, tc)?,
-            embed: own(format!("{p}.embed_tokens.weight"))?,
-            head: own(format!("{p}.shared_head.head.weight"))?,
-            config: tc.clone(),
-        })
+        let net = target.net().load_mtp(&ck, layout, &layout.prefix(n_layers, 0))?;
+        Ok(MtpHead { layout, net })
     }
 
     /// An empty per-row cache for the head's block.
     pub fn new_cache(&self) -> RowCache {
-        RowCache::new(1, self.config.num_key_value_heads * self.config.head_dim)
+        self.net.new_cache()
     }
 
     /// KV bytes one position costs.
     pub fn kv_bytes_per_token(&self) -> usize {
-        2 * 4 * self.config.num_key_value_heads * self.config.head_dim
+        self.net.kv_bytes_per_token()
     }
 
     /// Runs every row's pairs at its next logical positions and returns the prediction
     /// after each row's last pair. Like [`Model::forward`], the new K/V stay in each
     /// row's open window for the caller to commit.
-    pub fn forward(&self, target: &Model, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>> {
-        let c = &self.config;
+    pub fn forward(&self, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>> {
+        self.net.forward(rows)
+    }
+}
+
+/// Module 0's weights on backend `B`, with the target's shared parts.
+pub(crate) struct MtpBlock<B: Kernels> {
+    be: Arc<B>,
+    config: Config,
+    layout: MtpLayout,
+    token_norm: B::Vec,
+    hidden_norm: B::Vec,
+    proj: B::Mat,
+    final_norm: B::Vec,
+    block: Block<B>,
+    embed: Arc<B::Mat>,
+    head: Arc<B::Mat>,
+    rope: Arc<B::Rope>,
+    max_positions: usize,
+    dtype: crate::weights::WeightDtype,
+}
+
+impl<B: Kernels> MtpBlock<B> {
+    pub(crate) fn load(
+        target: &Decoder<B>,
+        ck: &Checkpoint,
+        layout: MtpLayout,
+        p: &str,
+    ) -> Result<MtpBlock<B>> {
+        let (be, tc) = (&*target.be, &target.config);
+        let [tn, hn, proj, fnorm] = layout.names(p);
+        let h = tc.hidden_size;
+        // DeepSeek-V3 heads may carry their own embedding and LM head.
+        let own = |name: String, shared: &Arc<B::Mat>| -> Result<Arc<B::Mat>> {
+            if layout == MtpLayout::DeepSeek && ck.contains(&name) {
+                Ok(Arc::new(be.matrix(&ck.get(&name, &[tc.vocab_size, h])?)?))
+            } else {
+                Ok(shared.clone())
+            }
+        };
+        let norm = |name: &str| -> Result<B::Vec> { be.vector(&ck.get_f32(name, h)?) };
+        Ok(MtpBlock {
+            be: target.be.clone(),
+            layout,
+            token_norm: norm(&tn)?,
+            hidden_norm: norm(&hn)?,
+            proj: be.matrix(&ck.get(&proj, &[h, 2 * h])?)?,
+            final_norm: norm(&fnorm)?,
+            block: Block::load(be, ck, p, tc)?,
+            embed: own(format!("{p}.embed_tokens.weight"), &target.embed)?,
+            head: own(format!("{p}.shared_head.head.weight"), &target.lm_head)?,
+            rope: target.rope.clone(),
+            max_positions: target.max_positions,
+            dtype: target.dtype,
+            config: tc.clone(),
+        })
+    }
+}
+
+impl<B: Kernels> MtpNet for MtpBlock<B> {
+    fn new_cache(&self) -> RowCache {
+        let stride = self.config.num_key_value_heads * self.config.head_dim;
+        RowCache::with_store(self.be.kv_store(1, stride, self.dtype), 1, stride)
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        self.be.kv_bytes_per_token(1, self.config.num_key_value_heads * self.config.head_dim, self.dtype)
+    }
+
+    fn forward(&self, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>> {
+        let (be, c) = (&*self.be, &self.config);
         let h = c.hidden_size;
         if let Some(r) = rows.iter().position(|r| r.tokens.is_empty() || r.hidden.len() != r.tokens.len() * h)
         {
@@ -178,51 +229,45 @@ impl MtpHead {
                 msg: "needs at least one (hidden, token) pair and one hidden row per token".into(),
             });
         }
+        check_tokens(rows.iter().map(|r| r.tokens), c.vocab_size, "mtp row")?;
         let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
-        let slots = slots_for(&sizes, target.max_positions())?;
+        let slots = slots_for(&sizes, self.max_positions)?;
         let m = slots.len();
-        let mut cat = vec![0.0f32; m * 2 * h];
-        let mut e = vec![0.0f32; h];
+        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let hidden: Vec<f32> = rows.iter().flat_map(|r| r.hidden.iter().copied()).collect();
         let (emb_at, hid_at) = match self.layout {
             MtpLayout::MiMo => (h, 0),
             MtpLayout::DeepSeek => (0, h),
         };
-        let pairs = rows.iter().flat_map(|r| r.tokens.iter().zip(r.hidden.chunks(h)));
-        for (dst, (&tok, hid)) in cat.chunks_mut(2 * h).zip(pairs) {
-            if tok as usize >= c.vocab_size {
-                return Err(Error::Request {
-                    request: "mtp".into(),
-                    msg: format!("token id {tok} is outside the vocabulary of {}", c.vocab_size),
-                });
-            }
-            match &self.embed {
-                Some(w) => w.row_f32(tok as usize, &mut e),
-                None => target.embed(tok, &mut e),
-            }
-            rms_norm(&e, &self.token_norm, c.rms_norm_eps, &mut dst[emb_at..emb_at + h]);
-            rms_norm(hid, &self.hidden_norm, c.rms_norm_eps, &mut dst[hid_at..hid_at + h]);
-        }
-        let mut x = vec![0.0f32; m * h];
-        linear(&cat, m, &self.proj, None, &mut x);
+        let mut e = be.alloc(m * h)?;
+        be.embed(&self.embed, &tokens, &mut e)?;
+        let mut cat = be.alloc(m * 2 * h)?;
+        be.rms_norm(&e, &self.token_norm, c.rms_norm_eps, &mut cat, 2 * h, emb_at)?;
+        be.rms_norm(&be.upload(&hidden)?, &self.hidden_norm, c.rms_norm_eps, &mut cat, 2 * h, hid_at)?;
+        let mut x = be.alloc(m * h)?;
+        be.linear(&cat, m, &self.proj, None, &mut x, Out::Write)?;
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
-        self.block.forward(c, target.rope(), &mut x, &slots, &mut caches, 0);
-        let mut outs = Vec::with_capacity(rows.len());
+        let batch = be.batch(&slots, &mut caches)?;
+        self.block.forward(be, c, &self.rope, &mut x, m, &batch, &mut caches, 0)?;
+        drop(caches);
+        // Each row's last pair predicts its next token.
+        let mut last = Vec::with_capacity(rows.len());
         let mut end = 0;
         for row in rows.iter() {
             end += row.tokens.len();
-            let last = &x[(end - 1) * h..end * h];
-            let mut normed = vec![0.0f32; h];
-            rms_norm(last, &self.final_norm, c.rms_norm_eps, &mut normed);
-            let logits = match &self.head {
-                Some(w) => {
-                    let mut l = vec![0.0f32; c.vocab_size];
-                    linear(&normed, 1, w, None, &mut l);
-                    l
-                }
-                None => target.head_logits(&normed, 1),
-            };
-            outs.push(MtpOutput { logits, hidden: last.to_vec() });
+            last.push(end - 1);
         }
-        Ok(outs)
+        let n = last.len();
+        let lasts = be.gather(&x, h, &last)?;
+        let mut normed = be.alloc(n * h)?;
+        be.rms_norm(&lasts, &self.final_norm, c.rms_norm_eps, &mut normed, h, 0)?;
+        let mut logits = be.alloc(n * c.vocab_size)?;
+        be.linear(&normed, n, &self.head, None, &mut logits, Out::Write)?;
+        let (logits, lasts) = (be.download(logits)?, be.download(lasts)?);
+        Ok(logits
+            .chunks(c.vocab_size)
+            .zip(lasts.chunks(h))
+            .map(|(l, x)| MtpOutput { logits: l.to_vec(), hidden: x.to_vec() })
+            .collect())
     }
 }

@@ -7,9 +7,11 @@ use std::cell::Cell;
 thread_local! {
     static STOCK_MATMUL: Cell<bool> = const { Cell::new(false) };
     static PHYSICAL_ROPE: Cell<bool> = const { Cell::new(false) };
+    static SPLIT_ATTENTION: Cell<bool> = const { Cell::new(false) };
 }
 
-/// When on, `linear` runs candle's stock matmul, whose kernel choice depends on M.
+/// When on, `linear` runs a stock matmul whose kernel choice depends on M: candle's on
+/// the CPU, cuBLAS on CUDA.
 pub fn set_stock_matmul(on: bool) {
     STOCK_MATMUL.with(|c| c.set(on));
 }
@@ -26,4 +28,15 @@ pub fn set_physical_rope(on: bool) {
 
 pub(crate) fn physical_rope() -> bool {
     PHYSICAL_ROPE.with(|c| c.get())
+}
+
+/// When on, GPU attention cuts each query's keys into a number of segments chosen from the
+/// batch size (as split-KV decode kernels do), each with its own softmax, merged at the end.
+pub fn set_split_attention(on: bool) {
+    SPLIT_ATTENTION.with(|c| c.set(on));
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn split_attention() -> bool {
+    SPLIT_ATTENTION.with(|c| c.get())
 }

@@ -2,131 +2,118 @@
 //! `x += o(attn(rope(norm_qk(q(n(x)))), rope(norm_qk(k(n(x)))), v(n(x))))`,
 //! `x += down(silu(gate(n(x))) * up(n(x)))`, logits = `lm_head(norm(x))`.
 //! The three families differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+//! Written once over [`Kernels`]: every backend runs this forward.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use mtp_cache::{KvView, RowCache};
-use rayon::prelude::*;
+use mtp_cache::RowCache;
 
+use crate::backend::{cpu::Cpu, Backend, Heads, Kernels, Out, Slot};
 use crate::checkpoint::Checkpoint;
 use crate::config::{Arch, Config};
 use crate::error::{Error, Result};
-use crate::kernels::{attend, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
+use crate::kernels::RopeTable;
+use crate::mtp::{MtpLayout, MtpNet};
 use crate::negative_control;
-use crate::weights::Weight;
+use crate::weights::WeightDtype;
 
-struct Proj {
-    w: Weight,
-    bias: Option<Vec<f32>>,
+pub(crate) struct Proj<B: Kernels> {
+    w: B::Mat,
+    bias: Option<B::Vec>,
+    out: usize,
 }
 
-impl Proj {
-    fn load(ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Proj> {
-        Ok(Proj {
-            w: ck.get(&format!("{name}.weight"), &[out, inp])?,
-            bias: if bias { Some(ck.get_f32(&format!("{name}.bias"), out)?) } else { None },
-        })
+impl<B: Kernels> Proj<B> {
+    fn load(be: &B, ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Proj<B>> {
+        let bias = if bias { Some(be.vector(&ck.get_f32(&format!("{name}.bias"), out)?)?) } else { None };
+        Ok(Proj { w: be.matrix(&ck.get(&format!("{name}.weight"), &[out, inp])?)?, bias, out })
     }
 
-    fn forward(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let mut out = vec![0.0; m * self.w.rows];
-        linear(x, m, &self.w, self.bias.as_deref(), &mut out);
-        out
+    fn forward(&self, be: &B, x: &B::Act, m: usize) -> Result<B::Act> {
+        let mut y = be.alloc(m * self.out)?;
+        be.linear(x, m, &self.w, self.bias.as_ref(), &mut y, Out::Write)?;
+        Ok(y)
+    }
+
+    /// `acc += self(x)`: the residual add.
+    fn add_to(&self, be: &B, x: &B::Act, m: usize, acc: &mut B::Act) -> Result<()> {
+        be.linear(x, m, &self.w, self.bias.as_ref(), acc, Out::Add)
     }
 }
 
 /// One decoder layer: attention and SwiGLU MLP, each pre-normed with a residual add.
-pub(crate) struct Block {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    q: Proj,
-    k: Proj,
-    v: Proj,
-    o: Proj,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    gate: Proj,
-    up: Proj,
-    down: Proj,
+pub(crate) struct Block<B: Kernels> {
+    input_norm: B::Vec,
+    post_norm: B::Vec,
+    q: Proj<B>,
+    k: Proj<B>,
+    v: Proj<B>,
+    o: Proj<B>,
+    qk_norm: Option<(B::Vec, B::Vec)>,
+    gate: Proj<B>,
+    up: Proj<B>,
+    down: Proj<B>,
 }
 
-/// Where each token of a batched forward sits: its row and logical position.
-pub(crate) struct Slot {
-    pub row: usize,
-    pub pos: usize,
-    /// Position used for RoPE: `pos`, unless a test turns on the physical-slot fault.
-    pub rope_pos: usize,
-}
-
-impl Block {
+impl<B: Kernels> Block<B> {
     /// Loads the layer whose tensors start with `p` (e.g. `model.layers.3`).
-    pub(crate) fn load(ck: &Checkpoint, p: &str, c: &Config) -> Result<Block> {
+    pub(crate) fn load(be: &B, ck: &Checkpoint, p: &str, c: &Config) -> Result<Block<B>> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let qk_norm = c.arch == Arch::Qwen3;
         let a = format!("{p}.self_attn");
+        let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
+        let qk_norm = if c.arch == Arch::Qwen3 {
+            Some((norm(format!("{a}.q_norm.weight"), hd)?, norm(format!("{a}.k_norm.weight"), hd)?))
+        } else {
+            None
+        };
         Ok(Block {
-            input_norm: ck.get_f32(&format!("{p}.input_layernorm.weight"), h)?,
-            post_norm: ck.get_f32(&format!("{p}.post_attention_layernorm.weight"), h)?,
-            q: Proj::load(ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
-            k: Proj::load(ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
-            v: Proj::load(ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?,
-            o: Proj::load(ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
-            q_norm: if qk_norm { Some(ck.get_f32(&format!("{a}.q_norm.weight"), hd)?) } else { None },
-            k_norm: if qk_norm { Some(ck.get_f32(&format!("{a}.k_norm.weight"), hd)?) } else { None },
-            gate: Proj::load(ck, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
-            up: Proj::load(ck, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
-            down: Proj::load(ck, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
+            input_norm: norm(format!("{p}.input_layernorm.weight"), h)?,
+            post_norm: norm(format!("{p}.post_attention_layernorm.weight"), h)?,
+            q: Proj::load(be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
+            k: Proj::load(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
+            v: Proj::load(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?,
+            o: Proj::load(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
+            qk_norm,
+            gate: Proj::load(be, ck, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
+            up: Proj::load(be, ck, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
+            down: Proj::load(be, ck, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
         })
     }
 
-    /// Runs the layer over `x` (one `hidden_size` row per slot), writing each row's new
-    /// K/V into layer `li` of its cache window and attending over its own logical prefix.
+    /// Runs the layer over `x` (`m` tokens of `hidden_size`), writing each row's new K/V
+    /// into layer `li` of its cache window and attending over its own logical prefix.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
+        be: &B,
         c: &Config,
-        rope: &RopeTable,
-        x: &mut [f32],
-        slots: &[Slot],
+        rope: &B::Rope,
+        x: &mut B::Act,
+        m: usize,
+        batch: &B::Batch,
         caches: &mut [&mut RowCache],
         li: usize,
-    ) {
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (qd, kvd) = (nh * hd, nkv * hd);
-        let m = slots.len();
-        let mut normed = vec![0.0f32; m * h];
-        rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut normed);
-        let mut q = self.q.forward(&normed, m);
-        let mut k = self.k.forward(&normed, m);
-        let v = self.v.forward(&normed, m);
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            rms_norm_inplace(&mut q, qn, c.rms_norm_eps);
-            rms_norm_inplace(&mut k, kn, c.rms_norm_eps);
-        }
-        for (i, s) in slots.iter().enumerate() {
-            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
-            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
-        }
-        let mut off = 0;
-        for (r, cache) in caches.iter_mut().enumerate() {
-            let t = slots[off..].iter().take_while(|s| s.row == r).count();
-            cache.write_window(li, &k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
-            off += t;
-        }
-        let views: Vec<KvView> = caches.iter().map(|c| c.view(li)).collect();
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut attn = vec![0.0f32; m * qd];
-        // One task per (token, head): a single decode token still uses every core.
-        attn.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
-            let (s, head) = (&slots[i / nh], i % nh);
-            attend(qh, &views[s.row], s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
-        });
-        add(x, &self.o.forward(&attn, m));
-        rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed);
-        let mut g = self.gate.forward(&normed, m);
-        swiglu(&mut g, &self.up.forward(&normed, m));
-        add(x, &self.down.forward(&g, m));
+    ) -> Result<()> {
+        let h = c.hidden_size;
+        let heads =
+            Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        let mut normed = be.alloc(m * h)?;
+        be.rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut normed, h, 0)?;
+        let mut q = self.q.forward(be, &normed, m)?;
+        let mut k = self.k.forward(be, &normed, m)?;
+        let v = self.v.forward(be, &normed, m)?;
+        let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, c.rms_norm_eps));
+        be.qk_rope_store(&mut q, &mut k, &v, norms, rope, batch, caches, li, heads)?;
+        let mut attn = be.alloc(m * heads.heads * heads.head_dim)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        be.attention(&q, batch, caches, li, heads, scale, &mut attn)?;
+        self.o.add_to(be, &attn, m, x)?;
+        be.rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed, h, 0)?;
+        let mut g = self.gate.forward(be, &normed, m)?;
+        be.swiglu(&mut g, &self.up.forward(be, &normed, m)?)?;
+        self.down.add_to(be, &g, m, x)
     }
 }
 
@@ -150,6 +137,23 @@ pub(crate) fn slots_for(rows: &[(&RowCache, usize)], context: usize) -> Result<V
         }));
     }
     Ok(slots)
+}
+
+/// Refuses a token outside the vocabulary, naming the row.
+pub(crate) fn check_tokens<'a>(
+    rows: impl Iterator<Item = &'a [u32]>,
+    vocab: usize,
+    what: &str,
+) -> Result<()> {
+    for (r, tokens) in rows.enumerate() {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Request {
+                request: format!("{what} {r}"),
+                msg: format!("token id {bad} is outside the vocabulary of {vocab}"),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Which logits a row wants back from a forward.
@@ -189,54 +193,199 @@ pub struct RowOutput {
     pub hidden: Vec<f32>,
 }
 
-pub struct Model {
-    pub config: Config,
-    embed: Weight,
-    layers: Vec<Block>,
-    norm: Vec<f32>,
-    lm_head: Weight,
-    rope: RopeTable,
+/// The weights of one model on one backend; the MTP head shares the embedding, the LM
+/// head and the RoPE table.
+pub(crate) struct Decoder<B: Kernels> {
+    pub(crate) be: Arc<B>,
+    pub(crate) config: Config,
+    pub(crate) embed: Arc<B::Mat>,
+    layers: Vec<Block<B>>,
+    norm: B::Vec,
+    pub(crate) lm_head: Arc<B::Mat>,
+    pub(crate) rope: Arc<B::Rope>,
+    pub(crate) max_positions: usize,
+    pub(crate) dtype: WeightDtype,
 }
 
-impl Model {
-    /// Loads `config.json` (+ `generation_config.json`) and the safetensors weights of `dir`.
-    pub fn load(dir: &Path) -> Result<Model> {
-        let config = Config::from_dir(dir)?;
-        let ck = Checkpoint::open(dir)?;
-        Model::from_checkpoint(config, &ck)
-    }
-
-    pub fn from_checkpoint(config: Config, ck: &Checkpoint) -> Result<Model> {
+impl<B: Kernels> Decoder<B> {
+    fn load(be: Arc<B>, config: Config, ck: &Checkpoint) -> Result<Decoder<B>> {
         let c = &config;
         let h = c.hidden_size;
         let layers = (0..c.num_hidden_layers)
-            .map(|i| Block::load(ck, &format!("model.layers.{i}"), c))
+            .map(|i| Block::load(&*be, ck, &format!("model.layers.{i}"), c))
             .collect::<Result<Vec<_>>>()?;
-        let embed = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let embed_w = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let dtype = embed_w.dtype;
+        let embed = Arc::new(be.matrix(&embed_w)?);
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
         let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
-            ck.get("lm_head.weight", &[c.vocab_size, h])?
+            Arc::new(be.matrix(&ck.get("lm_head.weight", &[c.vocab_size, h])?)?)
         } else {
             embed.clone()
         };
-        let rope =
+        let table =
             RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
-        Ok(Model { norm: ck.get_f32("model.norm.weight", h)?, config, embed, layers, lm_head, rope })
+        let max_positions = table.max_positions();
+        Ok(Decoder {
+            norm: be.vector(&ck.get_f32("model.norm.weight", h)?)?,
+            rope: Arc::new(be.rope_table(table)?),
+            be,
+            config,
+            embed,
+            layers,
+            lm_head,
+            max_positions,
+            dtype,
+        })
     }
 
-    /// An empty cache for one row of this model.
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        let (be, c) = (&*self.be, &self.config);
+        let h = c.hidden_size;
+        let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
+        let slots = slots_for(&sizes, self.max_positions)?;
+        check_tokens(rows.iter().map(|r| r.tokens), c.vocab_size, "row")?;
+        let m = slots.len();
+        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let mut x = be.alloc(m * h)?;
+        be.embed(&self.embed, &tokens, &mut x)?;
+        let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
+        let batch = be.batch(&slots, &mut caches)?;
+        for (li, layer) in self.layers.iter().enumerate() {
+            layer.forward(be, c, &self.rope, &mut x, m, &batch, &mut caches, li)?;
+        }
+        drop(caches);
+        let mut normed = be.alloc(m * h)?;
+        be.rms_norm(&x, &self.norm, c.rms_norm_eps, &mut normed, h, 0)?;
+        // lm_head only for the tokens whose logits were asked for.
+        let mut want: Vec<usize> = Vec::new();
+        let mut off = 0;
+        for row in rows.iter() {
+            let t = row.tokens.len();
+            want.extend(row.logits.wanted(t).map(|i| off + i));
+            off += t;
+        }
+        let vocab = c.vocab_size;
+        let logits = if want.is_empty() {
+            Vec::new()
+        } else {
+            let sel = be.gather(&normed, h, &want)?;
+            let mut logits = be.alloc(want.len() * vocab)?;
+            be.linear(&sel, want.len(), &self.lm_head, None, &mut logits, Out::Write)?;
+            be.download(logits)?
+        };
+        let hidden = be.download(normed)?;
+        let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
+        let mut outs = Vec::with_capacity(rows.len());
+        let mut off = 0;
+        for row in rows.iter() {
+            let t = row.tokens.len();
+            let n = row.logits.wanted(t).len();
+            outs.push(RowOutput {
+                logits: logit_rows.by_ref().take(n).collect(),
+                hidden: hidden[off * h..(off + t) * h].to_vec(),
+            });
+            off += t;
+        }
+        Ok(outs)
+    }
+}
+
+/// A model on some backend, as the engine sees it.
+pub(crate) trait Net: Send + Sync {
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>>;
+    fn new_cache(&self) -> RowCache;
+    fn kv_bytes_per_token(&self) -> usize;
+    fn backend(&self) -> Backend;
+    fn max_positions(&self) -> usize;
+    /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
+    fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
+}
+
+impl<B: Kernels> Net for Decoder<B> {
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        Decoder::forward(self, rows)
+    }
+
+    fn new_cache(&self) -> RowCache {
+        let c = &self.config;
+        let stride = c.num_key_value_heads * c.head_dim;
+        let store = self.be.kv_store(c.num_hidden_layers, stride, self.dtype);
+        RowCache::with_store(store, c.num_hidden_layers, stride)
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        let c = &self.config;
+        self.be.kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads * c.head_dim, self.dtype)
+    }
+
+    fn backend(&self) -> Backend {
+        self.be.backend()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>> {
+        Ok(Box::new(crate::mtp::MtpBlock::load(self, ck, layout, prefix)?))
+    }
+}
+
+pub struct Model {
+    pub config: Config,
+    net: Box<dyn Net>,
+    max_positions: usize,
+}
+
+impl Model {
+    /// Loads `config.json` (+ `generation_config.json`) and the safetensors weights of
+    /// `dir` for the CPU.
+    pub fn load(dir: &Path) -> Result<Model> {
+        Model::load_on(dir, Backend::Cpu)
+    }
+
+    /// Loads `dir` onto `backend` (weights copied to the device for a GPU backend).
+    pub fn load_on(dir: &Path, backend: Backend) -> Result<Model> {
+        let config = Config::from_dir(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        Model::from_checkpoint(config, &ck, backend)
+    }
+
+    pub fn from_checkpoint(config: Config, ck: &Checkpoint, backend: Backend) -> Result<Model> {
+        let net: Box<dyn Net> = match backend {
+            Backend::Cpu => Box::new(Decoder::load(Arc::new(Cpu), config.clone(), ck)?),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => {
+                Box::new(Decoder::load(crate::backend::cuda::Cuda::shared()?, config.clone(), ck)?)
+            }
+            other => {
+                other.check()?;
+                return Err(Error::Backend(format!("no {} kernels in this build", other.name())));
+            }
+        };
+        let max_positions = net.max_positions();
+        Ok(Model { config, net, max_positions })
+    }
+
+    /// Where this model runs.
+    pub fn backend(&self) -> Backend {
+        self.net.backend()
+    }
+
+    /// An empty cache for one row of this model, on its backend.
     pub fn new_cache(&self) -> RowCache {
-        RowCache::new(self.config.num_hidden_layers, self.config.num_key_value_heads * self.config.head_dim)
+        self.net.new_cache()
     }
 
-    /// KV bytes one position costs.
+    /// KV bytes one position costs (device bytes on a GPU backend).
     pub fn kv_bytes_per_token(&self) -> usize {
-        2 * 4 * self.config.num_hidden_layers * self.config.num_key_value_heads * self.config.head_dim
+        self.net.kv_bytes_per_token()
     }
 
     /// The longest sequence (prompt + output) a row may reach.
     pub fn max_positions(&self) -> usize {
-        self.rope.max_positions()
+        self.max_positions
     }
 
     /// Runs every row's tokens at its own logical positions `[len, len + t)` and returns
@@ -246,76 +395,10 @@ impl Model {
     /// keeps with `RowCache::commit_window`. Every value a row gets back is a function of
     /// its own prefix only: batch composition and chunking change no bit.
     pub fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
-        let c = &self.config;
-        let h = c.hidden_size;
-        let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
-        let slots = slots_for(&sizes, self.max_positions())?;
-        for (r, row) in rows.iter().enumerate() {
-            if let Some(&bad) = row.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(Error::Request {
-                    request: format!("row {r}"),
-                    msg: format!("token id {bad} is outside the vocabulary of {}", c.vocab_size),
-                });
-            }
-        }
-        let m = slots.len();
-        let mut x = vec![0.0f32; m * h];
-        let tokens = rows.iter().flat_map(|r| r.tokens.iter());
-        for (xr, &t) in x.chunks_mut(h).zip(tokens) {
-            self.embed.row_f32(t as usize, xr);
-        }
-        let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
-        for (li, layer) in self.layers.iter().enumerate() {
-            layer.forward(c, &self.rope, &mut x, &slots, &mut caches, li);
-        }
-        drop(caches);
-        let mut normed = vec![0.0f32; m * h];
-        rms_norm(&x, &self.norm, c.rms_norm_eps, &mut normed);
-        // lm_head only for the tokens whose logits were asked for.
-        let mut want: Vec<usize> = Vec::new();
-        let mut off = 0;
-        for row in rows.iter() {
-            let t = row.tokens.len();
-            want.extend(row.logits.wanted(t).map(|i| off + i));
-            off += t;
-        }
-        let sel: Vec<f32> = want.iter().flat_map(|&i| normed[i * h..(i + 1) * h].iter().copied()).collect();
-        let logits = self.head_logits(&sel, want.len());
-        let vocab = c.vocab_size;
-        let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
-        let mut outs = Vec::with_capacity(rows.len());
-        let mut off = 0;
-        for row in rows.iter() {
-            let t = row.tokens.len();
-            let n = row.logits.wanted(t).len();
-            outs.push(RowOutput {
-                logits: logit_rows.by_ref().take(n).collect(),
-                hidden: normed[off * h..(off + t) * h].to_vec(),
-            });
-            off += t;
-        }
-        Ok(outs)
+        self.net.forward(rows)
     }
 
-    /// Logits of `m` final-normed hidden rows through the LM head.
-    pub fn head_logits(&self, normed: &[f32], m: usize) -> Vec<f32> {
-        let mut logits = vec![0.0f32; m * self.config.vocab_size];
-        linear(normed, m, &self.lm_head, None, &mut logits);
-        logits
-    }
-
-    /// The embedding row of `token`, widened to f32.
-    pub fn embed(&self, token: u32, out: &mut [f32]) {
-        self.embed.row_f32(token as usize, out);
-    }
-
-    pub(crate) fn rope(&self) -> &RopeTable {
-        &self.rope
-    }
-}
-
-fn add(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
+    pub(crate) fn net(&self) -> &dyn Net {
+        &*self.net
     }
 }

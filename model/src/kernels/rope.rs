@@ -33,6 +33,11 @@ impl RopeTable {
         RopeTable { half, cos, sin }
     }
 
+    /// The cos and sin tables, `[position][head_dim / 2]`.
+    pub fn cos_sin(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     pub fn max_positions(&self) -> usize {
         self.cos.len() / self.half.max(1)
     }

@@ -1,0 +1,192 @@
+//! The reference backend: the row-invariant CPU kernels of [`crate::kernels`] over f32
+//! host buffers, K/V in a [`HostKv`] per row.
+
+use mtp_cache::{HostKv, KvStore, KvView, RowCache, SlotMap};
+use rayon::prelude::*;
+
+use super::{open_windows, Backend, Heads, Kernels, Out, Slot};
+use crate::error::{Error, Result};
+use crate::kernels::{attend, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
+use crate::weights::{Weight, WeightDtype};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+/// One CPU forward: every token's slot, every row's slot map.
+pub struct CpuBatch {
+    slots: Vec<Slot>,
+    maps: Vec<SlotMap>,
+}
+
+fn foreign(row: usize) -> Error {
+    Error::Request { request: format!("row {row}"), msg: "its KV cache belongs to another backend".into() }
+}
+
+impl Kernels for Cpu {
+    type Act = Vec<f32>;
+    type Mat = Weight;
+    type Vec = Vec<f32>;
+    type Rope = RopeTable;
+    type Batch = CpuBatch;
+
+    fn backend(&self) -> Backend {
+        Backend::Cpu
+    }
+
+    fn matrix(&self, w: &Weight) -> Result<Weight> {
+        Ok(w.clone())
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn rope_table(&self, table: RopeTable) -> Result<RopeTable> {
+        Ok(table)
+    }
+
+    fn kv_store(&self, n_layers: usize, stride: usize, _dtype: WeightDtype) -> Box<dyn KvStore> {
+        Box::new(HostKv::new(n_layers, stride))
+    }
+
+    fn kv_bytes_per_token(&self, n_layers: usize, stride: usize, _dtype: WeightDtype) -> usize {
+        2 * 4 * n_layers * stride
+    }
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<Vec<f32>> {
+        Ok(x.to_vec())
+    }
+
+    fn download(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(x)
+    }
+
+    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
+        if let Some(r) = caches.iter().position(|c| !c.store().as_any().is::<HostKv>()) {
+            return Err(foreign(r));
+        }
+        Ok(CpuBatch { slots: slots.to_vec(), maps: open_windows(slots, caches)? })
+    }
+
+    fn embed(&self, table: &Weight, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        for (o, &t) in out.chunks_mut(table.cols).zip(tokens) {
+            table.row_f32(t as usize, o);
+        }
+        Ok(())
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        m: usize,
+        w: &Weight,
+        bias: Option<&Vec<f32>>,
+        out: &mut Vec<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        match mode {
+            Out::Write => linear(x, m, w, bias.map(|b| b.as_slice()), out),
+            Out::Add => {
+                let mut y = vec![0.0f32; m * w.rows];
+                linear(x, m, w, bias.map(|b| b.as_slice()), &mut y);
+                for (a, b) in out.iter_mut().zip(&y) {
+                    *a += b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        out: &mut Vec<f32>,
+        out_width: usize,
+        col: usize,
+    ) -> Result<()> {
+        let n = w.len();
+        if out_width == n {
+            rms_norm(x, w, eps, out);
+        } else {
+            for (xr, or) in x.chunks(n).zip(out.chunks_mut(out_width)) {
+                rms_norm(xr, w, eps, &mut or[col..col + n]);
+            }
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
+        swiglu(gate, up);
+        Ok(())
+    }
+
+    fn qk_rope_store(
+        &self,
+        q: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        v: &Vec<f32>,
+        norms: Option<(&Vec<f32>, &Vec<f32>, f32)>,
+        rope: &RopeTable,
+        batch: &CpuBatch,
+        caches: &mut [&mut RowCache],
+        layer: usize,
+        heads: Heads,
+    ) -> Result<()> {
+        let (qd, kvd) = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim);
+        if let Some((qn, kn, eps)) = norms {
+            rms_norm_inplace(q, qn, eps);
+            rms_norm_inplace(k, kn, eps);
+        }
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
+            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
+        }
+        let mut off = 0;
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let t = batch.slots[off..].iter().take_while(|s| s.row == r).count();
+            let base = batch.maps[r].base;
+            let host = cache.store_mut().as_any_mut().downcast_mut::<HostKv>().ok_or_else(|| foreign(r))?;
+            host.write(layer, base, &k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            off += t;
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        batch: &CpuBatch,
+        caches: &[&mut RowCache],
+        layer: usize,
+        heads: Heads,
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
+        let views = caches
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                let host = c.store().as_any().downcast_ref::<HostKv>().ok_or_else(|| foreign(r))?;
+                Ok(KvView::of(host, layer, batch.maps[r], c.stride()))
+            })
+            .collect::<Result<Vec<KvView>>>()?;
+        let slots = &batch.slots;
+        // One task per (token, head): a single decode token still uses every core.
+        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (s, head) = (&slots[i / nh], i % nh);
+            attend(qh, &views[s.row], s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
+        });
+        Ok(())
+    }
+
+    fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
+        Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
+    }
+}

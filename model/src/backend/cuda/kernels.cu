@@ -1,0 +1,493 @@
+// Row-invariant CUDA kernels (design.md, "Rules for every kernel", on the GPU).
+//
+// Every reduction has one order that depends only on the reduced length and fixed
+// constants (a warp of 32 lanes, chunks of 8 elements per lane, key chunks of 32 anchored
+// at position 0), never on how many tokens or rows share a launch. Activations are f32;
+// weights are read in their checkpoint dtype and widened in registers; K/V are stored in
+// the model's KV dtype (f32 or bf16). No headers: bf16/f16 are widened by hand.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+// Round to nearest even (the conversion torch and the CPU code use).
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+struct F32W {
+    typedef float T;
+    __device__ static float get(const float* p, long long i) { return p[i]; }
+    // 8 consecutive weights from an 8-aligned index.
+    __device__ static void get8(const float* p, long long i, float* o) {
+        float4 a = *reinterpret_cast<const float4*>(p + i);
+        float4 b = *reinterpret_cast<const float4*>(p + i + 4);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    }
+};
+struct Bf16W {
+    typedef u16 T;
+    __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
+    __device__ static void get8(const u16* p, long long i, float* o) {
+        uint4 v = *reinterpret_cast<const uint4*>(p + i);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            o[2 * j] = __uint_as_float(w[j] << 16);
+            o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+        }
+    }
+};
+struct F16W {
+    typedef u16 T;
+    __device__ static float get(const u16* p, long long i) { return f16_to_f32(p[i]); }
+    __device__ static void get8(const u16* p, long long i, float* o) {
+        uint4 v = *reinterpret_cast<const uint4*>(p + i);
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            o[2 * j] = f16_to_f32((u16)(w[j] & 0xffffu));
+            o[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16));
+        }
+    }
+};
+
+// The one warp reduction: xor butterfly 16, 8, 4, 2, 1. Float addition is commutative,
+// so every lane ends with the same bits.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Matmul: out[r, c] (+)= dot(x[r, :], w[c, :]) + bias[c].
+//
+// One warp owns NC output columns for every row. Canonical order of one output: lane L
+// accumulates, with fused multiply-adds in increasing k, the elements k = 256 i + 8 L + j
+// (i = 0, 1, ..; j = 0..7); then the warp butterfly. Rows are processed MB at a time only
+// to reuse weights from registers; the order of an output never depends on M, on its row
+// block or on the other rows. No split-K.
+#define NC 4
+#define MB 4
+#define WARPS 4
+
+template <class W>
+__device__ void linear_impl(const float* __restrict__ x, int m, int k, const typename W::T* __restrict__ w,
+                            int n, const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int c0 = (blockIdx.x * WARPS + warp) * NC;
+    if (c0 >= n) return;
+    const bool vec = (k & 7) == 0;
+    for (int r0 = 0; r0 < m; r0 += MB) {
+        float acc[MB][NC];
+#pragma unroll
+        for (int a = 0; a < MB; a++)
+#pragma unroll
+            for (int c = 0; c < NC; c++) acc[a][c] = 0.0f;
+        for (int kb = lane * 8; kb < k; kb += 256) {
+            float wv[NC][8];
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                const int col = min(c0 + c, n - 1);
+                const long long at = (long long)col * k + kb;
+                if (vec) {
+                    W::get8(w, at, wv[c]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) wv[c][j] = kb + j < k ? W::get(w, at + j) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < MB; a++) {
+                const int r = r0 + a;
+                if (r >= m) break;
+                float xv[8];
+                const float* xr = x + (long long)r * k + kb;
+                if (vec) {
+                    float4 p = *reinterpret_cast<const float4*>(xr);
+                    float4 q = *reinterpret_cast<const float4*>(xr + 4);
+                    xv[0] = p.x; xv[1] = p.y; xv[2] = p.z; xv[3] = p.w;
+                    xv[4] = q.x; xv[5] = q.y; xv[6] = q.z; xv[7] = q.w;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) xv[j] = kb + j < k ? xr[j] : 0.0f;
+                }
+#pragma unroll
+                for (int c = 0; c < NC; c++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) acc[a][c] = fmaf(xv[j], wv[c][j], acc[a][c]);
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < MB; a++) {
+            const int r = r0 + a;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                const float s = warp_sum(acc[a][c]);
+                const int col = c0 + c;
+                if (lane == c && r < m && col < n) {
+                    float y = s;
+                    if (bias) y += bias[col];
+                    float* o = out + (long long)r * n + col;
+                    *o = accumulate ? *o + y : y;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void linear_f32(const float* x, int m, int k, const float* w, int n, const float* bias,
+                                      float* out, int accumulate) {
+    linear_impl<F32W>(x, m, k, w, n, bias, out, accumulate);
+}
+extern "C" __global__ void linear_bf16(const float* x, int m, int k, const u16* w, int n, const float* bias,
+                                       float* out, int accumulate) {
+    linear_impl<Bf16W>(x, m, k, w, n, bias, out, accumulate);
+}
+extern "C" __global__ void linear_f16(const float* x, int m, int k, const u16* w, int n, const float* bias,
+                                      float* out, int accumulate) {
+    linear_impl<F16W>(x, m, k, w, n, bias, out, accumulate);
+}
+
+// ---------------------------------------------------------------------------------------
+// Embedding rows widened to f32. grid: tokens, block: 256.
+template <class W>
+__device__ void embed_impl(const typename W::T* table, const u32* tokens, int cols, float* out) {
+    const long long row = (long long)tokens[blockIdx.x] * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(long long)blockIdx.x * cols + c] = W::get(table, row + c);
+}
+extern "C" __global__ void embed_f32(const float* t, const u32* tok, int cols, float* out) { embed_impl<F32W>(t, tok, cols, out); }
+extern "C" __global__ void embed_bf16(const u16* t, const u32* tok, int cols, float* out) { embed_impl<Bf16W>(t, tok, cols, out); }
+extern "C" __global__ void embed_f16(const u16* t, const u32* tok, int cols, float* out) { embed_impl<F16W>(t, tok, cols, out); }
+
+// ---------------------------------------------------------------------------------------
+// Sum of a block of 256 threads: each warp's butterfly, then warp 0 sums the 8 warp
+// totals with the butterfly (missing lanes count as zero). Fixed for a fixed block size.
+#define NORM_THREADS 256
+__device__ float block_sum(float v, float* shared8) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) shared8[warp] = v;
+    __syncthreads();
+    float t = lane < NORM_THREADS / 32 ? shared8[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}
+
+// RMSNorm of each n-wide row of x into columns [col, col + n) of out (rows out_width
+// wide). grid: rows, block: 256. Thread t sums x[i]^2 for i = t, t + 256, ...
+extern "C" __global__ void rms_norm(const float* x, const float* w, int n, float eps, float* out, int out_width,
+                                    int col) {
+    __shared__ float part[NORM_THREADS / 32];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS) s = fmaf(xr[i], xr[i], s);
+    s = block_sum(s, part);
+    const float inv = 1.0f / sqrtf(s / (float)n + eps);
+    float* o = out + (long long)blockIdx.x * out_width + col;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS) o[i] = w[i] * (xr[i] * inv);
+}
+
+// gate <- silu(gate) * up
+extern "C" __global__ void swiglu(float* g, const float* u, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float v = g[i];
+        g[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+// out[i] = x[rows[i]] (rows of `width`). grid: selected rows.
+extern "C" __global__ void gather_rows(const float* x, const int* rows, int width, float* out) {
+    const long long src = (long long)rows[blockIdx.x] * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) out[(long long)blockIdx.x * width + c] = x[src + c];
+}
+
+// ---------------------------------------------------------------------------------------
+// A forward's layout, uploaded once: per token (row, logical position, RoPE position,
+// cache slot); per row (K/V buffer address, elements per plane, committed length, window
+// base slot). A row's buffer holds 2 * layers planes [layer][K, V][slot][kv_heads * hd].
+struct Tok {
+    int row, pos, rope_pos, slot;
+};
+struct RowKv {
+    u64 base;
+    long long plane;
+    long long committed;
+    long long window_base;
+};
+
+template <class KV>
+struct KvIo;
+template <>
+struct KvIo<float> {
+    __device__ static float get(const float* p, long long i) { return p[i]; }
+    __device__ static void put(float* p, long long i, float v) { p[i] = v; }
+};
+template <>
+struct KvIo<u16> {
+    __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
+    __device__ static void put(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+};
+
+// Per (token, head): optional per-head RMSNorm (q and k), RoPE at the token's RoPE
+// position (HF rotate_half: element i pairs with i + hd/2), then q back in place and K, V
+// stored at the token's slot of layer `layer`. grid: (tokens, heads + 2 * kv_heads),
+// block: 128. Requires hd <= 512.
+template <class KV>
+__device__ void qk_rope_store_impl(float* q, const float* k, const float* v, const float* q_norm,
+                                   const float* k_norm, float eps, const float* cos_t, const float* sin_t,
+                                   const Tok* toks, const RowKv* rows, int layer, int heads, int kv_heads,
+                                   int hd) {
+    __shared__ float h[512];
+    __shared__ float part[NORM_THREADS / 32];
+    const int t = blockIdx.x, y = blockIdx.y;
+    const Tok tok = toks[t];
+    const RowKv row = rows[tok.row];
+    const int kvd = kv_heads * hd;
+    KV* kbuf = reinterpret_cast<KV*>(row.base) + (long long)(2 * layer) * row.plane;
+    KV* vbuf = reinterpret_cast<KV*>(row.base) + (long long)(2 * layer + 1) * row.plane;
+    if (y >= heads + kv_heads) {  // V: stored as is
+        const int hv = y - heads - kv_heads;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x)
+            KvIo<KV>::put(vbuf, (long long)tok.slot * kvd + hv * hd + i, v[(long long)t * kvd + hv * hd + i]);
+        return;
+    }
+    const bool is_q = y < heads;
+    const float* src = is_q ? q + (long long)t * heads * hd + y * hd : k + (long long)t * kvd + (y - heads) * hd;
+    const float* nw = is_q ? q_norm : k_norm;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) h[i] = src[i];
+    __syncthreads();
+    if (nw) {
+        // One warp per (token, head) would do; a 128-thread block sums in its own fixed order.
+        float s = 0.0f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) s = fmaf(h[i], h[i], s);
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        s = warp_sum(s);
+        if (lane == 0) part[warp] = s;
+        __syncthreads();
+        float tot = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.0f;
+        tot = warp_sum(tot);
+        const float inv = 1.0f / sqrtf(tot / (float)hd + eps);
+        __syncthreads();
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) h[i] = nw[i] * (h[i] * inv);
+        __syncthreads();
+    }
+    const int half = hd / 2;
+    const float* c = cos_t + (long long)tok.rope_pos * half;
+    const float* s = sin_t + (long long)tok.rope_pos * half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float x1 = h[i], x2 = h[i + half];
+        const float a = x1 * c[i] - x2 * s[i];
+        const float b = x2 * c[i] + x1 * s[i];
+        if (is_q) {
+            float* dst = q + (long long)t * heads * hd + y * hd;
+            dst[i] = a;
+            dst[i + half] = b;
+        } else {
+            const long long at = (long long)tok.slot * kvd + (y - heads) * hd;
+            KvIo<KV>::put(kbuf, at + i, a);
+            KvIo<KV>::put(kbuf, at + i + half, b);
+        }
+    }
+}
+
+#define QK_ARGS                                                                                                  \
+    float *q, const float *k, const float *v, const float *q_norm, const float *k_norm, float eps,               \
+        const float *cos_t, const float *sin_t, const Tok *toks, const RowKv *rows, int layer, int heads,         \
+        int kv_heads, int hd
+#define QK_PASS q, k, v, q_norm, k_norm, eps, cos_t, sin_t, toks, rows, layer, heads, kv_heads, hd
+extern "C" __global__ void qk_rope_store_f32(QK_ARGS) { qk_rope_store_impl<float>(QK_PASS); }
+extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>(QK_PASS); }
+
+// ---------------------------------------------------------------------------------------
+// Attention. One warp per (token, head): the query at logical position p reads keys
+// [0, p] of its own row in chunks of 32 anchored at position 0; lane j scores key c0 + j
+// (dot product in increasing d), the chunk's maximum and sum come from the butterfly, and
+// each lane accumulates its output dims d = lane + 32 t over the chunk's keys in order.
+// `splits` > 1 is the negative control only: the keys are cut into that many segments,
+// each with its own online softmax, merged at the end (a split count chosen from the
+// batch changes the bits, which the invariance tests must catch). grid: (tokens, heads),
+// block: 32. Requires hd <= 256.
+#define MAX_HD 256
+template <class KV>
+__device__ void attention_impl(const float* q, float* out, const Tok* toks, const RowKv* rows, int layer,
+                               int heads, int kv_heads, int hd, float scale, int splits) {
+    __shared__ float qs[MAX_HD];
+    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    const Tok tok = toks[t];
+    const RowKv row = rows[tok.row];
+    const int kvd = kv_heads * hd;
+    const int kvh = head / (heads / kv_heads);
+    const KV* kbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer) * row.plane + kvh * hd;
+    const KV* vbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer + 1) * row.plane + kvh * hd;
+    const float* qh = q + ((long long)t * heads + head) * hd;
+    for (int i = lane; i < hd; i += 32) qs[i] = qh[i];
+    __syncwarp();
+    const int n_keys = tok.pos + 1;
+    const int dims = (hd + 31) / 32;
+    float tot_m = __int_as_float(0xff800000), tot_l = 0.0f, tot[MAX_HD / 32];
+    
+#pragma unroll
+    for (int d = 0; d < MAX_HD / 32; d++) tot[d] = 0.0f;
+    for (int sp = 0; sp < splits; sp++) {
+        const int k0 = (int)((long long)n_keys * sp / splits), k1 = (int)((long long)n_keys * (sp + 1) / splits);
+        float m = __int_as_float(0xff800000), l = 0.0f, acc[MAX_HD / 32];
+        
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) acc[d] = 0.0f;
+        for (int c0 = k0; c0 < k1; c0 += 32) {
+            const int p = c0 + lane;
+            const bool valid = p < k1;
+            long long slot = 0;
+            float sc = __int_as_float(0xff800000);
+            if (valid) {
+                slot = p < row.committed ? p : row.window_base + (p - row.committed);
+                const long long at = slot * kvd;
+                float dot = 0.0f;
+                for (int d = 0; d < hd; d++) dot = fmaf(qs[d], KvIo<KV>::get(kbuf, at + d), dot);
+                sc = dot * scale;
+            }
+            const float cm = warp_max(sc);
+            const float m_new = fmaxf(m, cm);
+            if (m_new > m) {
+                const float alpha = expf(m - m_new);
+                l *= alpha;
+                
+#pragma unroll
+                for (int d = 0; d < MAX_HD / 32; d++) acc[d] *= alpha;
+                m = m_new;
+            }
+            const float pj = valid ? expf(sc - m) : 0.0f;
+            l += warp_sum(pj);
+            const int n = min(32, k1 - c0);
+            for (int j = 0; j < n; j++) {
+                const float pb = __shfl_sync(0xffffffffu, pj, j);
+                const long long sj = __shfl_sync(0xffffffffu, slot, j);
+                const long long at = sj * kvd;
+#pragma unroll
+                for (int d = 0; d < MAX_HD / 32; d++) {
+                    const int dd = lane + 32 * d;
+                    if (d < dims && dd < hd) acc[d] = fmaf(pb, KvIo<KV>::get(vbuf, at + dd), acc[d]);
+                }
+            }
+        }
+        if (splits == 1) {
+            tot_m = m;
+            tot_l = l;
+            
+#pragma unroll
+            for (int d = 0; d < MAX_HD / 32; d++) tot[d] = acc[d];
+        } else if (k1 > k0) {
+            const float nm = fmaxf(tot_m, m);
+            const float a = expf(tot_m - nm), b = expf(m - nm);
+            tot_l = tot_l * a + l * b;
+            
+#pragma unroll
+            for (int d = 0; d < MAX_HD / 32; d++) tot[d] = tot[d] * a + acc[d] * b;
+            tot_m = nm;
+        }
+    }
+    const float inv = 1.0f / tot_l;
+    float* o = out + ((long long)t * heads + head) * hd;
+#pragma unroll
+    for (int d = 0; d < MAX_HD / 32; d++) {
+        const int dd = lane + 32 * d;
+        if (d < dims && dd < hd) o[dd] = tot[d] * inv;
+    }
+}
+
+#define ATT_ARGS                                                                                                 \
+    const float *q, float *out, const Tok *toks, const RowKv *rows, int layer, int heads, int kv_heads, int hd, \
+        float scale, int splits
+#define ATT_PASS q, out, toks, rows, layer, heads, kv_heads, hd, scale, splits
+extern "C" __global__ void attention_f32(ATT_ARGS) { attention_impl<float>(ATT_PASS); }
+extern "C" __global__ void attention_bf16(ATT_ARGS) { attention_impl<u16>(ATT_PASS); }
+
+// ---------------------------------------------------------------------------------------
+// KV store maintenance on raw element words (4-byte words for f32, 2-byte for bf16).
+//
+// Moves slots [from, from + n) down to [to, to + n) of every plane (to < from, the ranges
+// may overlap): one block per plane walks forward in chunks, all reads of a chunk before
+// any write; writes land below every element not yet read. grid: planes, block: 256.
+template <class E>
+__device__ void kv_move_impl(E* base, long long plane, long long from, long long to, long long n) {
+    E* p = base + (long long)blockIdx.x * plane;
+    for (long long c = 0; c < n; c += blockDim.x) {
+        const long long i = c + threadIdx.x;
+        E v = i < n ? p[from + i] : E(0);
+        __syncthreads();
+        if (i < n) p[to + i] = v;
+        __syncthreads();
+    }
+}
+extern "C" __global__ void kv_move_4(u32* b, long long plane, long long from, long long to, long long n) {
+    kv_move_impl<u32>(b, plane, from, to, n);
+}
+extern "C" __global__ void kv_move_2(u16* b, long long plane, long long from, long long to, long long n) {
+    kv_move_impl<u16>(b, plane, from, to, n);
+}
+
+// Copies the first n elements of every plane from src (planes of src_plane elements) to
+// dst (planes of dst_plane) and zeroes dst elements [zero_from, zero_to) (src may be dst
+// when n is 0). grid: (blocks, planes).
+template <class E>
+__device__ void kv_copy_impl(const E* src, long long src_plane, E* dst, long long dst_plane, long long n,
+                             long long zero_from, long long zero_to) {
+    const E* s = src + (long long)blockIdx.y * src_plane;
+    E* d = dst + (long long)blockIdx.y * dst_plane;
+    const long long work = n + (zero_to > zero_from ? zero_to - zero_from : 0);
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < work;
+         j += (long long)gridDim.x * blockDim.x) {
+        if (j < n)
+            d[j] = s[j];
+        else
+            d[zero_from + (j - n)] = E(0);
+    }
+}
+extern "C" __global__ void kv_copy_4(const u32* s, long long sp, u32* d, long long dp, long long n, long long z0,
+                                     long long z1) {
+    kv_copy_impl<u32>(s, sp, d, dp, n, z0, z1);
+}
+extern "C" __global__ void kv_copy_2(const u16* s, long long sp, u16* d, long long dp, long long n, long long z0,
+                                     long long z1) {
+    kv_copy_impl<u16>(s, sp, d, dp, n, z0, z1);
+}
+
+// Widens a weight matrix to f32 (the cuBLAS negative control's input).
+extern "C" __global__ void widen_bf16(const u16* w, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = bf16_to_f32(w[i]);
+}
+extern "C" __global__ void widen_f16(const u16* w, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f16_to_f32(w[i]);
+}
+
+// out[r, c] (+)= y[r, c] + bias[c] (the negative control's epilogue). grid: rows.
+extern "C" __global__ void add_into(float* out, const float* y, const float* bias, int m, int n, int accumulate) {
+    const long long r = blockIdx.x;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        float v = y[r * n + c];
+        if (bias) v += bias[c];
+        out[r * n + c] = accumulate ? out[r * n + c] + v : v;
+    }
+}

@@ -1,0 +1,500 @@
+//! The CUDA backend: the kernels of `kernels.cu` (compiled to PTX by `build.rs`), launched
+//! through cudarc on one stream of GPU 0. Activations are f32 device buffers, weights stay
+//! in their checkpoint dtype on the device, K/V live in a [`CudaKv`] per row (bf16 for
+//! 16-bit checkpoints, f32 for f32 ones). The driver is loaded at run time, so a binary
+//! built with `--features cuda` starts (and reports a clear error) on a machine without one.
+
+/// Launches kernel `$f` on a `$grid` of blocks of `$block` threads with the named
+/// arguments (locals, so they outlive the launch builder).
+macro_rules! launch {
+    ($cuda:expr, $f:expr, $grid:expr, $block:expr, $what:expr, [$($arg:ident),*]) => {{
+        let (grid, block): ((u32, u32), u32) = ($grid, $block);
+        if grid.0 == 0 || grid.1 == 0 {
+            Ok(())
+        } else {
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (grid.0, grid.1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = $cuda.stream.launch_builder($f);
+            $( cudarc::driver::PushKernelArg::arg(&mut b, &$arg); )*
+            // SAFETY: every kernel checks its bounds against the sizes passed with it, and
+            // the buffers behind the pointers outlive the launch (freed later on the same
+            // stream).
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(|e| crate::error::Error::Backend(format!("CUDA {}: {e:?}", $what)))
+        }
+    }};
+}
+
+mod kv;
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError};
+use mtp_cache::{KvStore, RowCache};
+
+pub use kv::CudaKv;
+
+use super::{open_windows, Backend, Heads, Kernels, Out, Slot};
+use crate::error::{Error, Result};
+use crate::kernels::RopeTable;
+use crate::negative_control;
+use crate::weights::{Weight, WeightDtype};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+
+/// Threads per block of the matmul (4 warps of 4 columns each: see kernels.cu).
+const LINEAR_THREADS: u32 = 128;
+const LINEAR_COLS_PER_BLOCK: usize = 16;
+/// Largest head dimension the attention kernel holds in registers.
+const MAX_HEAD_DIM: usize = 256;
+
+fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
+}
+
+/// Element type of a device K/V store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// KV in the checkpoint's precision: f32 checkpoints keep f32, 16-bit ones use bf16.
+    pub fn for_weights(d: WeightDtype) -> KvDtype {
+        match d {
+            WeightDtype::F32 => KvDtype::F32,
+            WeightDtype::Bf16 | WeightDtype::F16 => KvDtype::Bf16,
+        }
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            KvDtype::F32 => 0,
+            KvDtype::Bf16 => 1,
+        }
+    }
+}
+
+fn weight_index(d: WeightDtype) -> usize {
+    match d {
+        WeightDtype::F32 => 0,
+        WeightDtype::Bf16 => 1,
+        WeightDtype::F16 => 2,
+    }
+}
+
+struct Functions {
+    linear: [CudaFunction; 3],
+    embed: [CudaFunction; 3],
+    widen: [CudaFunction; 2],
+    rms_norm: CudaFunction,
+    swiglu: CudaFunction,
+    gather: CudaFunction,
+    add_into: CudaFunction,
+    qk_rope_store: [CudaFunction; 2],
+    attention: [CudaFunction; 2],
+    kv_move: [CudaFunction; 2],
+    kv_copy: [CudaFunction; 2],
+}
+
+/// GPU 0, its stream and the loaded kernels. One per process ([`Cuda::shared`]): every
+/// model and cache uses the same stream, so their work is ordered without events.
+pub struct Cuda {
+    stream: Arc<CudaStream>,
+    f: Functions,
+    device: String,
+    /// cuBLAS, loaded only for the negative control.
+    blas: OnceLock<std::result::Result<cudarc::cublas::CudaBlas, String>>,
+}
+
+// SAFETY: the cuBLAS handle is used only from the thread running a forward, behind &self,
+// and cuBLAS handles may be shared between host threads that do not call it concurrently
+// on the same stream; every other field is Send + Sync.
+unsafe impl Sync for Cuda {}
+unsafe impl Send for Cuda {}
+
+/// One device pointer as a kernel argument.
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+impl Cuda {
+    /// The process's CUDA backend on GPU 0, started on first use. Fails with a clear
+    /// message when there is no driver, no GPU, or the kernels cannot be loaded.
+    pub fn shared() -> Result<Arc<Cuda>> {
+        static SHARED: OnceLock<std::result::Result<Arc<Cuda>, String>> = OnceLock::new();
+        SHARED.get_or_init(|| Cuda::start(0).map(Arc::new)).clone().map_err(Error::Backend)
+    }
+
+    fn start(ordinal: usize) -> std::result::Result<Cuda, String> {
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("no NVIDIA driver found (libcuda.so could not be loaded): \
+                        this machine has no GPU driver, or LD_LIBRARY_PATH does not reach it"
+                .into());
+        }
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(|e| format!("cannot open GPU {ordinal}: {e:?}"))?;
+        // One stream for everything: no cross-stream events needed.
+        // SAFETY: every buffer is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream: {e:?}"))?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(PTX))
+            .map_err(|e| format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}"))?;
+        let get = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
+        let f = Functions {
+            linear: [get("linear_f32")?, get("linear_bf16")?, get("linear_f16")?],
+            embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
+            widen: [get("widen_bf16")?, get("widen_f16")?],
+            rms_norm: get("rms_norm")?,
+            swiglu: get("swiglu")?,
+            gather: get("gather_rows")?,
+            add_into: get("add_into")?,
+            qk_rope_store: [get("qk_rope_store_f32")?, get("qk_rope_store_bf16")?],
+            attention: [get("attention_f32")?, get("attention_bf16")?],
+            kv_move: [get("kv_move_4")?, get("kv_move_2")?],
+            kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
+        };
+        let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
+        tracing::info!("CUDA backend on {device}");
+        Ok(Cuda { stream, f, device, blas: OnceLock::new() })
+    }
+
+    /// The GPU's name, as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for every queued kernel (for timing).
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    fn upload_as<T: cudarc::driver::DeviceRepr>(&self, x: &[T], what: &str) -> Result<CudaSlice<T>> {
+        if x.is_empty() {
+            // SAFETY: one element, never read.
+            return unsafe { self.stream.alloc::<T>(1) }.map_err(driver(what));
+        }
+        self.stream.clone_htod(x).map_err(driver(what))
+    }
+
+    /// The negative control's matmul: cuBLAS SGEMM on an f32 copy of the weights, whose
+    /// kernel choice (and reduction order) depends on M.
+    fn stock_linear(&self, x: &CudaSlice<f32>, m: usize, w: &CudaMat, y: &mut CudaSlice<f32>) -> Result<()> {
+        use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+        let blas = self
+            .blas
+            .get_or_init(|| {
+                // SAFETY: only probes whether libcublas can be loaded.
+                if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                    return Err("libcublas not found".into());
+                }
+                CudaBlas::new(self.stream.clone()).map_err(|e| format!("{e:?}"))
+            })
+            .as_ref()
+            .map_err(|e| Error::Backend(format!("cuBLAS: {e}")))?;
+        let n_el = w.rows * w.cols;
+        let wf: CudaSlice<f32> = match w.dtype {
+            WeightDtype::F32 => {
+                // SAFETY: the bytes of an f32 matrix, reinterpreted.
+                let v = unsafe { w.buf.transmute::<f32>(n_el) }.expect("f32 matrix bytes");
+                self.stream.clone_dtod(&v).map_err(driver("widen"))?
+            }
+            d => {
+                // SAFETY: written in full by the widening kernel below.
+                let out = unsafe { self.stream.alloc::<f32>(n_el) }.map_err(driver("widen"))?;
+                let (src, dst, n) = (ptr(&w.buf, &self.stream), ptr(&out, &self.stream), n_el as i64);
+                let f = &self.f.widen[weight_index(d) - 1];
+                launch!(self, f, (n_el.div_ceil(256) as u32, 1), 256, "widen", [src, dst, n])?;
+                out
+            }
+        };
+        let (n, k) = (w.rows as i32, w.cols as i32);
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: n,
+            n: m as i32,
+            k,
+            alpha: 1.0f32,
+            lda: k,
+            ldb: k,
+            beta: 0.0f32,
+            ldc: n,
+        };
+        // SAFETY: shapes as above; y holds m x n.
+        unsafe { blas.gemm(cfg, &wf, x, y) }.map_err(|e| Error::Backend(format!("cuBLAS: {e:?}")))
+    }
+}
+
+/// A weight matrix on the device, in its checkpoint dtype.
+pub struct CudaMat {
+    buf: CudaSlice<u8>,
+    dtype: WeightDtype,
+    rows: usize,
+    cols: usize,
+}
+
+/// The RoPE table on the device.
+pub struct CudaRope {
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+/// One forward's layout on the device (see `Tok` and `RowKv` in kernels.cu).
+pub struct CudaBatch {
+    toks: CudaSlice<i32>,
+    rows: CudaSlice<i64>,
+    m: usize,
+    kv: KvDtype,
+    /// Key segments per query: 1, except under the split-attention negative control.
+    splits: i32,
+}
+
+impl Kernels for Cuda {
+    type Act = CudaSlice<f32>;
+    type Mat = CudaMat;
+    type Vec = CudaSlice<f32>;
+    type Rope = CudaRope;
+    type Batch = CudaBatch;
+
+    fn backend(&self) -> Backend {
+        Backend::Cuda
+    }
+
+    fn matrix(&self, w: &Weight) -> Result<CudaMat> {
+        let buf = self.stream.clone_htod(w.bytes()).map_err(|e| {
+            Error::Backend(format!(
+                "cannot copy a {} x {} {} weight to the GPU: {e:?}",
+                w.rows,
+                w.cols,
+                w.dtype.name()
+            ))
+        })?;
+        Ok(CudaMat { buf, dtype: w.dtype, rows: w.rows, cols: w.cols })
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
+        self.upload_as(v, "vector upload")
+    }
+
+    fn rope_table(&self, table: RopeTable) -> Result<CudaRope> {
+        let (cos, sin) = table.cos_sin();
+        Ok(CudaRope { cos: self.upload_as(cos, "RoPE table")?, sin: self.upload_as(sin, "RoPE table")? })
+    }
+
+    fn kv_store(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> Box<dyn KvStore> {
+        let cuda = Cuda::shared().expect("a CUDA model exists, so the backend started");
+        Box::new(CudaKv::new(cuda, n_layers, stride, KvDtype::for_weights(dtype)))
+    }
+
+    fn kv_bytes_per_token(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> usize {
+        2 * n_layers * stride * KvDtype::for_weights(dtype).size()
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: every op writes its whole output before anything reads it.
+        unsafe { self.stream.alloc::<f32>(len.max(1)) }.map_err(driver("out of GPU memory for activations"))
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<CudaSlice<f32>> {
+        self.upload_as(x, "upload")
+    }
+
+    fn download(&self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(&x).map_err(driver("download"))
+    }
+
+    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
+        let maps = open_windows(slots, caches)?;
+        let mut rows: Vec<i64> = Vec::with_capacity(4 * caches.len());
+        let mut kv = None;
+        for (r, c) in caches.iter().enumerate() {
+            let store = c.store().as_any().downcast_ref::<CudaKv>().ok_or_else(|| Error::Request {
+                request: format!("row {r}"),
+                msg: "its KV cache is not on the GPU (made by a model on another backend)".into(),
+            })?;
+            if *kv.get_or_insert(store.dtype()) != store.dtype() {
+                return Err(Error::Backend("rows of one forward hold K/V in different dtypes".into()));
+            }
+            rows.extend([store.base(), store.plane() as i64, maps[r].committed as i64, maps[r].base as i64]);
+        }
+        let toks: Vec<i32> = slots
+            .iter()
+            .flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, maps[s.row].slot(s.pos) as i32])
+            .collect();
+        let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
+        Ok(CudaBatch {
+            toks: self.upload_as(&toks, "batch layout")?,
+            rows: self.upload_as(&rows, "batch layout")?,
+            m: slots.len(),
+            kv: kv.unwrap_or(KvDtype::F32),
+            splits: splits as i32,
+        })
+    }
+
+    fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaSlice<f32>) -> Result<()> {
+        let toks = self.upload_as(tokens, "tokens")?;
+        let s = &self.stream;
+        let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(&toks, s), table.cols as i32, ptr(out, s));
+        launch!(
+            self,
+            &self.f.embed[weight_index(table.dtype)],
+            (tokens.len() as u32, 1),
+            256,
+            "embed",
+            [t, tk, cols, o]
+        )
+    }
+
+    fn linear(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let acc = (mode == Out::Add) as i32;
+        let bp = bias.map_or(0, |b| ptr(b, s));
+        if negative_control::stock_matmul() {
+            let mut y = self.alloc(m * w.rows)?;
+            self.stock_linear(x, m, w, &mut y)?;
+            let (yp, op, n, mi) = (ptr(&y, s), ptr(out, s), w.rows as i32, m as i32);
+            return launch!(self, &self.f.add_into, (m as u32, 1), 256, "add", [op, yp, bp, mi, n, acc]);
+        }
+        let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
+        let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
+        let grid = w.rows.div_ceil(LINEAR_COLS_PER_BLOCK) as u32;
+        launch!(
+            self,
+            &self.f.linear[weight_index(w.dtype)],
+            (grid, 1),
+            LINEAR_THREADS,
+            "linear",
+            [xp, mi, k, wp, n, bp, op, acc]
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+        out_width: usize,
+        col: usize,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let n = w.len();
+        let rows = (x.len() / n) as u32;
+        let (xp, wp, op, ni, ow, c) =
+            (ptr(x, s), ptr(w, s), ptr(out, s), n as i32, out_width as i32, col as i32);
+        launch!(self, &self.f.rms_norm, (rows, 1), 256, "rms_norm", [xp, wp, ni, eps, op, ow, c])
+    }
+
+    fn swiglu(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
+        let s = &self.stream;
+        let n = gate.len().min(up.len()) as i64;
+        let (g, u) = (ptr(gate, s), ptr(up, s));
+        launch!(self, &self.f.swiglu, ((n as usize).div_ceil(256) as u32, 1), 256, "swiglu", [g, u, n])
+    }
+
+    fn qk_rope_store(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>, f32)>,
+        rope: &CudaRope,
+        batch: &CudaBatch,
+        _caches: &mut [&mut RowCache],
+        layer: usize,
+        heads: Heads,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let s = &self.stream;
+        let (qn, kn, eps) = norms.map_or((0, 0, 0.0), |(a, b, e)| (ptr(a, s), ptr(b, s), e));
+        let (qp, kp, vp) = (ptr(q, s), ptr(k, s), ptr(v, s));
+        let (cp, sp, tp, rp) =
+            (ptr(&rope.cos, s), ptr(&rope.sin, s), ptr(&batch.toks, s), ptr(&batch.rows, s));
+        let (li, nh, nkv, hd) =
+            (layer as i32, heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let grid = (batch.m as u32, (heads.heads + 2 * heads.kv_heads) as u32);
+        launch!(
+            self,
+            &self.f.qk_rope_store[batch.kv.index()],
+            grid,
+            128,
+            "qk_rope_store",
+            [qp, kp, vp, qn, kn, eps, cp, sp, tp, rp, li, nh, nkv, hd]
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        batch: &CudaBatch,
+        _caches: &[&mut RowCache],
+        layer: usize,
+        heads: Heads,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let s = &self.stream;
+        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&batch.toks, s), ptr(&batch.rows, s));
+        let (li, nh, nkv, hd) =
+            (layer as i32, heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let splits = batch.splits;
+        let grid = (batch.m as u32, heads.heads as u32);
+        launch!(
+            self,
+            &self.f.attention[batch.kv.index()],
+            grid,
+            32,
+            "attention",
+            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits]
+        )
+    }
+
+    fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idx = self.upload_as(&idx, "row selection")?;
+        let out = self.alloc(rows.len() * width)?;
+        let s = &self.stream;
+        let (xp, ip, w, op) = (ptr(x, s), ptr(&idx, s), width as i32, ptr(&out, s));
+        launch!(self, &self.f.gather, (rows.len() as u32, 1), 256, "gather", [xp, ip, w, op])?;
+        Ok(out)
+    }
+}
+
+fn check_heads(h: Heads) -> Result<()> {
+    if h.head_dim > MAX_HEAD_DIM || h.kv_heads == 0 || !h.heads.is_multiple_of(h.kv_heads) {
+        return Err(Error::Backend(format!(
+            "CUDA attention supports head_dim up to {MAX_HEAD_DIM} and heads divisible by KV heads \
+             (got head_dim {}, {} heads, {} KV heads)",
+            h.head_dim, h.heads, h.kv_heads
+        )));
+    }
+    Ok(())
+}

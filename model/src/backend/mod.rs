@@ -1,0 +1,197 @@
+//! The backend seam. The model, the MTP head, the verifier, rollback and the engine exist
+//! once; a backend is the set of kernels behind [`Kernels`] and the place where its
+//! buffers live. [`cpu::Cpu`] is the reference (f32 activations and KV in host memory);
+//! `cuda::Cuda` (feature `cuda`) runs the same forward on an NVIDIA GPU.
+//!
+//! Why a trait over buffers rather than candle tensors with custom ops: every op of the
+//! forward must be a row-invariant kernel of ours, the KV cache has its own window and
+//! compaction contract, and the forward needs no autograd, broadcasting or layout logic.
+//! A handful of associated types (activations, weights, vectors, the RoPE table, one
+//! forward's batch layout) keeps each backend's buffers its own and the forward generic.
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use mtp_cache::{KvStore, RowCache, SlotMap};
+
+use crate::error::{Error, Result};
+use crate::kernels::RopeTable;
+use crate::weights::{Weight, WeightDtype};
+
+/// Where a model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "cuda" => Ok(Backend::Cuda),
+            "metal" => Ok(Backend::Metal),
+            other => Err(Error::Backend(format!("unknown backend `{other}` (cpu, cuda, metal)"))),
+        }
+    }
+}
+
+impl Backend {
+    /// Checks that this build can run the backend, with a clear error when it cannot
+    /// (not compiled in, no GPU, no driver).
+    pub fn check(self) -> Result<()> {
+        match self {
+            Backend::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => cuda::Cuda::shared().map(|_| ()),
+            Backend::Metal if cfg!(feature = "metal") => Err(Error::Backend(
+                "the Metal row-invariant kernels are not implemented yet; use --backend cpu".into(),
+            )),
+            other => Err(Error::Backend(format!(
+                "this binary was not built with the {other:?} backend (rebuild with --features {})",
+                format!("{other:?}").to_lowercase()
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+        }
+    }
+}
+
+/// Where each token of a batched forward sits: its row and logical position.
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    pub row: usize,
+    pub pos: usize,
+    /// Position used for RoPE: `pos`, unless a test turns on the physical-slot fault.
+    pub rope_pos: usize,
+}
+
+/// Attention shape of a layer.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Whether a matmul overwrites its output or adds to it (a residual connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Out {
+    Write,
+    Add,
+}
+
+/// A row-invariant kernel set and the buffers it works on. Every op treats each token
+/// (row of an activation matrix) on its own, with a reduction order that depends only on
+/// the reduced length, never on how many tokens or rows share the call.
+pub trait Kernels: Send + Sync + Sized + 'static {
+    /// A row-major f32 activation matrix.
+    type Act: Send + Sync;
+    /// A weight matrix (`rows x cols`, HF `Linear` layout) in its checkpoint dtype.
+    type Mat: Send + Sync;
+    /// A small f32 vector: norm weights, biases.
+    type Vec: Send + Sync;
+    /// The RoPE cos/sin table.
+    type Rope: Send + Sync;
+    /// One forward's token slots and row slot maps, prepared once for every layer.
+    type Batch;
+
+    fn backend(&self) -> Backend;
+
+    fn matrix(&self, w: &Weight) -> Result<Self::Mat>;
+    fn vector(&self, v: &[f32]) -> Result<Self::Vec>;
+    fn rope_table(&self, table: RopeTable) -> Result<Self::Rope>;
+    /// An empty KV store for one row of `n_layers` layers, `stride` values per position,
+    /// for a model whose weights are `dtype`.
+    fn kv_store(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> Box<dyn KvStore>;
+    /// Bytes one position of that store costs.
+    fn kv_bytes_per_token(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> usize;
+
+    /// An activation of `len` values, each to be written before it is read.
+    fn alloc(&self, len: usize) -> Result<Self::Act>;
+    fn upload(&self, x: &[f32]) -> Result<Self::Act>;
+    /// The values of `x` in host memory.
+    fn download(&self, x: Self::Act) -> Result<Vec<f32>>;
+
+    /// Lays out a forward: opens each row's window for `t_r` new positions and records
+    /// every token's slot. `slots` lists the tokens row by row.
+    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Self::Batch>;
+
+    /// `out[i] = table[tokens[i]]`, widened to f32.
+    fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
+    /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
+    fn linear(
+        &self,
+        x: &Self::Act,
+        m: usize,
+        w: &Self::Mat,
+        bias: Option<&Self::Vec>,
+        out: &mut Self::Act,
+        mode: Out,
+    ) -> Result<()>;
+    /// RMSNorm of each `w.len()`-wide row of `x`, written to columns `[col, col + n)` of
+    /// the rows of `out` (rows `out_width` wide).
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vec,
+        eps: f32,
+        out: &mut Self::Act,
+        out_width: usize,
+        col: usize,
+    ) -> Result<()>;
+    /// `gate <- silu(gate) * up`.
+    fn swiglu(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// Per-head RMSNorm of q and k (when `norms` is given), RoPE at each token's position,
+    /// and the window's K and V stored into layer `layer` of each row's cache.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_rope_store(
+        &self,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        v: &Self::Act,
+        norms: Option<(&Self::Vec, &Self::Vec, f32)>,
+        rope: &Self::Rope,
+        batch: &Self::Batch,
+        caches: &mut [&mut RowCache],
+        layer: usize,
+        heads: Heads,
+    ) -> Result<()>;
+    /// Causal attention of every query over its own row's keys `[0, pos]` of `layer`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Act,
+        batch: &Self::Batch,
+        caches: &[&mut RowCache],
+        layer: usize,
+        heads: Heads,
+        scale: f32,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+    /// Rows `rows` of `x` (each `width` wide), in that order.
+    fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
+}
+
+/// The slot map of every row, after [`Kernels::batch`] opened their windows.
+pub(crate) fn open_windows(slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Vec<SlotMap>> {
+    let mut maps = Vec::with_capacity(caches.len());
+    for (r, cache) in caches.iter_mut().enumerate() {
+        let t = slots.iter().filter(|s| s.row == r).count();
+        maps.push(cache.open_window(t).map_err(|e| Error::Request {
+            request: format!("row {r}"),
+            msg: format!("out of memory for the KV window: {e}"),
+        })?);
+    }
+    Ok(maps)
+}
