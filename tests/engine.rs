@@ -6,7 +6,7 @@ mod common;
 use common::{bits, fixture, plain, request};
 use mtp::drafter::{NgramDrafter, OracleDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Event, FinishReason, Request};
-use mtp::model::{Model, Tokenizer};
+use mtp::model::Tokenizer;
 
 /// The tokens streamed for `id`, in order.
 fn tokens_of(events: &[Event], id: u64) -> Vec<u32> {
@@ -27,7 +27,7 @@ fn requests() -> Vec<Request> {
 
 #[test]
 fn events_stream_every_token_then_the_finish() {
-    let model = Model::load(&fixture("qwen2-target")).unwrap();
+    let model = common::load(&fixture("qwen2-target"));
     let reqs = requests();
     let want = plain(&model, &reqs, 1);
     let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), EngineOptions::default());
@@ -59,7 +59,7 @@ fn events_stream_every_token_then_the_finish() {
 #[test]
 fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
     let dir = fixture("qwen3-target");
-    let model = Model::load(&dir).unwrap();
+    let model = common::load(&dir);
     let tok = Tokenizer::from_dir(&dir).unwrap();
     let reqs = requests();
     let full = plain(&model, &reqs, 1);
@@ -93,7 +93,7 @@ fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
 
 #[test]
 fn cancel_removes_waiting_and_running_requests_only() {
-    let model = Model::load(&fixture("llama-target")).unwrap();
+    let model = common::load(&fixture("llama-target"));
     let reqs = requests();
     let want = plain(&model, &reqs, 1);
     let opts = EngineOptions { max_batch: 2, ..EngineOptions::default() };
@@ -123,7 +123,7 @@ fn cancel_removes_waiting_and_running_requests_only() {
 
 #[test]
 fn kv_budget_queues_and_refuses_without_changing_outputs() {
-    let model = Model::load(&fixture("qwen2-target")).unwrap();
+    let model = common::load(&fixture("qwen2-target"));
     let reqs = requests();
     let want = plain(&model, &reqs, 1);
     // Room for the two largest requests' worst case, not three.

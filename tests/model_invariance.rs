@@ -56,7 +56,7 @@ fn chunking_invariant(model: &Model, seq: &[u32]) -> bool {
 fn query_in_a_block_equals_query_alone_for_every_family() {
     let mut rng = Lcg(11);
     for name in ["llama-target", "qwen2-target", "qwen3-target"] {
-        let model = Model::load(&fixture(name)).unwrap();
+        let model = common::load(&fixture(name));
         for len in [1, 9, 33, 70] {
             let seq = random_seq(&mut rng, len, model.config.vocab_size);
             assert!(chunking_invariant(&model, &seq), "{name}: chunking changed bits at len {len}");
@@ -108,7 +108,7 @@ fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
 fn row_in_a_batch_equals_row_alone() {
     let mut rng = Lcg(12);
     for name in ["llama-target", "qwen2-target", "qwen3-target"] {
-        let model = Model::load(&fixture(name)).unwrap();
+        let model = common::load(&fixture(name));
         assert!(batch_invariant(&model, &mut rng), "{name}: batch changed the probe row's logits or K/V");
     }
 }
@@ -127,7 +127,7 @@ fn wide_model(dir: &std::path::Path) -> Model {
     s.dtype = WeightDtype::Bf16;
     s.seed = 5;
     s.write(dir).unwrap();
-    Model::load(dir).unwrap()
+    common::load(dir)
 }
 
 #[test]

@@ -115,12 +115,12 @@ impl Target {
         written: Vec<PathBuf>,
         sampled: bool,
     ) -> Target {
-        let model = Arc::new(Model::load(target).unwrap());
+        let model = Arc::new(common::load(target));
         let (requests, arrive_at) = workload(sampled);
         // The reference: plain decoding, each request alone.
         let reference = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
         Target {
-            draft: Arc::new(Model::load(draft).unwrap()),
+            draft: Arc::new(common::load(draft)),
             mimo,
             deepseek,
             written,
@@ -259,7 +259,7 @@ fn gate_trained_family_sampled() {
 #[test]
 fn decode_equals_prefill() {
     for (name, _) in TARGETS {
-        let model = Model::load(&fixture(name)).unwrap();
+        let model = common::load(&fixture(name));
         let (requests, _) = workload(true);
         for (r, c) in requests.iter().zip(plain(&model, &requests, 8)) {
             let c = c.unwrap();
@@ -302,7 +302,7 @@ fn negative_controls_break_the_gate() {
 #[test]
 fn plain_run_helper_matches_engine() {
     // `run` with no drafter is the same loop as `plain`: a sanity check of the helpers.
-    let model = Model::load(&fixture("llama-draft")).unwrap();
+    let model = common::load(&fixture("llama-draft"));
     let (requests, arrive_at) = workload(false);
     let a = plain(&model, &requests, 2);
     let b = run(&model, None, opts(4, 5, WindowLayout::SharedSlots), &requests, &arrive_at);

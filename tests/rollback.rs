@@ -106,7 +106,7 @@ fn run(model: &Model, together: bool, layout: WindowLayout, seed: u64) -> (Vec<V
 #[test]
 fn mixed_accepts_leave_each_row_as_if_alone() {
     for name in ["llama-target", "qwen2-target", "qwen3-target"] {
-        let model = Model::load(&fixture(name)).unwrap();
+        let model = common::load(&fixture(name));
         let (alone, alone_results) = run(&model, false, WindowLayout::RowTail, 3);
         let accepted: Vec<usize> = alone_results.iter().map(|v| v.accepted).collect();
         assert!(accepted.contains(&0) && accepted.iter().any(|&a| a >= 2), "{name}: accepts not mixed");
@@ -133,7 +133,7 @@ fn mixed_accepts_leave_each_row_as_if_alone() {
 
 #[test]
 fn negative_control_uncompacted_holes_change_the_bytes() {
-    let model = Model::load(&fixture("qwen3-target")).unwrap();
+    let model = common::load(&fixture("qwen3-target"));
     let (alone, _) = run(&model, false, WindowLayout::RowTail, 3);
     mtp::cache::negative_control::set_skip_compaction(true);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -207,8 +207,8 @@ fn drafter_rolls_back(model: &Arc<Model>, make: &dyn Fn() -> Box<dyn Drafter>) {
 
 #[test]
 fn drafter_state_rolls_back_exactly() {
-    let model = Arc::new(Model::load(&fixture("qwen3-target")).unwrap());
-    let draft = Arc::new(Model::load(&fixture("qwen3-draft")).unwrap());
+    let model = Arc::new(common::load(&fixture("qwen3-target")));
+    let draft = Arc::new(common::load(&fixture("qwen3-draft")));
     drafter_rolls_back(&model, &|| Box::new(DraftModelDrafter::new(draft.clone(), &model).unwrap()));
     for layout in [MtpLayout::MiMo, MtpLayout::DeepSeek] {
         let dir = std::env::temp_dir().join(format!("mtp-rollback-{}-{}", std::process::id(), layout.name()));

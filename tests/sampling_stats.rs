@@ -40,7 +40,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let model = Model::load(&fixture("qwen3-target")).unwrap();
+    let model = common::load(&fixture("qwen3-target"));
     let prompt = vec![17, 230, 45, 301, 88];
     let greedy = plain(&model, &[request("g", prompt.clone(), 3)], 1).remove(0).unwrap().tokens;
     let sampling = SamplingParams { temperature: 0.6, top_k: 4, ..SamplingParams::default() };

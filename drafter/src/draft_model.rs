@@ -44,11 +44,14 @@ impl DraftModelDrafter {
             request: format!("draft model {}", draft_dir.display()),
             msg: format!("{msg} ({})", target_dir.display()),
         };
-        let drafter = DraftModelDrafter::new(Arc::new(Model::load_on(draft_dir, target.backend())?), target)
-            .map_err(|e| match e {
-                Error::Request { msg, .. } => named(msg),
-                other => other,
-            })?;
+        let drafter = DraftModelDrafter::new(
+            Arc::new(Model::load_with(draft_dir, target.backend(), target.kv_dtype())?),
+            target,
+        )
+        .map_err(|e| match e {
+            Error::Request { msg, .. } => named(msg),
+            other => other,
+        })?;
         if draft_dir.join("tokenizer.json").exists() && target_dir.join("tokenizer.json").exists() {
             let (d, t) = (Tokenizer::from_dir(draft_dir)?, Tokenizer::from_dir(target_dir)?);
             if d.vocab() != t.vocab() {

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{Kernels, Out};
+use crate::backend::{Kernels, KvDtype, Out};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -169,7 +169,7 @@ pub(crate) struct MtpBlock<B: Kernels> {
     head: Arc<B::Mat>,
     rope: Arc<B::Rope>,
     max_positions: usize,
-    dtype: crate::weights::WeightDtype,
+    kv: KvDtype,
 }
 
 impl<B: Kernels> MtpBlock<B> {
@@ -203,7 +203,7 @@ impl<B: Kernels> MtpBlock<B> {
             head: own(format!("{p}.shared_head.head.weight"), &target.lm_head)?,
             rope: target.rope.clone(),
             max_positions: target.max_positions,
-            dtype: target.dtype,
+            kv: target.kv,
             config: tc.clone(),
         })
     }
@@ -212,11 +212,11 @@ impl<B: Kernels> MtpBlock<B> {
 impl<B: Kernels> MtpNet for MtpBlock<B> {
     fn new_cache(&self) -> RowCache {
         let stride = self.config.num_key_value_heads * self.config.head_dim;
-        RowCache::with_store(self.be.kv_store(1, stride, self.dtype), 1, stride)
+        RowCache::with_store(self.be.kv_store(1, stride, self.kv), 1, stride)
     }
 
     fn kv_bytes_per_token(&self) -> usize {
-        self.be.kv_bytes_per_token(1, self.config.num_key_value_heads * self.config.head_dim, self.dtype)
+        2 * self.config.num_key_value_heads * self.config.head_dim * self.kv.size()
     }
 
     fn forward(&self, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>> {

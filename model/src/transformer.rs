@@ -9,14 +9,13 @@ use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{cpu::Cpu, Backend, Heads, Kernels, Out, Slot};
+use crate::backend::{cpu::Cpu, Backend, Heads, Kernels, KvDtype, Out, Slot};
 use crate::checkpoint::Checkpoint;
 use crate::config::{Arch, Config};
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::negative_control;
-use crate::weights::WeightDtype;
 
 pub(crate) struct Proj<B: Kernels> {
     w: B::Mat,
@@ -204,18 +203,19 @@ pub(crate) struct Decoder<B: Kernels> {
     pub(crate) lm_head: Arc<B::Mat>,
     pub(crate) rope: Arc<B::Rope>,
     pub(crate) max_positions: usize,
-    pub(crate) dtype: WeightDtype,
+    /// How this model's K/V are stored (resolved, never `Auto`).
+    pub(crate) kv: KvDtype,
 }
 
 impl<B: Kernels> Decoder<B> {
-    fn load(be: Arc<B>, config: Config, ck: &Checkpoint) -> Result<Decoder<B>> {
+    fn load(be: Arc<B>, config: Config, ck: &Checkpoint, kv: KvDtype) -> Result<Decoder<B>> {
         let c = &config;
         let h = c.hidden_size;
         let layers = (0..c.num_hidden_layers)
             .map(|i| Block::load(&*be, ck, &format!("model.layers.{i}"), c))
             .collect::<Result<Vec<_>>>()?;
         let embed_w = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let dtype = embed_w.dtype;
+        let kv = be.kv_dtype(kv, embed_w.dtype)?;
         let embed = Arc::new(be.matrix(&embed_w)?);
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
         let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
@@ -235,7 +235,7 @@ impl<B: Kernels> Decoder<B> {
             layers,
             lm_head,
             max_positions,
-            dtype,
+            kv,
         })
     }
 
@@ -297,6 +297,7 @@ pub(crate) trait Net: Send + Sync {
     fn new_cache(&self) -> RowCache;
     fn kv_bytes_per_token(&self) -> usize;
     fn backend(&self) -> Backend;
+    fn kv_dtype(&self) -> KvDtype;
     fn max_positions(&self) -> usize;
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
@@ -310,17 +311,21 @@ impl<B: Kernels> Net for Decoder<B> {
     fn new_cache(&self) -> RowCache {
         let c = &self.config;
         let stride = c.num_key_value_heads * c.head_dim;
-        let store = self.be.kv_store(c.num_hidden_layers, stride, self.dtype);
+        let store = self.be.kv_store(c.num_hidden_layers, stride, self.kv);
         RowCache::with_store(store, c.num_hidden_layers, stride)
     }
 
     fn kv_bytes_per_token(&self) -> usize {
         let c = &self.config;
-        self.be.kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads * c.head_dim, self.dtype)
+        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv.size()
     }
 
     fn backend(&self) -> Backend {
         self.be.backend()
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        self.kv
     }
 
     fn max_positions(&self) -> usize {
@@ -345,19 +350,25 @@ impl Model {
         Model::load_on(dir, Backend::Cpu)
     }
 
-    /// Loads `dir` onto `backend` (weights copied to the device for a GPU backend).
+    /// Loads `dir` onto `backend` (weights copied to the device for a GPU backend), K/V
+    /// in the backend's default dtype.
     pub fn load_on(dir: &Path, backend: Backend) -> Result<Model> {
-        let config = Config::from_dir(dir)?;
-        let ck = Checkpoint::open(dir)?;
-        Model::from_checkpoint(config, &ck, backend)
+        Model::load_with(dir, backend, KvDtype::Auto)
     }
 
-    pub fn from_checkpoint(config: Config, ck: &Checkpoint, backend: Backend) -> Result<Model> {
+    /// Loads `dir` onto `backend` with K/V stored as `kv`.
+    pub fn load_with(dir: &Path, backend: Backend, kv: KvDtype) -> Result<Model> {
+        let config = Config::from_dir(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        Model::from_checkpoint(config, &ck, backend, kv)
+    }
+
+    pub fn from_checkpoint(config: Config, ck: &Checkpoint, backend: Backend, kv: KvDtype) -> Result<Model> {
         let net: Box<dyn Net> = match backend {
-            Backend::Cpu => Box::new(Decoder::load(Arc::new(Cpu), config.clone(), ck)?),
+            Backend::Cpu => Box::new(Decoder::load(Arc::new(Cpu), config.clone(), ck, kv)?),
             #[cfg(feature = "cuda")]
             Backend::Cuda => {
-                Box::new(Decoder::load(crate::backend::cuda::Cuda::shared()?, config.clone(), ck)?)
+                Box::new(Decoder::load(crate::backend::cuda::Cuda::shared()?, config.clone(), ck, kv)?)
             }
             other => {
                 other.check()?;
@@ -371,6 +382,11 @@ impl Model {
     /// Where this model runs.
     pub fn backend(&self) -> Backend {
         self.net.backend()
+    }
+
+    /// How this model stores K/V (resolved: `F32` or `Bf16`).
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.net.kv_dtype()
     }
 
     /// An empty cache for one row of this model, on its backend.

@@ -11,6 +11,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Setting};
 use mtp::engine::{Completion, Request, SamplingMode, SamplingParams};
+use mtp::model::backend::{Backend, KvDtype};
 use mtp::model::{Model, Tokenizer};
 
 #[derive(Parser)]
@@ -54,6 +55,12 @@ struct Cli {
     /// New tokens per request (EOS is ignored so every run generates the same count).
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
+    /// Where the models run: cpu, or cuda (a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// How K/V are stored: auto, f32, bf16 (as for `mtp generate`).
+    #[arg(long, default_value = "auto")]
+    kv_dtype: String,
     /// Also write every number and per-request details here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -77,7 +84,9 @@ fn main() -> ExitCode {
 fn bench(cli: Cli) -> Result<bool> {
     let default_target = cli.target.is_none();
     let target_dir = cli.target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
-    let model = Arc::new(Model::load(&target_dir)?);
+    let backend: Backend = cli.backend.parse()?;
+    backend.check()?;
+    let model = Arc::new(Model::load_with(&target_dir, backend, cli.kv_dtype.parse::<KvDtype>()?)?);
     let tokenizer = Tokenizer::from_dir(&target_dir).ok();
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,

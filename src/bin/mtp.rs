@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
-use mtp::model::backend::Backend;
+use mtp::model::backend::{Backend, KvDtype};
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
 use serde_json::json;
@@ -67,8 +67,14 @@ enum Command {
         /// Prompt tokens per prefill forward.
         #[arg(long, default_value_t = 64)]
         prefill_chunk: usize,
+        /// Where the model runs: cpu, or cuda (a build with `--features cuda` and an
+        /// NVIDIA GPU; weights go to GPU 0, K/V stay there).
         #[arg(long, default_value = "cpu")]
         backend: String,
+        /// How K/V are stored: auto (f32 on the CPU; on CUDA bf16 for 16-bit checkpoints,
+        /// f32 for f32 ones), f32, or bf16 (CUDA only).
+        #[arg(long, default_value = "auto")]
+        kv_dtype: String,
         #[command(flatten)]
         sampling: SamplingArgs,
     },
@@ -212,14 +218,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             ngram_max,
             kv_budget_mib,
             backend,
+            kv_dtype,
             sampling,
         } => {
-            backend.parse::<Backend>()?.check()?;
+            let backend = backend.parse::<Backend>()?;
+            backend.check()?;
             let (sampling, sampling_mode) = sampling.params()?;
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
             let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
             let t0 = std::time::Instant::now();
-            let model = Arc::new(Model::load(&target)?);
+            let model = Arc::new(Model::load_with(&target, backend, kv_dtype.parse::<KvDtype>()?)?);
             let tokenizer = match Tokenizer::from_dir(&target) {
                 Ok(t) => Some(t),
                 Err(e) => {

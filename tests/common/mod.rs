@@ -1,11 +1,26 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use mtp::drafter::Drafter;
 use mtp::engine::{generate, Completion, Engine, EngineOptions, Request};
+use mtp::model::backend::Backend;
 use mtp::model::{Error, Model};
+
+/// The backend the model-level tests run on: the CPU, or what `MTP_TEST_BACKEND` names
+/// (`scripts/gpu-tests.sh` sets `cuda`). The same test proves the same property on each.
+pub fn backend() -> Backend {
+    match std::env::var("MTP_TEST_BACKEND") {
+        Ok(name) => name.parse().unwrap_or_else(|e| panic!("MTP_TEST_BACKEND: {e}")),
+        Err(_) => Backend::Cpu,
+    }
+}
+
+/// Loads a checkpoint on the test backend.
+pub fn load(dir: &Path) -> Model {
+    Model::load_on(dir, backend()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
 
 pub const FAMILIES: [&str; 6] =
     ["llama-target", "llama-draft", "qwen2-target", "qwen2-draft", "qwen3-target", "qwen3-draft"];

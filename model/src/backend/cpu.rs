@@ -4,7 +4,7 @@
 use mtp_cache::{HostKv, KvStore, KvView, RowCache, SlotMap};
 use rayon::prelude::*;
 
-use super::{open_windows, Backend, Heads, Kernels, Out, Slot};
+use super::{open_windows, Backend, Heads, Kernels, KvDtype, Out, Slot};
 use crate::error::{Error, Result};
 use crate::kernels::{attend, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
 use crate::weights::{Weight, WeightDtype};
@@ -45,12 +45,17 @@ impl Kernels for Cpu {
         Ok(table)
     }
 
-    fn kv_store(&self, n_layers: usize, stride: usize, _dtype: WeightDtype) -> Box<dyn KvStore> {
-        Box::new(HostKv::new(n_layers, stride))
+    fn kv_dtype(&self, kv: KvDtype, _weights: WeightDtype) -> Result<KvDtype> {
+        match kv {
+            KvDtype::Auto | KvDtype::F32 => Ok(KvDtype::F32),
+            KvDtype::Bf16 => {
+                Err(Error::Backend("the CPU backend keeps K/V in f32 (--kv-dtype f32 or auto)".into()))
+            }
+        }
     }
 
-    fn kv_bytes_per_token(&self, n_layers: usize, stride: usize, _dtype: WeightDtype) -> usize {
-        2 * 4 * n_layers * stride
+    fn kv_store(&self, n_layers: usize, stride: usize, _kv: KvDtype) -> Box<dyn KvStore> {
+        Box::new(HostKv::new(n_layers, stride))
     }
 
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {

@@ -67,6 +67,38 @@ impl Backend {
     }
 }
 
+/// How K/V are stored. `Auto` is each backend's default: f32 on the CPU; on CUDA, bf16 for
+/// 16-bit checkpoints (half the memory; logits move by about 1e-2) and f32 for f32 ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<KvDtype> {
+        match s {
+            "auto" => Ok(KvDtype::Auto),
+            "f32" => Ok(KvDtype::F32),
+            "bf16" => Ok(KvDtype::Bf16),
+            other => Err(Error::Backend(format!("unknown KV dtype `{other}` (auto, f32, bf16)"))),
+        }
+    }
+}
+
+impl KvDtype {
+    /// Bytes per stored value (`Auto` counts as f32).
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::Bf16 => 2,
+            KvDtype::Auto | KvDtype::F32 => 4,
+        }
+    }
+}
+
 /// Where each token of a batched forward sits: its row and logical position.
 #[derive(Clone, Copy, Debug)]
 pub struct Slot {
@@ -111,11 +143,12 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn matrix(&self, w: &Weight) -> Result<Self::Mat>;
     fn vector(&self, v: &[f32]) -> Result<Self::Vec>;
     fn rope_table(&self, table: RopeTable) -> Result<Self::Rope>;
+    /// The K/V dtype this backend uses for `kv` with weights of dtype `weights` (never
+    /// `Auto`), or an error when it cannot store that dtype.
+    fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype>;
     /// An empty KV store for one row of `n_layers` layers, `stride` values per position,
-    /// for a model whose weights are `dtype`.
-    fn kv_store(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> Box<dyn KvStore>;
-    /// Bytes one position of that store costs.
-    fn kv_bytes_per_token(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> usize;
+    /// holding `kv` (as [`Kernels::kv_dtype`] resolved it).
+    fn kv_store(&self, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore>;
 
     /// An activation of `len` values, each to be written before it is read.
     fn alloc(&self, len: usize) -> Result<Self::Act>;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use mtp_cache::{KvError, KvStore};
 
-use super::{ptr, Cuda, KvDtype};
+use super::{kv_index, ptr, Cuda, KvDtype};
 
 pub struct CudaKv {
     cuda: Arc<Cuda>,
@@ -64,7 +64,7 @@ impl CudaKv {
         zero_from: usize,
         zero_to: usize,
     ) -> Result<(), KvError> {
-        let f = &self.cuda.f.kv_copy[self.dtype.index()];
+        let f = &self.cuda.f.kv_copy[kv_index(self.dtype)];
         let work = n + zero_to.saturating_sub(zero_from);
         let blocks = work.div_ceil(256).clamp(1, 1024) as u32;
         let (sp, dp, n, z0, z1) =
@@ -121,7 +121,7 @@ impl KvStore for CudaKv {
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {
         let Some(buf) = &self.buf else { return };
-        let f = &self.cuda.f.kv_move[self.dtype.index()];
+        let f = &self.cuda.f.kv_move[kv_index(self.dtype)];
         let base = ptr(buf, self.cuda.stream());
         let (plane, from, to, n) = (
             (self.plane()) as i64,

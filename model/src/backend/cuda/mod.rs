@@ -38,7 +38,7 @@ use mtp_cache::{KvStore, RowCache};
 
 pub use kv::CudaKv;
 
-use super::{open_windows, Backend, Heads, Kernels, Out, Slot};
+use super::{open_windows, Backend, Heads, Kernels, KvDtype, Out, Slot};
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
 use crate::negative_control;
@@ -56,35 +56,9 @@ fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
 
-/// Element type of a device K/V store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvDtype {
-    F32,
-    Bf16,
-}
-
-impl KvDtype {
-    /// KV in the checkpoint's precision: f32 checkpoints keep f32, 16-bit ones use bf16.
-    pub fn for_weights(d: WeightDtype) -> KvDtype {
-        match d {
-            WeightDtype::F32 => KvDtype::F32,
-            WeightDtype::Bf16 | WeightDtype::F16 => KvDtype::Bf16,
-        }
-    }
-
-    pub fn size(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::Bf16 => 2,
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            KvDtype::F32 => 0,
-            KvDtype::Bf16 => 1,
-        }
-    }
+/// Kernel variant for a K/V dtype: f32, bf16.
+fn kv_index(kv: KvDtype) -> usize {
+    (kv == KvDtype::Bf16) as usize
 }
 
 fn weight_index(d: WeightDtype) -> usize {
@@ -300,13 +274,17 @@ impl Kernels for Cuda {
         Ok(CudaRope { cos: self.upload_as(cos, "RoPE table")?, sin: self.upload_as(sin, "RoPE table")? })
     }
 
-    fn kv_store(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> Box<dyn KvStore> {
-        let cuda = Cuda::shared().expect("a CUDA model exists, so the backend started");
-        Box::new(CudaKv::new(cuda, n_layers, stride, KvDtype::for_weights(dtype)))
+    fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+        Ok(match (kv, weights) {
+            (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
+            (KvDtype::Auto, _) => KvDtype::Bf16,
+            (chosen, _) => chosen,
+        })
     }
 
-    fn kv_bytes_per_token(&self, n_layers: usize, stride: usize, dtype: WeightDtype) -> usize {
-        2 * n_layers * stride * KvDtype::for_weights(dtype).size()
+    fn kv_store(&self, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore> {
+        let cuda = Cuda::shared().expect("a CUDA model exists, so the backend started");
+        Box::new(CudaKv::new(cuda, n_layers, stride, kv))
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
@@ -442,7 +420,7 @@ impl Kernels for Cuda {
         let grid = (batch.m as u32, (heads.heads + 2 * heads.kv_heads) as u32);
         launch!(
             self,
-            &self.f.qk_rope_store[batch.kv.index()],
+            &self.f.qk_rope_store[kv_index(batch.kv)],
             grid,
             128,
             "qk_rope_store",
@@ -469,7 +447,7 @@ impl Kernels for Cuda {
         let grid = (batch.m as u32, heads.heads as u32);
         launch!(
             self,
-            &self.f.attention[batch.kv.index()],
+            &self.f.attention[kv_index(batch.kv)],
             grid,
             32,
             "attention",

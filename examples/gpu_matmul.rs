@@ -1,0 +1,40 @@
+//! The row-invariant CUDA matmul on Qwen3-8B's shapes (bf16 weights, f32 activations) at
+//! M in {1, 8, 64, 512}: median milliseconds and weight bandwidth. `scripts/gpu-run.sh`
+//! prints torch.matmul (cuBLAS) on the same shapes beside it.
+
+use std::time::Instant;
+
+use mtp::model::backend::cuda::Cuda;
+use mtp::model::backend::{Kernels, Out};
+use mtp::model::{Weight, WeightDtype};
+
+fn main() -> anyhow::Result<()> {
+    let cuda = Cuda::shared()?;
+    println!("device: {}", cuda.device_name());
+    println!("| N x K | M | ms (median of 20) | weight GB/s |");
+    println!("| --- | --- | --- | --- |");
+    for (n, k) in [(4096usize, 4096usize), (12288, 4096), (4096, 12288)] {
+        let bytes: Vec<u8> = (0..n * k)
+            .flat_map(|i| half::bf16::from_f32(((i % 97) as f32 - 48.0) * 1e-3).to_le_bytes())
+            .collect();
+        let w = cuda.matrix(&Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k))?;
+        for m in [1usize, 8, 64, 512] {
+            let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
+            let mut out = cuda.alloc(m * n)?;
+            let mut times = Vec::new();
+            for rep in 0..23 {
+                cuda.synchronize()?;
+                let t0 = Instant::now();
+                cuda.linear(&x, m, &w, None, &mut out, Out::Write)?;
+                cuda.synchronize()?;
+                if rep >= 3 {
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(|a, b| a.total_cmp(b));
+            let t = times[times.len() / 2];
+            println!("| {n} x {k} | {m} | {:.3} | {:.0} |", t * 1e3, (n * k * 2) as f64 / t / 1e9);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds every GPU test and benchmark binary on a machine without a GPU (this one) and
+# packs them into gpu-bundle/bundle.tar.xz, for `scripts/gpu-run.sh` on the GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NVCC="${NVCC:-$(scripts/install-nvcc.sh)}"
+export NVCC
+tests=(golden parity model_invariance rollback engine gpu_invariance)
+args=()
+for t in "${tests[@]}"; do args+=(--test "$t"); done
+cargo build --release --features cuda --bins --example gpu_matmul
+json=$(cargo test --release --features cuda --no-run --message-format=json "${args[@]}")
+rm -rf gpu-bundle && mkdir -p gpu-bundle/bin
+for t in "${tests[@]}"; do
+    exe=$(echo "$json" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get('reason') == 'compiler-artifact' and m['target']['name'] == '$t' and m.get('executable'):
+        print(m['executable'])")
+    cp "$exe" "gpu-bundle/bin/test-$t"
+done
+cp target/release/mtp target/release/mtp-bench target/release/examples/gpu_matmul gpu-bundle/bin/
+strip gpu-bundle/bin/* 2>/dev/null || true
+tar -C gpu-bundle -cJf gpu-bundle/bundle.tar.xz bin
+rm -rf gpu-bundle/bin
+ls -la gpu-bundle

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root (no Rust or network there): unpacks the
+# binaries `scripts/gpu-build.sh` packed, then
+#   tests: every GPU test with MTP_TEST_BACKEND=cuda (golden, parity gate, invariance,
+#          rollback, engine, kernel negative controls);
+#   bench: the matmul against torch.matmul, and on synthesized Qwen3-0.6B / Qwen3-8B
+#          shapes (bf16, random weights) B=1 decode of transformers eager beside mtp-bench
+#          (plain, oracle:1.0 and oracle:0.7 at k=4, batch 1 and 8).
+# Usage: scripts/gpu-run.sh tests|bench|all. Logs go to $OUT (default /tmp/mtp-gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+OUT="${OUT:-/tmp/mtp-gpu}"
+mkdir -p "$OUT"
+root="$PWD"
+# The test binaries find fixtures under the path they were built at.
+if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
+bin=/tmp/mtp-bin/bin
+rm -rf /tmp/mtp-bin && mkdir -p /tmp/mtp-bin
+python3 -c "import tarfile; tarfile.open('gpu-bundle/bundle.tar.xz').extractall('/tmp/mtp-bin')" || exit 1
+log="$OUT/gpu-tests.log"
+summary="$OUT/summary.txt"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } | tee "$summary"
+status=0
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    : > "$log"
+    for t in golden parity model_invariance rollback engine gpu_invariance; do
+        echo "== $t" >> "$log"
+        start=$(date +%s)
+        (cd /work/main && MTP_TEST_BACKEND=cuda "$bin/test-$t" --test-threads=1 --nocapture) >> "$log" 2>&1
+        rc=$?
+        res=$(grep -E "^test result" "$log" | tail -1)
+        echo "$t: rc=$rc $(( $(date +%s) - start ))s $res" | tee -a "$summary"
+        [ $rc -eq 0 ] || status=1
+    done
+    grep -E "panicked|FAILED|prefill logits within" "$log" | head -40 | tee -a "$summary"
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    blog="$OUT/gpu-bench.log"
+    : > "$blog"
+    "$bin/gpu_matmul" 2>&1 | tee -a "$blog"
+    python3 - <<'PY' 2>&1 | tee -a "$blog"
+import torch
+print("torch.matmul (cuBLAS), bf16 x bf16 -> bf16, median ms of 20:")
+print("| N x K | M | ms | weight GB/s |")
+for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for m in [1, 8, 64, 512]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ts = []
+        for i in range(23):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); torch.matmul(x, w.t()); e.record(); torch.cuda.synchronize()
+            if i >= 3: ts.append(s.elapsed_time(e))
+        t = sorted(ts)[len(ts) // 2]
+        print(f"| {n} x {k} | {m} | {t:.3f} | {n*k*2/t/1e6:.0f} |")
+PY
+    prompts="$root/model/src"
+    for shape in 0.6b 8b; do
+        dir=/tmp/qwen3-$shape
+        if [ $shape = 0.6b ]; then
+            "$bin/mtp" synth --like qwen3 --out $dir >> "$blog" 2>&1
+        else
+            "$bin/mtp" synth --like qwen3 --hidden 4096 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 \
+                --intermediate 12288 --vocab 151936 --out $dir >> "$blog" 2>&1
+        fi
+        echo "== qwen3-$shape: transformers eager, B=1 greedy decode" | tee -a "$blog"
+        python3 - "$dir" <<'PY' 2>&1 | tee -a "$blog"
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+ids = torch.randint(3, 1000, (1, 32), device="cuda")
+def gen(n):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    torch.cuda.synchronize(); return time.perf_counter() - t
+gen(4)
+t1, t65 = gen(1), gen(65)
+print(f"transformers eager decode: {64 / (t65 - t1):.1f} tok/s (B=1, bf16, 64 tokens after a 32-token prompt)")
+PY
+        echo "== qwen3-$shape: mtp-bench --backend cuda" | tee -a "$blog"
+        "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4 --batch 1,8 \
+            --temperatures 0 --prompts-dir "$prompts" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
+            --json "$OUT/bench-qwen3-$shape.json" 2>&1 | tee -a "$blog"
+        rm -rf $dir
+    done
+    grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
+fi
+exit $status
