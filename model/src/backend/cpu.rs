@@ -1,6 +1,8 @@
 //! The reference backend: the row-invariant CPU kernels of [`crate::kernels`] over f32
 //! host buffers, K/V in a [`HostKv`] per row.
 
+use std::sync::Arc;
+
 use mtp_cache::{HostKv, KvStore, KvView, RowCache, SlotMap};
 use rayon::prelude::*;
 
@@ -54,7 +56,7 @@ impl Kernels for Cpu {
         }
     }
 
-    fn kv_store(&self, n_layers: usize, stride: usize, _kv: KvDtype) -> Box<dyn KvStore> {
+    fn kv_store(self: &Arc<Self>, n_layers: usize, stride: usize, _kv: KvDtype) -> Box<dyn KvStore> {
         Box::new(HostKv::new(n_layers, stride))
     }
 

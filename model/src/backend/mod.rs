@@ -13,6 +13,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use std::sync::Arc;
+
 use mtp_cache::{KvStore, RowCache, SlotMap};
 
 use crate::error::{Error, Result};
@@ -148,7 +150,7 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype>;
     /// An empty KV store for one row of `n_layers` layers, `stride` values per position,
     /// holding `kv` (as [`Kernels::kv_dtype`] resolved it).
-    fn kv_store(&self, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore>;
+    fn kv_store(self: &Arc<Self>, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore>;
 
     /// An activation of `len` values, each to be written before it is read.
     fn alloc(&self, len: usize) -> Result<Self::Act>;

@@ -282,9 +282,8 @@ impl Kernels for Cuda {
         })
     }
 
-    fn kv_store(&self, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore> {
-        let cuda = Cuda::shared().expect("a CUDA model exists, so the backend started");
-        Box::new(CudaKv::new(cuda, n_layers, stride, kv))
+    fn kv_store(self: &Arc<Self>, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore> {
+        Box::new(CudaKv::new(self.clone(), n_layers, stride, kv))
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
