@@ -137,7 +137,7 @@ pub fn run(
     sampling_mode: SamplingMode,
 ) -> Result<Run> {
     let opts = EngineOptions { max_batch: batch, k, sampling_mode, ..EngineOptions::default() };
-    let mut engine = Engine::new(model, drafter, opts);
+    let mut engine = Engine::new(model, drafter, opts)?;
     let t0 = Instant::now();
     let results = generate(&mut engine, requests, &[], |_, _| {});
     let seconds = t0.elapsed().as_secs_f64();

@@ -11,10 +11,14 @@ pub use mtp_verifier as verifier;
 
 pub mod bench;
 
-/// Logs to stderr; `RUST_LOG` overrides `default_level`.
+/// Logs to stderr; `RUST_LOG` overrides `default_level`. Colour only when stderr is a
+/// terminal and `NO_COLOR` is unset or empty (no escape codes in files or supervisors' logs).
 pub fn init_logging(default_level: &str) {
+    use std::io::IsTerminal;
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into()),
         )
@@ -22,6 +26,16 @@ pub fn init_logging(default_level: &str) {
 }
 
 pub mod prompts;
+
+/// Parses a command-line count that cannot be zero (batch sizes, token counts, sizes):
+/// clap names the flag in the error.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
 
 /// The checkpoint `mtp generate` and `mtp-bench` run when no `--target` is given: the
 /// trained family shipped in the repository (a small Qwen3 code model trained on Rust

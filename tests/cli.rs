@@ -208,3 +208,72 @@ fn sampling_flags_seeds_and_per_request_overrides() {
     let (code, _, err) = mtp(&["generate", "--target", t, "--prompts", &broken]);
     assert!(code == 1 && err.contains(":2") && err.contains("min_p"), "{err}");
 }
+
+fn mtp_bench(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mtp-bench")).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8(out.stderr).unwrap())
+}
+
+#[test]
+fn counts_of_zero_are_refused_naming_the_flag() {
+    let t = common::fixture("qwen3-draft");
+    let t = t.to_str().unwrap();
+    for flag in ["--max-batch", "--max-tokens", "--prefill-chunk", "--ngram-min", "--kv-budget-mib"] {
+        let (code, _, err) = mtp(&["generate", "--target", t, flag, "0"]);
+        assert_ne!(code, 0, "{flag} 0 was accepted");
+        assert!(err.contains(flag) && err.contains("at least 1"), "{flag}: {err}");
+    }
+    let (code, _, err) = mtp(&["synth", "--like", "qwen3", "--hidden", "0", "--out", "/nonexistent"]);
+    assert!(code != 0 && err.contains("--hidden"), "{err}");
+    for flag in ["--num-prompts", "--max-tokens", "--k", "--batch"] {
+        let (code, err) = mtp_bench(&["--target", t, flag, "0"]);
+        assert!(code != 0 && err.contains(flag) && err.contains("at least 1"), "{flag}: {err}");
+    }
+}
+
+#[test]
+fn k_of_zero_with_a_drafter_is_refused() {
+    let t = common::fixture("qwen3-draft");
+    let (code, _, err) =
+        mtp(&["generate", "--target", t.to_str().unwrap(), "--drafter", "ngram", "--k", "0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--k 0") && err.contains("--drafter none"), "{err}");
+}
+
+#[test]
+fn an_empty_prompts_file_says_so() {
+    let prompts = write_prompts("empty", "\n\n");
+    let t = common::fixture("qwen3-draft");
+    let (code, out, err) = mtp(&["generate", "--target", t.to_str().unwrap(), "--prompts", &prompts]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.is_empty());
+    assert!(err.contains("holds no requests"), "{err}");
+}
+
+#[test]
+fn a_broken_tokenizer_json_fails_at_load_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("mtp-cli-badtok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(common::fixture("qwen3-draft")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(dir.join("tokenizer.json"), "{ not json").unwrap();
+    let (code, _, err) = mtp(&["generate", "--target", dir.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("tokenizer.json") && !err.contains("text prompt"), "{err}");
+}
+
+#[test]
+fn logs_carry_no_colour_codes_off_a_terminal() {
+    let prompts = write_prompts("colour", "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n");
+    let t = common::fixture("qwen3-draft");
+    let out = Command::new(env!("CARGO_BIN_EXE_mtp"))
+        .args(["generate", "--target", t.to_str().unwrap(), "--prompts", &prompts, "--max-tokens", "2"])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("INFO"), "no log lines to check: {err}");
+    assert!(!err.contains('\u{1b}'), "escape codes in piped logs: {err:?}");
+}

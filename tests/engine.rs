@@ -30,7 +30,8 @@ fn events_stream_every_token_then_the_finish() {
     let model = common::load(&fixture("qwen2-target"));
     let reqs = requests();
     let want = plain(&model, &reqs, 1);
-    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), EngineOptions::default());
+    let mut engine =
+        Engine::new(&model, Some(Box::new(NgramDrafter::default())), EngineOptions::default()).unwrap();
     let ids: Vec<u64> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
     let mut streamed: Vec<Vec<(u32, f32)>> = vec![Vec::new(); reqs.len()];
     let mut finished = vec![None; reqs.len()];
@@ -68,7 +69,7 @@ fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
     let stop = tok.decode(&out[6..8]).unwrap();
     assert!(!stop.is_empty());
     let reqs: Vec<Request> = reqs.into_iter().map(|r| Request { stop: vec![stop.clone()], ..r }).collect();
-    let mut plain_engine = Engine::new(&model, None, EngineOptions::default()).with_tokenizer(&tok);
+    let mut plain_engine = Engine::new(&model, None, EngineOptions::default()).unwrap().with_tokenizer(&tok);
     let want = generate(&mut plain_engine, &reqs, &[], |_, _| {});
     let w2 = want[2].as_ref().unwrap();
     assert_eq!(w2.finish, FinishReason::Stop);
@@ -79,6 +80,7 @@ fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
     let oracle = OracleDrafter::new(refs, 1.0, 0, 512).unwrap();
     let mut spec =
         Engine::new(&model, Some(Box::new(oracle)), EngineOptions { k: 5, ..EngineOptions::default() })
+            .unwrap()
             .with_tokenizer(&tok);
     let got = generate(&mut spec, &reqs, &[], |_, _| {});
     assert!(spec.stats().acceptance_rate() > 0.9);
@@ -87,7 +89,7 @@ fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
         assert_eq!((&g.tokens, bits(&g.logprobs), g.finish), (&w.tokens, bits(&w.logprobs), w.finish));
     }
     // Without a tokenizer a stop string cannot be honoured: refused, not ignored.
-    let mut bare = Engine::new(&model, None, EngineOptions::default());
+    let mut bare = Engine::new(&model, None, EngineOptions::default()).unwrap();
     assert!(bare.submit(reqs[0].clone()).unwrap_err().to_string().contains("tokenizer"));
 }
 
@@ -97,7 +99,7 @@ fn cancel_removes_waiting_and_running_requests_only() {
     let reqs = requests();
     let want = plain(&model, &reqs, 1);
     let opts = EngineOptions { max_batch: 2, ..EngineOptions::default() };
-    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts);
+    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).unwrap();
     let ids: Vec<u64> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
     let mut events = engine.step();
     assert_eq!((engine.running(), engine.waiting()), (2, 3));
@@ -131,7 +133,7 @@ fn kv_budget_queues_and_refuses_without_changing_outputs() {
     let budget = 2 * (reqs[4].prompt.len() + 14 + 5) * per;
     let opts =
         EngineOptions { max_batch: 8, k: 4, kv_budget_bytes: Some(budget), ..EngineOptions::default() };
-    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts);
+    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).unwrap();
     let huge = request("huge", vec![5; 400], 400);
     let e = engine.submit(huge).unwrap_err().to_string();
     assert!(e.contains("huge") && e.contains("budget"), "{e}");

@@ -304,3 +304,31 @@ fn draft_model_with_another_vocabulary_is_refused() {
     assert!(e.contains("vocabulary of 256") && e.contains("512") && e.contains("draft model"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn a_tokenizer_json_that_does_not_parse_is_an_error_naming_it() {
+    let dir = copy_fixture("qwen3-draft", "badtok");
+    assert!(mtp::model::Tokenizer::from_dir_if_present(&dir).unwrap().is_some());
+    std::fs::write(dir.join("tokenizer.json"), "{ not json").unwrap();
+    let err =
+        mtp::model::Tokenizer::from_dir_if_present(&dir).err().expect("a broken tokenizer.json is refused");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    assert!(mtp::model::Tokenizer::from_dir_if_present(&dir).unwrap().is_none(), "absent is not an error");
+}
+
+#[test]
+fn engine_options_that_cannot_mean_anything_are_refused() {
+    use mtp::engine::{Engine, EngineOptions};
+    let model = Model::load(&fixture("qwen3-draft")).unwrap();
+    for opts in [
+        EngineOptions { max_batch: 0, ..EngineOptions::default() },
+        EngineOptions { prefill_chunk: 0, ..EngineOptions::default() },
+    ] {
+        let err = Engine::new(&model, None, opts).err().expect("refused");
+        assert!(err.to_string().contains("at least 1"), "{err}");
+    }
+    let mut cache = model.new_cache();
+    let err = mtp::engine::prefill(&model, &mut cache, &[1, 2], 0, false).unwrap_err();
+    assert!(err.to_string().contains("at least 1"), "{err}");
+}

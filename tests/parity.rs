@@ -165,7 +165,8 @@ impl Target {
     }
 
     fn generate(&self, drafter: Option<&str>, opts: EngineOptions) -> (Vec<Completion>, (u64, u64)) {
-        let mut engine = mtp::engine::Engine::new(&self.model, drafter.map(|d| self.drafter(d)), opts);
+        let mut engine =
+            mtp::engine::Engine::new(&self.model, drafter.map(|d| self.drafter(d)), opts).unwrap();
         let got = mtp::engine::generate(&mut engine, &self.requests, &self.arrive_at, |_, _| {});
         let got = got.into_iter().map(|g| g.expect("no request fails")).collect();
         (got, (engine.stats().drafted, engine.stats().accepted))

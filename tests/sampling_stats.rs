@@ -66,7 +66,7 @@ fn second_tokens(s: &Setup, seeds: std::ops::Range<u64>, speculative: bool) -> (
     });
     let opts =
         EngineOptions { k: 1, max_batch: 64, sampling_mode: SamplingMode::Rejection, ..Default::default() };
-    let mut engine = Engine::new(&s.model, drafter, opts);
+    let mut engine = Engine::new(&s.model, drafter, opts).unwrap();
     let out = generate(&mut engine, &requests, &[], |_, _| {});
     let mut counts = vec![0u64; s.model.config.vocab_size];
     for c in out {

@@ -76,9 +76,19 @@ pub struct Engine<'a> {
 }
 
 impl<'a> Engine<'a> {
-    /// An engine over `model`; with no drafter it decodes plainly.
-    pub fn new(model: &'a Model, drafter: Option<Box<dyn Drafter + 'a>>, opts: EngineOptions) -> Self {
-        Engine {
+    /// An engine over `model`; with no drafter (or `k` = 0) it decodes plainly. Refuses
+    /// options that cannot mean anything (`max_batch` or `prefill_chunk` of 0).
+    pub fn new(
+        model: &'a Model,
+        drafter: Option<Box<dyn Drafter + 'a>>,
+        opts: EngineOptions,
+    ) -> Result<Self, Error> {
+        for (name, value) in [("max_batch", opts.max_batch), ("prefill_chunk", opts.prefill_chunk)] {
+            if value == 0 {
+                return Err(Error::InvalidOption(format!("engine option `{name}` must be at least 1")));
+            }
+        }
+        Ok(Engine {
             model,
             drafter,
             tokenizer: None,
@@ -89,7 +99,7 @@ impl<'a> Engine<'a> {
             next_id: 0,
             reserved: 0,
             stats: SpecStats::default(),
-        }
+        })
     }
 
     /// Enables stop strings (decoded with this tokenizer).
@@ -212,7 +222,7 @@ impl<'a> Engine<'a> {
     }
 
     fn admit(&mut self, events: &mut Vec<Event>) {
-        while self.active.len() < self.opts.max_batch.max(1) {
+        while self.active.len() < self.opts.max_batch {
             let Some((_, front)) = self.queue.front() else { break };
             let need = self.reservation(front);
             if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
@@ -439,16 +449,18 @@ pub fn prefill(
     chunk: usize,
     want_hidden: bool,
 ) -> Result<(Vec<f32>, Vec<f32>), Error> {
-    if cache.try_reserve_window(cache.len(), prompt.len()).is_err() {
+    if let Err(e) = cache.try_reserve_window(cache.len(), prompt.len()) {
         return Err(Error::Request {
             request: String::new(),
             msg: format!(
-                "out of memory: cannot allocate {} bytes of KV for the prompt",
+                "out of memory: cannot allocate {} bytes of KV for the prompt ({e})",
                 prompt.len() * model.kv_bytes_per_token()
             ),
         });
     }
-    let chunk = chunk.max(1);
+    if chunk == 0 {
+        return Err(Error::InvalidOption("prefill chunk must be at least 1 token".into()));
+    }
     let (mut logits, mut hidden) = (Vec::new(), Vec::new());
     let n_chunks = prompt.len().div_ceil(chunk);
     for (i, piece) in prompt.chunks(chunk).enumerate() {

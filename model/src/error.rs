@@ -26,6 +26,9 @@ pub enum Error {
     Request { request: String, msg: String },
     #[error("backend: {0}")]
     Backend(String),
+    /// An option or argument outside what it can mean (a batch of zero rows, say).
+    #[error("{0}")]
+    InvalidOption(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -20,6 +20,16 @@ impl Tokenizer {
         Ok(Tokenizer { inner, path })
     }
 
+    /// The tokenizer of `dir`, or `None` when it has no `tokenizer.json`; a file that is
+    /// there but cannot be read or parsed is an error naming it.
+    pub fn from_dir_if_present(dir: &Path) -> Result<Option<Tokenizer>> {
+        if dir.join("tokenizer.json").exists() {
+            Tokenizer::from_dir(dir).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -29,10 +29,10 @@ struct Cli {
     #[arg(long)]
     drafters: Option<String>,
     /// Draft lengths to try.
-    #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
+    #[arg(long, default_value = "1,2,4", value_delimiter = ',', value_parser = mtp::at_least_one)]
     k: Vec<usize>,
     /// Max batch sizes to try (every request arrives at once).
-    #[arg(long, default_value = "1,4", value_delimiter = ',')]
+    #[arg(long, default_value = "1,4", value_delimiter = ',', value_parser = mtp::at_least_one)]
     batch: Vec<usize>,
     /// Temperatures to try (0 is greedy); request i samples with seed i.
     #[arg(long, default_value = "0,0.7,1.0", value_delimiter = ',')]
@@ -48,12 +48,12 @@ struct Cli {
     /// Cut prompts from the text files in this folder instead.
     #[arg(long)]
     prompts_dir: Option<PathBuf>,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
     num_prompts: usize,
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
     prompt_tokens: usize,
     /// New tokens per request (EOS is ignored so every run generates the same count).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = mtp::at_least_one)]
     max_tokens: usize,
     /// Where the models run: cpu, or cuda (a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
@@ -87,7 +87,7 @@ fn bench(cli: Cli) -> Result<bool> {
     let backend: Backend = cli.backend.parse()?;
     backend.check()?;
     let model = Arc::new(Model::load_with(&target_dir, backend, cli.kv_dtype.parse::<KvDtype>()?)?);
-    let tokenizer = Tokenizer::from_dir(&target_dir).ok();
+    let tokenizer = Tokenizer::from_dir_if_present(&target_dir)?;
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,
         (None, true) => vec![
@@ -97,9 +97,6 @@ fn bench(cli: Cli) -> Result<bool> {
         ],
         (None, false) => vec![DrafterSpec::Ngram],
     };
-    if cli.k.contains(&0) || cli.batch.contains(&0) {
-        bail!("--k and --batch values must be at least 1");
-    }
     let modes = cli
         .sampling
         .iter()
@@ -117,6 +114,9 @@ fn bench(cli: Cli) -> Result<bool> {
             let path = cli.prompts.clone().unwrap_or_else(|| PathBuf::from(mtp::HELDOUT_PROMPTS));
             let defaults = Request { max_tokens: cli.max_tokens, ignore_eos: true, ..Request::default() };
             let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), &defaults)?.requests;
+            if reqs.is_empty() {
+                bail!("{}: holds no requests; nothing to measure", path.display());
+            }
             for r in &mut reqs {
                 r.max_tokens = cli.max_tokens;
             }

@@ -37,13 +37,13 @@ enum Command {
         #[arg(long)]
         prompts: Option<PathBuf>,
         /// Tokens per request unless the request says otherwise.
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 32, value_parser = mtp::at_least_one)]
         max_tokens: usize,
         /// Do not stop at EOS ids.
         #[arg(long)]
         ignore_eos: bool,
         /// Rows decoded together; later requests wait in a queue.
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
         max_batch: usize,
         /// none, draft-model (needs --draft), mtp (--draft, or the target's own MTP
         /// weights) or ngram (prompt lookup).
@@ -52,20 +52,21 @@ enum Command {
         /// Draft model or MTP head checkpoint directory.
         #[arg(long)]
         draft: Option<PathBuf>,
-        /// Draft tokens per row per round.
+        /// Draft tokens per row per round (at least 1 with a drafter; plain decoding is
+        /// --drafter none).
         #[arg(long, default_value_t = 4)]
         k: usize,
         /// Shortest and longest n-gram the ngram drafter matches.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = mtp::at_least_one)]
         ngram_min: usize,
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = mtp::at_least_one)]
         ngram_max: usize,
         /// KV cache budget in MiB; requests wait for room, and one that cannot fit at all
         /// is refused (default: no limit).
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         kv_budget_mib: Option<usize>,
         /// Prompt tokens per prefill forward.
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
         prefill_chunk: usize,
         /// Where the model runs: cpu, or cuda (a build with `--features cuda` and an
         /// NVIDIA GPU; weights go to GPU 0, K/V stay there).
@@ -83,19 +84,19 @@ enum Command {
         /// Preset shape: qwen3 (Qwen3-0.6B), qwen2 (Qwen2.5-0.5B), llama (Llama-3.2-1B).
         #[arg(long)]
         like: String,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         hidden: Option<usize>,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         layers: Option<usize>,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         heads: Option<usize>,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         kv_heads: Option<usize>,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         head_dim: Option<usize>,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         intermediate: Option<usize>,
-        #[arg(long)]
+        #[arg(long, value_parser = mtp::at_least_one)]
         vocab: Option<usize>,
         /// bf16, f16 or f32.
         #[arg(long, default_value = "bf16")]
@@ -224,20 +225,27 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let backend = backend.parse::<Backend>()?;
             backend.check()?;
             let (sampling, sampling_mode) = sampling.params()?;
+            if k == 0 && drafter != "none" {
+                bail!("--k 0 drafts nothing: use --drafter none for plain decoding, or --k 1 or more");
+            }
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
             let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
             let t0 = std::time::Instant::now();
             let model = Arc::new(Model::load_with(&target, backend, kv_dtype.parse::<KvDtype>()?)?);
-            let tokenizer = match Tokenizer::from_dir(&target) {
-                Ok(t) => Some(t),
-                Err(e) => {
-                    tracing::warn!("{e}; text prompts, stop strings and output text are unavailable");
-                    None
-                }
-            };
+            let tokenizer = Tokenizer::from_dir_if_present(&target)?;
+            if tokenizer.is_none() {
+                tracing::warn!(
+                    "{}: no tokenizer.json; text prompts, stop strings and output text are unavailable",
+                    target.display()
+                );
+            }
             let defaults = Request { max_tokens, ignore_eos, sampling, ..Request::default() };
             let mtp::prompts::Prompts { requests, arrive_at } =
                 mtp::prompts::read(&prompts, tokenizer.as_ref(), &defaults)?;
+            if requests.is_empty() {
+                eprintln!("{}: holds no requests; nothing to generate", prompts.display());
+                return Ok(ExitCode::SUCCESS);
+            }
             let drafter = make_drafter(&drafter, draft.as_deref(), &target, &model, (ngram_min, ngram_max))?;
             tracing::info!(
                 target = %target.display(),
@@ -256,7 +264,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 sampling_mode,
                 ..EngineOptions::default()
             };
-            let mut engine = Engine::new(&model, drafter, opts);
+            let mut engine = Engine::new(&model, drafter, opts)?;
             if let Some(t) = &tokenizer {
                 engine = engine.with_tokenizer(t);
             }

@@ -66,7 +66,7 @@ pub fn run<'a>(
     requests: &[Request],
     arrive_at: &[u64],
 ) -> Vec<Result<Completion, Error>> {
-    let mut engine = Engine::new(model, drafter, opts);
+    let mut engine = Engine::new(model, drafter, opts).unwrap();
     generate(&mut engine, requests, arrive_at, |_, _| {})
 }
 

@@ -79,11 +79,13 @@ pub fn verify(
             WindowLayout::SharedSlots => shared,
         };
         let t = 1 + row.draft.len();
-        if row.cache.try_reserve_window(base, t).is_err() {
+        if let Err(e) = row.cache.try_reserve_window(base, t) {
             let bytes = t * model.kv_bytes_per_token();
             results[i] = Some(Err(Error::Request {
                 request: format!("row {i}"),
-                msg: format!("out of memory: cannot allocate {bytes} bytes of KV for the verify window"),
+                msg: format!(
+                    "out of memory: cannot allocate {bytes} bytes of KV for the verify window ({e})"
+                ),
             }));
             continue;
         }

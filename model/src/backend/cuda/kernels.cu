@@ -35,31 +35,26 @@ struct F32W {
         o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
     }
 };
+// 8 consecutive 16-bit weights from an 8-aligned index, widened by `Widen`.
+template <float (*Widen)(u16)>
+__device__ __forceinline__ void widen8(const u16* p, long long i, float* o) {
+    uint4 v = *reinterpret_cast<const uint4*>(p + i);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        o[2 * j] = Widen((u16)(w[j] & 0xffffu));
+        o[2 * j + 1] = Widen((u16)(w[j] >> 16));
+    }
+}
 struct Bf16W {
     typedef u16 T;
     __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
-    __device__ static void get8(const u16* p, long long i, float* o) {
-        uint4 v = *reinterpret_cast<const uint4*>(p + i);
-        u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            o[2 * j] = __uint_as_float(w[j] << 16);
-            o[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-        }
-    }
+    __device__ static void get8(const u16* p, long long i, float* o) { widen8<bf16_to_f32>(p, i, o); }
 };
 struct F16W {
     typedef u16 T;
     __device__ static float get(const u16* p, long long i) { return f16_to_f32(p[i]); }
-    __device__ static void get8(const u16* p, long long i, float* o) {
-        uint4 v = *reinterpret_cast<const uint4*>(p + i);
-        u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            o[2 * j] = f16_to_f32((u16)(w[j] & 0xffffu));
-            o[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16));
-        }
-    }
+    __device__ static void get8(const u16* p, long long i, float* o) { widen8<f16_to_f32>(p, i, o); }
 };
 
 // The one warp reduction: xor butterfly 16, 8, 4, 2, 1. Float addition is commutative,
