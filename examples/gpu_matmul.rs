@@ -1,5 +1,7 @@
 //! The row-invariant CUDA matmul on Qwen3-8B's shapes (bf16 weights, f32 activations) at
-//! M in {1, 8, 64, 512}: median milliseconds and weight bandwidth. `scripts/gpu-run.sh`
+//! M in {1, 8, 40, 64, 512} (40: a verify of 8 rows x 5 tokens): median milliseconds and
+//! weight bandwidth. Each repetition reads another of 4 weight copies, so the 50 MB L2
+//! never holds the weights being timed. `scripts/gpu-run.sh`
 //! prints torch.matmul (cuBLAS) on the same shapes beside it.
 
 use std::time::Instant;
@@ -17,15 +19,16 @@ fn main() -> anyhow::Result<()> {
         let bytes: Vec<u8> = (0..n * k)
             .flat_map(|i| half::bf16::from_f32(((i % 97) as f32 - 48.0) * 1e-3).to_le_bytes())
             .collect();
-        let w = cuda.matrix(&Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k))?;
-        for m in [1usize, 8, 64, 512] {
+        let weight = Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k);
+        let copies = (0..4).map(|_| cuda.matrix(&weight)).collect::<Result<Vec<_>, _>>()?;
+        for m in [1usize, 8, 40, 64, 512] {
             let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
             let mut out = cuda.alloc(m * n)?;
             let mut times = Vec::new();
             for rep in 0..23 {
                 cuda.synchronize()?;
                 let t0 = Instant::now();
-                cuda.linear(&x, m, &w, None, &mut out, Out::Write)?;
+                cuda.linear(&x, m, &copies[rep % 4], None, &mut out, Out::Write)?;
                 cuda.synchronize()?;
                 if rep >= 3 {
                     times.push(t0.elapsed().as_secs_f64());

@@ -76,13 +76,13 @@ __device__ __forceinline__ float warp_max(float v) {
 // One warp owns NC output columns for every row. Canonical order of one output: lane L
 // accumulates, with fused multiply-adds in increasing k, the elements k = 256 i + 8 L + j
 // (i = 0, 1, ..; j = 0..7); then the warp butterfly. Rows are processed MB at a time only
-// to reuse weights from registers; the order of an output never depends on M, on its row
-// block or on the other rows. No split-K.
+// to reuse weights from registers (MB = 4, 8 or 16, picked from M by the host: fewer
+// passes over the weights for verify-sized M); the order of an output never depends on M,
+// on MB, on its row block or on the other rows. No split-K.
 #define NC 4
-#define MB 4
 #define WARPS 4
 
-template <class W>
+template <class W, int MB>
 __device__ void linear_impl(const float* __restrict__ x, int m, int k, const typename W::T* __restrict__ w,
                             int n, const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
     const int lane = threadIdx.x & 31;
@@ -96,6 +96,7 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const typ
         for (int a = 0; a < MB; a++)
 #pragma unroll
             for (int c = 0; c < NC; c++) acc[a][c] = 0.0f;
+#pragma unroll 2
         for (int kb = lane * 8; kb < k; kb += 256) {
             float wv[NC][8];
 #pragma unroll
@@ -148,18 +149,20 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const typ
     }
 }
 
-extern "C" __global__ void linear_f32(const float* x, int m, int k, const float* w, int n, const float* bias,
-                                      float* out, int accumulate) {
-    linear_impl<F32W>(x, m, k, w, n, bias, out, accumulate);
-}
-extern "C" __global__ void linear_bf16(const float* x, int m, int k, const u16* w, int n, const float* bias,
-                                       float* out, int accumulate) {
-    linear_impl<Bf16W>(x, m, k, w, n, bias, out, accumulate);
-}
-extern "C" __global__ void linear_f16(const float* x, int m, int k, const u16* w, int n, const float* bias,
-                                      float* out, int accumulate) {
-    linear_impl<F16W>(x, m, k, w, n, bias, out, accumulate);
-}
+#define LINEAR(NAME, W, T, MB)                                                                            \
+    extern "C" __global__ void NAME(const float* x, int m, int k, const T* w, int n, const float* bias,    \
+                                    float* out, int accumulate) {                                         \
+        linear_impl<W, MB>(x, m, k, w, n, bias, out, accumulate);                                         \
+    }
+LINEAR(linear_f32_4, F32W, float, 4)
+LINEAR(linear_f32_8, F32W, float, 8)
+LINEAR(linear_f32_16, F32W, float, 16)
+LINEAR(linear_bf16_4, Bf16W, u16, 4)
+LINEAR(linear_bf16_8, Bf16W, u16, 8)
+LINEAR(linear_bf16_16, Bf16W, u16, 16)
+LINEAR(linear_f16_4, F16W, u16, 4)
+LINEAR(linear_f16_8, F16W, u16, 8)
+LINEAR(linear_f16_16, F16W, u16, 16)
 
 // ---------------------------------------------------------------------------------------
 // Embedding rows widened to f32. grid: tokens, block: 256.

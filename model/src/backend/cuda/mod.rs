@@ -70,7 +70,8 @@ fn weight_index(d: WeightDtype) -> usize {
 }
 
 struct Functions {
-    linear: [CudaFunction; 3],
+    /// By weight dtype (f32, bf16, f16), then rows per pass (4, 8, 16).
+    linear: [[CudaFunction; 3]; 3],
     embed: [CudaFunction; 3],
     widen: [CudaFunction; 2],
     rms_norm: CudaFunction,
@@ -130,7 +131,11 @@ impl Cuda {
             .map_err(|e| format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}"))?;
         let get = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
         let f = Functions {
-            linear: [get("linear_f32")?, get("linear_bf16")?, get("linear_f16")?],
+            linear: [
+                [get("linear_f32_4")?, get("linear_f32_8")?, get("linear_f32_16")?],
+                [get("linear_bf16_4")?, get("linear_bf16_8")?, get("linear_bf16_16")?],
+                [get("linear_f16_4")?, get("linear_f16_8")?, get("linear_f16_16")?],
+            ],
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             widen: [get("widen_bf16")?, get("widen_f16")?],
             rms_norm: get("rms_norm")?,
@@ -362,14 +367,14 @@ impl Kernels for Cuda {
         let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
         let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
         let grid = w.rows.div_ceil(LINEAR_COLS_PER_BLOCK) as u32;
-        launch!(
-            self,
-            &self.f.linear[weight_index(w.dtype)],
-            (grid, 1),
-            LINEAR_THREADS,
-            "linear",
-            [xp, mi, k, wp, n, bp, op, acc]
-        )
+        // Rows per pass over the weights; every variant sums each output in the same order.
+        let rows_per_pass = match m {
+            0..=4 => 0,
+            5..=8 => 1,
+            _ => 2,
+        };
+        let f = &self.f.linear[weight_index(w.dtype)][rows_per_pass];
+        launch!(self, f, (grid, 1), LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc])
     }
 
     fn rms_norm(
