@@ -2,7 +2,7 @@
 //! every row of a matmul gets the same bits whatever M is (cuBLAS does not), and a query
 //! gets the same attention bits alone as in a batch of eight (a split-KV kernel whose split
 //! count follows the batch does not). Built with `--features cuda`; run on a GPU by
-//! `scripts/gpu-tests.sh`.
+//! `scripts/gpu-run.sh tests`.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -91,4 +91,16 @@ fn attention_alone_equals_batched_and_batch_sized_splits_do_not() {
     let (alone, together) = (last_logits(&model, &prompts, false), last_logits(&model, &prompts, true));
     negative_control::set_split_attention(false);
     assert_ne!(alone, together, "a split count chosen from the batch went unnoticed");
+}
+
+/// Running out of device memory for K/V is an error naming the bytes, never a crash, and
+/// the cache stays usable.
+#[test]
+fn device_out_of_memory_is_a_clear_error() {
+    let model = Model::load_on(&fixture("qwen3-target"), Backend::Cuda).unwrap();
+    let mut cache = model.new_cache();
+    let err = cache.try_reserve_window(0, 1 << 40).unwrap_err();
+    assert!(err.to_string().contains("out of GPU memory"), "{err}");
+    let mut rows = [RowInput { tokens: &[5, 6, 7], cache: &mut cache, logits: Logits::Last }];
+    assert_eq!(model.forward(&mut rows).unwrap()[0].logits.len(), 1);
 }

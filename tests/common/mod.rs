@@ -9,7 +9,7 @@ use mtp::model::backend::Backend;
 use mtp::model::{Error, Model};
 
 /// The backend the model-level tests run on: the CPU, or what `MTP_TEST_BACKEND` names
-/// (`scripts/gpu-tests.sh` sets `cuda`). The same test proves the same property on each.
+/// (`scripts/gpu-run.sh tests` sets `cuda`). The same test proves the same property on each.
 pub fn backend() -> Backend {
     match std::env::var("MTP_TEST_BACKEND") {
         Ok(name) => name.parse().unwrap_or_else(|e| panic!("MTP_TEST_BACKEND: {e}")),
