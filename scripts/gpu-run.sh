@@ -57,7 +57,8 @@ for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
         t = sorted(ts)[len(ts) // 2]
         print(f"| {n} x {k} | {m} | {t:.3f} | {n*k*2/t/1e6:.0f} |")
 PY
-    prompts="$root/model/src"
+    # Prompts cut from a folder that does not change with the engine, so runs compare.
+    prompts="$root/training"
     for shape in 0.6b 8b; do
         dir=/tmp/qwen3-$shape
         if [ $shape = 0.6b ]; then

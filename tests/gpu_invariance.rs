@@ -45,8 +45,9 @@ fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
     let cuda = Cuda::shared().unwrap();
     let mut rng = Lcg(3);
     let ms = [1, 2, 3, 8, 64, 512];
-    // Qwen3-8B's attention and MLP shapes.
-    for (n, k) in [(4096, 4096), (12288, 4096), (4096, 12288)] {
+    // Qwen3-8B's attention and MLP shapes, and a K that is not a multiple of 8 (the
+    // kernels' scalar path).
+    for (n, k) in [(4096, 4096), (12288, 4096), (4096, 12288), (96, 100)] {
         let w = bf16_weight(&mut rng, n, k);
         let x = rng.vec(512 * k);
         assert!(rows_invariant(&cuda, &w, &x, &ms), "{n}x{k}: a row's bits depend on M");
