@@ -167,8 +167,9 @@ fn bad_arguments_are_refused() {
     assert!(code == 1 && err.contains("unknown drafter `medusa`"), "{err}");
     let (code, _, err) = bench(&["--drafters", "oracle:1.5"]);
     assert!(code == 1 && err.contains("[0, 1]"), "{err}");
+    // Counts of zero are usage errors (clap's exit code 2), naming the flag.
     let (code, _, err) = bench(&["--k", "0"]);
-    assert!(code == 1 && err.contains("at least 1"), "{err}");
+    assert!(code == 2 && err.contains("--k") && err.contains("at least 1"), "{err}");
     let (code, _, err) = bench(&["--sampling", "typical"]);
     assert!(code == 1 && err.contains("unknown sampling mode `typical`"), "{err}");
     let (code, _, err) = bench(&["--temperatures=-1"]);
