@@ -105,3 +105,28 @@ fn device_out_of_memory_is_a_clear_error() {
     let mut rows = [RowInput { tokens: &[5, 6, 7], cache: &mut cache, logits: Logits::Last }];
     assert_eq!(model.forward(&mut rows).unwrap()[0].logits.len(), 1);
 }
+
+/// The GPU computes the CPU's function: for f32, bf16 and f16 weights (every widening path
+/// of the kernels) and f32 K/V, the logits after a prompt agree within 1e-4 of their scale.
+#[test]
+fn gpu_logits_agree_with_the_cpu_for_every_weight_dtype() {
+    use mtp::model::backend::KvDtype;
+    use mtp::model::synth::SynthSpec;
+    let base = common::load(&fixture("qwen3-target")).config;
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % base.vocab_size as u32).collect();
+    for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+        let dir = std::env::temp_dir().join(format!("mtp-gpu-{}-{}", dtype.name(), std::process::id()));
+        SynthSpec { dtype, seed: 5, ..SynthSpec::from_config(&base) }.write(&dir).unwrap();
+        let logits = |backend: Backend| {
+            let model = Model::load_with(&dir, backend, KvDtype::F32).unwrap();
+            let mut cache = model.new_cache();
+            mtp::engine::prefill(&model, &mut cache, &prompt, 16, false).unwrap().0
+        };
+        let (cpu, gpu) = (logits(Backend::Cpu), logits(Backend::Cuda));
+        let scale = cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let worst = cpu.iter().zip(&gpu).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        println!("{}: GPU logits within {worst:e} of the CPU's (scale {scale})", dtype.name());
+        assert!(worst <= 1e-4 * scale.max(1.0), "{}: GPU and CPU logits differ by {worst}", dtype.name());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
