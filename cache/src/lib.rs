@@ -79,9 +79,9 @@ impl<'a> KvView<'a> {
     }
 
     /// Layer `layer` of a host store, read through `map`.
-    pub fn of(store: &'a HostKv, layer: usize, map: SlotMap, stride: usize) -> Self {
+    pub fn of(store: &'a HostKv, layer: usize, map: SlotMap) -> Self {
         let (k, v) = store.layer(layer);
-        KvView { k, v, stride, map }
+        KvView { k, v, stride: store.stride(), map }
     }
 
     /// Positions readable through this view.
@@ -206,7 +206,7 @@ impl RowCache {
     /// cache (`None` for a device cache).
     pub fn view(&self, layer: usize) -> Option<KvView<'_>> {
         let host = self.store.as_any().downcast_ref::<HostKv>()?;
-        Some(KvView::of(host, layer, self.slot_map(), self.stride))
+        Some(KvView::of(host, layer, self.slot_map()))
     }
 
     /// Keeps the first `keep` positions of the open window (rollback of the rest): moves

@@ -19,8 +19,6 @@ impl std::error::Error for KvError {}
 /// Slots of K and V for every layer of one row. A slot holds one position's K (or V) for
 /// all KV heads; slot `s` of every layer is held when `s < slots()`.
 pub trait KvStore: Send + Sync + 'static {
-    /// Slots held per layer.
-    fn slots(&self) -> usize;
     /// Holds `slots` slots; new slots read as zeros. Fails (leaving the store as it was)
     /// when memory runs out.
     fn grow(&mut self, slots: usize) -> Result<(), KvError>;
@@ -53,6 +51,11 @@ impl HostKv {
         HostKv { layers: vec![(Vec::new(), Vec::new()); n_layers], stride }
     }
 
+    /// Values per slot and layer.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
     /// K and V of `layer`, every held slot.
     pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         let (k, v) = &self.layers[layer];
@@ -70,10 +73,6 @@ impl HostKv {
 }
 
 impl KvStore for HostKv {
-    fn slots(&self) -> usize {
-        self.layers.first().map_or(0, |(k, _)| k.len() / self.stride.max(1))
-    }
-
     fn grow(&mut self, slots: usize) -> Result<(), KvError> {
         self.reserve(slots)?;
         for (k, v) in &mut self.layers {

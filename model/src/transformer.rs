@@ -340,7 +340,6 @@ impl<B: Kernels> Net for Decoder<B> {
 pub struct Model {
     pub config: Config,
     net: Box<dyn Net>,
-    max_positions: usize,
 }
 
 impl Model {
@@ -375,8 +374,7 @@ impl Model {
                 return Err(Error::Backend(format!("no {} kernels in this build", other.name())));
             }
         };
-        let max_positions = net.max_positions();
-        Ok(Model { config, net, max_positions })
+        Ok(Model { config, net })
     }
 
     /// Where this model runs.
@@ -401,7 +399,7 @@ impl Model {
 
     /// The longest sequence (prompt + output) a row may reach.
     pub fn max_positions(&self) -> usize {
-        self.max_positions
+        self.net.max_positions()
     }
 
     /// Runs every row's tokens at its own logical positions `[len, len + t)` and returns

@@ -73,9 +73,6 @@ impl Kernels for Cpu {
     }
 
     fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
-        if let Some(r) = caches.iter().position(|c| !c.store().as_any().is::<HostKv>()) {
-            return Err(foreign(r));
-        }
         Ok(CpuBatch { slots: slots.to_vec(), maps: open_windows(slots, caches)? })
     }
 
@@ -156,8 +153,7 @@ impl Kernels for Cpu {
         }
         let mut off = 0;
         for (r, cache) in caches.iter_mut().enumerate() {
-            let t = batch.slots[off..].iter().take_while(|s| s.row == r).count();
-            let base = batch.maps[r].base;
+            let (t, base) = (cache.window_len(), batch.maps[r].base);
             let host = cache.store_mut().as_any_mut().downcast_mut::<HostKv>().ok_or_else(|| foreign(r))?;
             host.write(layer, base, &k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
             off += t;
@@ -181,7 +177,7 @@ impl Kernels for Cpu {
             .enumerate()
             .map(|(r, c)| {
                 let host = c.store().as_any().downcast_ref::<HostKv>().ok_or_else(|| foreign(r))?;
-                Ok(KvView::of(host, layer, batch.maps[r], c.stride()))
+                Ok(KvView::of(host, layer, batch.maps[r]))
             })
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;

@@ -220,9 +220,12 @@ pub trait Kernels: Send + Sync + Sized + 'static {
 
 /// The slot map of every row, after [`Kernels::batch`] opened their windows.
 pub(crate) fn open_windows(slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Vec<SlotMap>> {
+    let mut tokens = vec![0usize; caches.len()];
+    for s in slots {
+        tokens[s.row] += 1;
+    }
     let mut maps = Vec::with_capacity(caches.len());
-    for (r, cache) in caches.iter_mut().enumerate() {
-        let t = slots.iter().filter(|s| s.row == r).count();
+    for (r, (cache, &t)) in caches.iter_mut().zip(&tokens).enumerate() {
         maps.push(cache.open_window(t).map_err(|e| Error::Request {
             request: format!("row {r}"),
             msg: format!("out of memory for the KV window: {e}"),

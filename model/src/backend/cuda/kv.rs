@@ -92,10 +92,6 @@ impl CudaKv {
 }
 
 impl KvStore for CudaKv {
-    fn slots(&self) -> usize {
-        self.held
-    }
-
     fn grow(&mut self, slots: usize) -> Result<(), KvError> {
         if slots <= self.held {
             return Ok(());
