@@ -1,6 +1,6 @@
 //! Side-by-side speed of the row-invariant CPU kernels against candle's stock ops, on
 //! Qwen3-0.6B shapes (bf16 weights): matmul, attention; then one decode step, one verify
-//! step for k in {1, 4, 8} and rollback; then B=1 decode against candle-transformers' qwen3.
+//! step for k in {1, 2, 3, 4, 8} and rollback; then B=1 decode against candle-transformers' qwen3.
 //!
 //! `cargo bench --bench kernels [-- --checkpoint DIR] [--reps N] [--skip-decode]`
 //! Without `--checkpoint` it synthesizes a Qwen3-0.6B-shaped bf16 checkpoint (random
@@ -37,6 +37,7 @@ fn side_by_side(reps: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, 
 }
 
 fn main() -> anyhow::Result<()> {
+    mtp::init_threads();
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let reps: usize = arg("--reps").map(|s| s.parse()).transpose()?.unwrap_or(7);
@@ -182,7 +183,7 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
         model.forward(&mut rows).unwrap();
     });
     println!("| decode (1 token) | {:.1} | 1.00 |", decode * 1e3);
-    for k in [1usize, 4, 8] {
+    for k in [1usize, 2, 3, 4, 8] {
         let draft: Vec<u32> = (0..k as u32).map(|i| 200 + i).collect();
         let t = time(&mut || {
             let mut c = base.try_clone().unwrap();

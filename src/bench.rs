@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use mtp_drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp_engine::{generate, Completion, Engine, EngineOptions, Request, SamplingMode, SpecStats};
+use mtp_engine::{generate, Completion, DraftLen, Engine, EngineOptions, Request, SamplingMode, SpecStats};
 use mtp_model::{Model, Tokenizer};
 use serde::Serialize;
 
@@ -133,7 +133,7 @@ pub fn run(
     drafter: Option<Box<dyn Drafter + '_>>,
     requests: &[Request],
     batch: usize,
-    k: usize,
+    k: DraftLen,
     sampling_mode: SamplingMode,
 ) -> Result<Run> {
     let opts = EngineOptions { max_batch: batch, k, sampling_mode, ..EngineOptions::default() };
@@ -158,7 +158,10 @@ pub struct RequestDetail {
 #[derive(Serialize)]
 pub struct Row {
     pub drafter: String,
-    pub k: usize,
+    /// `auto` (adaptive) or the fixed draft length; `0` for plain decoding.
+    pub k: String,
+    /// Drafts per row per round, on average (what `auto` chose).
+    pub mean_k: f64,
     pub batch: usize,
     /// As given on the command line (the f32's shortest decimal, not its binary value).
     pub temperature: f64,
@@ -180,6 +183,8 @@ pub struct Row {
     /// Every request bitwise equal to its reference; None for rows that are their own
     /// reference (rejection sampling at the first batch size).
     pub identical: Option<bool>,
+    /// This row is the reference later batch sizes are compared with.
+    pub reference: bool,
     pub requests: Vec<RequestDetail>,
 }
 
@@ -192,8 +197,12 @@ pub struct Setting<'a> {
 }
 
 impl Row {
-    /// Measurements of `run` against its reference and plain decoding's tokens/s.
-    pub fn new(drafter: &str, k: usize, batch: usize, run: &Run, setting: &Setting) -> Row {
+    /// Measurements of the median of `runs` (by tokens/s) against plain decoding's, with
+    /// every run checked against the setting's reference (or, for a row that is its own
+    /// reference, against its first run).
+    pub fn new(drafter: &str, k: &str, batch: usize, runs: &[Run], setting: &Setting) -> Row {
+        let run = median_run(runs);
+        let reference = setting.reference.unwrap_or(&runs[0].completions);
         let requests: Vec<RequestDetail> = run
             .completions
             .iter()
@@ -201,14 +210,22 @@ impl Row {
             .map(|(i, c)| RequestDetail {
                 id: c.id.clone(),
                 tokens: c.tokens.len(),
-                identical: setting.reference.map(|r| r.get(i).is_some_and(|r| same(c, r))),
+                identical: setting.reference.map(|_| {
+                    runs.iter()
+                        .all(|r| r.completions.get(i).zip(reference.get(i)).is_some_and(|(a, b)| same(a, b)))
+                }),
             })
             .collect();
+        let all_same = runs.iter().all(|r| {
+            r.completions.len() == reference.len()
+                && r.completions.iter().zip(reference).all(|(a, b)| same(a, b))
+        });
         let s = &run.stats;
         let per_round = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.rounds.max(1) as f64;
         Row {
             drafter: drafter.to_string(),
-            k,
+            k: k.to_string(),
+            mean_k: s.mean_drafted(),
             batch,
             temperature: setting.temperature.to_string().parse().unwrap_or(setting.temperature as f64),
             sampling: setting.sampling.to_string(),
@@ -223,12 +240,28 @@ impl Row {
             draft_ms_per_round: per_round(s.draft_time),
             verify_ms_per_round: per_round(s.verify_time),
             rounds: s.rounds,
-            identical: setting
-                .reference
-                .map(|r| requests.len() == r.len() && requests.iter().all(|q| q.identical == Some(true))),
+            // A row that is its own reference is still checked run against run.
+            identical: match (setting.reference, all_same) {
+                (Some(_), same) => Some(same),
+                (None, true) => None,
+                (None, false) => Some(false),
+            },
+            reference: setting.reference.is_none(),
             requests,
         }
     }
+}
+
+/// The run with the median tokens/s.
+fn median_run(runs: &[Run]) -> &Run {
+    let mut order: Vec<&Run> = runs.iter().collect();
+    order.sort_by(|a, b| a.tokens_per_second().total_cmp(&b.tokens_per_second()));
+    order[order.len() / 2]
+}
+
+/// The median tokens/s of `runs`.
+pub fn median_tps(runs: &[Run]) -> f64 {
+    median_run(runs).tokens_per_second()
 }
 
 /// Same tokens, same logprob bits, same finish.
@@ -242,7 +275,7 @@ pub fn same(a: &Completion, b: &Completion) -> bool {
 /// The Markdown table of all rows.
 pub fn markdown(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| sampling | drafter | k | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
+        "| sampling | drafter | k (mean) | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
          |---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
@@ -256,7 +289,7 @@ pub fn markdown(rows: &[Row]) -> String {
                 format!("T={} {}", r.temperature, r.sampling)
             },
             r.drafter,
-            if dash { "-".into() } else { r.k.to_string() },
+            if dash { "-".into() } else { format!("{} ({:.2})", r.k, r.mean_k) },
             r.batch,
             if dash { "-".into() } else { format!("{:.3}", r.acceptance_rate) },
             if dash { "1.00".into() } else { format!("{:.2}", r.mean_accepted_length) },
@@ -268,7 +301,7 @@ pub fn markdown(rows: &[Row]) -> String {
             match r.identical {
                 Some(true) => "yes",
                 Some(false) => "**NO**",
-                None => "-",
+                None => "reference",
             },
         );
     }

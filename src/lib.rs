@@ -27,6 +27,14 @@ pub fn init_logging(default_level: &str) {
 
 pub mod prompts;
 
+/// Makes the calling thread one of rayon's global workers (the binaries' main thread):
+/// the engine's many small parallel kernels then start with a work-stealing hand-off
+/// instead of waking a sleeping pool and blocking on a latch each time. Call once, first.
+pub fn init_threads() {
+    // An error means a pool already exists (a second call): kernels still run on it.
+    let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
+}
+
 /// Parses a command-line count that cannot be zero (batch sizes, token counts, sizes):
 /// clap names the flag in the error.
 pub fn at_least_one(s: &str) -> Result<usize, String> {
@@ -34,6 +42,40 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--k`: `auto` (the engine chooses each row's k every round, up to `--max-k`) or a fixed
+/// count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KArg {
+    Auto,
+    Fixed(usize),
+}
+
+impl KArg {
+    pub fn with_max(self, max_k: usize) -> engine::DraftLen {
+        match self {
+            KArg::Auto => engine::DraftLen::Adaptive(max_k),
+            KArg::Fixed(k) => engine::DraftLen::Fixed(k),
+        }
+    }
+
+    /// `auto` or the number, as the tables print it.
+    pub fn label(self) -> String {
+        match self {
+            KArg::Auto => "auto".into(),
+            KArg::Fixed(k) => k.to_string(),
+        }
+    }
+}
+
+/// Parses `--k`: `auto` or a count of at least 1 (0 drafts nothing: that is plain decoding).
+pub fn parse_k(s: &str) -> Result<KArg, String> {
+    match s {
+        "auto" => Ok(KArg::Auto),
+        "0" => Err("must be at least 1 (--k 0 drafts nothing: use --drafter none for plain decoding)".into()),
+        n => n.parse().map(KArg::Fixed).map_err(|_| format!("`{n}` is neither `auto` nor a count")),
     }
 }
 

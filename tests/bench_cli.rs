@@ -1,5 +1,6 @@
-//! `mtp-bench` end to end: the default run (the trained family on held-out prompts), the
-//! JSON report, the oracle drafter's acceptance, prompts cut from a folder, and errors.
+//! `mtp-bench` end to end: the default run (the trained family on held-out prompts,
+//! adaptive k), fixed k's quality bars, the JSON report, the oracle drafter's acceptance,
+//! prompts cut from a folder, and errors.
 
 use std::process::Command;
 
@@ -23,7 +24,7 @@ fn tmp(name: &str) -> String {
 fn row<'a>(
     rows: &'a [serde_json::Value],
     drafter: &str,
-    k: u64,
+    k: &str,
     batch: u64,
     like: &serde_json::Value,
 ) -> &'a serde_json::Value {
@@ -38,24 +39,31 @@ fn row<'a>(
         .unwrap()
 }
 
+fn read_json(path: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The default run (adaptive k), with one repeat instead of three to keep CI short.
 #[test]
 fn default_run_covers_every_drafter_and_is_identical() {
     let json = tmp("default.json");
-    let (code, out, err) = bench(&["--json", &json]);
+    let (code, out, err) = bench(&["--repeats", "1", "--json", &json]);
     assert_eq!(code, 0, "{err}");
     for drafter in ["| none |", "| draft-model |", "| mtp |", "| ngram |"] {
         assert!(out.contains(drafter), "missing {drafter} in\n{out}");
     }
     assert!(!out.contains("**NO**"));
-    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(out.contains("| reference |"), "rows that are their own reference say so:\n{out}");
+    let doc = read_json(&json);
     let rows = doc["rows"].as_array().unwrap();
-    // 2 batch sizes x 3 temperatures x plain, then 3 drafters x 3 k for each of greedy,
+    // 2 batch sizes x 3 temperatures x plain, then 3 drafters at k=auto for each of greedy,
     // T=0.7 exact and rejection, T=1 exact and rejection.
-    assert_eq!(rows.len(), 2 * (3 + 5 * 3 * 3));
+    assert_eq!(rows.len(), 2 * (3 + 5 * 3));
     for r in rows {
         for key in [
             "drafter",
             "k",
+            "mean_k",
             "batch",
             "temperature",
             "sampling",
@@ -65,9 +73,11 @@ fn default_run_covers_every_drafter_and_is_identical() {
         ] {
             assert!(!r[key].is_null(), "{key} missing in {r}");
         }
+        assert!(r["drafter"] == "none" || r["k"] == "auto", "{r}");
         assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
         // Rejection rows at the first batch size are the reference of later ones.
         let own_reference = r["sampling"] == "rejection" && r["batch"] == 1;
+        assert_eq!(r["reference"], own_reference, "{r}");
         let want = if own_reference { serde_json::Value::Null } else { true.into() };
         assert_eq!(r["identical"], want, "{r}");
         assert!(r["requests"].as_array().unwrap().iter().all(|q| q["identical"] == want));
@@ -78,22 +88,46 @@ fn default_run_covers_every_drafter_and_is_identical() {
             "no {sampling} row at T={temperature}"
         );
     }
-    // The default run is the trained family on held-out prompts; it must show real
-    // drafting (the README's quality bars): the MTP head accepts at least 60% at k=1, and
-    // the best drafter averages at least 2 tokens per verify at k=4.
     assert!(doc["target"].as_str().unwrap().ends_with("tests/fixtures/trained/target"));
     assert_eq!(doc["requests"], 16);
+    std::fs::remove_file(json).ok();
+}
+
+/// Fixed k on the default workload: the trained family must show real drafting (the
+/// README's quality bars), and acceptance depends only on each row's tokens, never on the
+/// batch size.
+#[test]
+fn fixed_k_shows_real_drafting() {
+    let json = tmp("fixed.json");
+    let (code, _, err) = bench(&[
+        "--k",
+        "1,4",
+        "--temperatures",
+        "0,1",
+        "--sampling",
+        "exact",
+        "--repeats",
+        "1",
+        "--json",
+        &json,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let doc = read_json(&json);
+    let rows = doc["rows"].as_array().unwrap();
+    assert!(rows.iter().all(|r| r["identical"] == true), "every row equals plain decoding");
+    // The MTP head accepts at least 60% at k=1; the best drafter averages at least 2
+    // tokens per verify at k=4.
     let greedy = serde_json::json!({"temperature": 0.0, "sampling": "greedy"});
-    let mtp1 = row(rows, "mtp", 1, 1, &greedy)["acceptance_rate"].as_f64().unwrap();
+    let mtp1 = row(rows, "mtp", "1", 1, &greedy)["acceptance_rate"].as_f64().unwrap();
     assert!(mtp1 >= 0.6, "MTP acceptance at k=1: {mtp1}");
     let best4 = ["draft-model", "mtp", "ngram"]
-        .map(|d| row(rows, d, 4, 1, &greedy)["mean_accepted_length"].as_f64().unwrap())
+        .map(|d| row(rows, d, "4", 1, &greedy)["mean_accepted_length"].as_f64().unwrap())
         .into_iter()
         .fold(0.0, f64::max);
     assert!(best4 >= 2.0, "best mean accepted length at k=4: {best4}");
-    // Acceptance depends only on each row's tokens, never on the batch size.
     for r in rows.iter().filter(|r| r["drafter"] != "none") {
-        let alone = row(rows, r["drafter"].as_str().unwrap(), r["k"].as_u64().unwrap(), 1, r);
+        assert!(r["mean_k"].as_f64().unwrap() <= r["k"].as_str().unwrap().parse::<f64>().unwrap(), "{r}");
+        let alone = row(rows, r["drafter"].as_str().unwrap(), r["k"].as_str().unwrap(), 1, r);
         assert_eq!(r["acceptance_rate"], alone["acceptance_rate"], "{r}");
     }
     std::fs::remove_file(json).ok();
@@ -111,6 +145,8 @@ fn oracle_sets_the_acceptance_rate() {
         "2",
         "--temperatures",
         "0",
+        "--repeats",
+        "1",
         "--json",
         &json,
     ]);
@@ -145,6 +181,8 @@ fn prompts_dir_is_cut_deterministically() {
         dir,
         "--num-prompts",
         "3",
+        "--repeats",
+        "1",
     ];
     let (j1, j2) = (tmp("dir1.json"), tmp("dir2.json"));
     let a: Vec<&str> =

@@ -5,7 +5,7 @@ mod common;
 
 use common::{bits, fixture, plain, request};
 use mtp::drafter::{NgramDrafter, OracleDrafter};
-use mtp::engine::{generate, Engine, EngineOptions, Event, FinishReason, Request};
+use mtp::engine::{generate, DraftLen, Engine, EngineOptions, Event, FinishReason, Request};
 use mtp::model::Tokenizer;
 
 /// The tokens streamed for `id`, in order.
@@ -78,10 +78,13 @@ fn stop_strings_end_speculative_rows_where_plain_decoding_ends() {
     // The oracle accepts whole blocks; the stop must still cut at the same token.
     let refs = reqs.iter().zip(&full).map(|(r, c)| (r.prompt.clone(), c.as_ref().unwrap().tokens.clone()));
     let oracle = OracleDrafter::new(refs, 1.0, 0, 512).unwrap();
-    let mut spec =
-        Engine::new(&model, Some(Box::new(oracle)), EngineOptions { k: 5, ..EngineOptions::default() })
-            .unwrap()
-            .with_tokenizer(&tok);
+    let mut spec = Engine::new(
+        &model,
+        Some(Box::new(oracle)),
+        EngineOptions { k: DraftLen::Fixed(5), ..EngineOptions::default() },
+    )
+    .unwrap()
+    .with_tokenizer(&tok);
     let got = generate(&mut spec, &reqs, &[], |_, _| {});
     assert!(spec.stats().acceptance_rate() > 0.9);
     for (g, w) in got.iter().zip(&want) {
@@ -131,8 +134,12 @@ fn kv_budget_queues_and_refuses_without_changing_outputs() {
     // Room for the two largest requests' worst case, not three.
     let per = model.kv_bytes_per_token();
     let budget = 2 * (reqs[4].prompt.len() + 14 + 5) * per;
-    let opts =
-        EngineOptions { max_batch: 8, k: 4, kv_budget_bytes: Some(budget), ..EngineOptions::default() };
+    let opts = EngineOptions {
+        max_batch: 8,
+        k: DraftLen::Fixed(4),
+        kv_budget_bytes: Some(budget),
+        ..EngineOptions::default()
+    };
     let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).unwrap();
     let huge = request("huge", vec![5; 400], 400);
     let e = engine.submit(huge).unwrap_err().to_string();

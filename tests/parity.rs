@@ -15,7 +15,9 @@ use std::sync::Arc;
 use common::{bits, fixture, plain, request, run, trained};
 use mtp::bench::same;
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp::engine::{prefill, Completion, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout};
+use mtp::engine::{
+    prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
+};
 use mtp::model::kernels::logprob;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout};
@@ -181,6 +183,10 @@ fn first_difference(got: Vec<Completion>, reference: &[Completion]) -> Option<St
 }
 
 fn opts(k: usize, max_batch: usize, layout: WindowLayout) -> EngineOptions {
+    with_k(DraftLen::Fixed(k), max_batch, layout)
+}
+
+fn with_k(k: DraftLen, max_batch: usize, layout: WindowLayout) -> EngineOptions {
     EngineOptions { k, max_batch, prefill_chunk: 4, layout, ..EngineOptions::default() }
 }
 
@@ -200,11 +206,12 @@ fn gate_on(t: &Target, target: &str) {
     }
     for kind in DRAFTERS {
         let mut totals = (0, 0);
-        for k in [1, 3, 5] {
+        // Adaptive k changes k per row and round (from timings, so differently every run).
+        for k in [DraftLen::Fixed(1), DraftLen::Fixed(3), DraftLen::Fixed(5), DraftLen::Adaptive(5)] {
             for max_batch in [1, 3, 8] {
                 let layout = if max_batch == 8 { WindowLayout::SharedSlots } else { WindowLayout::RowTail };
-                let (diff, (d, a)) = t.check(Some(kind), opts(k, max_batch, layout));
-                assert_eq!(diff, None, "{target}: drafter {kind}, k {k}, max batch {max_batch}");
+                let (diff, (d, a)) = t.check(Some(kind), with_k(k, max_batch, layout));
+                assert_eq!(diff, None, "{target}: drafter {kind}, k {k:?}, max batch {max_batch}");
                 totals = (totals.0 + d, totals.1 + a);
             }
         }
@@ -320,11 +327,12 @@ fn rejection_rows_are_batch_invariant() {
     let t = Target::load("rejection", "qwen3-target", "qwen3-draft", true);
     let rejection = |k, max_batch, layout| EngineOptions {
         sampling_mode: SamplingMode::Rejection,
-        ..opts(k, max_batch, layout)
+        ..with_k(k, max_batch, layout)
     };
     let mut judged = 0;
     for kind in DRAFTERS {
-        for k in [1, 4] {
+        // Adaptive k for rejection rows follows each row's own history only.
+        for k in [DraftLen::Fixed(1), DraftLen::Fixed(4), DraftLen::Adaptive(4)] {
             let (alone, (drafted, _)) = t.generate(Some(kind), rejection(k, 1, WindowLayout::RowTail));
             judged += drafted;
             for (i, (a, want)) in alone.iter().zip(&t.reference).enumerate() {
@@ -332,13 +340,13 @@ fn rejection_rows_are_batch_invariant() {
                     assert_eq!(
                         first_difference(vec![a.clone()], std::slice::from_ref(want)),
                         None,
-                        "{kind} k {k}: greedy row {i}"
+                        "{kind} k {k:?}: greedy row {i}"
                     );
                 }
             }
             for (max_batch, layout) in [(3, WindowLayout::RowTail), (8, WindowLayout::SharedSlots)] {
                 let (batched, _) = t.generate(Some(kind), rejection(k, max_batch, layout));
-                assert_eq!(first_difference(batched, &alone), None, "{kind}, k {k}, max batch {max_batch}");
+                assert_eq!(first_difference(batched, &alone), None, "{kind}, k {k:?}, max batch {max_batch}");
             }
         }
     }

@@ -7,7 +7,9 @@ mod common;
 
 use common::{fixture, plain, request};
 use mtp::drafter::OracleDrafter;
-use mtp::engine::{generate, prefill, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
+use mtp::engine::{
+    generate, prefill, DraftLen, Engine, EngineOptions, Request, SamplingMode, SamplingParams,
+};
 use mtp::model::Model;
 use mtp::sampling::{Dist, Filtered};
 
@@ -64,8 +66,12 @@ fn second_tokens(s: &Setup, seeds: std::ops::Range<u64>, speculative: bool) -> (
         let refs = [(s.prompt.clone(), s.greedy.clone())];
         Box::new(OracleDrafter::new(refs, 1.0, 0, s.model.config.vocab_size).unwrap()) as _
     });
-    let opts =
-        EngineOptions { k: 1, max_batch: 64, sampling_mode: SamplingMode::Rejection, ..Default::default() };
+    let opts = EngineOptions {
+        k: DraftLen::Fixed(1),
+        max_batch: 64,
+        sampling_mode: SamplingMode::Rejection,
+        ..Default::default()
+    };
     let mut engine = Engine::new(&s.model, drafter, opts).unwrap();
     let out = generate(&mut engine, &requests, &[], |_, _| {});
     let mut counts = vec![0u64; s.model.config.vocab_size];

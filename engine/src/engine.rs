@@ -4,15 +4,16 @@
 //! Plain decoding is the same loop without a drafter (k = 0).
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mtp_cache::RowCache;
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
 use mtp_model::kernels::logprob;
 use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
-use mtp_verifier::{verify, VerifyRow, WindowLayout};
+use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
 
+use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
 use crate::metrics::SpecStats;
 use crate::request::{Event, FinishReason, Request, RequestId};
 
@@ -22,8 +23,9 @@ pub struct EngineOptions {
     pub max_batch: usize,
     /// Prompt tokens per prefill forward.
     pub prefill_chunk: usize,
-    /// Draft tokens per row per round (ignored without a drafter).
-    pub k: usize,
+    /// Draft tokens per row per round (ignored without a drafter): fixed, or adaptive up
+    /// to a maximum (the default).
+    pub k: DraftLen,
     /// Where verify windows are written (results are identical either way).
     pub layout: WindowLayout,
     /// KV bytes (target + drafter) that admitted requests may reserve; a request waits
@@ -38,7 +40,7 @@ impl Default for EngineOptions {
         EngineOptions {
             max_batch: 8,
             prefill_chunk: 64,
-            k: 4,
+            k: DraftLen::Adaptive(8),
             layout: WindowLayout::RowTail,
             kv_budget_bytes: None,
             sampling_mode: SamplingMode::Exact,
@@ -60,6 +62,9 @@ struct Row {
     reserved: usize,
     /// False once the drafter failed on this row: it decodes plainly from then on.
     drafting: bool,
+    /// Positions committed since the drafter last drafted for this row (what it must
+    /// catch up on before its next draft).
+    behind: usize,
 }
 
 pub struct Engine<'a> {
@@ -73,6 +78,7 @@ pub struct Engine<'a> {
     next_id: RequestId,
     reserved: usize,
     stats: SpecStats,
+    chooser: KChooser,
 }
 
 impl<'a> Engine<'a> {
@@ -88,6 +94,7 @@ impl<'a> Engine<'a> {
                 return Err(Error::InvalidOption(format!("engine option `{name}` must be at least 1")));
             }
         }
+        let chooser = KChooser::new(opts.k.max());
         Ok(Engine {
             model,
             drafter,
@@ -99,6 +106,7 @@ impl<'a> Engine<'a> {
             next_id: 0,
             reserved: 0,
             stats: SpecStats::default(),
+            chooser,
         })
     }
 
@@ -138,7 +146,7 @@ impl<'a> Engine<'a> {
 
     /// Worst-case KV bytes a request can hold.
     fn reservation(&self, r: &Request) -> usize {
-        let k = if self.drafter.is_some() { self.opts.k } else { 0 };
+        let k = if self.drafter.is_some() { self.opts.k.max() } else { 0 };
         let positions = (r.prompt.len() + r.max_tokens + k + 1).min(self.model.max_positions() + k + 1);
         positions * self.per_token_bytes()
     }
@@ -206,6 +214,7 @@ impl<'a> Engine<'a> {
 
     fn release(&mut self, row: &Row) {
         self.reserved -= row.reserved;
+        self.chooser.remove(row.id);
         if let Some(d) = self.drafter.as_mut() {
             d.remove(row.id);
         }
@@ -253,6 +262,7 @@ impl<'a> Engine<'a> {
                 sampling: r.sampling,
                 reserved: need,
                 drafting: self.drafter.is_some(),
+                behind: r.prompt.len(),
             };
             self.reserved += need;
             let first = pick(&logits, &r.sampling, r.prompt.len() as u64);
@@ -321,48 +331,12 @@ impl<'a> Engine<'a> {
         }
     }
 
+    /// One round (see design.md): choose each row's k, draft, verify every row in one
+    /// forward (which also rolls caches back), then emit, commit and learn.
     fn round(&mut self, events: &mut Vec<Event>) {
-        let context = self.model.max_positions();
-        let shared_base = self.active.iter().map(|r| r.cache.len()).max().unwrap_or(0);
-        // Per-row draft length: no drafts past max_tokens or the context.
-        let ks: Vec<usize> = self
-            .active
-            .iter()
-            .map(|r| {
-                if !r.drafting {
-                    return 0;
-                }
-                let base = match self.opts.layout {
-                    WindowLayout::RowTail => r.cache.len(),
-                    WindowLayout::SharedSlots => shared_base,
-                };
-                self.opts.k.min(r.max_tokens - r.tokens.len() - 1).min(context.saturating_sub(base + 1))
-            })
-            .collect();
         let t0 = Instant::now();
-        let mut drafts: Vec<Proposal> = vec![Proposal::default(); self.active.len()];
-        let asks: Vec<DraftAsk> = self
-            .active
-            .iter()
-            .zip(&ks)
-            .filter(|(_, &k)| k > 0)
-            .map(|(r, &k)| DraftAsk { row: r.id, k, sampling: r.sampling })
-            .collect();
-        if let (Some(d), false) = (self.drafter.as_mut(), asks.is_empty()) {
-            match d.propose(&asks) {
-                Ok(proposed) => {
-                    let mut it = proposed.into_iter();
-                    for (i, &k) in ks.iter().enumerate() {
-                        if k > 0 {
-                            drafts[i] = it.next().unwrap_or_default();
-                            drafts[i].tokens.truncate(k);
-                            drafts[i].dists.truncate(k);
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!("drafter: {e}; verifying this round without drafts"),
-            }
-        }
+        let ks = self.choose_ks();
+        let drafts = self.propose(&ks);
         let draft_time = t0.elapsed();
         let t1 = Instant::now();
         let pending: Vec<u32> =
@@ -383,13 +357,120 @@ impl<'a> Engine<'a> {
             .collect();
         let results = verify(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode);
         drop(rows);
-        let verify_time = t1.elapsed();
+        self.stats.verify_time += t1.elapsed();
+        let batch = self.active.len();
+        let verify_tokens = batch + drafts.iter().map(|d| d.tokens.len()).sum::<usize>();
+        let plain_seconds = self.chooser.verify_seconds(batch);
+        let outcomes = self.commit(results, &ks, &drafts, &pending, &starts, events);
+        let rest_time = t1.elapsed();
+        let emitted: usize = outcomes.iter().map(|o| o.accepted + 1).sum();
+        self.chooser.observe(&outcomes, draft_time.as_secs_f64(), rest_time.as_secs_f64(), verify_tokens);
         self.stats.draft_time += draft_time;
-        self.stats.verify_time += verify_time;
         self.stats.rounds += 1;
-        let drafted = drafts.iter().map(|d| d.tokens.len()).sum::<usize>();
-        // accepted_at[j]: rows that accepted draft position j + 1 this round.
-        let mut accepted_at = vec![0usize; self.opts.k];
+        let round_time = t0.elapsed();
+        self.stats.round_time += round_time;
+        if let Some(plain) = plain_seconds {
+            self.stats.timed_rounds += round_time;
+            let estimate = plain * emitted as f64 / batch as f64;
+            if estimate.is_finite() && estimate >= 0.0 {
+                self.stats.plain_estimate += Duration::from_secs_f64(estimate);
+            }
+        }
+        tracing::debug!(
+            round = self.stats.rounds,
+            rows = batch,
+            ?ks,
+            accepted = ?outcomes.iter().map(|o| o.accepted).collect::<Vec<_>>(),
+            draft_ms = draft_time.as_secs_f64() * 1e3,
+            rest_ms = rest_time.as_secs_f64() * 1e3,
+            "round"
+        );
+    }
+
+    /// Each active row's k this round: none past max_tokens or the context; fixed, or
+    /// chosen by the adaptive policy.
+    fn choose_ks(&mut self) -> Vec<usize> {
+        let context = self.model.max_positions();
+        let shared_base = self.active.iter().map(|r| r.cache.len()).max().unwrap_or(0);
+        let caps: Vec<usize> = self
+            .active
+            .iter()
+            .map(|r| {
+                if !r.drafting || self.drafter.is_none() {
+                    return 0;
+                }
+                let base = match self.opts.layout {
+                    WindowLayout::RowTail => r.cache.len(),
+                    WindowLayout::SharedSlots => shared_base,
+                };
+                self.opts.k.max().min(r.max_tokens - r.tokens.len() - 1).min(context.saturating_sub(base + 1))
+            })
+            .collect();
+        if let DraftLen::Fixed(_) = self.opts.k {
+            return caps;
+        }
+        let rejection = self.opts.sampling_mode == SamplingMode::Rejection;
+        let candidates: Vec<Candidate> = self
+            .active
+            .iter()
+            .zip(&caps)
+            .filter(|(_, &cap)| cap > 0)
+            .map(|(r, &cap)| Candidate {
+                row: r.id,
+                cap,
+                self_paced: rejection && !r.sampling.is_greedy(),
+                behind: r.behind,
+                remaining: r.max_tokens - r.tokens.len(),
+            })
+            .collect();
+        let mut chosen = self.chooser.choose(&candidates, caps.len() - candidates.len()).into_iter();
+        caps.iter().map(|&cap| if cap > 0 { chosen.next().unwrap_or(0) } else { 0 }).collect()
+    }
+
+    /// Drafts for every row with k > 0 in one call; a failing drafter means no drafts
+    /// this round (verify still runs).
+    fn propose(&mut self, ks: &[usize]) -> Vec<Proposal> {
+        let mut drafts: Vec<Proposal> = vec![Proposal::default(); self.active.len()];
+        let asks: Vec<DraftAsk> = self
+            .active
+            .iter()
+            .zip(ks)
+            .filter(|(_, &k)| k > 0)
+            .map(|(r, &k)| DraftAsk { row: r.id, k, sampling: r.sampling })
+            .collect();
+        let Some(d) = self.drafter.as_mut() else { return drafts };
+        if asks.is_empty() {
+            return drafts;
+        }
+        match d.propose(&asks) {
+            Ok(proposed) => {
+                let mut it = proposed.into_iter();
+                for (i, &k) in ks.iter().enumerate() {
+                    if k > 0 {
+                        drafts[i] = it.next().unwrap_or_default();
+                        drafts[i].tokens.truncate(k);
+                        drafts[i].dists.truncate(k);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!("drafter: {e}; verifying this round without drafts"),
+        }
+        drafts
+    }
+
+    /// Emits each row's verified tokens, retires finished and failed rows, and commits the
+    /// kept positions to the drafter. Returns what each verified row did.
+    #[allow(clippy::too_many_arguments)]
+    fn commit(
+        &mut self,
+        results: Vec<Result<Verified, Error>>,
+        ks: &[usize],
+        drafts: &[Proposal],
+        pending: &[u32],
+        starts: &[usize],
+        events: &mut Vec<Event>,
+    ) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(results.len());
         let mut rows = std::mem::take(&mut self.active);
         let mut keep = Vec::with_capacity(rows.len());
         for (i, (mut row, result)) in rows.drain(..).zip(results).enumerate() {
@@ -402,9 +483,15 @@ impl<'a> Engine<'a> {
                 }
             };
             self.stats.record(drafts[i].tokens.len(), v.accepted);
-            for a in &mut accepted_at[..v.accepted] {
-                *a += 1;
-            }
+            let behind = if ks[i] > 0 { std::mem::take(&mut row.behind) } else { 0 };
+            row.behind += v.accepted + 1;
+            outcomes.push(Outcome {
+                row: row.id,
+                behind,
+                asked: ks[i],
+                drafted: drafts[i].tokens.len(),
+                accepted: v.accepted,
+            });
             if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, events) {
                 events.push(Event::Finished { request: row.id, reason });
                 self.release(&row);
@@ -419,16 +506,7 @@ impl<'a> Engine<'a> {
             keep.push(row);
         }
         self.active = keep;
-        tracing::debug!(
-            round = self.stats.rounds,
-            rows = drafts.len(),
-            drafted,
-            accepted = accepted_at.iter().sum::<usize>(),
-            ?accepted_at,
-            draft_ms = draft_time.as_secs_f64() * 1e3,
-            verify_ms = verify_time.as_secs_f64() * 1e3,
-            "round"
-        );
+        outcomes
     }
 }
 

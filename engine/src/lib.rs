@@ -5,11 +5,13 @@
 //! Every row's tokens and logprobs are bitwise those of plain decoding of that request
 //! alone, whatever the drafter, k, batch or arrival order.
 
+mod adaptive;
 mod engine;
 mod generate;
 mod metrics;
 mod request;
 
+pub use adaptive::DraftLen;
 pub use engine::{prefill, Engine, EngineOptions};
 pub use generate::generate;
 pub use metrics::SpecStats;

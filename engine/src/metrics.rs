@@ -20,6 +20,12 @@ pub struct SpecStats {
     pub prefill_time: Duration,
     pub draft_time: Duration,
     pub verify_time: Duration,
+    /// Whole rounds (drafting, verify, emitting, bookkeeping).
+    pub round_time: Duration,
+    /// Rounds timed after the cost model had seen one (`timed_rounds`), and how long plain
+    /// decoding is estimated to take for the tokens they emitted (`plain_estimate`).
+    pub timed_rounds: Duration,
+    pub plain_estimate: Duration,
 }
 
 impl SpecStats {
@@ -46,6 +52,18 @@ impl SpecStats {
     /// Tokens a row gains per verification: accepted drafts plus the bonus token.
     pub fn mean_accepted_length(&self) -> f64 {
         ratio(self.accepted + self.verifies, self.verifies)
+    }
+
+    /// Drafts per row verification (the mean k).
+    pub fn mean_drafted(&self) -> f64 {
+        ratio(self.drafted, self.verifies)
+    }
+
+    /// How many times faster than plain decoding the rounds ran, by the engine's own cost
+    /// model of a plain round at the same batch size (None before it had timed a round).
+    pub fn estimated_speedup(&self) -> Option<f64> {
+        let actual = self.timed_rounds.as_secs_f64();
+        (actual > 0.0).then(|| self.plain_estimate.as_secs_f64() / actual)
     }
 
     /// Acceptance rate at draft positions 1..=k (of the verifications that drafted there).

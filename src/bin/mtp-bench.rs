@@ -9,8 +9,10 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use mtp::bench::{markdown, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Setting};
-use mtp::engine::{Completion, Request, SamplingMode, SamplingParams};
+use mtp::bench::{
+    markdown, median_tps, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Run, Setting,
+};
+use mtp::engine::{Completion, DraftLen, Request, SamplingMode, SamplingParams};
 use mtp::model::backend::{Backend, KvDtype};
 use mtp::model::{Model, Tokenizer};
 
@@ -28,9 +30,12 @@ struct Cli {
     /// shipped draft model and MTP head of the default target, and ngram).
     #[arg(long)]
     drafters: Option<String>,
-    /// Draft lengths to try.
-    #[arg(long, default_value = "1,2,4", value_delimiter = ',', value_parser = mtp::at_least_one)]
-    k: Vec<usize>,
+    /// Draft lengths to try: auto (adaptive, up to --max-k) and/or fixed counts.
+    #[arg(long, default_value = "auto", value_delimiter = ',', value_parser = mtp::parse_k)]
+    k: Vec<mtp::KArg>,
+    /// The most drafts `auto` gives a row in one round.
+    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+    max_k: usize,
     /// Max batch sizes to try (every request arrives at once).
     #[arg(long, default_value = "1,4", value_delimiter = ',', value_parser = mtp::at_least_one)]
     batch: Vec<usize>,
@@ -61,6 +66,10 @@ struct Cli {
     /// How K/V are stored: auto, f32, bf16 (as for `mtp generate`).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
+    /// Runs of every setting, taken in turn; the table shows the median (the machine is
+    /// noisy) and every run must be identical.
+    #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
+    repeats: usize,
     /// Also write every number and per-request details here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -68,6 +77,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     mtp::init_logging("warn");
+    mtp::init_threads();
     match bench(Cli::parse()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
@@ -95,6 +105,10 @@ fn bench(cli: Cli) -> Result<bool> {
             DrafterSpec::Mtp(Some(mtp::DEFAULT_MTP.into())),
             DrafterSpec::Ngram,
         ],
+        // Another target: its own MTP head if it has one, and n-gram lookup.
+        (None, false) if model.config.num_nextn_predict_layers > 0 => {
+            vec![DrafterSpec::Mtp(None), DrafterSpec::Ngram]
+        }
         (None, false) => vec![DrafterSpec::Ngram],
     };
     let modes = cli
@@ -128,7 +142,8 @@ fn bench(cli: Cli) -> Result<bool> {
         .map(|d| DrafterFactory::new(d, &target_dir, &model))
         .collect::<Result<Vec<_>>>()?;
     let settings: usize = cli.temperatures.iter().map(|&t| if t == 0.0 { 1 } else { modes.len() }).sum();
-    let runs = cli.batch.len() * (cli.temperatures.len() + settings * factories.len() * cli.k.len());
+    let runs =
+        cli.repeats * cli.batch.len() * (cli.temperatures.len() + settings * factories.len() * cli.k.len());
     let bar = ProgressBar::new(runs as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),
@@ -152,46 +167,62 @@ fn bench(cli: Cli) -> Result<bool> {
             })
             .collect();
         let modes = if temperature == 0.0 { &[SamplingMode::Exact][..] } else { &modes[..] };
+        let mut configs: Vec<(SamplingMode, &DrafterFactory, mtp::KArg)> = Vec::new();
+        for &m in modes {
+            for f in &factories {
+                configs.extend(cli.k.iter().map(|&k| (m, f, k)));
+            }
+        }
+        let name = |mode: SamplingMode| if temperature == 0.0 { "greedy" } else { mode.name() };
         // Plain decoding at the first batch size: what greedy and exact rows must equal.
         let mut reference: Option<Vec<Completion>> = None;
-        // Rejection rows at the first batch size, per (drafter, k): what later batch sizes must equal.
-        let mut rejection_alone: Vec<Vec<Completion>> = Vec::new();
+        // Rejection rows at the first batch size, per config: what later batch sizes must equal.
+        let mut rejection_alone: Vec<Option<Vec<Completion>>> = vec![None; configs.len()];
         for (b, &batch) in cli.batch.iter().enumerate() {
-            bar.set_message(format!("plain, T={temperature}, batch {batch}"));
-            let plain = run(&model, None, &requests, batch, 0, SamplingMode::Exact)?;
-            let reference = &*reference.get_or_insert_with(|| plain.completions.clone());
+            // Every config runs once per repeat, in turn, so slow spells hit all alike.
+            let mut plain_runs = Vec::new();
+            let mut runs: Vec<Vec<Run>> = configs.iter().map(|_| Vec::new()).collect();
+            for rep in 0..cli.repeats {
+                bar.set_message(format!("plain, T={temperature}, batch {batch}, repeat {}", rep + 1));
+                plain_runs.push(run(
+                    &model,
+                    None,
+                    &requests,
+                    batch,
+                    DraftLen::Fixed(0),
+                    SamplingMode::Exact,
+                )?);
+                bar.inc(1);
+                for ((mode, f, k), out) in configs.iter().zip(&mut runs) {
+                    bar.set_message(format!(
+                        "{}, k {}, batch {batch}, T={temperature} {}, repeat {}",
+                        f.spec().label(),
+                        k.label(),
+                        name(*mode),
+                        rep + 1
+                    ));
+                    let reference = reference.as_deref().unwrap_or(&plain_runs[0].completions);
+                    let drafter = f.make(&model, &requests, reference)?;
+                    out.push(run(&model, Some(drafter), &requests, batch, k.with_max(cli.max_k), *mode)?);
+                    bar.inc(1);
+                }
+            }
+            let reference = &*reference.get_or_insert_with(|| plain_runs[0].completions.clone());
             let label = if temperature == 0.0 { "greedy" } else { "plain" };
-            let plain_tps = plain.tokens_per_second();
+            let plain_tps = median_tps(&plain_runs);
             let setting = Setting { temperature, sampling: label, reference: Some(reference), plain_tps };
-            rows.push(Row::new("none", 0, batch, &plain, &setting));
-            bar.inc(1);
-            let mut alone_at = 0;
-            for &mode in modes {
-                for f in &factories {
-                    for &k in &cli.k {
-                        let name = if temperature == 0.0 { "greedy" } else { mode.name() };
-                        bar.set_message(format!(
-                            "{}, k {k}, batch {batch}, T={temperature} {name}",
-                            f.spec().label()
-                        ));
-                        let drafter = f.make(&model, &requests, reference)?;
-                        let r = run(&model, Some(drafter), &requests, batch, k, mode)?;
-                        let rejection = mode == SamplingMode::Rejection && temperature != 0.0;
-                        let against = match (rejection, b) {
-                            (true, 0) => None,
-                            (true, _) => {
-                                alone_at += 1;
-                                rejection_alone.get(alone_at - 1).map(|c| c.as_slice())
-                            }
-                            (false, _) => Some(reference.as_slice()),
-                        };
-                        let setting = Setting { temperature, sampling: name, reference: against, plain_tps };
-                        rows.push(Row::new(&f.spec().label(), k, batch, &r, &setting));
-                        if rejection && b == 0 {
-                            rejection_alone.push(r.completions);
-                        }
-                        bar.inc(1);
-                    }
+            rows.push(Row::new("none", "0", batch, &plain_runs, &setting));
+            for (((mode, f, k), r), alone) in configs.iter().zip(&runs).zip(&mut rejection_alone) {
+                let rejection = *mode == SamplingMode::Rejection && temperature != 0.0;
+                let against = match (rejection, b) {
+                    (true, 0) => None,
+                    (true, _) => alone.as_deref(),
+                    (false, _) => Some(reference.as_slice()),
+                };
+                let setting = Setting { temperature, sampling: name(*mode), reference: against, plain_tps };
+                rows.push(Row::new(&f.spec().label(), &k.label(), batch, r, &setting));
+                if rejection && b == 0 {
+                    *alone = Some(r[0].completions.clone());
                 }
             }
         }
@@ -204,6 +235,7 @@ fn bench(cli: Cli) -> Result<bool> {
             "target": target_dir,
             "requests": requests.len(),
             "max_tokens": cli.max_tokens,
+            "repeats": cli.repeats,
             "threads": rayon_threads(),
             "rows": rows,
         });

@@ -45,17 +45,22 @@ enum Command {
         /// Rows decoded together; later requests wait in a queue.
         #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
         max_batch: usize,
-        /// none, draft-model (needs --draft), mtp (--draft, or the target's own MTP
-        /// weights) or ngram (prompt lookup).
-        #[arg(long, default_value = "none")]
+        /// auto (the target's own MTP head when its checkpoint has one, else none), none,
+        /// draft-model (needs --draft), mtp (--draft, or the target's own MTP weights) or
+        /// ngram (prompt lookup).
+        #[arg(long, default_value = "auto")]
         drafter: String,
         /// Draft model or MTP head checkpoint directory.
         #[arg(long)]
         draft: Option<PathBuf>,
-        /// Draft tokens per row per round (at least 1 with a drafter; plain decoding is
-        /// --drafter none).
-        #[arg(long, default_value_t = 4)]
-        k: usize,
+        /// Draft tokens per row per round: auto (chosen per row every round from measured
+        /// acceptance and costs, up to --max-k; none when speculation cannot pay) or a
+        /// fixed count of at least 1.
+        #[arg(long, default_value = "auto", value_parser = mtp::parse_k)]
+        k: mtp::KArg,
+        /// The most drafts --k auto gives a row in one round.
+        #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+        max_k: usize,
         /// Shortest and longest n-gram the ngram drafter matches.
         #[arg(long, default_value_t = 1, value_parser = mtp::at_least_one)]
         ngram_min: usize,
@@ -168,6 +173,16 @@ fn make_drafter(
 ) -> Result<Option<Box<dyn Drafter>>> {
     Ok(match kind {
         "none" => None,
+        "auto" => {
+            if draft.is_some() {
+                bail!("--draft goes with --drafter draft-model or mtp; --drafter auto uses the target's own MTP head");
+            }
+            if target.config.num_nextn_predict_layers == 0 {
+                None
+            } else {
+                Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
+            }
+        }
         "ngram" => Some(Box::new(NgramDrafter::new(ngram.0, ngram.1)?)),
         "draft-model" => {
             let dir = draft.context("--drafter draft-model needs --draft DIR")?;
@@ -177,8 +192,44 @@ fn make_drafter(
             let dir = draft.unwrap_or(target_dir);
             Some(Box::new(MtpDrafter::load(dir, target.clone())?))
         }
-        other => bail!("unknown --drafter `{other}` (none, draft-model, mtp, ngram)"),
+        other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, ngram)"),
     })
+}
+
+/// The last stderr line of `mtp generate`: what speculation did, in plain words.
+fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
+    match (drafter, auto) {
+        ("none", true) => {
+            return "plain decoding: the target has no MTP head for --drafter auto (try --drafter ngram, or \
+                    draft-model with --draft DIR)"
+                .into()
+        }
+        ("none", false) => return "plain decoding (--drafter none)".into(),
+        _ => {}
+    }
+    let what = match drafter {
+        "mtp" => "the MTP head",
+        "draft-model" => "the draft model",
+        "ngram" => "n-gram prompt lookup",
+        other => other,
+    };
+    if s.drafted == 0 {
+        return format!(
+            "drafter {what} proposed nothing: speculation did not pay here, so every round decoded plainly"
+        );
+    }
+    let speed = match s.estimated_speedup() {
+        Some(x) => format!("; about {x:.2}x the speed of plain decoding (the engine's estimate)"),
+        None => String::new(),
+    };
+    format!(
+        "drafter {what}: {:.0}% of {} draft tokens accepted, {:.2} tokens per target forward per request \
+         (plain decoding: 1), {:.1} drafts per request per round on average{speed}",
+        100.0 * s.acceptance_rate(),
+        s.drafted,
+        s.mean_accepted_length(),
+        s.mean_drafted(),
+    )
 }
 
 /// One stdout line. Logprobs serialize as f32 (shortest round-trip), so equal text means
@@ -194,6 +245,7 @@ struct OutputLine<'a> {
 
 fn main() -> ExitCode {
     mtp::init_logging("info");
+    mtp::init_threads();
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
@@ -215,6 +267,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             drafter,
             draft,
             k,
+            max_k,
             ngram_min,
             ngram_max,
             kv_budget_mib,
@@ -225,9 +278,6 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let backend = backend.parse::<Backend>()?;
             backend.check()?;
             let (sampling, sampling_mode) = sampling.params()?;
-            if k == 0 && drafter != "none" {
-                bail!("--k 0 drafts nothing: use --drafter none for plain decoding, or --k 1 or more");
-            }
             let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
             let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
             let t0 = std::time::Instant::now();
@@ -246,7 +296,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 eprintln!("{}: holds no requests; nothing to generate", prompts.display());
                 return Ok(ExitCode::SUCCESS);
             }
+            let asked_auto = drafter == "auto";
             let drafter = make_drafter(&drafter, draft.as_deref(), &target, &model, (ngram_min, ngram_max))?;
+            let drafter_name = drafter.as_ref().map_or("none", |d| d.name()).to_string();
             tracing::info!(
                 target = %target.display(),
                 arch = ?model.config.arch,
@@ -259,7 +311,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let opts = EngineOptions {
                 max_batch,
                 prefill_chunk,
-                k,
+                k: k.with_max(max_k),
                 kv_budget_bytes: kv_budget_mib.map(|m| m << 20),
                 sampling_mode,
                 ..EngineOptions::default()
@@ -309,6 +361,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 mean_accepted_length = stats.mean_accepted_length(),
                 "done"
             );
+            eprintln!("{}", summary(&drafter_name, asked_auto, stats));
             Ok(if failed > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
         }
         Command::Synth {

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::simd::{isa, tile, Portable, Simd16};
+use super::simd::{isa, split_pairs, tile, tile_pairs, Portable, Simd16};
 use crate::weights::{Weight, WeightDtype};
 
 /// Columns of the output one task computes; a task covers every row for its columns so
@@ -46,6 +46,14 @@ fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     let wb = w.bytes();
     let d = w.dtype;
+    // bf16 weights take the bf16 order, which reads x pair-split (see `simd`).
+    let split;
+    let x = if d == WeightDtype::Bf16 {
+        split = split_pairs(x, m, k);
+        &split[..]
+    } else {
+        x
+    };
     let optr = SendPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(COLS_PER_TASK);
     let run = |t: usize| {
@@ -109,7 +117,12 @@ unsafe fn columns_avx512(
     out: *mut f32,
     ldo: usize,
 ) {
-    columns_generic::<super::simd::Avx512, 4, 4>(x, m, k, w, d, n0, n1, out, ldo)
+    if m == 1 {
+        // One row: more columns per pass, so enough independent sums hide the FMA latency.
+        columns_generic::<super::simd::Avx512, 1, 8>(x, m, k, w, d, n0, n1, out, ldo)
+    } else {
+        columns_generic::<super::simd::Avx512, 4, 4>(x, m, k, w, d, n0, n1, out, ldo)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -155,7 +168,16 @@ unsafe fn columns_generic<S: Simd16, const MR: usize, const NR: usize>(
             let xp = x.add(r * k);
             let op = out.add(r * ldo + n);
             if mr == MR && nr == NR {
-                tile::<S, MR, NR>(xp, k, wp, d, ws, op, ldo);
+                block::<S, MR, NR>(xp, k, wp, d, ws, op, ldo);
+            } else if nr == NR && mr < MR {
+                // Fewer rows than a full tile (a verify window of 2 or 3 tokens): still
+                // one pass over the weights for all of them.
+                match mr {
+                    1 => block::<S, 1, NR>(xp, k, wp, d, ws, op, ldo),
+                    2 => block::<S, 2, NR>(xp, k, wp, d, ws, op, ldo),
+                    3 => block::<S, 3, NR>(xp, k, wp, d, ws, op, ldo),
+                    _ => edge::<S>(mr, nr, xp, k, wp, d, ws, op, ldo),
+                }
             } else {
                 edge::<S>(mr, nr, xp, k, wp, d, ws, op, ldo);
             }
@@ -183,14 +205,33 @@ unsafe fn edge<S: Simd16>(
         let xp = x.add(r * k);
         let op = out.add(r * ldo);
         match nr {
-            4 => tile::<S, 1, 4>(xp, k, w, d, ws, op, ldo),
-            3 => tile::<S, 1, 3>(xp, k, w, d, ws, op, ldo),
-            2 => tile::<S, 1, 2>(xp, k, w, d, ws, op, ldo),
+            4 => block::<S, 1, 4>(xp, k, w, d, ws, op, ldo),
+            3 => block::<S, 1, 3>(xp, k, w, d, ws, op, ldo),
+            2 => block::<S, 1, 2>(xp, k, w, d, ws, op, ldo),
             _ => {
                 for j in 0..nr {
-                    tile::<S, 1, 1>(xp, k, w.add(j * ws), d, ws, op.add(j), ldo)
+                    block::<S, 1, 1>(xp, k, w.add(j * ws), d, ws, op.add(j), ldo)
                 }
             }
         }
+    }
+}
+
+/// One tile in the order of the weights' dtype.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn block<S: Simd16, const MR: usize, const NR: usize>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    ws: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    if d == WeightDtype::Bf16 {
+        tile_pairs::<S, MR, NR>(x, k, w, ws, out, ldo)
+    } else {
+        tile::<S, MR, NR>(x, k, w, d, ws, out, ldo)
     }
 }

@@ -6,6 +6,11 @@
 //! `v8[i] = l[i] + l[i+8]`, `v4[i] = v8[i] + v8[i+4]`, `v2[i] = v4[i] + v4[i+2]`,
 //! `r = v2[0] + v2[1]`. The order depends only on K, never on M, batch, padding or
 //! threads, and the AVX-512, AVX2 and portable paths compute exactly the same bits.
+//!
+//! bf16 weights take the bf16 order instead (see [`tile_pairs`]): in each full chunk of 32
+//! elements lane `j` accumulates element `2j` then `2j + 1`, the rest of K goes as above,
+//! and the same lane tree ends it. Widening a bf16 pair is then a shift and a mask, with
+//! no shuffle: the CPU matmul's bottleneck at the small M of decoding and verifying.
 
 use crate::weights::WeightDtype;
 
@@ -25,6 +30,13 @@ pub trait Simd16: Copy {
     /// # Safety
     /// `p` must point to 16 readable elements of dtype `d`.
     unsafe fn load_w(p: *const u8, d: WeightDtype) -> Self::V;
+    /// Loads 32 bf16 weights at byte pointer `p` as two vectors: lane `l` of the first
+    /// holds element `2l`, of the second element `2l + 1` (widening a bf16 pair is a
+    /// shift and a mask, no shuffle).
+    ///
+    /// # Safety
+    /// `p` must point to 32 readable bf16.
+    unsafe fn load_bf16_pairs(p: *const u8) -> (Self::V, Self::V);
     /// `acc + a * b`, rounded once.
     fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V;
     /// The canonical lane tree.
@@ -52,6 +64,15 @@ impl Simd16 for Portable {
             *o = d.read(p, i);
         }
         out
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(p: *const u8) -> (Self::V, Self::V) {
+        let (mut even, mut odd) = ([0.0f32; LANES], [0.0f32; LANES]);
+        for l in 0..LANES {
+            even[l] = WeightDtype::Bf16.read(p, 2 * l);
+            odd[l] = WeightDtype::Bf16.read(p, 2 * l + 1);
+        }
+        (even, odd)
     }
     #[inline(always)]
     fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V {
@@ -110,6 +131,15 @@ mod x86 {
             }
         }
         #[inline(always)]
+        unsafe fn load_bf16_pairs(p: *const u8) -> (__m512, __m512) {
+            let raw = _mm512_loadu_si512(p as *const __m512i);
+            let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            (
+                _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
+                _mm512_castsi512_ps(_mm512_and_si512(raw, high)),
+            )
+        }
+        #[inline(always)]
         fn fma(acc: __m512, a: __m512, b: __m512) -> __m512 {
             unsafe { _mm512_fmadd_ps(a, b, acc) }
         }
@@ -162,6 +192,15 @@ mod x86 {
                     _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)),
                 ),
             }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_pairs(p: *const u8) -> (Self::V, Self::V) {
+            let lo = _mm256_loadu_si256(p as *const __m256i);
+            let hi = _mm256_loadu_si256(p.add(32) as *const __m256i);
+            let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            let even = |v| _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            let odd = |v| _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            ((even(lo), even(hi)), (odd(lo), odd(hi)))
         }
         #[inline(always)]
         fn fma(acc: Self::V, a: Self::V, b: Self::V) -> Self::V {
@@ -238,7 +277,14 @@ unsafe fn dot_avx2(x: &[f32], w: &[u8], d: WeightDtype) -> f32 {
 fn dot_generic<S: Simd16>(x: &[f32], w: &[u8], d: WeightDtype) -> f32 {
     let mut out = 0.0f32;
     // SAFETY: `dot` checked that `w` holds `x.len()` weights; one output.
-    unsafe { tile::<S, 1, 1>(x.as_ptr(), x.len(), w.as_ptr(), d, 0, &mut out, 0) };
+    unsafe {
+        if d == WeightDtype::Bf16 {
+            let xs = split_pairs(x, 1, x.len());
+            tile_pairs::<S, 1, 1>(xs.as_ptr(), x.len(), w.as_ptr(), 0, &mut out, 0)
+        } else {
+            tile::<S, 1, 1>(x.as_ptr(), x.len(), w.as_ptr(), d, 0, &mut out, 0)
+        }
+    };
     out
 }
 
@@ -294,6 +340,92 @@ pub unsafe fn tile<S: Simd16, const MR: usize, const NR: usize>(
     }
 }
 
+/// Elements per pair chunk of the bf16 order.
+pub const PAIR_CHUNK: usize = 2 * LANES;
+
+/// `x` (`m` rows of `k`) rearranged for [`tile_pairs`]: in each full 32-element chunk the
+/// even elements first, then the odd ones; the rest of each row as it was.
+pub fn split_pairs(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let mut out = x.to_vec();
+    let full = k / PAIR_CHUNK * PAIR_CHUNK;
+    for r in 0..m {
+        for c in (0..full).step_by(PAIR_CHUNK) {
+            let (src, dst) = (&x[r * k + c..], &mut out[r * k + c..]);
+            for l in 0..LANES {
+                dst[l] = src[2 * l];
+                dst[LANES + l] = src[2 * l + 1];
+            }
+        }
+    }
+    out
+}
+
+/// Like [`tile`] for bf16 weights, in the bf16 order: lane `l` takes, for each full
+/// 32-element chunk, element `2l` then `2l + 1`; the rest of K then goes as in [`tile`]
+/// (16-lane chunks, zero-padded tail); the same lane tree at the end. Widening bf16 pairs
+/// needs no shuffle, and each weight is widened once for all `MR` rows.
+///
+/// # Safety
+/// As for [`tile`]; `x` rows must come from [`split_pairs`] and the weights be bf16.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub unsafe fn tile_pairs<S: Simd16, const MR: usize, const NR: usize>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    w_stride: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let d = WeightDtype::Bf16;
+    let mut acc = [[S::zero(); NR]; MR];
+    let pairs = k / PAIR_CHUNK * PAIR_CHUNK;
+    let mut i = 0;
+    while i < pairs {
+        let mut even = [S::zero(); NR];
+        let mut odd = [S::zero(); NR];
+        for j in 0..NR {
+            (even[j], odd[j]) = S::load_bf16_pairs(w.add(j * w_stride + i * 2));
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xe = S::load(x.add(r * k + i));
+            let xo = S::load(x.add(r * k + i + LANES));
+            for j in 0..NR {
+                row[j] = S::fma(S::fma(row[j], xe, even[j]), xo, odd[j]);
+            }
+        }
+        i += PAIR_CHUNK;
+    }
+    while i + LANES <= k {
+        let mut wv = [S::zero(); NR];
+        for (j, v) in wv.iter_mut().enumerate() {
+            *v = S::load_w(w.add(j * w_stride + i * 2), d);
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xv = S::load(x.add(r * k + i));
+            for j in 0..NR {
+                row[j] = S::fma(row[j], xv, wv[j]);
+            }
+        }
+        i += LANES;
+    }
+    if i < k {
+        for (r, row) in acc.iter_mut().enumerate() {
+            let xs = std::slice::from_raw_parts(x.add(r * k), k);
+            for (j, a) in row.iter_mut().enumerate() {
+                let ws = std::slice::from_raw_parts(w.add(j * w_stride), k * 2);
+                let (xt, wt) = tail_f32(xs, ws, d, i);
+                *a = S::fma(*a, S::load(xt.as_ptr()), S::load(wt.as_ptr()));
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (j, a) in row.iter().enumerate() {
+            *out.add(r * ldo + j) = S::reduce(*a);
+        }
+    }
+}
+
 /// The last partial chunk of a dot product, zero-padded to 16 lanes.
 #[inline(always)]
 fn tail_f32(x: &[f32], w: &[u8], d: WeightDtype, start: usize) -> ([f32; 16], [f32; 16]) {
@@ -316,20 +448,49 @@ mod tests {
             .collect()
     }
 
-    /// Every SIMD path computes exactly the portable path's bits.
+    /// Every SIMD path computes exactly the portable path's bits, for f32 and bf16 weights
+    /// (whose orders differ).
     #[test]
     fn all_paths_agree_bitwise() {
-        for k in [1, 15, 16, 17, 100, 1024, 3071] {
+        for k in [1, 15, 16, 17, 31, 32, 33, 48, 50, 100, 1024, 3071] {
             let x = data(k, 1);
             let w = data(k, 2);
-            let wb: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let portable = dot_generic::<Portable>(&x, &wb, WeightDtype::F32).to_bits();
-            assert_eq!(dot(&x, &wb, WeightDtype::F32).to_bits(), portable, "k={k}");
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                let avx2 = unsafe { dot_avx2(&x, &wb, WeightDtype::F32) }.to_bits();
-                assert_eq!(avx2, portable, "k={k}");
+            let f32s: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let bf16s: Vec<u8> = w.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
+            for (d, wb) in [(WeightDtype::F32, &f32s), (WeightDtype::Bf16, &bf16s)] {
+                let portable = dot_generic::<Portable>(&x, wb, d).to_bits();
+                assert_eq!(dot(&x, wb, d).to_bits(), portable, "k={k} {d:?}");
+                #[cfg(target_arch = "x86_64")]
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    let avx2 = unsafe { dot_avx2(&x, wb, d) }.to_bits();
+                    assert_eq!(avx2, portable, "k={k} {d:?}");
+                }
             }
+        }
+    }
+
+    /// The bf16 order is the one documented: pairs within 32-element chunks, then the rest
+    /// in 16-lane chunks, then the lane tree (checked against a scalar model).
+    #[test]
+    fn bf16_order_is_pairs_then_lanes() {
+        for k in [32, 45, 64, 100] {
+            let x = data(k, 3);
+            let w: Vec<f32> = data(k, 4).iter().map(|v| f32::from_bits(v.to_bits() & 0xFFFF_0000)).collect();
+            let wb: Vec<u8> = w.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
+            let mut lanes = [0.0f32; LANES];
+            let pairs = k / 32 * 32;
+            for c in (0..pairs).step_by(32) {
+                for (l, a) in lanes.iter_mut().enumerate() {
+                    *a = x[c + 2 * l].mul_add(w[c + 2 * l], *a);
+                    *a = x[c + 2 * l + 1].mul_add(w[c + 2 * l + 1], *a);
+                }
+            }
+            for (i, (xv, wv)) in x.iter().zip(&w).enumerate().skip(pairs) {
+                let l = (i - pairs) % LANES;
+                lanes[l] = xv.mul_add(*wv, lanes[l]);
+            }
+            let want = Portable::reduce(lanes);
+            assert_eq!(dot(&x, &wb, WeightDtype::Bf16).to_bits(), want.to_bits(), "k={k}");
         }
     }
 

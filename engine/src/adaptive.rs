@@ -1,0 +1,642 @@
+//! How many drafts each row gets per round (adaptive k).
+//!
+//! A row's output is bitwise the same for any k (greedy and exact sampling), so k may
+//! change per row and per round without changing a bit. [`KChooser`] picks, each round,
+//! the k's that maximise the batch's expected emitted tokens per second, from what the
+//! engine measured so far:
+//! - acceptance per draft position, conditional on the drafts before it being accepted:
+//!   decayed counts per row, with the drafter's overall counts as the row's prior;
+//! - verify cost (the whole round except drafting) as a line in the batch's verify tokens;
+//! - draft cost as a line in draft steps (the longest row's k) and draft tokens.
+//!
+//! It raises a row's k by at most one per round (so a wrong guess costs little), and when
+//! speculation does not pay it drafts nothing, probing with k = 1 at growing intervals.
+//! Rows in rejection mode at T > 0 are the exception: which positions had drafts changes
+//! their output, so their k must depend on nothing but their own history (not on the
+//! batch, not on timings): they use their own acceptance and a fixed cost per draft.
+
+use std::collections::HashMap;
+
+use mtp_drafter::RowId;
+
+/// How many drafts each row gets per round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftLen {
+    /// This many (fewer only near `max_tokens` or the context).
+    Fixed(usize),
+    /// Chosen per row and round, at most this many, to maximise tokens per second.
+    Adaptive(usize),
+}
+
+impl DraftLen {
+    /// The most drafts a row can get in one round.
+    pub fn max(self) -> usize {
+        match self {
+            DraftLen::Fixed(k) | DraftLen::Adaptive(k) => k,
+        }
+    }
+}
+
+/// Conditional acceptance of a fresh drafter at draft position 1; deeper positions start
+/// from the estimate of the position before.
+const PRIOR_ACCEPT: f64 = 0.6;
+/// How much a row's own counts weigh against the drafter's overall estimate (in draws).
+const ROW_PRIOR_WEIGHT: f64 = 2.0;
+/// Per observation, old counts keep this share (rows drift; the batch changes).
+const ROW_DECAY: f64 = 0.9;
+const GLOBAL_DECAY: f64 = 0.98;
+const COST_DECAY: f64 = 0.95;
+const BUCKET_DECAY: f64 = 0.9;
+/// Speculation must promise this much more throughput than the k's it would replace
+/// before a row starts drafting (timings are noisy; a marginal gain is often a loss).
+const MIN_GAIN: f64 = 1.05;
+/// A timing above this multiple of the prediction counts as this multiple (the machine
+/// was busy elsewhere; one stall should not switch speculation off for long).
+const OUTLIER: f64 = 2.0;
+/// Before verify cost has been seen at different token counts, this share of a verify
+/// token's average cost is taken as its marginal cost (what the CPU backend shows).
+const PRIOR_MARGINAL_SHARE: f64 = 0.25;
+/// Rounds without speculation before the first probe; doubles up to the maximum.
+const PROBE_GAP: u32 = 4;
+const MAX_PROBE_GAP: u32 = 64;
+/// Rejection-mode rows: cost of one draft (drafting and verifying it) relative to a
+/// round's fixed cost. Fixed, so that their k is a function of their own history only.
+const REJECTION_DRAFT_COST: f64 = 0.35;
+
+/// Decayed per-position acceptance counts.
+#[derive(Clone, Debug, Default)]
+struct Acceptance {
+    /// `reached[j]`: verifications that asked for position j + 1 with positions before it
+    /// accepted; `accepted[j]`: those that accepted it. `asked`/`drafted`: draft tokens
+    /// asked for and delivered (a drafter may find nothing to propose).
+    reached: Vec<f64>,
+    accepted: Vec<f64>,
+    asked: f64,
+    drafted: f64,
+}
+
+impl Acceptance {
+    fn observe(&mut self, asked: usize, drafted: usize, accepted: usize, decay: f64) {
+        for v in self.reached.iter_mut().chain(self.accepted.iter_mut()) {
+            *v *= decay;
+        }
+        self.asked = self.asked * decay + asked as f64;
+        self.drafted = self.drafted * decay + drafted as f64;
+        if self.reached.len() < asked {
+            self.reached.resize(asked, 0.0);
+            self.accepted.resize(asked, 0.0);
+        }
+        for j in 0..asked.min(accepted + 1) {
+            self.reached[j] += 1.0;
+            self.accepted[j] += u8::from(j < accepted) as f64;
+        }
+    }
+
+    /// P(position j + 1 accepted | positions before it accepted), shrunk towards `prior`.
+    fn conditional(&self, j: usize, prior: f64, weight: f64) -> f64 {
+        let (a, r) =
+            (self.accepted.get(j).copied().unwrap_or(0.0), self.reached.get(j).copied().unwrap_or(0.0));
+        (a + weight * prior) / (r + weight)
+    }
+
+    /// Share of asked drafts the drafter delivered, shrunk towards 1.
+    fn fill(&self) -> f64 {
+        (self.drafted + 1.0) / (self.asked + 1.0)
+    }
+}
+
+/// The row that may draft whose catch-up costs least (where a probe goes).
+fn cheapest(catch_up: &[f64], limit: &[usize]) -> Option<usize> {
+    (0..limit.len()).filter(|&i| limit[i] > 0).min_by(|&a, &b| catch_up[a].total_cmp(&catch_up[b]))
+}
+
+/// Expected tokens a row emits with `k` drafts: the bonus token plus each draft times the
+/// chance it and all before it are accepted.
+fn expected_tokens(p: &[f64], k: usize) -> f64 {
+    let mut chain = 1.0;
+    1.0 + p[..k]
+        .iter()
+        .map(|q| {
+            chain *= q;
+            chain
+        })
+        .sum::<f64>()
+}
+
+/// A decayed weighted least-squares line `y = a + b x`.
+#[derive(Clone, Debug, Default)]
+struct Line {
+    w: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl Line {
+    fn observe(&mut self, x: f64, y: f64) {
+        let d = COST_DECAY;
+        self.w = self.w * d + 1.0;
+        self.sx = self.sx * d + x;
+        self.sy = self.sy * d + y;
+        self.sxx = self.sxx * d + x * x;
+        self.sxy = self.sxy * d + x * y;
+    }
+
+    fn seen(&self) -> bool {
+        self.w > 0.0
+    }
+
+    /// Intercept and slope, the slope shrunk towards `prior_share` of the mean cost per x
+    /// while the x's seen barely vary; the slope is never negative.
+    fn fit(&self, prior_share: f64) -> (f64, f64) {
+        if self.w == 0.0 {
+            return (0.0, 0.0);
+        }
+        let (mx, my) = (self.sx / self.w, self.sy / self.w);
+        let prior = prior_share * my / mx.max(1e-9);
+        let ridge = 2.0;
+        let b =
+            ((self.sxy - self.w * mx * my + ridge * prior) / (self.sxx - self.w * mx * mx + ridge)).max(0.0);
+        ((my - b * mx).max(0.0), b)
+    }
+}
+
+/// Verify cost by verify tokens: the decayed mean of each token count seen, and a line
+/// through them for counts not seen (anchored at the nearest count seen), since the
+/// comparison that matters (B tokens against B + k) needs the step between counts more
+/// than any one level.
+#[derive(Clone, Debug, Default)]
+struct VerifyCost {
+    line: Line,
+    /// Token count -> (decayed weight, decayed sum of seconds).
+    seen_at: HashMap<usize, (f64, f64)>,
+}
+
+impl VerifyCost {
+    fn observe(&mut self, tokens: usize, secs: f64) {
+        let secs = if self.line.seen() { secs.min(OUTLIER * self.predict(tokens as f64)) } else { secs };
+        self.line.observe(tokens as f64, secs);
+        let (w, sum) = self.seen_at.entry(tokens).or_default();
+        *w = *w * BUCKET_DECAY + 1.0;
+        *sum = *sum * BUCKET_DECAY + secs;
+    }
+
+    fn seen(&self) -> bool {
+        self.line.seen()
+    }
+
+    fn predict(&self, tokens: f64) -> f64 {
+        let (a, b) = self.line.fit(PRIOR_MARGINAL_SHARE);
+        let nearest =
+            self.seen_at.iter().filter(|(_, (w, _))| *w >= 2.0).min_by(|(t1, _), (t2, _)| {
+                (**t1 as f64 - tokens).abs().total_cmp(&(**t2 as f64 - tokens).abs())
+            });
+        let secs = match nearest {
+            Some((&t, &(w, sum))) => sum / w + b * (tokens - t as f64),
+            None => a + b * tokens,
+        };
+        secs.max(0.0)
+    }
+}
+
+/// Draft cost `c * steps + d * tokens + e * behind` (`behind`: positions the drafter
+/// first catches up on: the tokens committed since the row last drafted), by decayed
+/// least squares with a small ridge (at batch 1 steps and tokens are equal and only their
+/// sum is known).
+#[derive(Clone, Debug, Default)]
+struct DraftCost {
+    /// Decayed X^T X and X^T y.
+    xx: [[f64; 3]; 3],
+    xy: [f64; 3],
+}
+
+impl DraftCost {
+    fn observe(&mut self, x: [f64; 3], y: f64) {
+        let y = if self.seen() { y.min(OUTLIER * self.predict(x)) } else { y };
+        for i in 0..3 {
+            for j in 0..3 {
+                self.xx[i][j] = self.xx[i][j] * COST_DECAY + x[i] * x[j];
+            }
+            self.xy[i] = self.xy[i] * COST_DECAY + x[i] * y;
+        }
+    }
+
+    fn seen(&self) -> bool {
+        self.xx[0][0] > 0.0
+    }
+
+    fn predict(&self, x: [f64; 3]) -> f64 {
+        let c = self.fit();
+        (0..3).map(|i| c[i] * x[i]).sum()
+    }
+
+    /// Coefficients (none negative) by Gaussian elimination on the ridged normal equations.
+    fn fit(&self) -> [f64; 3] {
+        let ridge = 1e-3 * (0..3).map(|i| self.xx[i][i]).sum::<f64>().max(1e-12);
+        let mut a = self.xx;
+        let mut b = self.xy;
+        for (i, row) in a.iter_mut().enumerate() {
+            row[i] += ridge;
+        }
+        for col in 0..3 {
+            let pivot = a[col][col];
+            if pivot.abs() < 1e-300 {
+                return [0.0; 3];
+            }
+            let top = a[col];
+            for r in col + 1..3 {
+                let f = a[r][col] / pivot;
+                for (v, t) in a[r].iter_mut().zip(top).skip(col) {
+                    *v -= f * t;
+                }
+                b[r] -= f * b[col];
+            }
+        }
+        let mut c = [0.0; 3];
+        for i in (0..3).rev() {
+            let tail: f64 = (i + 1..3).map(|j| a[i][j] * c[j]).sum();
+            c[i] = (b[i] - tail) / a[i][i];
+        }
+        c.map(|v| v.max(0.0))
+    }
+}
+
+/// One row that may draft this round.
+#[derive(Clone, Copy, Debug)]
+pub struct Candidate {
+    pub row: RowId,
+    /// The most drafts this row can take (context, max_tokens, the configured maximum).
+    pub cap: usize,
+    /// Rejection-mode row at T > 0: k from its own history only.
+    pub self_paced: bool,
+    /// Positions the drafter must catch up on before drafting for this row.
+    pub behind: usize,
+    /// Tokens the row may still emit (bounds how long turning drafting on can pay).
+    pub remaining: usize,
+}
+
+/// What one row did in a round: drafts asked for, delivered, accepted.
+#[derive(Clone, Copy, Debug)]
+pub struct Outcome {
+    pub row: RowId,
+    /// Positions the drafter caught up on (0 when it was not asked).
+    pub behind: usize,
+    pub asked: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+/// Learns acceptance and costs as the engine runs and picks each round's k's.
+#[derive(Debug)]
+pub struct KChooser {
+    max_k: usize,
+    overall: Acceptance,
+    rows: HashMap<RowId, Acceptance>,
+    /// k each row got last round (the next may be at most one more).
+    last_k: HashMap<RowId, usize>,
+    /// Where a new row's k starts: the last k chosen for any row.
+    recent_k: usize,
+    verify: VerifyCost,
+    draft: DraftCost,
+    quiet_rounds: u32,
+    probe_gap: u32,
+    /// The first round and the first drafting round are warm-up (page faults, first
+    /// allocations): their timings are not learned from.
+    warm_verify: bool,
+    warm_draft: bool,
+}
+
+impl KChooser {
+    pub fn new(max_k: usize) -> KChooser {
+        KChooser {
+            max_k,
+            overall: Acceptance::default(),
+            rows: HashMap::new(),
+            last_k: HashMap::new(),
+            recent_k: 1,
+            verify: VerifyCost::default(),
+            draft: DraftCost::default(),
+            quiet_rounds: 0,
+            probe_gap: PROBE_GAP,
+            warm_verify: false,
+            warm_draft: false,
+        }
+    }
+
+    /// The drafter's conditional acceptance at positions 1..=max_k.
+    fn overall_p(&self) -> Vec<f64> {
+        let mut prior = PRIOR_ACCEPT;
+        (0..self.max_k)
+            .map(|j| {
+                prior = self.overall.conditional(j, prior, 1.0);
+                prior
+            })
+            .collect()
+    }
+
+    /// Seconds the verify step (the round minus drafting) is expected to take for
+    /// `tokens` verify tokens; None before any round was timed.
+    pub fn verify_seconds(&self, tokens: usize) -> Option<f64> {
+        self.verify.seen().then(|| self.verify.predict(tokens as f64))
+    }
+
+    /// k for each candidate, in order; `others` rows verify this round without drafting.
+    pub fn choose(&mut self, rows: &[Candidate], others: usize) -> Vec<usize> {
+        let overall = self.overall_p();
+        let mut ks = vec![0; rows.len()];
+        // Per row: conditional acceptance, delivered share, and the most it may take now.
+        let mut p = Vec::with_capacity(rows.len());
+        let mut fill = Vec::with_capacity(rows.len());
+        let mut limit = Vec::with_capacity(rows.len());
+        // Catch-up cost of drafting for each row, in the draft cost's `behind` units.
+        let mut catch_up = Vec::with_capacity(rows.len());
+        for c in rows {
+            let own = self.rows.get(&c.row);
+            // A self-paced row's start may not depend on other rows either.
+            let start = if c.self_paced { 1 } else { self.recent_k };
+            let last = self.last_k.get(&c.row).copied().unwrap_or(start);
+            let lim = c.cap.min(self.max_k).min(last + 1);
+            if c.self_paced {
+                let mut prior = PRIOR_ACCEPT;
+                let pr: Vec<f64> = (0..self.max_k)
+                    .map(|j| {
+                        prior = own.map_or(prior, |a| a.conditional(j, prior, ROW_PRIOR_WEIGHT));
+                        prior
+                    })
+                    .collect();
+                let rate = |k: usize| expected_tokens(&pr, k) / (1.0 + REJECTION_DRAFT_COST * k as f64);
+                ks[p.len()] = (0..=lim).max_by(|&a, &b| rate(a).total_cmp(&rate(b))).unwrap_or(0);
+                p.push(pr);
+                fill.push(1.0);
+                limit.push(0); // fixed above; the batch search leaves it alone
+                catch_up.push(c.behind as f64);
+                continue;
+            }
+            let pr: Vec<f64> = match own {
+                Some(a) => (0..self.max_k).map(|j| a.conditional(j, overall[j], ROW_PRIOR_WEIGHT)).collect(),
+                None => overall.clone(),
+            };
+            // A row that drafted last round catches up on one round's tokens, every round;
+            // one that did not pays its backlog once, spread over the rounds it has left.
+            let horizon =
+                if last > 0 { 1.0 } else { (c.remaining as f64 / expected_tokens(&pr, lim)).max(1.0) };
+            catch_up.push(c.behind as f64 / horizon);
+            p.push(pr);
+            fill.push(own.map_or(self.overall.fill(), |a| a.fill()));
+            limit.push(lim);
+        }
+        let searching = limit.iter().any(|&l| l > 0);
+        if searching && self.verify.seen() {
+            self.search(&mut ks, &p, &fill, &catch_up, &limit, others);
+        } else if searching {
+            // Nothing timed yet: one draft for the cheapest row, to start measuring.
+            if let Some(i) = cheapest(&catch_up, &limit) {
+                ks[i] = 1;
+            }
+        }
+        // Probe when speculation has been off for a while: acceptance and costs drift.
+        let drafting = ks.iter().zip(&limit).any(|(&k, &l)| l > 0 && k > 0);
+        if searching && !drafting {
+            self.quiet_rounds += 1;
+            if self.quiet_rounds >= self.probe_gap {
+                self.quiet_rounds = 0;
+                self.probe_gap = (self.probe_gap * 2).min(MAX_PROBE_GAP);
+                if let Some(i) = cheapest(&catch_up, &limit) {
+                    ks[i] = 1;
+                }
+            }
+        } else if drafting {
+            self.quiet_rounds = 0;
+            self.probe_gap = PROBE_GAP;
+        }
+        for (c, &k) in rows.iter().zip(&ks) {
+            self.last_k.insert(c.row, k);
+        }
+        if let Some(&k) = ks.iter().max() {
+            self.recent_k = k;
+        }
+        ks
+    }
+
+    /// Greedy search: from the current k's, repeatedly apply the single raise (one row,
+    /// by any amount up to its limit) that most improves expected tokens per second.
+    fn search(
+        &self,
+        ks: &mut [usize],
+        p: &[Vec<f64>],
+        fill: &[f64],
+        catch_up: &[f64],
+        limit: &[usize],
+        others: usize,
+    ) {
+        let [dc_steps, dc_tokens, dc_behind] = self.draft.fit();
+        let rate = |tokens: f64, verify_tokens: f64, steps: usize, drafted: usize, behind: f64| {
+            let secs = self.verify.predict(verify_tokens)
+                + dc_steps * steps as f64
+                + dc_tokens * drafted as f64
+                + dc_behind * behind;
+            tokens / secs.max(1e-12)
+        };
+        let mut tokens: f64 =
+            others as f64 + (0..ks.len()).map(|i| expected_tokens(&p[i], ks[i])).sum::<f64>();
+        let mut verify_tokens: f64 =
+            (others + ks.len()) as f64 + (0..ks.len()).map(|i| fill[i] * ks[i] as f64).sum::<f64>();
+        let mut steps = ks.iter().copied().max().unwrap_or(0);
+        let mut drafted: usize = ks.iter().sum();
+        let mut behind: f64 = (0..ks.len()).filter(|&i| ks[i] > 0).map(|i| catch_up[i]).sum();
+        let mut best = rate(tokens, verify_tokens, steps, drafted, behind);
+        loop {
+            let mut pick: Option<(usize, usize, f64)> = None;
+            for i in 0..ks.len() {
+                let base = expected_tokens(&p[i], ks[i]);
+                for k in ks[i] + 1..=limit[i] {
+                    let t = tokens - base + expected_tokens(&p[i], k);
+                    let v = verify_tokens + fill[i] * (k - ks[i]) as f64;
+                    let b = if ks[i] == 0 { behind + catch_up[i] } else { behind };
+                    let r = rate(t, v, steps.max(k), drafted + k - ks[i], b);
+                    let bar = if ks[i] == 0 { best * MIN_GAIN } else { best };
+                    if r > pick.map_or(bar, |(_, _, r)| r.max(bar)) {
+                        pick = Some((i, k, r));
+                    }
+                }
+            }
+            let Some((i, k, r)) = pick else { break };
+            tokens += expected_tokens(&p[i], k) - expected_tokens(&p[i], ks[i]);
+            verify_tokens += fill[i] * (k - ks[i]) as f64;
+            drafted += k - ks[i];
+            if ks[i] == 0 {
+                behind += catch_up[i];
+            }
+            steps = steps.max(k);
+            ks[i] = k;
+            best = r;
+        }
+    }
+
+    /// Records a round: each row's outcome, the drafting time (for `steps` steps) and the
+    /// rest of the round's time for `verify_tokens` tokens.
+    pub fn observe(&mut self, outcomes: &[Outcome], draft_secs: f64, rest_secs: f64, verify_tokens: usize) {
+        let asked: usize = outcomes.iter().map(|o| o.asked).sum();
+        let behind: usize = outcomes.iter().filter(|o| o.asked > 0).map(|o| o.behind).sum();
+        let steps = outcomes.iter().map(|o| o.asked).max().unwrap_or(0);
+        for o in outcomes.iter().filter(|o| o.asked > 0) {
+            self.overall.observe(o.asked, o.drafted, o.accepted, GLOBAL_DECAY);
+            self.rows.entry(o.row).or_default().observe(o.asked, o.drafted, o.accepted, ROW_DECAY);
+        }
+        if asked > 0 {
+            if self.warm_draft {
+                self.draft.observe([steps as f64, asked as f64, behind as f64], draft_secs);
+            }
+            self.warm_draft = true;
+        }
+        if self.warm_verify {
+            self.verify.observe(verify_tokens, rest_secs);
+        }
+        self.warm_verify = true;
+    }
+
+    /// Forgets a finished row.
+    pub fn remove(&mut self, row: RowId) {
+        self.rows.remove(&row);
+        self.last_k.remove(&row);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(row: RowId, cap: usize) -> Candidate {
+        Candidate { row, cap, self_paced: false, behind: 2, remaining: 100 }
+    }
+
+    /// Drives the chooser with a simulated cost model and acceptance `p` per position.
+    fn settle(
+        max_k: usize,
+        p: f64,
+        round_secs: impl Fn(usize, usize) -> (f64, f64),
+        rows: usize,
+    ) -> Vec<usize> {
+        let mut c = KChooser::new(max_k);
+        let cands: Vec<Candidate> = (0..rows as u64).map(|r| cand(r, max_k)).collect();
+        let mut ks = Vec::new();
+        for round in 0..200 {
+            ks = c.choose(&cands, 0);
+            let outcomes: Vec<Outcome> = ks
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| {
+                    // Deterministic acceptance pattern with rate p per position.
+                    let accepted =
+                        (0..k).take_while(|j| ((round * 7 + i * 3 + j * 5) % 100) as f64 / 100.0 < p).count();
+                    Outcome { row: i as u64, behind: 2, asked: k, drafted: k, accepted }
+                })
+                .collect();
+            let steps = ks.iter().copied().max().unwrap_or(0);
+            let tokens: usize = rows + ks.iter().sum::<usize>();
+            let (d, v) = round_secs(steps, tokens);
+            c.observe(&outcomes, d, v, tokens);
+        }
+        ks
+    }
+
+    #[test]
+    fn drafts_deep_when_verify_tokens_are_cheap_and_drafts_good() {
+        // GPU-like: verifying more tokens is nearly free, drafting is cheap.
+        let ks = settle(8, 0.9, |steps, tokens| (0.05 * steps as f64, 1.0 + 0.01 * tokens as f64), 1);
+        assert!(ks[0] >= 6, "{ks:?}");
+    }
+
+    #[test]
+    fn stops_drafting_when_it_cannot_pay() {
+        // Every verify token costs as much as a round: speculation can only lose.
+        let ks = settle(8, 0.5, |steps, tokens| (0.5 * steps as f64, tokens as f64), 4);
+        assert_eq!(ks, vec![0; 4]);
+    }
+
+    #[test]
+    fn probes_after_quiet_rounds() {
+        let mut c = KChooser::new(4);
+        let cands = [cand(0, 4)];
+        // Costs that make speculation lose, learned from a first round.
+        c.observe(&[Outcome { row: 0, behind: 2, asked: 1, drafted: 1, accepted: 0 }], 1.0, 2.0, 2);
+        c.observe(&[Outcome { row: 0, behind: 2, asked: 0, drafted: 0, accepted: 0 }], 0.0, 1.0, 1);
+        let picks: Vec<usize> = (0..PROBE_GAP).map(|_| c.choose(&cands, 0)[0]).collect();
+        assert_eq!(&picks[..PROBE_GAP as usize - 1], &vec![0; PROBE_GAP as usize - 1][..]);
+        assert_eq!(picks[PROBE_GAP as usize - 1], 1, "a probe after {PROBE_GAP} quiet rounds");
+    }
+
+    #[test]
+    fn raises_k_at_most_one_per_round() {
+        let mut c = KChooser::new(8);
+        let cands = [cand(0, 8)];
+        let mut last = 0;
+        for _ in 0..10 {
+            let k = c.choose(&cands, 0)[0];
+            assert!(k <= last + 1, "{k} after {last}");
+            c.observe(&[Outcome { row: 0, behind: 2, asked: k, drafted: k, accepted: k }], 0.0, 1.0, 1 + k);
+            last = k;
+        }
+        assert!(last >= 5, "perfect free drafts should grow k: {last}");
+    }
+
+    #[test]
+    fn self_paced_rows_ignore_the_batch_and_timings() {
+        // Same history, different batch companions and timings: same k.
+        let history = [(2, 2), (3, 1), (2, 2), (3, 3)];
+        let run = |others: usize, secs: f64| {
+            let mut c = KChooser::new(6);
+            let me = Candidate { row: 9, cap: 6, self_paced: true, behind: 2, remaining: 50 };
+            let mut picks = Vec::new();
+            for &(asked, accepted) in &history {
+                picks.push(c.choose(&[me, cand(1, 6)], others)[0]);
+                c.observe(
+                    &[Outcome { row: 9, behind: 2, asked, drafted: asked, accepted }],
+                    secs,
+                    secs * 3.0,
+                    10,
+                );
+            }
+            picks
+        };
+        assert_eq!(run(0, 0.001), run(7, 5.0));
+    }
+
+    #[test]
+    fn wild_timings_keep_choices_in_range() {
+        let mut c = KChooser::new(5);
+        assert_eq!(c.verify_seconds(1), None);
+        let cands = [cand(0, 3), cand(1, 5), Candidate { behind: 500, ..cand(2, 1) }];
+        let mut seed = 7u64;
+        for round in 0..500 {
+            let ks = c.choose(&cands, 2);
+            assert!(ks.iter().zip(&cands).all(|(&k, c)| k <= c.cap), "{ks:?}");
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let noise = [0.0, 1e-9, 1.0, 1e3][(seed >> 60) as usize % 4];
+            let outcomes: Vec<Outcome> = ks
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| Outcome {
+                    row: i as u64,
+                    behind: 3,
+                    asked: k,
+                    drafted: k / 2,
+                    accepted: k / 3,
+                })
+                .collect();
+            c.observe(&outcomes, noise * (seed % 3) as f64, noise, 5 + ks.iter().sum::<usize>());
+            // The first round is warm-up, not learned from.
+            assert_eq!(c.verify_seconds(1).is_some(), round > 0);
+            for v in (0..20).filter_map(|t| c.verify_seconds(t)) {
+                assert!(v.is_finite() && v >= 0.0, "{v}");
+            }
+        }
+    }
+
+    #[test]
+    fn expected_tokens_counts_the_bonus() {
+        assert_eq!(expected_tokens(&[0.5, 0.5], 0), 1.0);
+        assert_eq!(expected_tokens(&[0.5, 0.5], 2), 1.75);
+    }
+}
