@@ -19,6 +19,8 @@ struct DraftRow {
 
 pub struct DraftModelDrafter {
     model: Arc<Model>,
+    /// Weights per token of the draft model over the target's.
+    relative_cost: f64,
     seqs: Sequences,
     rows: HashMap<RowId, DraftRow>,
 }
@@ -33,7 +35,14 @@ impl DraftModelDrafter {
                 msg: format!("vocabulary of {dv} tokens does not match the target's {tv}"),
             });
         }
-        Ok(DraftModelDrafter { model: draft, seqs: Sequences::default(), rows: HashMap::new() })
+        let relative_cost =
+            draft.config.params_per_token() as f64 / target.config.params_per_token().max(1) as f64;
+        Ok(DraftModelDrafter {
+            model: draft,
+            relative_cost,
+            seqs: Sequences::default(),
+            rows: HashMap::new(),
+        })
     }
 
     /// Loads the draft checkpoint in `draft_dir` and checks it against the target in
@@ -74,6 +83,10 @@ impl Drafter for DraftModelDrafter {
 
     fn kv_bytes_per_token(&self) -> usize {
         self.model.kv_bytes_per_token()
+    }
+
+    fn relative_cost(&self) -> f64 {
+        self.relative_cost
     }
 
     fn commit(&mut self, row: RowId, c: Commit) -> Result<(), Error> {

@@ -73,6 +73,13 @@ pub trait Drafter {
         false
     }
 
+    /// Work of one draft step for one row relative to one target decode step (weights
+    /// multiplied per token): what a draft costs where timings may not be used (0 for
+    /// drafters that run no model).
+    fn relative_cost(&self) -> f64 {
+        0.0
+    }
+
     /// KV bytes the drafter holds per row position (for the engine's memory budget).
     fn kv_bytes_per_token(&self) -> usize {
         0

@@ -58,6 +58,13 @@ impl Drafter for MtpDrafter {
         self.head.kv_bytes_per_token()
     }
 
+    fn relative_cost(&self) -> f64 {
+        // One block, the input projection (2h -> h) and the LM head.
+        let c = &self.target.config;
+        let head = c.layer_params() + 2 * c.hidden_size * c.hidden_size + c.hidden_size * c.vocab_size;
+        head as f64 / c.params_per_token().max(1) as f64
+    }
+
     fn commit(&mut self, row: RowId, c: Commit) -> Result<(), Error> {
         let h = self.target.config.hidden_size;
         if c.hidden.len() != c.tokens.len() * h {

@@ -13,7 +13,8 @@
 //! speculation does not pay it drafts nothing, probing with k = 1 at growing intervals.
 //! Rows in rejection mode at T > 0 are the exception: which positions had drafts changes
 //! their output, so their k must depend on nothing but their own history (not on the
-//! batch, not on timings): they use their own acceptance and a fixed cost per draft.
+//! batch, not on timings): they use their own acceptance and a fixed cost per draft (the
+//! drafter's weights relative to the target's, plus a fixed verify share).
 
 use std::collections::HashMap;
 
@@ -56,12 +57,18 @@ const OUTLIER: f64 = 2.0;
 /// Before verify cost has been seen at different token counts, this share of a verify
 /// token's average cost is taken as its marginal cost (what the CPU backend shows).
 const PRIOR_MARGINAL_SHARE: f64 = 0.25;
+/// A probe goes ahead only if drafting would pay with acceptance this much higher.
+const PROBE_OPTIMISM: f64 = 0.15;
 /// Rounds without speculation before the first probe; doubles up to the maximum.
 const PROBE_GAP: u32 = 4;
 const MAX_PROBE_GAP: u32 = 64;
-/// Rejection-mode rows: cost of one draft (drafting and verifying it) relative to a
-/// round's fixed cost. Fixed, so that their k is a function of their own history only.
-const REJECTION_DRAFT_COST: f64 = 0.35;
+/// Self-paced rows: cost of verifying one more token relative to a decode step (about
+/// what the CPU backend measures at batch 1). Fixed, like the drafter's relative cost, so
+/// that their k is a function of their own history only.
+const SELF_PACED_VERIFY_COST: f64 = 0.2;
+/// Self-paced rows: a position the drafter catches up on costs this share of a draft step
+/// (many positions go through in one batched pass).
+const CATCH_UP_SHARE: f64 = 0.2;
 
 /// Decayed per-position acceptance counts.
 #[derive(Clone, Debug, Default)]
@@ -301,6 +308,8 @@ pub struct KChooser {
     draft: DraftCost,
     quiet_rounds: u32,
     probe_gap: u32,
+    /// One draft step of the drafter relative to a decode step (see `new`).
+    drafter_cost: f64,
     /// The first round and the first drafting round are warm-up (page faults, first
     /// allocations): their timings are not learned from.
     warm_verify: bool,
@@ -308,8 +317,11 @@ pub struct KChooser {
 }
 
 impl KChooser {
-    pub fn new(max_k: usize) -> KChooser {
+    /// A chooser for drafts of up to `max_k` tokens from a drafter whose step costs
+    /// `drafter_cost` decode steps ([`mtp_drafter::Drafter::relative_cost`]).
+    pub fn new(max_k: usize, drafter_cost: f64) -> KChooser {
         KChooser {
+            drafter_cost,
             max_k,
             overall: Acceptance::default(),
             rows: HashMap::new(),
@@ -365,7 +377,19 @@ impl KChooser {
                         prior
                     })
                     .collect();
-                let rate = |k: usize| expected_tokens(&pr, k) / (1.0 + REJECTION_DRAFT_COST * k as f64);
+                // Per draft: the drafter's step and one verify token; to start drafting, the
+                // catch-up, spread over the rounds the row has left.
+                let per_draft = self.drafter_cost + SELF_PACED_VERIFY_COST;
+                let rate = |k: usize| {
+                    let tokens = expected_tokens(&pr, k);
+                    let horizon = if last > 0 { 1.0 } else { (c.remaining as f64 / tokens).max(1.0) };
+                    let catch_up = if k > 0 {
+                        c.behind as f64 * self.drafter_cost * CATCH_UP_SHARE / horizon
+                    } else {
+                        0.0
+                    };
+                    tokens / (1.0 + per_draft * k as f64 + catch_up)
+                };
                 ks[p.len()] = (0..=lim).max_by(|&a, &b| rate(a).total_cmp(&rate(b))).unwrap_or(0);
                 p.push(pr);
                 fill.push(1.0);
@@ -388,7 +412,7 @@ impl KChooser {
         }
         let searching = limit.iter().any(|&l| l > 0);
         if searching && self.verify.seen() {
-            self.search(&mut ks, &p, &fill, &catch_up, &limit, others);
+            self.search(&mut ks, &p, &fill, &catch_up, &limit, others, MIN_GAIN);
         } else if searching {
             // Nothing timed yet: one draft for the cheapest row, to start measuring.
             if let Some(i) = cheapest(&catch_up, &limit) {
@@ -402,7 +426,13 @@ impl KChooser {
             if self.quiet_rounds >= self.probe_gap {
                 self.quiet_rounds = 0;
                 self.probe_gap = (self.probe_gap * 2).min(MAX_PROBE_GAP);
-                if let Some(i) = cheapest(&catch_up, &limit) {
+                // Only where drafting would pay if acceptance were somewhat better than
+                // estimated: a probe costs a catch-up, wasted where costs alone rule it out.
+                let hopeful: Vec<Vec<f64>> =
+                    p.iter().map(|r| r.iter().map(|q| (q + PROBE_OPTIMISM).min(0.99)).collect()).collect();
+                let mut trial = ks.clone();
+                self.search(&mut trial, &hopeful, &fill, &catch_up, &limit, others, 1.0);
+                if let (true, Some(i)) = (trial.iter().any(|&k| k > 0), cheapest(&catch_up, &limit)) {
                     ks[i] = 1;
                 }
             }
@@ -420,7 +450,9 @@ impl KChooser {
     }
 
     /// Greedy search: from the current k's, repeatedly apply the single raise (one row,
-    /// by any amount up to its limit) that most improves expected tokens per second.
+    /// by any amount up to its limit) that most improves expected tokens per second (by
+    /// `min_gain` at least, for a row that would start drafting).
+    #[allow(clippy::too_many_arguments)]
     fn search(
         &self,
         ks: &mut [usize],
@@ -429,6 +461,7 @@ impl KChooser {
         catch_up: &[f64],
         limit: &[usize],
         others: usize,
+        min_gain: f64,
     ) {
         let [dc_steps, dc_tokens, dc_behind] = self.draft.fit();
         let rate = |tokens: f64, verify_tokens: f64, steps: usize, drafted: usize, behind: f64| {
@@ -455,7 +488,7 @@ impl KChooser {
                     let v = verify_tokens + fill[i] * (k - ks[i]) as f64;
                     let b = if ks[i] == 0 { behind + catch_up[i] } else { behind };
                     let r = rate(t, v, steps.max(k), drafted + k - ks[i], b);
-                    let bar = if ks[i] == 0 { best * MIN_GAIN } else { best };
+                    let bar = if ks[i] == 0 { best * min_gain } else { best };
                     if r > pick.map_or(bar, |(_, _, r)| r.max(bar)) {
                         pick = Some((i, k, r));
                     }
@@ -518,7 +551,7 @@ mod tests {
         round_secs: impl Fn(usize, usize) -> (f64, f64),
         rows: usize,
     ) -> Vec<usize> {
-        let mut c = KChooser::new(max_k);
+        let mut c = KChooser::new(max_k, 0.3);
         let cands: Vec<Candidate> = (0..rows as u64).map(|r| cand(r, max_k)).collect();
         let mut ks = Vec::new();
         for round in 0..200 {
@@ -557,7 +590,7 @@ mod tests {
 
     #[test]
     fn probes_after_quiet_rounds() {
-        let mut c = KChooser::new(4);
+        let mut c = KChooser::new(4, 0.3);
         let cands = [cand(0, 4)];
         // Costs that make speculation lose, learned from a first round.
         c.observe(&[Outcome { row: 0, behind: 2, asked: 1, drafted: 1, accepted: 0 }], 1.0, 2.0, 2);
@@ -569,7 +602,7 @@ mod tests {
 
     #[test]
     fn raises_k_at_most_one_per_round() {
-        let mut c = KChooser::new(8);
+        let mut c = KChooser::new(8, 0.3);
         let cands = [cand(0, 8)];
         let mut last = 0;
         for _ in 0..10 {
@@ -586,7 +619,7 @@ mod tests {
         // Same history, different batch companions and timings: same k.
         let history = [(2, 2), (3, 1), (2, 2), (3, 3)];
         let run = |others: usize, secs: f64| {
-            let mut c = KChooser::new(6);
+            let mut c = KChooser::new(6, 0.3);
             let me = Candidate { row: 9, cap: 6, self_paced: true, behind: 2, remaining: 50 };
             let mut picks = Vec::new();
             for &(asked, accepted) in &history {
@@ -605,7 +638,7 @@ mod tests {
 
     #[test]
     fn wild_timings_keep_choices_in_range() {
-        let mut c = KChooser::new(5);
+        let mut c = KChooser::new(5, 0.3);
         assert_eq!(c.verify_seconds(1), None);
         let cands = [cand(0, 3), cand(1, 5), Candidate { behind: 500, ..cand(2, 1) }];
         let mut seed = 7u64;

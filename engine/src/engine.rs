@@ -94,7 +94,7 @@ impl<'a> Engine<'a> {
                 return Err(Error::InvalidOption(format!("engine option `{name}` must be at least 1")));
             }
         }
-        let chooser = KChooser::new(opts.k.max());
+        let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()));
         Ok(Engine {
             model,
             drafter,

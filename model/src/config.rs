@@ -150,6 +150,19 @@ fn token_ids(path: &Path, key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
 }
 
 impl Config {
+    /// Weights one decoder layer multiplies per token (attention and MLP projections).
+    pub fn layer_params(&self) -> usize {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let attention = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads);
+        attention + 3 * h * self.intermediate_size
+    }
+
+    /// Weights a forward multiplies per token, LM head included: what a decode step costs
+    /// relative to another model's on the same machine, roughly.
+    pub fn params_per_token(&self) -> usize {
+        self.num_hidden_layers * self.layer_params() + self.hidden_size * self.vocab_size
+    }
+
     /// Reads `dir/config.json` and, if present, `dir/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Config> {
         let path = dir.join("config.json");
