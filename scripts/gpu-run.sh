@@ -5,7 +5,7 @@
 #          rollback, engine, kernel negative controls);
 #   bench: the matmul against torch.matmul, and on synthesized Qwen3-0.6B / Qwen3-8B
 #          shapes (bf16, random weights) B=1 decode of transformers eager beside mtp-bench
-#          (plain, oracle:1.0 and oracle:0.7 at k=4, batch 1 and 8).
+#          (plain, oracle:1.0 and oracle:0.7 at k=4 and adaptive k, batch 1 and 8).
 # Usage: scripts/gpu-run.sh tests|bench|all. Logs go to $OUT (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,8 +82,8 @@ t1, t65 = gen(1), gen(65)
 print(f"transformers eager decode: {64 / (t65 - t1):.1f} tok/s (B=1, bf16, 64 tokens after a 32-token prompt)")
 PY
         echo "== qwen3-$shape: mtp-bench --backend cuda" | tee -a "$blog"
-        "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4 --batch 1,8 \
-            --temperatures 0 --prompts-dir "$prompts" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
+        "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4,auto --batch 1,8 \
+            --temperatures 0 --prompts-dir "$prompts" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
             --json "$OUT/bench-qwen3-$shape.json" 2>&1 | tee -a "$blog"
         rm -rf $dir
     done

@@ -48,8 +48,8 @@ const ROW_DECAY: f64 = 0.9;
 const GLOBAL_DECAY: f64 = 0.98;
 const COST_DECAY: f64 = 0.95;
 const BUCKET_DECAY: f64 = 0.9;
-/// Speculation must promise this much more throughput than the k's it would replace
-/// before a row starts drafting (timings are noisy; a marginal gain is often a loss).
+/// A row starts drafting only if that promises this much more throughput on its share
+/// of the batch (timings are noisy; a marginal gain is often a loss).
 const MIN_GAIN: f64 = 1.05;
 /// A timing above this multiple of the prediction counts as this multiple (the machine
 /// was busy elsewhere; one stall should not switch speculation off for long).
@@ -479,6 +479,7 @@ impl KChooser {
         let mut drafted: usize = ks.iter().sum();
         let mut behind: f64 = (0..ks.len()).filter(|&i| ks[i] > 0).map(|i| catch_up[i]).sum();
         let mut best = rate(tokens, verify_tokens, steps, drafted, behind);
+        let rows = (ks.len() + others).max(1);
         loop {
             let mut pick: Option<(usize, usize, f64)> = None;
             for i in 0..ks.len() {
@@ -488,7 +489,8 @@ impl KChooser {
                     let v = verify_tokens + fill[i] * (k - ks[i]) as f64;
                     let b = if ks[i] == 0 { behind + catch_up[i] } else { behind };
                     let r = rate(t, v, steps.max(k), drafted + k - ks[i], b);
-                    let bar = if ks[i] == 0 { best * min_gain } else { best };
+                    // A row that starts drafting must gain `min_gain` on its own share.
+                    let bar = if ks[i] == 0 { best * (1.0 + (min_gain - 1.0) / rows as f64) } else { best };
                     if r > pick.map_or(bar, |(_, _, r)| r.max(bar)) {
                         pick = Some((i, k, r));
                     }
@@ -579,6 +581,14 @@ mod tests {
         // GPU-like: verifying more tokens is nearly free, drafting is cheap.
         let ks = settle(8, 0.9, |steps, tokens| (0.05 * steps as f64, 1.0 + 0.01 * tokens as f64), 1);
         assert!(ks[0] >= 6, "{ks:?}");
+    }
+
+    #[test]
+    fn a_large_batch_drafts_when_verify_tokens_are_cheap() {
+        // H100-like at batch 8: each verify token costs 1/10 of a round, drafts are free
+        // and always right: every row should draft deep.
+        let ks = settle(4, 1.0, |_, tokens| (0.0, 10.0 + 1.0 * tokens as f64), 8);
+        assert!(ks.iter().all(|&k| k >= 3), "{ks:?}");
     }
 
     #[test]

@@ -183,27 +183,45 @@ fn bench(cli: Cli) -> Result<bool> {
             let mut plain_runs = Vec::new();
             let mut runs: Vec<Vec<Run>> = configs.iter().map(|_| Vec::new()).collect();
             for rep in 0..cli.repeats {
-                bar.set_message(format!("plain, T={temperature}, batch {batch}, repeat {}", rep + 1));
-                plain_runs.push(run(
-                    &model,
-                    None,
-                    &requests,
-                    batch,
-                    DraftLen::Fixed(0),
-                    SamplingMode::Exact,
-                )?);
-                bar.inc(1);
-                for ((mode, f, k), out) in configs.iter().zip(&mut runs) {
+                // Slot 0 is plain decoding; each repeat starts one slot later, so no setting
+                // always runs first (a noisy machine drifts within a repeat too).
+                let slots = configs.len() + 1;
+                for slot in (0..slots).map(|i| (i + rep) % slots) {
+                    let Some(c) = slot.checked_sub(1) else {
+                        bar.set_message(format!("plain, T={temperature}, batch {batch}, repeat {}", rep + 1));
+                        plain_runs.push(run(
+                            &model,
+                            None,
+                            &requests,
+                            batch,
+                            DraftLen::Fixed(0),
+                            SamplingMode::Exact,
+                        )?);
+                        bar.inc(1);
+                        continue;
+                    };
+                    let (mode, f, k) = configs[c];
                     bar.set_message(format!(
                         "{}, k {}, batch {batch}, T={temperature} {}, repeat {}",
                         f.spec().label(),
                         k.label(),
-                        name(*mode),
+                        name(mode),
                         rep + 1
                     ));
+                    // The oracle replays plain decoding: run it once first if need be.
+                    if reference.is_none() && plain_runs.is_empty() {
+                        plain_runs.push(run(
+                            &model,
+                            None,
+                            &requests,
+                            batch,
+                            DraftLen::Fixed(0),
+                            SamplingMode::Exact,
+                        )?);
+                    }
                     let reference = reference.as_deref().unwrap_or(&plain_runs[0].completions);
                     let drafter = f.make(&model, &requests, reference)?;
-                    out.push(run(&model, Some(drafter), &requests, batch, k.with_max(cli.max_k), *mode)?);
+                    runs[c].push(run(&model, Some(drafter), &requests, batch, k.with_max(cli.max_k), mode)?);
                     bar.inc(1);
                 }
             }
