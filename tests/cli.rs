@@ -136,15 +136,20 @@ fn every_drafter_prints_what_plain_decoding_prints() {
 #[test]
 fn default_family_drafters_print_what_plain_decoding_prints() {
     // No --target and no --prompts: the trained family on examples/prompts.jsonl. Its MTP
-    // head ships inside the target, so `--drafter mtp` needs no --draft.
+    // head ships inside the target, so the default `--drafter auto` drafts with it, and
+    // `--drafter mtp` needs no --draft.
     let base = ["generate", "--max-tokens", "24"];
-    let (code, want, err) = mtp(&base);
+    let plain: Vec<&str> = base.iter().copied().chain(["--drafter", "none"]).collect();
+    let (code, want, err) = mtp(&plain);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("tests/fixtures/trained/target"), "{err}");
+    assert_eq!(err.lines().last(), Some("plain decoding (--drafter none)"), "{err}");
     let lines: Vec<serde_json::Value> = want.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 3);
     assert!(lines.iter().all(|l| !l["text"].as_str().unwrap().is_empty()));
     for extra in [
+        vec![],
+        vec!["--k", "auto", "--max-k", "3", "--max-batch", "2"],
         vec!["--drafter", "mtp", "--k", "3"],
         vec!["--drafter", "draft-model", "--draft", mtp::DEFAULT_DRAFT, "--max-batch", "1"],
         vec!["--drafter", "ngram", "--k", "5", "--max-batch", "2"],
@@ -154,7 +159,30 @@ fn default_family_drafters_print_what_plain_decoding_prints() {
         assert_eq!(code, 0, "{extra:?}: {err}");
         assert_eq!(got, want, "{extra:?} changed the output");
         assert!(err.contains("acceptance_rate"), "{err}");
+        let last = err.lines().last().unwrap();
+        assert!(last.starts_with("drafter "), "{extra:?}: the last line says which drafter ran: {last}");
+        if extra.is_empty() {
+            assert!(
+                last.starts_with("drafter the MTP head"),
+                "--drafter auto picks the target's head: {last}"
+            );
+        }
     }
+}
+
+#[test]
+fn auto_drafter_without_a_head_decodes_plainly_and_says_so() {
+    let target = common::fixture("qwen3-target");
+    let (code, out, err) =
+        mtp(&["generate", "--target", target.to_str().unwrap(), "--max-tokens", "4", "--ignore-eos"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.is_empty());
+    let last = err.lines().last().unwrap();
+    assert!(last.contains("plain decoding") && last.contains("no MTP head"), "{last}");
+    let (code, _, err) = mtp(&["generate", "--target", target.to_str().unwrap(), "--draft", "/x"]);
+    assert!(code != 0 && err.contains("--drafter auto"), "{err}");
+    let (code, _, err) = mtp(&["generate", "--target", target.to_str().unwrap(), "--k", "many"]);
+    assert!(code == 2 && err.contains("--k") && err.contains("auto"), "{err}");
 }
 
 #[test]
