@@ -357,10 +357,12 @@ impl KChooser {
     pub fn choose(&mut self, rows: &[Candidate], others: usize) -> Vec<usize> {
         let overall = self.overall_p();
         let mut ks = vec![0; rows.len()];
-        // Per row: conditional acceptance, delivered share, and the most it may take now.
+        // Per row: conditional acceptance, delivered share, and the most it can take.
         let mut p = Vec::with_capacity(rows.len());
         let mut fill = Vec::with_capacity(rows.len());
         let mut limit = Vec::with_capacity(rows.len());
+        // The most each row may take this round: one more than last round.
+        let mut step_cap = Vec::with_capacity(rows.len());
         // Catch-up cost of drafting for each row, in the draft cost's `behind` units.
         let mut catch_up = Vec::with_capacity(rows.len());
         for c in rows {
@@ -368,8 +370,10 @@ impl KChooser {
             // A self-paced row's start may not depend on other rows either.
             let start = if c.self_paced { 1 } else { self.recent_k };
             let last = self.last_k.get(&c.row).copied().unwrap_or(start);
-            let lim = c.cap.min(self.max_k).min(last + 1);
+            step_cap.push(last + 1);
+            let lim = c.cap.min(self.max_k);
             if c.self_paced {
+                let lim = lim.min(last + 1);
                 let mut prior = PRIOR_ACCEPT;
                 let pr: Vec<f64> = (0..self.max_k)
                     .map(|j| {
@@ -412,7 +416,14 @@ impl KChooser {
         }
         let searching = limit.iter().any(|&l| l > 0);
         if searching && self.verify.seen() {
+            // The search may look as deep as each row can go (a batch may gain only from
+            // deep drafts); the step taken is at most one more than last round's.
             self.search(&mut ks, &p, &fill, &catch_up, &limit, others, MIN_GAIN);
+            for ((k, &cap), &l) in ks.iter_mut().zip(&step_cap).zip(&limit) {
+                if l > 0 {
+                    *k = (*k).min(cap);
+                }
+            }
         } else if searching {
             // Nothing timed yet: one draft for the cheapest row, to start measuring.
             if let Some(i) = cheapest(&catch_up, &limit) {
