@@ -6,11 +6,15 @@
 //! engine measured so far:
 //! - acceptance per draft position, conditional on the drafts before it being accepted:
 //!   decayed counts per row, with the drafter's overall counts as the row's prior;
-//! - verify cost (the whole round except drafting) as a line in the batch's verify tokens;
-//! - draft cost as a line in draft steps (the longest row's k) and draft tokens.
+//! - verify cost (the whole round except drafting) by the batch's verify tokens: the
+//!   decayed mean at each count seen, a line between them;
+//! - draft cost as a line in draft steps (the longest row's k), draft tokens and catch-up
+//!   (positions an idle drafter must run through first, paid once when a row starts).
 //!
-//! It raises a row's k by at most one per round (so a wrong guess costs little), and when
-//! speculation does not pay it drafts nothing, probing with k = 1 at growing intervals.
+//! It judges each row at every depth it could reach but raises its k by at most one per
+//! round (so a wrong guess costs little), starts a row only for a clear gain, and when
+//! speculation does not pay it drafts nothing, probing one row with k = 1 at growing
+//! intervals where optimism says it might pay.
 //! Rows in rejection mode at T > 0 are the exception: which positions had drafts changes
 //! their output, so their k must depend on nothing but their own history (not on the
 //! batch, not on timings): they use their own acceptance and a fixed cost per draft (the
