@@ -203,23 +203,25 @@ impl Row {
     pub fn new(drafter: &str, k: &str, batch: usize, runs: &[Run], setting: &Setting) -> Row {
         let run = median_run(runs);
         let reference = setting.reference.unwrap_or(&runs[0].completions);
+        // Per request: every run equals the reference there.
+        let matches: Vec<bool> = (0..run.completions.len())
+            .map(|i| {
+                runs.iter()
+                    .all(|r| r.completions.get(i).zip(reference.get(i)).is_some_and(|(a, b)| same(a, b)))
+            })
+            .collect();
+        let all_same =
+            matches.iter().all(|&m| m) && runs.iter().all(|r| r.completions.len() == reference.len());
         let requests: Vec<RequestDetail> = run
             .completions
             .iter()
-            .enumerate()
-            .map(|(i, c)| RequestDetail {
+            .zip(&matches)
+            .map(|(c, &m)| RequestDetail {
                 id: c.id.clone(),
                 tokens: c.tokens.len(),
-                identical: setting.reference.map(|_| {
-                    runs.iter()
-                        .all(|r| r.completions.get(i).zip(reference.get(i)).is_some_and(|(a, b)| same(a, b)))
-                }),
+                identical: setting.reference.map(|_| m),
             })
             .collect();
-        let all_same = runs.iter().all(|r| {
-            r.completions.len() == reference.len()
-                && r.completions.iter().zip(reference).all(|(a, b)| same(a, b))
-        });
         let s = &run.stats;
         let per_round = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.rounds.max(1) as f64;
         Row {

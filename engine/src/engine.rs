@@ -367,10 +367,8 @@ impl<'a> Engine<'a> {
         self.chooser.observe(&outcomes, draft_time.as_secs_f64(), rest_time.as_secs_f64(), verify_tokens);
         self.stats.draft_time += draft_time;
         self.stats.rounds += 1;
-        let round_time = t0.elapsed();
-        self.stats.round_time += round_time;
         if let Some(plain) = plain_seconds {
-            self.stats.timed_rounds += round_time;
+            self.stats.timed_rounds += t0.elapsed();
             let estimate = plain * emitted as f64 / batch as f64;
             if estimate.is_finite() && estimate >= 0.0 {
                 self.stats.plain_estimate += Duration::from_secs_f64(estimate);

@@ -20,8 +20,6 @@ pub struct SpecStats {
     pub prefill_time: Duration,
     pub draft_time: Duration,
     pub verify_time: Duration,
-    /// Whole rounds (drafting, verify, emitting, bookkeeping).
-    pub round_time: Duration,
     /// Rounds timed after the cost model had seen one (`timed_rounds`), and how long plain
     /// decoding is estimated to take for the tokens they emitted (`plain_estimate`).
     pub timed_rounds: Duration,

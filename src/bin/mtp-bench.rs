@@ -182,6 +182,7 @@ fn bench(cli: Cli) -> Result<bool> {
             // Every config runs once per repeat, in turn, so slow spells hit all alike.
             let mut plain_runs = Vec::new();
             let mut runs: Vec<Vec<Run>> = configs.iter().map(|_| Vec::new()).collect();
+            let plain = || run(&model, None, &requests, batch, DraftLen::Fixed(0), SamplingMode::Exact);
             for rep in 0..cli.repeats {
                 // Slot 0 is plain decoding; each repeat starts one slot later, so no setting
                 // always runs first (a noisy machine drifts within a repeat too).
@@ -189,14 +190,7 @@ fn bench(cli: Cli) -> Result<bool> {
                 for slot in (0..slots).map(|i| (i + rep) % slots) {
                     let Some(c) = slot.checked_sub(1) else {
                         bar.set_message(format!("plain, T={temperature}, batch {batch}, repeat {}", rep + 1));
-                        plain_runs.push(run(
-                            &model,
-                            None,
-                            &requests,
-                            batch,
-                            DraftLen::Fixed(0),
-                            SamplingMode::Exact,
-                        )?);
+                        plain_runs.push(plain()?);
                         bar.inc(1);
                         continue;
                     };
@@ -208,17 +202,8 @@ fn bench(cli: Cli) -> Result<bool> {
                         name(mode),
                         rep + 1
                     ));
-                    // The oracle replays plain decoding: run it once first if need be.
-                    if reference.is_none() && plain_runs.is_empty() {
-                        plain_runs.push(run(
-                            &model,
-                            None,
-                            &requests,
-                            batch,
-                            DraftLen::Fixed(0),
-                            SamplingMode::Exact,
-                        )?);
-                    }
+                    // Repeat 0 starts with slot 0, so plain decoding (which the oracle
+                    // replays) has run before any drafter.
                     let reference = reference.as_deref().unwrap_or(&plain_runs[0].completions);
                     let drafter = f.make(&model, &requests, reference)?;
                     runs[c].push(run(&model, Some(drafter), &requests, batch, k.with_max(cli.max_k), mode)?);

@@ -306,11 +306,31 @@ pub unsafe fn tile<S: Simd16, const MR: usize, const NR: usize>(
     out: *mut f32,
     ldo: usize,
 ) {
-    let ds = d.size();
     let mut acc = [[S::zero(); NR]; MR];
-    let full = k / LANES * LANES;
-    let mut i = 0;
-    while i < full {
+    lanes_from::<S, MR, NR>(&mut acc, 0, x, k, w, d, w_stride);
+    store::<S, MR, NR>(&acc, out, ldo);
+}
+
+/// The canonical 16-lane accumulation of elements `start..k` into `acc` (16-lane chunks,
+/// then the zero-padded tail): all of [`tile`], and the rest of K after [`tile_pairs`]'s
+/// pair chunks.
+///
+/// # Safety
+/// As for [`tile`]; `start` must be a multiple of 16.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn lanes_from<S: Simd16, const MR: usize, const NR: usize>(
+    acc: &mut [[S::V; NR]; MR],
+    start: usize,
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    w_stride: usize,
+) {
+    let ds = d.size();
+    let mut i = start;
+    while i + LANES <= k {
         let mut wv = [S::zero(); NR];
         for (j, v) in wv.iter_mut().enumerate() {
             *v = S::load_w(w.add(j * w_stride + i * ds), d);
@@ -323,16 +343,28 @@ pub unsafe fn tile<S: Simd16, const MR: usize, const NR: usize>(
         }
         i += LANES;
     }
-    if full < k {
+    if i < k {
         for (r, row) in acc.iter_mut().enumerate() {
             let xs = std::slice::from_raw_parts(x.add(r * k), k);
             for (j, a) in row.iter_mut().enumerate() {
                 let ws = std::slice::from_raw_parts(w.add(j * w_stride), k * ds);
-                let (xt, wt) = tail_f32(xs, ws, d, full);
+                let (xt, wt) = tail_f32(xs, ws, d, i);
                 *a = S::fma(*a, S::load(xt.as_ptr()), S::load(wt.as_ptr()));
             }
         }
     }
+}
+
+/// Each accumulator through the canonical lane tree into `out[r*ldo + j]`.
+///
+/// # Safety
+/// `out` must be writable at every `r*ldo + j`.
+#[inline(always)]
+unsafe fn store<S: Simd16, const MR: usize, const NR: usize>(
+    acc: &[[S::V; NR]; MR],
+    out: *mut f32,
+    ldo: usize,
+) {
     for (r, row) in acc.iter().enumerate() {
         for (j, a) in row.iter().enumerate() {
             *out.add(r * ldo + j) = S::reduce(*a);
@@ -396,34 +428,8 @@ pub unsafe fn tile_pairs<S: Simd16, const MR: usize, const NR: usize>(
         }
         i += PAIR_CHUNK;
     }
-    while i + LANES <= k {
-        let mut wv = [S::zero(); NR];
-        for (j, v) in wv.iter_mut().enumerate() {
-            *v = S::load_w(w.add(j * w_stride + i * 2), d);
-        }
-        for (r, row) in acc.iter_mut().enumerate() {
-            let xv = S::load(x.add(r * k + i));
-            for j in 0..NR {
-                row[j] = S::fma(row[j], xv, wv[j]);
-            }
-        }
-        i += LANES;
-    }
-    if i < k {
-        for (r, row) in acc.iter_mut().enumerate() {
-            let xs = std::slice::from_raw_parts(x.add(r * k), k);
-            for (j, a) in row.iter_mut().enumerate() {
-                let ws = std::slice::from_raw_parts(w.add(j * w_stride), k * 2);
-                let (xt, wt) = tail_f32(xs, ws, d, i);
-                *a = S::fma(*a, S::load(xt.as_ptr()), S::load(wt.as_ptr()));
-            }
-        }
-    }
-    for (r, row) in acc.iter().enumerate() {
-        for (j, a) in row.iter().enumerate() {
-            *out.add(r * ldo + j) = S::reduce(*a);
-        }
-    }
+    lanes_from::<S, MR, NR>(&mut acc, i, x, k, w, d, w_stride);
+    store::<S, MR, NR>(&acc, out, ldo);
 }
 
 /// The last partial chunk of a dot product, zero-padded to 16 lanes.
