@@ -3,7 +3,8 @@
 //! optional `"max_tokens"`, `"stop"` (a list of strings), `"arrive_at"` (submit the
 //! request once the engine has completed that many rounds) and the sampling fields
 //! `"temperature"`, `"top_k"`, `"top_p"`, `"min_p"`, `"seed"` (each overrides the
-//! command line's value for that request).
+//! command line's value for that request) and `"top_logprobs"` (report that many most
+//! likely alternatives with each token).
 
 use std::path::Path;
 
@@ -26,6 +27,7 @@ struct Line {
     top_p: Option<f32>,
     min_p: Option<f32>,
     seed: Option<u64>,
+    top_logprobs: Option<usize>,
 }
 
 /// The requests of a prompts file and the round each one arrives at.
@@ -79,6 +81,7 @@ pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, defaults: &Request) -> R
             ignore_eos: defaults.ignore_eos,
             stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
             sampling,
+            top_logprobs: l.top_logprobs.unwrap_or(defaults.top_logprobs),
         });
         arrive_at.push(l.arrive_at.unwrap_or(0));
     }

@@ -38,7 +38,7 @@ fn events_stream_every_token_then_the_finish() {
     while !engine.is_idle() {
         for e in engine.step() {
             match e {
-                Event::Token { request, token, logprob } => {
+                Event::Token { request, token, logprob, .. } => {
                     let i = ids.iter().position(|&x| x == request).unwrap();
                     assert!(finished[i].is_none(), "token after finish");
                     streamed[i].push((token, logprob));

@@ -245,6 +245,30 @@ impl RowCache {
         self.store.read(layer, self.len)
     }
 
+    /// Appends `n` positions whose K and V bytes per layer (as [`RowCache::committed_bytes`]
+    /// gives them) are `kv[layer]`: a prefix computed earlier. Needs no open window.
+    pub fn append_bytes(&mut self, n: usize, kv: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+        if self.window.len != 0 || kv.len() != self.n_layers {
+            return Err(KvError(format!(
+                "append_bytes: {} layers given for {}, window of {} open",
+                kv.len(),
+                self.n_layers,
+                self.window.len
+            )));
+        }
+        let at = self.len;
+        self.store.grow(at + n)?;
+        for (layer, (k, v)) in kv.iter().enumerate() {
+            if let Err(e) = self.store.write_bytes(layer, at, k, v) {
+                self.store.truncate(at);
+                return Err(e);
+            }
+        }
+        self.len += n;
+        self.window = Window { base: self.len, len: 0 };
+        Ok(())
+    }
+
     /// A copy of this row's cache (a device cache copies on the device).
     pub fn try_clone(&self) -> Result<RowCache, KvError> {
         Ok(RowCache { store: self.store.try_clone()?, ..*self })

@@ -33,6 +33,9 @@ pub trait KvStore: Send + Sync + 'static {
     fn bytes(&self) -> usize;
     /// Bytes of slots `[0, n)` of `layer`'s K and V, as stored.
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError>;
+    /// Writes slots `[slot, slot + n)` of `layer` from bytes as [`KvStore::read`] gives
+    /// them (the slots must be held; `k` and `v` hold whole slots).
+    fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError>;
     /// A copy of this store.
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError>;
     fn as_any(&self) -> &dyn Any;
@@ -117,6 +120,24 @@ impl KvStore for HostKv {
         let n = n * self.stride;
         let bytes = |x: &[f32]| x[..n].iter().flat_map(|f| f.to_le_bytes()).collect();
         Ok((bytes(k), bytes(v)))
+    }
+
+    fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
+        let floats = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        let (k, v) = (floats(k), floats(v));
+        let end = slot * self.stride + k.len();
+        if k.len() != v.len() || k.len() % self.stride != 0 || end > self.layers[layer].0.len() {
+            return Err(KvError(format!(
+                "host KV: cannot write {} K and {} V bytes at slot {slot} of a store holding {} slots",
+                k.len() * 4,
+                v.len() * 4,
+                self.layers[layer].0.len() / self.stride.max(1)
+            )));
+        }
+        self.write(layer, slot, &k, &v);
+        Ok(())
     }
 
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {

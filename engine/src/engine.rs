@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 
 use mtp_cache::RowCache;
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
-use mtp_model::kernels::logprob;
+use mtp_model::kernels::{logprob, top_logprobs};
 use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
 
 use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
 use crate::metrics::SpecStats;
+use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
 
 #[derive(Clone, Debug)]
@@ -33,6 +34,9 @@ pub struct EngineOptions {
     pub kv_budget_bytes: Option<usize>,
     /// How rows at temperature > 0 judge drafts (greedy rows are unaffected).
     pub sampling_mode: SamplingMode,
+    /// Bytes the exact prefix cache may hold (0: off): prompts that share a prefix with an
+    /// earlier one load its K/V instead of recomputing them, with identical output bits.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineOptions {
@@ -44,6 +48,7 @@ impl Default for EngineOptions {
             layout: WindowLayout::RowTail,
             kv_budget_bytes: None,
             sampling_mode: SamplingMode::Exact,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -59,6 +64,7 @@ struct Row {
     ignore_eos: bool,
     stop: Vec<String>,
     sampling: SamplingParams,
+    top_logprobs: usize,
     reserved: usize,
     /// False once the drafter failed on this row: it decodes plainly from then on.
     drafting: bool,
@@ -79,6 +85,7 @@ pub struct Engine<'a> {
     reserved: usize,
     stats: SpecStats,
     chooser: KChooser,
+    prefix: Option<PrefixCache>,
 }
 
 impl<'a> Engine<'a> {
@@ -99,7 +106,6 @@ impl<'a> Engine<'a> {
             model,
             drafter,
             tokenizer: None,
-            opts,
             queue: VecDeque::new(),
             active: Vec::new(),
             outbox: Vec::new(),
@@ -107,6 +113,8 @@ impl<'a> Engine<'a> {
             reserved: 0,
             stats: SpecStats::default(),
             chooser,
+            prefix: (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes)),
+            opts,
         })
     }
 
@@ -133,6 +141,16 @@ impl<'a> Engine<'a> {
     /// Requests queued for admission.
     pub fn waiting(&self) -> usize {
         self.queue.len()
+    }
+
+    /// K/V bytes the running rows hold (their own caches, open windows included).
+    pub fn kv_bytes(&self) -> usize {
+        self.active.iter().map(|r| r.cache.bytes()).sum()
+    }
+
+    /// Bytes the prefix cache holds (0 when it is off).
+    pub fn prefix_cache_bytes(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.bytes())
     }
 
     /// No request waiting or running.
@@ -241,10 +259,23 @@ impl<'a> Engine<'a> {
             let t0 = Instant::now();
             let mut cache = self.model.new_cache();
             let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
-            let prefilled = prefill(self.model, &mut cache, &r.prompt, self.opts.prefill_chunk, want_hidden);
+            let (reused, mut hidden) = match self.prefix.as_mut() {
+                Some(p) => p.load(&r.prompt, &mut cache, want_hidden),
+                None => (0, Vec::new()),
+            };
+            let rest = &r.prompt[reused..];
+            let prefilled = prefill(self.model, &mut cache, rest, self.opts.prefill_chunk, want_hidden);
             self.stats.prefill_time += t0.elapsed();
-            let (logits, hidden) = match prefilled {
-                Ok(x) => x,
+            self.stats.prompt_tokens += r.prompt.len() as u64;
+            self.stats.prompt_tokens_cached += reused as u64;
+            let logits = match prefilled {
+                Ok((logits, rest_hidden)) => {
+                    hidden.extend_from_slice(&rest_hidden);
+                    if let Some(p) = self.prefix.as_mut() {
+                        p.insert(&r.prompt, &cache, &hidden);
+                    }
+                    logits
+                }
                 Err(e) => {
                     events.push(Event::Failed { request: id, error: with_request(e, &r.id) });
                     continue;
@@ -260,13 +291,15 @@ impl<'a> Engine<'a> {
                 ignore_eos: r.ignore_eos,
                 stop: r.stop,
                 sampling: r.sampling,
+                top_logprobs: r.top_logprobs,
                 reserved: need,
                 drafting: self.drafter.is_some(),
                 behind: r.prompt.len(),
             };
             self.reserved += need;
             let first = pick(&logits, &r.sampling, r.prompt.len() as u64);
-            if let Some(reason) = self.emit(&mut row, &[first], &[logprob(&logits, first)], events) {
+            let top = vec![top_logprobs(&logits, row.top_logprobs)];
+            if let Some(reason) = self.emit(&mut row, &[first], &[logprob(&logits, first)], top, events) {
                 events.push(Event::Finished { request: id, reason });
                 self.release(&row);
                 continue;
@@ -295,12 +328,15 @@ impl<'a> Engine<'a> {
         row: &mut Row,
         tokens: &[u32],
         logprobs: &[f32],
+        tops: Vec<Vec<(u32, f32)>>,
         events: &mut Vec<Event>,
     ) -> Option<FinishReason> {
         let eos = &self.model.config.eos_token_ids;
+        let mut tops = tops.into_iter();
         for (&token, &logprob) in tokens.iter().zip(logprobs) {
             row.tokens.push(token);
-            events.push(Event::Token { request: row.id, token, logprob });
+            let top = tops.next().unwrap_or_default();
+            events.push(Event::Token { request: row.id, token, logprob, top });
             if !row.ignore_eos && eos.contains(&token) {
                 return Some(FinishReason::Eos);
             }
@@ -353,6 +389,7 @@ impl<'a> Engine<'a> {
                 draft: &d.tokens,
                 draft_dists: &d.dists,
                 sampling: r.sampling,
+                top_logprobs: r.top_logprobs,
             })
             .collect();
         let results = verify(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode);
@@ -490,7 +527,7 @@ impl<'a> Engine<'a> {
                 drafted: drafts[i].tokens.len(),
                 accepted: v.accepted,
             });
-            if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, events) {
+            if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, v.top, events) {
                 events.push(Event::Finished { request: row.id, reason });
                 self.release(&row);
                 continue;

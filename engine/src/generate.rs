@@ -21,7 +21,7 @@ pub fn generate(
     order.sort_by_key(|&i| due(i));
     let mut order = order.into_iter().peekable();
     let mut index_of = std::collections::HashMap::new();
-    let mut partial: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n];
+    let mut partial: Vec<Partial> = (0..n).map(|_| Partial::default()).collect();
     let mut results: Vec<Option<Result<Completion, Error>>> = (0..n).map(|_| None).collect();
     let mut finished = 0;
     while finished < n {
@@ -43,21 +43,23 @@ pub fn generate(
         }
         for event in engine.step() {
             let (request, end) = match event {
-                Event::Token { request, token, logprob } => {
+                Event::Token { request, token, logprob, top } => {
                     let p = &mut partial[index_of[&request]];
-                    p.0.push(token);
-                    p.1.push(logprob);
+                    p.tokens.push(token);
+                    p.logprobs.push(logprob);
+                    p.top_logprobs.push(top);
                     continue;
                 }
                 Event::Finished { request, reason } => (request, Ok(reason)),
                 Event::Failed { request, error } => (request, Err(error)),
             };
             let i = index_of[&request];
-            let (tokens, logprobs) = std::mem::take(&mut partial[i]);
+            let p = std::mem::take(&mut partial[i]);
             results[i] = Some(end.map(|finish: FinishReason| Completion {
                 id: requests[i].id.clone(),
-                tokens,
-                logprobs,
+                tokens: p.tokens,
+                logprobs: p.logprobs,
+                top_logprobs: p.top_logprobs,
                 finish,
             }));
             finished += 1;
@@ -65,4 +67,12 @@ pub fn generate(
         }
     }
     results.into_iter().map(|r| r.expect("every request ends")).collect()
+}
+
+/// A request's output so far.
+#[derive(Default)]
+struct Partial {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
 }

@@ -9,6 +9,7 @@ mod adaptive;
 mod engine;
 mod generate;
 mod metrics;
+mod prefix_cache;
 mod request;
 
 pub use adaptive::DraftLen;
@@ -17,4 +18,5 @@ pub use generate::generate;
 pub use metrics::SpecStats;
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
+pub use prefix_cache::{PrefixCache, BLOCK_TOKENS};
 pub use request::{Completion, Event, FinishReason, Request, RequestId};

@@ -17,6 +17,9 @@ pub struct SpecStats {
     pub drafted_at: Vec<u64>,
     /// `accepted_at[j]`: verifications that accepted position `j + 1`.
     pub accepted_at: Vec<u64>,
+    /// Prompt tokens admitted, and how many of them the prefix cache supplied.
+    pub prompt_tokens: u64,
+    pub prompt_tokens_cached: u64,
     pub prefill_time: Duration,
     pub draft_time: Duration,
     pub verify_time: Duration,

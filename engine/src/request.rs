@@ -20,6 +20,8 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Greedy by default; see [`SamplingParams`].
     pub sampling: SamplingParams,
+    /// Report this many most-likely alternatives with each token (0: none).
+    pub top_logprobs: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +54,9 @@ pub enum Event {
         request: RequestId,
         token: u32,
         logprob: f32,
+        /// The request's `top_logprobs` most likely tokens at this position, most likely
+        /// first (empty when it asked for none).
+        top: Vec<(u32, f32)>,
     },
     Finished {
         request: RequestId,
@@ -70,5 +75,7 @@ pub struct Completion {
     pub id: String,
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
+    /// Per token, the alternatives the request asked for (empty lists when none).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish: FinishReason,
 }

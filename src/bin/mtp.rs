@@ -240,6 +240,9 @@ struct OutputLine<'a> {
     tokens: &'a [u32],
     text: String,
     logprobs: &'a [f32],
+    /// Per token, `[id, logprob]` of the most likely alternatives, when the request asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_logprobs: Option<&'a [Vec<(u32, f32)>]>,
     finish_reason: &'static str,
 }
 
@@ -339,6 +342,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                             tokens: &c.tokens,
                             text,
                             logprobs: &c.logprobs,
+                            top_logprobs: (req.top_logprobs > 0).then_some(&c.top_logprobs[..]),
                             finish_reason: c.finish.as_str(),
                         })?
                     }

@@ -8,7 +8,7 @@
 //! positions. Plain decoding is the same step with no drafts.
 
 use mtp_cache::RowCache;
-use mtp_model::kernels::logprob;
+use mtp_model::kernels::{logprob, top_logprobs};
 use mtp_model::{Error, Logits, Model, RowInput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 use rayon::prelude::*;
@@ -36,12 +36,21 @@ pub struct VerifyRow<'a> {
     /// entries count as one-hot on the draft.
     pub draft_dists: &'a [Filtered],
     pub sampling: SamplingParams,
+    /// How many most-likely alternatives to report at each emitted position (0: none).
+    pub top_logprobs: usize,
 }
 
 impl<'a> VerifyRow<'a> {
     /// A greedy row (temperature 0, one-hot drafts).
     pub fn greedy(cache: &'a mut RowCache, pending: u32, draft: &'a [u32]) -> VerifyRow<'a> {
-        VerifyRow { cache, pending, draft, draft_dists: &[], sampling: SamplingParams::default() }
+        VerifyRow {
+            cache,
+            pending,
+            draft,
+            draft_dists: &[],
+            sampling: SamplingParams::default(),
+            top_logprobs: 0,
+        }
     }
 }
 
@@ -55,6 +64,9 @@ pub struct Verified {
     /// Natural-log probability of each of `tokens` under the target's unfiltered
     /// distribution at temperature 1.
     pub logprobs: Vec<f32>,
+    /// For each of `tokens`, the row's `top_logprobs` most likely tokens there (empty
+    /// lists when it asked for none).
+    pub top: Vec<Vec<(u32, f32)>>,
     /// The target's final-normed hidden state at each kept position (`pending` and the
     /// accepted drafts), `(accepted + 1) * hidden_size` floats: what MTP heads read.
     pub hidden: Vec<f32>,
@@ -121,10 +133,12 @@ pub fn verify(
                 .collect();
             for ((&i, out), (a, tokens)) in live.iter().zip(outs).zip(decided) {
                 let logprobs = tokens.iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
+                let n = rows[i].top_logprobs;
+                let top = out.logits[..tokens.len()].iter().map(|l| top_logprobs(l, n)).collect();
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
                 let hidden = out.hidden[..(a + 1) * h].to_vec();
-                results[i] = Some(Ok(Verified { accepted: a, tokens, logprobs, hidden }));
+                results[i] = Some(Ok(Verified { accepted: a, tokens, logprobs, top, hidden }));
             }
         }
         Err(e) => {

@@ -11,5 +11,5 @@ pub mod simd;
 
 pub use attention::attend;
 pub use matmul::linear;
-pub use norm::{argmax, log_softmax, logprob, rms_norm, rms_norm_inplace, swiglu};
+pub use norm::{argmax, log_softmax, logprob, rms_norm, rms_norm_inplace, swiglu, top_logprobs};
 pub use rope::RopeTable;

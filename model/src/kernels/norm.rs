@@ -67,6 +67,22 @@ pub fn logprob(logits: &[f32], token: u32) -> f32 {
     (logits[token as usize] - max) - lse
 }
 
+/// The `n` most likely tokens and their log-probabilities (temperature 1), most likely
+/// first; equal logits go to the lower id.
+pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let (max, lse) = log_softmax_parts(logits);
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(ids.len());
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    ids.select_nth_unstable_by(n.saturating_sub(1), by_logit);
+    ids.truncate(n);
+    ids.sort_by(by_logit);
+    ids.into_iter().map(|t| (t, (logits[t as usize] - max) - lse)).collect()
+}
+
 /// Full log-softmax of a row.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let (max, lse) = log_softmax_parts(logits);

@@ -150,6 +150,26 @@ impl KvStore for CudaKv {
         Ok((k, v))
     }
 
+    fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
+        let pb = self.plane_bytes(self.capacity);
+        let at = slot * self.stride * self.dtype.size();
+        if k.len() != v.len() || at + k.len() > self.held * self.stride * self.dtype.size() {
+            return Err(KvError(format!(
+                "GPU KV cache: cannot write {} bytes at slot {slot} of {} held slots",
+                k.len(),
+                self.held
+            )));
+        }
+        let s = self.cuda.stream().clone();
+        let Some(buf) = self.buf.as_mut() else { return Ok(()) };
+        for (plane, bytes) in [(2 * layer, k), (2 * layer + 1, v)] {
+            let start = plane * pb + at;
+            s.memcpy_htod(bytes, &mut buf.slice_mut(start..start + bytes.len()))
+                .map_err(|e| Self::err("write", e))?;
+        }
+        Ok(())
+    }
+
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {
         let buf = match &self.buf {
             Some(b) => Some(self.cuda.stream().clone_dtod(b).map_err(|e| Self::err("copy", e))?),
