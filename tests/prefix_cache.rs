@@ -42,12 +42,15 @@ fn requests() -> Vec<Request> {
         .collect()
 }
 
-fn key(c: &Completion) -> (Vec<u32>, Vec<u32>) {
+/// A completion's tokens and logprob bits.
+type Output = (Vec<u32>, Vec<u32>);
+
+fn key(c: &Completion) -> Output {
     (c.tokens.clone(), bits(&c.logprobs))
 }
 
 /// Each request alone, no cache, plain decoding.
-fn alone(model: &Model, reqs: &[Request]) -> Vec<(Vec<u32>, Vec<u32>)> {
+fn alone(model: &Model, reqs: &[Request]) -> Vec<Output> {
     reqs.iter()
         .map(|r| {
             let mut e =
@@ -60,12 +63,7 @@ fn alone(model: &Model, reqs: &[Request]) -> Vec<(Vec<u32>, Vec<u32>)> {
 /// Runs the requests twice through one engine with the cache (cold, then warm), one
 /// admission per round so later requests find earlier ones' blocks; returns both passes
 /// and the prompt tokens the cache supplied.
-fn cached_twice(
-    model: &Arc<Model>,
-    reqs: &[Request],
-    budget: usize,
-    mtp: bool,
-) -> (Vec<Vec<(Vec<u32>, Vec<u32>)>>, u64) {
+fn cached_twice(model: &Arc<Model>, reqs: &[Request], budget: usize, mtp: bool) -> (Vec<Vec<Output>>, u64) {
     let drafter = mtp.then(|| Box::new(MtpDrafter::load(&trained("target"), model.clone()).unwrap()) as _);
     let opts = EngineOptions {
         max_batch: 3,
