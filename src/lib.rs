@@ -7,6 +7,7 @@ pub use mtp_drafter as drafter;
 pub use mtp_engine as engine;
 pub use mtp_model as model;
 pub use mtp_sampling as sampling;
+pub use mtp_server as server;
 pub use mtp_verifier as verifier;
 
 pub mod bench;

@@ -47,6 +47,15 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
     }
 
+    /// Encodes text without adding the tokenizer's special tokens (a rendered chat template
+    /// already holds them, as `apply_chat_template` assumes).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
+    }
+
     /// Decodes ids to text, leaving out special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

@@ -14,7 +14,10 @@ use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, Sampli
 use mtp::model::backend::{Backend, KvDtype};
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
+use mtp::server::worker::MakeDrafter;
+use mtp::server::{Server, ServerOptions};
 use serde_json::json;
+use std::net::ToSocketAddrs;
 
 #[derive(Parser)]
 #[command(name = "mtp", version, about = "Lossless speculative generation with row-invariant numerics")]
@@ -30,9 +33,8 @@ enum Command {
     /// exact-sampled output is bitwise the same whatever the drafter, k, batch size and
     /// arrival order.
     Generate {
-        /// Hugging Face checkpoint directory (default: the trained family shipped in the repo).
-        #[arg(long)]
-        target: Option<PathBuf>,
+        #[command(flatten)]
+        model: ModelArgs,
         /// Prompts JSONL (default: examples/prompts.jsonl).
         #[arg(long)]
         prompts: Option<PathBuf>,
@@ -42,47 +44,32 @@ enum Command {
         /// Do not stop at EOS ids.
         #[arg(long)]
         ignore_eos: bool,
-        /// Rows decoded together; later requests wait in a queue.
-        #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
-        max_batch: usize,
-        /// auto (the target's own MTP head when its checkpoint has one, else none), none,
-        /// draft-model (needs --draft), mtp (--draft, or the target's own MTP weights) or
-        /// ngram (prompt lookup).
-        #[arg(long, default_value = "auto")]
-        drafter: String,
-        /// Draft model or MTP head checkpoint directory.
-        #[arg(long)]
-        draft: Option<PathBuf>,
-        /// Draft tokens per row per round: auto (chosen per row every round from measured
-        /// acceptance and costs, up to --max-k; none when speculation cannot pay) or a
-        /// fixed count of at least 1.
-        #[arg(long, default_value = "auto", value_parser = mtp::parse_k)]
-        k: mtp::KArg,
-        /// The most drafts --k auto gives a row in one round.
-        #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
-        max_k: usize,
-        /// Shortest and longest n-gram the ngram drafter matches.
-        #[arg(long, default_value_t = 1, value_parser = mtp::at_least_one)]
-        ngram_min: usize,
-        #[arg(long, default_value_t = 4, value_parser = mtp::at_least_one)]
-        ngram_max: usize,
-        /// KV cache budget in MiB; requests wait for room, and one that cannot fit at all
-        /// is refused (default: no limit).
-        #[arg(long, value_parser = mtp::at_least_one)]
-        kv_budget_mib: Option<usize>,
-        /// Prompt tokens per prefill forward.
-        #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
-        prefill_chunk: usize,
-        /// Where the model runs: cpu, or cuda (a build with `--features cuda` and an
-        /// NVIDIA GPU; weights go to GPU 0, K/V stay there).
-        #[arg(long, default_value = "cpu")]
-        backend: String,
-        /// How K/V are stored: auto (f32 on the CPU; on CUDA bf16 for 16-bit checkpoints,
-        /// f32 for f32 ones), f32, or bf16 (CUDA only).
-        #[arg(long, default_value = "auto")]
-        kv_dtype: String,
         #[command(flatten)]
         sampling: SamplingArgs,
+    },
+    /// An OpenAI-compatible HTTP server (`/v1/completions`, `/v1/chat/completions`,
+    /// streaming or not, `/v1/models`, `/health`, `/metrics`) over the same engine: every
+    /// response's tokens and logprobs are those of the request run alone.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// Bytes of K/V the exact prefix cache may hold, in MiB (0: off).
+        #[arg(long, default_value_t = 256)]
+        prefix_cache_mib: usize,
+        /// Requests (choices) held at once, running and queued; more are answered 429.
+        #[arg(long, default_value_t = 256, value_parser = mtp::at_least_one)]
+        max_pending: usize,
+        /// The model name clients see (default: the checkpoint directory's name).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// exact: bitwise the tokens plain sampling picks; rejection: modified rejection
+        /// sampling, the same distribution with more drafts accepted.
+        #[arg(long, default_value = "exact")]
+        sampling: String,
     },
     /// Writes an HF-layout checkpoint with random weights in the shape of a known model.
     Synth {
@@ -124,6 +111,92 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+/// The model, drafter and engine flags `generate` and `serve` share.
+#[derive(Args)]
+struct ModelArgs {
+    /// Hugging Face checkpoint directory (default: the trained family shipped in the repo).
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// Rows decoded together; later requests wait in a queue.
+    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+    max_batch: usize,
+    /// auto (the target's own MTP head when its checkpoint has one, else none), none,
+    /// draft-model (needs --draft), mtp (--draft, or the target's own MTP weights) or
+    /// ngram (prompt lookup).
+    #[arg(long, default_value = "auto")]
+    drafter: String,
+    /// Draft model or MTP head checkpoint directory.
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Draft tokens per row per round: auto (chosen per row every round from measured
+    /// acceptance and costs, up to --max-k; none when speculation cannot pay) or a
+    /// fixed count of at least 1.
+    #[arg(long, default_value = "auto", value_parser = mtp::parse_k)]
+    k: mtp::KArg,
+    /// The most drafts --k auto gives a row in one round.
+    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+    max_k: usize,
+    /// Shortest and longest n-gram the ngram drafter matches.
+    #[arg(long, default_value_t = 1, value_parser = mtp::at_least_one)]
+    ngram_min: usize,
+    #[arg(long, default_value_t = 4, value_parser = mtp::at_least_one)]
+    ngram_max: usize,
+    /// KV cache budget in MiB; requests wait for room, and one that cannot fit at all
+    /// is refused (default: no limit).
+    #[arg(long, value_parser = mtp::at_least_one)]
+    kv_budget_mib: Option<usize>,
+    /// Prompt tokens per prefill forward.
+    #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
+    prefill_chunk: usize,
+    /// Where the model runs: cpu, or cuda (a build with `--features cuda` and an
+    /// NVIDIA GPU; weights go to GPU 0, K/V stay there).
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// How K/V are stored: auto (f32 on the CPU; on CUDA bf16 for 16-bit checkpoints,
+    /// f32 for f32 ones), f32, or bf16 (CUDA only).
+    #[arg(long, default_value = "auto")]
+    kv_dtype: String,
+}
+
+impl ModelArgs {
+    /// The target checkpoint (default: the trained family), loaded on the backend, and its
+    /// tokenizer when it has one.
+    fn load(&self) -> Result<(PathBuf, Arc<Model>, Option<Tokenizer>)> {
+        let backend = self.backend.parse::<Backend>()?;
+        backend.check()?;
+        let target = self.target.clone().unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
+        let model = Arc::new(Model::load_with(&target, backend, self.kv_dtype.parse::<KvDtype>()?)?);
+        let tokenizer = Tokenizer::from_dir_if_present(&target)?;
+        if tokenizer.is_none() {
+            tracing::warn!(
+                "{}: no tokenizer.json; text prompts, stop strings and output text are unavailable",
+                target.display()
+            );
+        }
+        Ok((target, model, tokenizer))
+    }
+
+    fn make_drafter(&self, target_dir: &Path, target: &Arc<Model>) -> Result<Option<Box<dyn Drafter>>> {
+        make_drafter(
+            &self.drafter,
+            self.draft.as_deref(),
+            target_dir,
+            target,
+            (self.ngram_min, self.ngram_max),
+        )
+    }
+
+    fn engine_options(&self) -> EngineOptions {
+        EngineOptions {
+            max_batch: self.max_batch,
+            prefill_chunk: self.prefill_chunk,
+            k: self.k.with_max(self.max_k),
+            kv_budget_bytes: self.kv_budget_mib.map(|m| m << 20),
+            ..EngineOptions::default()
+        }
+    }
 }
 
 /// Sampling defaults for every request (a prompts line may override each).
@@ -260,38 +333,11 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate {
-            target,
-            prompts,
-            max_tokens,
-            ignore_eos,
-            max_batch,
-            prefill_chunk,
-            drafter,
-            draft,
-            k,
-            max_k,
-            ngram_min,
-            ngram_max,
-            kv_budget_mib,
-            backend,
-            kv_dtype,
-            sampling,
-        } => {
-            let backend = backend.parse::<Backend>()?;
-            backend.check()?;
+        Command::Generate { model: margs, prompts, max_tokens, ignore_eos, sampling } => {
             let (sampling, sampling_mode) = sampling.params()?;
-            let target = target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
             let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
             let t0 = std::time::Instant::now();
-            let model = Arc::new(Model::load_with(&target, backend, kv_dtype.parse::<KvDtype>()?)?);
-            let tokenizer = Tokenizer::from_dir_if_present(&target)?;
-            if tokenizer.is_none() {
-                tracing::warn!(
-                    "{}: no tokenizer.json; text prompts, stop strings and output text are unavailable",
-                    target.display()
-                );
-            }
+            let (target, model, tokenizer) = margs.load()?;
             let defaults = Request { max_tokens, ignore_eos, sampling, ..Request::default() };
             let mtp::prompts::Prompts { requests, arrive_at } =
                 mtp::prompts::read(&prompts, tokenizer.as_ref(), &defaults)?;
@@ -299,8 +345,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 eprintln!("{}: holds no requests; nothing to generate", prompts.display());
                 return Ok(ExitCode::SUCCESS);
             }
-            let asked_auto = drafter == "auto";
-            let drafter = make_drafter(&drafter, draft.as_deref(), &target, &model, (ngram_min, ngram_max))?;
+            let asked_auto = margs.drafter == "auto";
+            let drafter = margs.make_drafter(&target, &model)?;
             let drafter_name = drafter.as_ref().map_or("none", |d| d.name()).to_string();
             tracing::info!(
                 target = %target.display(),
@@ -311,14 +357,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 "loaded"
             );
             let t1 = std::time::Instant::now();
-            let opts = EngineOptions {
-                max_batch,
-                prefill_chunk,
-                k: k.with_max(max_k),
-                kv_budget_bytes: kv_budget_mib.map(|m| m << 20),
-                sampling_mode,
-                ..EngineOptions::default()
-            };
+            let opts = EngineOptions { sampling_mode, ..margs.engine_options() };
             let mut engine = Engine::new(&model, drafter, opts)?;
             if let Some(t) = &tokenizer {
                 engine = engine.with_tokenizer(t);
@@ -367,6 +406,52 @@ fn run(cli: Cli) -> Result<ExitCode> {
             );
             eprintln!("{}", summary(&drafter_name, asked_auto, stats));
             Ok(if failed > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+        }
+        Command::Serve {
+            model: margs,
+            host,
+            port,
+            prefix_cache_mib,
+            max_pending,
+            served_model_name,
+            sampling,
+        } => {
+            let sampling_mode = SamplingMode::parse(&sampling).map_err(anyhow::Error::msg)?;
+            let (target, model, tokenizer) = margs.load()?;
+            let addr: std::net::SocketAddr = format!("{host}:{port}")
+                .parse()
+                .or_else(|_| (host.as_str(), port).to_socket_addrs().map(|mut a| a.next().expect("resolved")))
+                .with_context(|| format!("--host {host} --port {port}: not an address to listen on"))?;
+            let model_name = served_model_name.unwrap_or_else(|| {
+                let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                if target == Path::new(mtp::DEFAULT_TARGET) {
+                    "mtp-trained".into()
+                } else {
+                    name
+                }
+            });
+            let opts = EngineOptions {
+                sampling_mode,
+                prefix_cache_bytes: prefix_cache_mib << 20,
+                ..margs.engine_options()
+            };
+            let (dir, m) = (target.clone(), model.clone());
+            // Built on the engine thread, which is also made one of rayon's workers.
+            let make: MakeDrafter = Box::new(move || {
+                mtp::init_threads();
+                margs.make_drafter(&dir, &m)
+            });
+            tracing::info!(target = %target.display(), arch = ?model.config.arch, model = %model_name, "loaded");
+            let server = Server::start(
+                &target,
+                model,
+                tokenizer.map(Arc::new),
+                make,
+                opts,
+                ServerOptions { model_name, max_pending },
+            )?;
+            server.run_blocking(addr)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Synth {
             like,

@@ -1,0 +1,178 @@
+//! `mtp serve`: an OpenAI-compatible HTTP server over the engine.
+//!
+//! The engine runs on its own thread ([`worker`]); the HTTP side (axum on tokio) turns
+//! requests into engine jobs and streams their tokens back. Every response's tokens and
+//! logprobs are bitwise those of the same request run alone with `mtp generate`, whatever
+//! else the server is doing: that is the engine's guarantee, and the server adds nothing
+//! that depends on other requests. A client that disconnects cancels its request.
+
+pub mod api;
+pub mod chat;
+mod metrics;
+mod routes;
+pub mod text;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use mtp_engine::EngineOptions;
+use mtp_model::{Model, Tokenizer};
+
+use crate::api::ApiError;
+use crate::chat::ChatTemplate;
+use crate::worker::{Gauges, Job, MakeDrafter};
+
+/// How the server runs, beyond the engine's own options.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// The name `/v1/models` lists and requests' `model` must match (when given).
+    pub model_name: String,
+    /// Requests (choices) held at once, running and queued; more get 429.
+    pub max_pending: usize,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    jobs: Sender<Job>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    template: Option<ChatTemplate>,
+    model_name: String,
+    context: usize,
+    vocab: usize,
+    max_pending: usize,
+    pending: AtomicUsize,
+    next_id: AtomicU64,
+    started: u64,
+    seeds: AtomicU64,
+    gauges: Arc<Mutex<Gauges>>,
+    requests: AtomicU64,
+    refused: Mutex<std::collections::BTreeMap<u16, u64>>,
+}
+
+impl AppState {
+    /// Answers a refused request, counting it by status.
+    fn refuse(&self, e: ApiError) -> Response {
+        *self.refused.lock().unwrap_or_else(|p| p.into_inner()).entry(e.status.as_u16()).or_default() += 1;
+        tracing::debug!(status = e.status.as_u16(), "{}", e.message);
+        e.into_response()
+    }
+
+    /// A seed for a sampled request that gave none: distinct per request.
+    fn fresh_seed(&self) -> u64 {
+        let n = self.seeds.fetch_add(1, Ordering::Relaxed);
+        (self.started << 20) ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
+/// A server ready to bind: the engine thread is running.
+pub struct Server {
+    state: Arc<AppState>,
+}
+
+impl Server {
+    /// Starts the engine thread over `model` (checkpoint directory `dir`, for the chat
+    /// template) with the drafter `make_drafter` builds there.
+    pub fn start(
+        dir: &Path,
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        make_drafter: MakeDrafter,
+        engine: EngineOptions,
+        opts: ServerOptions,
+    ) -> Result<Server> {
+        let template = ChatTemplate::from_dir(dir)?;
+        if template.is_none() {
+            tracing::warn!("{}: no chat template; /v1/chat/completions will refuse requests", dir.display());
+        }
+        let (context, vocab) = (model.max_positions(), model.config.vocab_size);
+        let gauges = Arc::new(Mutex::new(Gauges::default()));
+        let jobs = worker::spawn(model, tokenizer.clone(), make_drafter, engine, gauges.clone())?;
+        let started =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        Ok(Server {
+            state: Arc::new(AppState {
+                jobs,
+                tokenizer,
+                template,
+                model_name: opts.model_name,
+                context,
+                vocab,
+                max_pending: opts.max_pending,
+                pending: AtomicUsize::new(0),
+                next_id: AtomicU64::new(0),
+                started,
+                seeds: AtomicU64::new(0),
+                gauges,
+                requests: AtomicU64::new(0),
+                refused: Mutex::new(Default::default()),
+            }),
+        })
+    }
+
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/health", get(routes::health))
+            .route("/metrics", get(routes::metrics))
+            .route("/v1/models", get(routes::models))
+            .route("/v1/completions", post(routes::completions))
+            .route("/v1/chat/completions", post(routes::chat))
+            .with_state(self.state.clone())
+    }
+
+    /// Serves on `addr` until ctrl-c; `bound` is told the address actually bound (port 0
+    /// picks a free one).
+    pub async fn serve(self, addr: SocketAddr, bound: impl FnOnce(SocketAddr)) -> Result<()> {
+        let listener =
+            tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        bound(listener.local_addr()?);
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+impl Server {
+    /// Serves on `addr` from a background thread with its own runtime (for embedding and
+    /// tests); returns the bound address once it listens. The server lives as long as the
+    /// process.
+    pub fn spawn(self, addr: SocketAddr) -> Result<SocketAddr> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new().name("mtp-http".into()).spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(anyhow::Error::from(e)));
+                    return;
+                }
+            };
+            let done = rt.block_on(self.serve(addr, |a| {
+                let _ = tx.send(Ok(a));
+            }));
+            if let Err(e) = done {
+                tracing::error!("server: {e:#}");
+            }
+        })?;
+        rx.recv().map_err(|_| anyhow::anyhow!("the server thread ended before listening"))?
+    }
+
+    /// [`Server::serve`] on a tokio runtime of its own (the binary's entry point).
+    pub fn run_blocking(self, addr: SocketAddr) -> Result<()> {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        rt.block_on(self.serve(addr, |a| {
+            tracing::info!("serving the OpenAI API on http://{a}/v1 (ctrl-c stops)");
+            eprintln!("listening on http://{a}");
+        }))
+    }
+}

@@ -1,0 +1,81 @@
+//! A choice's text as its tokens arrive: what may be sent now (never half a character, never
+//! the start of a stop string that may still complete) and the final text, cut before the
+//! first stop string as OpenAI's API returns it.
+
+use mtp_model::Tokenizer;
+
+pub struct TextState {
+    stops: Vec<String>,
+    tokens: Vec<u32>,
+    /// Bytes of the text already handed out.
+    sent: usize,
+}
+
+impl TextState {
+    pub fn new(stops: Vec<String>) -> TextState {
+        TextState { stops, tokens: Vec::new(), sent: 0 }
+    }
+
+    pub fn push(&mut self, token: u32) {
+        self.tokens.push(token);
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The full text, cut before the earliest stop string.
+    fn cut(&self, tok: &Tokenizer) -> (String, bool) {
+        let text = tok.decode(&self.tokens).unwrap_or_default();
+        match self.stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+            Some(at) => (text[..at].to_string(), true),
+            None => (text, false),
+        }
+    }
+
+    /// Text not yet handed out that is safe to send: when `finished`, all of it (cut at a
+    /// stop string); otherwise up to any trailing incomplete character or possible start
+    /// of a stop string.
+    pub fn delta(&mut self, tok: &Tokenizer, finished: bool) -> String {
+        let (text, stopped) = self.cut(tok);
+        let mut end = text.len();
+        if !finished && !stopped {
+            // An incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives.
+            while text[..end].ends_with('\u{FFFD}') {
+                end -= '\u{FFFD}'.len_utf8();
+            }
+            let held = self.stops.iter().map(|s| longest_suffix_prefix(&text[..end], s)).max().unwrap_or(0);
+            end -= held;
+        }
+        if end <= self.sent || !text.is_char_boundary(self.sent) {
+            return String::new();
+        }
+        let out = text[self.sent..end].to_string();
+        self.sent = end;
+        out
+    }
+
+    /// The whole final text.
+    pub fn final_text(&self, tok: &Tokenizer) -> String {
+        self.cut(tok).0
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`.
+fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+    (1..stop.len()).rev().find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n])).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::longest_suffix_prefix;
+
+    #[test]
+    fn held_back_suffixes() {
+        assert_eq!(longest_suffix_prefix("abc END", "END"), 0);
+        assert_eq!(longest_suffix_prefix("abc EN", "END"), 2);
+        assert_eq!(longest_suffix_prefix("abc E", "END"), 1);
+        assert_eq!(longest_suffix_prefix("abc", "END"), 0);
+        assert_eq!(longest_suffix_prefix("x\n\n", "\n\n\n"), 2);
+    }
+}

@@ -1,0 +1,151 @@
+//! The engine's own thread: takes jobs from the HTTP side, steps the engine while anything
+//! runs, streams each request's events back, and cancels requests whose client went away
+//! (their K/V is freed at the next round).
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{anyhow, Result};
+use mtp_drafter::Drafter;
+use mtp_engine::{Engine, EngineOptions, Event, FinishReason, Request, RequestId, SpecStats};
+use mtp_model::{Model, Tokenizer};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+/// What a request's stream receives, in order.
+#[derive(Debug)]
+pub enum Update {
+    Token { token: u32, logprob: f32, top: Vec<(u32, f32)> },
+    Finished(FinishReason),
+    Failed(String),
+}
+
+/// One request for the engine, with where its updates go and where its admission (or
+/// refusal) is reported.
+pub struct Job {
+    pub request: Request,
+    pub updates: tmpsc::UnboundedSender<Update>,
+    pub accepted: oneshot::Sender<Result<(), String>>,
+}
+
+/// What the engine thread publishes after every step (read by `/metrics`).
+#[derive(Default, Clone)]
+pub struct Gauges {
+    pub waiting: usize,
+    pub running: usize,
+    pub kv_bytes: usize,
+    pub prefix_cache_bytes: usize,
+    pub stats: SpecStats,
+    pub finished: HashMap<&'static str, u64>,
+    pub generated_tokens: u64,
+    pub cancelled_by_disconnect: u64,
+}
+
+/// Builds the drafter on the engine thread (drafters need not be `Send`).
+pub type MakeDrafter = Box<dyn FnOnce() -> Result<Option<Box<dyn Drafter>>> + Send>;
+
+/// Starts the engine thread; returns once its drafter is built (or failed to build).
+pub fn spawn(
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    make_drafter: MakeDrafter,
+    opts: EngineOptions,
+    gauges: Arc<Mutex<Gauges>>,
+) -> Result<Sender<Job>> {
+    let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<()>>();
+    std::thread::Builder::new().name("mtp-engine".into()).spawn(move || {
+        let drafter = match make_drafter() {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        let engine = match Engine::new(&model, drafter, opts) {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e.into()));
+                return;
+            }
+        };
+        let engine = match tokenizer.as_deref() {
+            Some(t) => engine.with_tokenizer(t),
+            None => engine,
+        };
+        let _ = ready_tx.send(Ok(()));
+        run(engine, jobs_rx, &gauges);
+    })?;
+    ready_rx.recv().map_err(|_| anyhow!("the engine thread ended while starting"))??;
+    Ok(jobs_tx)
+}
+
+fn run(mut engine: Engine, jobs: Receiver<Job>, gauges: &Mutex<Gauges>) {
+    let mut live: HashMap<RequestId, tmpsc::UnboundedSender<Update>> = HashMap::new();
+    let mut tally = Gauges::default();
+    loop {
+        // Idle: wait for work (waking now and then to notice a shut-down server).
+        if engine.is_idle() {
+            match jobs.recv_timeout(Duration::from_millis(500)) {
+                Ok(job) => take(&mut engine, &mut live, job),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        while let Ok(job) = jobs.try_recv() {
+            take(&mut engine, &mut live, job);
+        }
+        let gone: Vec<RequestId> = live.iter().filter(|(_, tx)| tx.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            if engine.cancel(id) {
+                tally.cancelled_by_disconnect += 1;
+            }
+        }
+        for event in engine.step() {
+            route(event, &mut live, &mut tally);
+        }
+        tally.waiting = engine.waiting();
+        tally.running = engine.running();
+        tally.kv_bytes = engine.kv_bytes();
+        tally.prefix_cache_bytes = engine.prefix_cache_bytes();
+        tally.stats = engine.stats().clone();
+        *gauges.lock().unwrap_or_else(|p| p.into_inner()) = tally.clone();
+    }
+}
+
+fn take(engine: &mut Engine, live: &mut HashMap<RequestId, tmpsc::UnboundedSender<Update>>, job: Job) {
+    match engine.submit(job.request) {
+        Ok(id) => {
+            live.insert(id, job.updates);
+            let _ = job.accepted.send(Ok(()));
+        }
+        Err(e) => {
+            let _ = job.accepted.send(Err(e.to_string()));
+        }
+    }
+}
+
+fn route(event: Event, live: &mut HashMap<RequestId, tmpsc::UnboundedSender<Update>>, tally: &mut Gauges) {
+    let (id, update, last) = match event {
+        Event::Token { request, token, logprob, top } => {
+            tally.generated_tokens += 1;
+            (request, Update::Token { token, logprob, top }, false)
+        }
+        Event::Finished { request, reason } => {
+            *tally.finished.entry(reason.as_str()).or_default() += 1;
+            (request, Update::Finished(reason), true)
+        }
+        Event::Failed { request, error } => {
+            *tally.finished.entry("error").or_default() += 1;
+            (request, Update::Failed(error.to_string()), true)
+        }
+    };
+    if let Some(tx) = live.get(&id) {
+        // A closed receiver is cancelled before the next step.
+        let _ = tx.send(update);
+    }
+    if last {
+        live.remove(&id);
+    }
+}

@@ -1,0 +1,429 @@
+//! `mtp serve` over HTTP on 127.0.0.1: concurrent staggered streams (greedy and seeded
+//! sampling, stop strings, completions and chat, a shared prefix through the prefix cache)
+//! each equal to the same request run alone; a client that disconnects is cancelled and
+//! its K/V freed while another stream runs on; bad input gets OpenAI-style errors with the
+//! right status; the official `openai` Python client drives it too.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{bits, trained};
+use mtp::drafter::{Drafter, MtpDrafter};
+use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingParams};
+use mtp::model::{negative_control, Model, Tokenizer};
+use mtp::server::chat::ChatTemplate;
+use mtp::server::{Server, ServerOptions};
+use serde_json::{json, Value};
+
+const MODEL: &str = "mtp-trained";
+
+/// Starts a server on the trained family with its MTP head and the prefix cache.
+fn start(max_batch: usize, max_pending: usize) -> SocketAddr {
+    start_with(max_batch, max_pending, false)
+}
+
+/// `stock_matmul`: the engine thread runs candle's stock matmul (the negative control).
+fn start_with(max_batch: usize, max_pending: usize, stock_matmul: bool) -> SocketAddr {
+    let dir = trained("target");
+    let model = Arc::new(common::load(&dir));
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let (d, m) = (dir.clone(), model.clone());
+    // The drafter is built on the engine thread, where the switch must be set.
+    let make = Box::new(move || {
+        negative_control::set_stock_matmul(stock_matmul);
+        Ok(Some(Box::new(MtpDrafter::load(&d, m)?) as Box<dyn Drafter>))
+    });
+    let opts = EngineOptions { max_batch, prefix_cache_bytes: 64 << 20, ..EngineOptions::default() };
+    let server = Server::start(
+        &dir,
+        model,
+        Some(tok),
+        make,
+        opts,
+        ServerOptions { model_name: MODEL.into(), max_pending },
+    )
+    .unwrap();
+    server.spawn("127.0.0.1:0".parse().unwrap()).unwrap()
+}
+
+/// Sends one HTTP/1.1 request; returns the status and the (de-chunked) body.
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("a header");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut body = raw[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    (status, String::from_utf8(body).unwrap())
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n").expect("chunk size line");
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
+        b = &b[eol + 2 + size + 2..];
+    }
+}
+
+fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(addr, "POST", path, &body.to_string());
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// The `data:` payloads of a streamed response, `[DONE]` last.
+fn stream(addr: SocketAddr, path: &str, body: &Value) -> Vec<String> {
+    let (status, text) = http(addr, "POST", path, &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+/// A streamed choice put back together: text, token ids, logprob bits, finish reason.
+#[derive(Debug, PartialEq)]
+struct Streamed {
+    text: String,
+    tokens: Vec<u32>,
+    logprobs: Vec<u32>,
+    finish: String,
+    prompt: Vec<u32>,
+}
+
+fn assemble(chunks: &[String], chat: bool) -> Streamed {
+    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
+    let mut s = Streamed {
+        text: String::new(),
+        tokens: vec![],
+        logprobs: vec![],
+        finish: String::new(),
+        prompt: vec![],
+    };
+    for c in &chunks[..chunks.len() - 1] {
+        let v: Value = serde_json::from_str(c).unwrap();
+        if let Some(p) = v.get("prompt_token_ids") {
+            s.prompt = serde_json::from_value(p.clone()).unwrap();
+        }
+        let Some(choice) = v["choices"].get(0) else { continue };
+        let text = if chat { &choice["delta"]["content"] } else { &choice["text"] };
+        s.text += text.as_str().unwrap_or("");
+        if let Some(ids) = choice.get("token_ids") {
+            s.tokens.extend(ids.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32));
+        }
+        let lps = if chat { &choice["logprobs"]["content"] } else { &choice["logprobs"]["token_logprobs"] };
+        for lp in lps.as_array().into_iter().flatten() {
+            let x = if chat { &lp["logprob"] } else { lp };
+            // JSON carries the f32 widened to f64, exactly; narrowing gives the bits back.
+            s.logprobs.push((x.as_f64().unwrap() as f32).to_bits());
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            s.finish = f.into();
+        }
+    }
+    s
+}
+
+/// The request run alone through the engine, plain decoding, one row: what `mtp generate`
+/// prints for it.
+fn alone(
+    model: &Model,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: &[String],
+) -> (Vec<u32>, Vec<u32>, String) {
+    let mut engine = Engine::new(model, None, EngineOptions { max_batch: 1, ..EngineOptions::default() })
+        .unwrap()
+        .with_tokenizer(tok);
+    let r = Request {
+        id: "alone".into(),
+        prompt: prompt.to_vec(),
+        max_tokens,
+        stop: stop.to_vec(),
+        sampling,
+        ..Request::default()
+    };
+    let c = generate(&mut engine, &[r], &[], |_, _| {}).remove(0).unwrap();
+    let text = tok.decode(&c.tokens).unwrap();
+    let cut = stop.iter().filter_map(|s| text.find(s.as_str())).min().unwrap_or(text.len());
+    let reason = match c.finish {
+        mtp::engine::FinishReason::Length => "length",
+        _ => "stop",
+    };
+    (c.tokens, bits(&c.logprobs), format!("{}|{reason}", &text[..cut]))
+}
+
+/// A sample of `/metrics` (0 when the labelled series has not appeared yet).
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (status, text) = http(addr, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    let family = name.split('{').next().unwrap();
+    assert!(text.contains(&format!("# TYPE {family} ")), "no metric {family}");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+const SYSTEM: &str = "You write small, careful Rust functions with doc comments and tests.";
+
+fn body(i: usize) -> (bool, Value, SamplingParams, Vec<String>) {
+    let chat = i % 3 == 2;
+    let sampling = if i % 2 == 1 {
+        SamplingParams {
+            temperature: 0.7 + 0.05 * (i % 4) as f32,
+            top_p: 0.95,
+            top_k: 40 * (i % 3),
+            min_p: 0.0,
+            seed: 1000 + i as u64,
+        }
+    } else {
+        SamplingParams::default()
+    };
+    let stop: Vec<String> = if i % 4 == 3 { vec!["{\n".into(), "\n//".into()] } else { vec![] };
+    let mut b = json!({
+        "model": MODEL, "max_tokens": 10 + (i % 5) * 6, "stream": true, "return_token_ids": true,
+        "temperature": sampling.temperature, "seed": sampling.seed, "top_p": sampling.top_p,
+        "top_k": sampling.top_k, "stop": stop,
+    });
+    if chat {
+        b["messages"] = json!([{"role": "system", "content": SYSTEM}, {"role": "user", "content": format!("task {i}: parse a list of numbers")}]);
+        b["logprobs"] = json!(true);
+    } else {
+        b["prompt"] = json!(format!("// {SYSTEM}\n// task {i}\nfn task_{i}("));
+        b["logprobs"] = json!(0);
+    }
+    (chat, b, sampling, stop)
+}
+
+/// Runs 32 staggered streams against `addr` and compares each with the request run alone
+/// (with the stock matmul when `stock_matmul`); returns how many differ and how many ended
+/// at a stop string.
+fn staggered_streams(addr: SocketAddr, stock_matmul: bool) -> (usize, usize) {
+    let handles: Vec<_> = (0..32)
+        .map(|i| {
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(40 * i as u64));
+                let (chat, b, _, _) = body(i);
+                let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+                assemble(&stream(addr, path, &b), chat)
+            })
+        })
+        .collect();
+    let got: Vec<Streamed> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let dir = trained("target");
+    let model = common::load(&dir);
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let template = ChatTemplate::from_dir(&dir).unwrap().unwrap();
+    let (mut differ, mut stopped) = (0, 0);
+    negative_control::set_stock_matmul(stock_matmul);
+    for (i, g) in got.iter().enumerate() {
+        let (chat, b, sampling, stop) = body(i);
+        let prompt = if chat {
+            let msgs: Vec<(String, String)> = b["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| (m["role"].as_str().unwrap().into(), m["content"].as_str().unwrap().into()))
+                .collect();
+            tok.encode_plain(&template.render(&msgs).unwrap()).unwrap()
+        } else {
+            tok.encode(b["prompt"].as_str().unwrap()).unwrap()
+        };
+        assert_eq!(g.prompt, prompt, "request {i}: prompt tokens");
+        assert!(
+            !g.tokens.is_empty() && g.logprobs.len() == g.tokens.len(),
+            "request {i}: tokens and logprobs"
+        );
+        let max = b["max_tokens"].as_u64().unwrap() as usize;
+        let (tokens, logprobs, text) = alone(&model, &tok, &prompt, max, sampling, &stop);
+        let same = g.tokens == tokens && g.logprobs == logprobs && format!("{}|{}", g.text, g.finish) == text;
+        if !same && !stock_matmul {
+            eprintln!("request {i}: server {g:?}\nalone: {tokens:?} {text:?}");
+        }
+        differ += usize::from(!same);
+        stopped += usize::from(!stop.is_empty() && g.finish == "stop");
+    }
+    negative_control::set_stock_matmul(false);
+    (differ, stopped)
+}
+
+#[test]
+fn concurrent_staggered_streams_equal_each_request_alone() {
+    let addr = start(8, 256);
+    let (differ, stopped) = staggered_streams(addr, false);
+    assert_eq!(differ, 0, "responses differ from their requests run alone");
+    assert!(stopped >= 3, "only {stopped} requests ended at a stop string: the test does not exercise them");
+    // Every request shares the system prompt: the prefix cache supplied part of them.
+    assert!(metric(addr, "mtp_prompt_tokens_cached_total") > 0.0);
+    assert_eq!(metric(addr, "mtp_requests_finished_total{reason=\"error\"}"), 0.0);
+}
+
+/// Negative control: with a matmul whose bits depend on how many rows it multiplies, the
+/// same comparison finds batched, speculative responses that differ from the requests alone.
+#[test]
+fn negative_control_stock_matmul_makes_server_responses_differ() {
+    let addr = start_with(8, 256, true);
+    let (differ, _) = staggered_streams(addr, true);
+    assert!(differ > 0, "the stock matmul should make some responses differ from their requests alone");
+}
+
+#[test]
+fn a_disconnected_stream_is_cancelled_and_frees_its_kv() {
+    let addr = start(4, 64);
+    let long = json!({"prompt": "fn main() {", "max_tokens": 900, "ignore_eos": true, "temperature": 0, "stream": true});
+    let mut s = TcpStream::connect(addr).unwrap();
+    let text = long.to_string();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}", text.len()).unwrap();
+    // Another stream that runs alongside and must be unaffected.
+    let other = std::thread::spawn(move || {
+        let b = json!({"prompt": "fn parse(", "max_tokens": 40, "temperature": 0, "stream": true, "return_token_ids": true, "logprobs": 0});
+        assemble(&stream(addr, "/v1/completions", &b), false)
+    });
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while seen.windows(5).filter(|w| w == b"data:").count() < 5 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(s);
+    let g = other.join().unwrap();
+    let dir = trained("target");
+    let model = common::load(&dir);
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let (tokens, logprobs, _) = alone(&model, &tok, &g.prompt, 40, SamplingParams::default(), &[]);
+    assert_eq!((g.tokens, g.logprobs), (tokens, logprobs), "the other stream changed");
+    let t0 = Instant::now();
+    while metric(addr, "mtp_requests_cancelled_by_disconnect_total") < 1.0
+        || metric(addr, "mtp_kv_bytes") > 0.0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the disconnected request was not cancelled");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(metric(addr, "mtp_running_rows"), 0.0);
+    assert_eq!(metric(addr, "mtp_pending_requests"), 0.0);
+    assert_eq!(metric(addr, "mtp_requests_finished_total{reason=\"cancelled\"}"), 1.0);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let addr = start(2, 1);
+    let expect = |path: &str, body: &str, status: u16, param: Value| {
+        let (got, text) = http(addr, "POST", path, body);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!((got, &v["error"]["param"]), (status, &param), "{body}: {text}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    };
+    expect("/v1/completions", "{\"prompt\": \"fn\",", 400, Value::Null);
+    expect("/v1/completions", "[1, 2]", 400, Value::Null);
+    expect("/v1/completions", r#"{"prompt": "fn", "max_tokens": "ten"}"#, 400, json!("max_tokens"));
+    expect("/v1/completions", r#"{"prompt": "fn", "temperature": -1}"#, 400, Value::Null);
+    expect("/v1/completions", r#"{"max_tokens": 3}"#, 400, json!("prompt"));
+    expect("/v1/completions", r#"{"prompt": [1, 99999]}"#, 400, json!("prompt"));
+    expect("/v1/completions", r#"{"prompt": "fn", "model": "other"}"#, 404, json!("model"));
+    expect(
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": 5}]}"#,
+        400,
+        json!("messages[0].content"),
+    );
+    let long: Vec<u32> = vec![300; 1500];
+    expect("/v1/completions", &json!({"prompt": long}).to_string(), 413, json!("prompt"));
+    // max_pending 1: a running request leaves no room for a second.
+    let running = std::thread::spawn(move || {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "fn main() {", "max_tokens": 300, "ignore_eos": true, "temperature": 0}),
+        )
+    });
+    let t0 = Instant::now();
+    while metric(addr, "mtp_pending_requests") < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    expect("/v1/completions", r#"{"prompt": "fn", "max_tokens": 2}"#, 429, Value::Null);
+    let (status, v) = running.join().unwrap();
+    assert_eq!((status, v["choices"][0]["finish_reason"].as_str()), (200, Some("length")));
+    assert_eq!(v["usage"]["completion_tokens"], json!(300));
+    // Still serving, and the models list names the model.
+    let (status, text) = http(addr, "GET", "/v1/models", "");
+    assert_eq!(status, 200);
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["data"][0]["id"], json!(MODEL));
+    assert_eq!(http(addr, "GET", "/health", "").0, 200);
+    assert!(metric(addr, "mtp_http_refused_total{status=\"400\"}") >= 7.0);
+}
+
+/// The official `openai` Python client (installed by `.ci/run` into `.venv-ci`; set
+/// `MTP_PYTHON` to a Python that has it) against the server: streamed and unstreamed
+/// completions and chats, each equal to the request alone.
+#[test]
+fn the_openai_python_client_gets_each_request_alone() {
+    let python = std::env::var("MTP_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_client = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_client {
+        assert!(std::env::var_os("MTP_REQUIRE_OPENAI").is_none(), "{python} has no `openai` package");
+        eprintln!("skipped: {python} has no `openai` package (.ci/run installs it; or set MTP_PYTHON)");
+        return;
+    }
+    let addr = start(8, 256);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_client_check.py");
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .args(["--base-url", &format!("http://{addr}/v1"), "--model", MODEL])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let dir = trained("target");
+    let model = common::load(&dir);
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let lines: Vec<Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(lines.len() >= 8, "the script reported {} requests", lines.len());
+    for l in &lines {
+        let ids = |k: &str| -> Vec<u32> { serde_json::from_value(l[k].clone()).unwrap() };
+        let sampling = SamplingParams {
+            temperature: l["temperature"].as_f64().unwrap() as f32,
+            seed: l["seed"].as_u64().unwrap(),
+            ..SamplingParams::default()
+        };
+        let stop: Vec<String> = serde_json::from_value(l["stop"].clone()).unwrap();
+        let max = l["max_tokens"].as_u64().unwrap() as usize;
+        let (tokens, logprobs, text) = alone(&model, &tok, &ids("prompt_token_ids"), max, sampling, &stop);
+        let got_lps: Vec<u32> = l["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (x.as_f64().unwrap() as f32).to_bits())
+            .collect();
+        assert_eq!((ids("token_ids"), got_lps), (tokens, logprobs), "{}", l["name"]);
+        assert_eq!(
+            format!("{}|{}", l["text"].as_str().unwrap(), l["finish_reason"].as_str().unwrap()),
+            text,
+            "{}",
+            l["name"]
+        );
+    }
+}
