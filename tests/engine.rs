@@ -157,3 +157,25 @@ fn kv_budget_queues_and_refuses_without_changing_outputs() {
         assert_eq!(tokens, w.unwrap().tokens);
     }
 }
+
+#[test]
+fn top_logprobs_list_the_most_likely_tokens_without_changing_the_output() {
+    let model = common::load(&fixture("qwen3-target"));
+    let reqs = requests();
+    let want = plain(&model, &reqs, 1);
+    let asked: Vec<Request> = reqs.iter().map(|r| Request { top_logprobs: 5, ..r.clone() }).collect();
+    let got =
+        common::run(&model, Some(Box::new(NgramDrafter::default())), EngineOptions::default(), &asked, &[]);
+    for (w, g) in want.iter().zip(&got) {
+        let (w, g) = (w.as_ref().unwrap(), g.as_ref().unwrap());
+        assert_eq!((&g.tokens, bits(&g.logprobs)), (&w.tokens, bits(&w.logprobs)));
+        assert!(w.top_logprobs.iter().all(|t| t.is_empty()), "nothing asked, nothing listed");
+        assert_eq!(g.top_logprobs.len(), g.tokens.len());
+        for ((top, &token), &lp) in g.top_logprobs.iter().zip(&g.tokens).zip(&g.logprobs) {
+            assert_eq!(top.len(), 5);
+            // Greedy: the emitted token is the most likely one, with its own logprob bits.
+            assert_eq!((top[0].0, top[0].1.to_bits()), (token, lp.to_bits()));
+            assert!(top.windows(2).all(|p| p[0].1 >= p[1].1), "most likely first");
+        }
+    }
+}

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""A bounded load run against `mtp serve` with the official `openai` client: N streaming
+requests from C concurrent clients (held-out Rust prompts, greedy and seeded sampling mixed).
+Reports throughput, time to first token and inter-token latency (p50/p99), and checks that
+nothing failed or was lost.
+
+    cargo run --release -- serve --max-batch 16 &
+    python scripts/serve_load.py --requests 500 --concurrency 64
+
+`--shared-prefix T` instead measures time to first token one request at a time, every
+prompt starting with the same T-token-ish block of code (run it against a server with
+`--prefix-cache-mib 0` and one with the default to compare).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+import openai
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def prompts():
+    path = os.path.join(HERE, "..", "examples", "heldout-prompts.jsonl")
+    with open(path) as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def one(client, model, prompt, i, max_tokens):
+    sampled = i % 2 == 1
+    t0 = time.perf_counter()
+    first, last, gaps, tokens, finish = None, None, [], 0, None
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+        temperature=0.8 if sampled else 0.0, seed=i, extra_body={"return_token_ids": True},
+    )
+    async for chunk in stream:
+        for c in chunk.choices:
+            n = len((c.model_extra or {}).get("token_ids") or [])
+            if n:
+                now = time.perf_counter()
+                if first is None:
+                    first = now - t0
+                else:
+                    gaps.append(now - last)
+                last = now
+                tokens += n
+            finish = c.finish_reason or finish
+    return {"ttft": first, "gaps": gaps, "tokens": tokens, "finish": finish, "end": time.perf_counter()}
+
+
+async def load(args, client, model):
+    texts = prompts()
+    queue = asyncio.Queue()
+    for i in range(args.requests):
+        queue.put_nowait(i)
+    results, errors = [], []
+
+    async def worker():
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                results.append(await one(client, model, texts[i % len(texts)], i, args.max_tokens))
+            except Exception as e:  # counted and reported: a load run must show every failure
+                errors.append(f"request {i}: {e!r}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = [g for r in results for g in r["gaps"]]
+    lost = [r for r in results if r["finish"] not in ("stop", "length")]
+    print(f"requests {args.requests} from {args.concurrency} concurrent clients, max_tokens {args.max_tokens}")
+    print(f"completed {len(results)}, errors {len(errors)}, lost (no finish reason) {len(lost)}")
+    print(f"wall {wall:.1f} s; {tokens} tokens; {tokens / wall:.1f} tokens/s; {len(results) / wall:.2f} requests/s")
+    print(f"time to first token: p50 {pct(ttft, 50) * 1e3:.0f} ms, p99 {pct(ttft, 99) * 1e3:.0f} ms")
+    print(f"inter-token latency: p50 {pct(gaps, 50) * 1e3:.1f} ms, p99 {pct(gaps, 99) * 1e3:.1f} ms")
+    for e in errors[:10]:
+        print(e, file=sys.stderr)
+    return 0 if not errors and not lost and len(results) == args.requests else 1
+
+
+async def shared_prefix(args, client, model):
+    texts = prompts()
+    block = "\n".join(texts)
+    prefix = block[: args.shared_prefix * 4]  # about 4 characters per token of code
+    ttft = []
+    for i in range(args.requests):
+        r = await one(client, model, prefix + "\n" + texts[i % len(texts)][:200], i, 4)
+        ttft.append(r["ttft"])
+    warm = ttft[1:]
+    print(f"shared prefix of about {args.shared_prefix} tokens, {args.requests} requests one at a time")
+    print(f"first request {ttft[0] * 1e3:.0f} ms; later requests: p50 {pct(warm, 50) * 1e3:.0f} ms, "
+          f"mean {statistics.mean(warm) * 1e3:.0f} ms")
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--shared-prefix", type=int, default=0)
+    args = ap.parse_args()
+    client = openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600,
+                                http_client=None)
+
+    async def run():
+        model = (await client.models.list()).data[0].id
+        if args.shared_prefix:
+            return await shared_prefix(args, client, model)
+        return await load(args, client, model)
+
+    sys.exit(asyncio.run(run()))
+
+
+if __name__ == "__main__":
+    main()
