@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-$(scripts/install-nvcc.sh)}"
 export NVCC
-tests=(golden parity model_invariance rollback engine gpu_invariance)
+tests=(golden parity model_invariance rollback engine gpu_invariance prefix_cache server)
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
 cargo build --release --features cuda --bins --example gpu_matmul

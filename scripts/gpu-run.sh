@@ -2,7 +2,7 @@
 # On the GPU machine, from the repository root (no Rust or network there): unpacks the
 # binaries `scripts/gpu-build.sh` packed, then
 #   tests: every GPU test with MTP_TEST_BACKEND=cuda (golden, parity gate, invariance,
-#          rollback, engine, kernel negative controls);
+#          rollback, engine, kernel negative controls, prefix cache, the server);
 #   bench: the matmul against torch.matmul, and on synthesized Qwen3-0.6B / Qwen3-8B
 #          shapes (bf16, random weights) B=1 decode of transformers eager beside mtp-bench
 #          (plain, oracle:1.0 and oracle:0.7 at k=4 and adaptive k, batch 1 and 8).
@@ -25,7 +25,7 @@ status=0
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
     : > "$log"
-    for t in golden parity model_invariance rollback engine gpu_invariance; do
+    for t in golden parity model_invariance rollback engine gpu_invariance prefix_cache server; do
         echo "== $t" >> "$log"
         start=$(date +%s)
         (cd /work/main && MTP_TEST_BACKEND=cuda "$bin/test-$t" --test-threads=1 --nocapture) >> "$log" 2>&1

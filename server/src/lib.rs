@@ -9,6 +9,7 @@
 pub mod api;
 pub mod chat;
 mod metrics;
+mod output;
 mod routes;
 pub mod text;
 pub mod worker;

@@ -8,17 +8,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, Stream, StreamExt};
-use mtp_engine::{FinishReason, Request, SamplingParams};
-use serde_json::{json, Map, Value};
+use mtp_engine::{Request, SamplingParams};
+use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::api::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt};
-use crate::text::TextState;
+use crate::output::{collect, stream_response};
 use crate::worker::{Job, Update};
 use crate::AppState;
 
@@ -26,28 +23,28 @@ type Shared = State<Arc<AppState>>;
 
 /// Which endpoint a request came through (they differ only in their bodies).
 #[derive(Clone, Copy, PartialEq)]
-enum Kind {
+pub(crate) enum Kind {
     Completion,
     Chat,
 }
 
 /// Everything a validated request needs to run and be answered.
-struct Plan {
-    kind: Kind,
-    prompt: Vec<u32>,
-    n: usize,
-    max_tokens: usize,
-    sampling: SamplingParams,
-    stop: Vec<String>,
+pub(crate) struct Plan {
+    pub(crate) kind: Kind,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) n: usize,
+    pub(crate) max_tokens: usize,
+    pub(crate) sampling: SamplingParams,
+    pub(crate) stop: Vec<String>,
     /// `None`: no logprobs; `Some(k)`: logprobs with k alternatives.
-    logprobs: Option<usize>,
-    stream: bool,
-    include_usage: bool,
-    return_token_ids: bool,
-    ignore_eos: bool,
+    pub(crate) logprobs: Option<usize>,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    pub(crate) return_token_ids: bool,
+    pub(crate) ignore_eos: bool,
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -317,318 +314,5 @@ struct PendingGuard<'a> {
 impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
         self.app.pending.fetch_sub(self.n, Ordering::SeqCst);
-    }
-}
-
-fn finish_reason(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Eos | FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Cancelled => "abort",
-    }
-}
-
-/// One choice's output so far.
-struct Choice {
-    text: TextState,
-    logprobs: Vec<f32>,
-    top: Vec<Vec<(u32, f32)>>,
-    finish: Option<FinishReason>,
-}
-
-impl Choice {
-    fn new(stop: &[String]) -> Choice {
-        Choice { text: TextState::new(stop.to_vec()), logprobs: Vec::new(), top: Vec::new(), finish: None }
-    }
-}
-
-/// A token as text (special tokens decode to nothing).
-fn token_text(app: &AppState, t: u32) -> String {
-    app.tokenizer.as_ref().and_then(|tok| tok.decode(&[t]).ok()).unwrap_or_default()
-}
-
-/// The logprobs object for tokens `tokens` with their logprobs and alternatives.
-fn logprobs_json(
-    app: &AppState,
-    kind: Kind,
-    k: usize,
-    tokens: &[u32],
-    lps: &[f32],
-    top: &[Vec<(u32, f32)>],
-) -> Value {
-    match kind {
-        Kind::Chat => {
-            let content: Vec<Value> = tokens
-                .iter()
-                .zip(lps)
-                .zip(top)
-                .map(|((&t, &lp), alts)| {
-                    let s = token_text(app, t);
-                    let alts: Vec<Value> = alts
-                        .iter()
-                        .map(|&(a, alp)| {
-                            let s = token_text(app, a);
-                            json!({"token": s, "logprob": alp, "bytes": s.as_bytes(), "id": a})
-                        })
-                        .collect();
-                    json!({"token": s, "logprob": lp, "bytes": s.as_bytes(), "id": t, "top_logprobs": alts})
-                })
-                .collect();
-            json!({"content": content})
-        }
-        Kind::Completion => {
-            let strings: Vec<String> = tokens.iter().map(|&t| token_text(app, t)).collect();
-            let mut offset = 0;
-            let offsets: Vec<usize> = strings
-                .iter()
-                .map(|s| {
-                    let o = offset;
-                    offset += s.len();
-                    o
-                })
-                .collect();
-            let top: Value = if k == 0 {
-                Value::Null
-            } else {
-                top.iter()
-                    .map(|alts| {
-                        let m: Map<String, Value> =
-                            alts.iter().map(|&(a, alp)| (token_text(app, a), json!(alp))).collect();
-                        Value::Object(m)
-                    })
-                    .collect()
-            };
-            json!({"tokens": strings, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets})
-        }
-    }
-}
-
-async fn collect(
-    app: &Arc<AppState>,
-    plan: &Plan,
-    receivers: Vec<mpsc::UnboundedReceiver<Update>>,
-) -> Result<Value, ApiError> {
-    let _release = Release { app: app.clone(), n: plan.n };
-    let mut choices = Vec::with_capacity(plan.n);
-    for mut rx in receivers {
-        let mut c = Choice::new(&plan.stop);
-        while let Some(u) = rx.recv().await {
-            match u {
-                Update::Token { token, logprob, top } => {
-                    c.text.push(token);
-                    c.logprobs.push(logprob);
-                    c.top.push(top);
-                }
-                Update::Finished(r) => {
-                    c.finish = Some(r);
-                    break;
-                }
-                Update::Failed(msg) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg)),
-            }
-        }
-        if c.finish.is_none() {
-            return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped"));
-        }
-        choices.push(c);
-    }
-    let completion_tokens: usize = choices.iter().map(|c| c.text.tokens().len()).sum();
-    let tok = app.tokenizer.clone();
-    let body: Vec<Value> = choices
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let text = tok.as_ref().map(|t| c.text.final_text(t)).unwrap_or_default();
-            let logprobs = plan.logprobs.map_or(Value::Null, |k| {
-                logprobs_json(app, plan.kind, k, c.text.tokens(), &c.logprobs, &c.top)
-            });
-            let mut v = match plan.kind {
-                Kind::Completion => json!({"index": i, "text": text, "logprobs": logprobs}),
-                Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}),
-            };
-            v["finish_reason"] = json!(finish_reason(c.finish.expect("checked above")));
-            if plan.return_token_ids {
-                v["token_ids"] = json!(c.text.tokens());
-            }
-            v
-        })
-        .collect();
-    let (id, object) = match plan.kind {
-        Kind::Completion => {
-            (format!("cmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed)), "text_completion")
-        }
-        Kind::Chat => {
-            (format!("chatcmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed)), "chat.completion")
-        }
-    };
-    let mut out = json!({
-        "id": id, "object": object, "created": now(), "model": app.model_name, "choices": body,
-        "usage": {"prompt_tokens": plan.prompt.len(), "completion_tokens": completion_tokens,
-                  "total_tokens": plan.prompt.len() + completion_tokens},
-    });
-    if plan.return_token_ids {
-        out["prompt_token_ids"] = json!(plan.prompt);
-    }
-    Ok(out)
-}
-
-/// Gives back a request's pending slots when its response (or stream) ends, however it ends.
-struct Release {
-    app: Arc<AppState>,
-    n: usize,
-}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        self.app.pending.fetch_sub(self.n, Ordering::SeqCst);
-    }
-}
-
-/// What the SSE stream holds between chunks.
-struct Streaming {
-    app: Arc<AppState>,
-    plan: Plan,
-    updates: stream::SelectAll<stream::BoxStream<'static, (usize, Update)>>,
-    choices: Vec<Choice>,
-    open: usize,
-    id: String,
-    created: u64,
-    done: bool,
-    /// Whether a chunk has carried `prompt_token_ids` (asked with `return_token_ids`).
-    sent_prompt: bool,
-    _release: Release,
-}
-
-fn stream_response(
-    app: Arc<AppState>,
-    plan: Plan,
-    receivers: Vec<mpsc::UnboundedReceiver<Update>>,
-) -> Sse<impl Stream<Item = Result<SseEvent, std::convert::Infallible>>> {
-    let updates = stream::select_all(
-        receivers
-            .into_iter()
-            .enumerate()
-            .map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |u| (i, u)).boxed()),
-    );
-    let prefix = if plan.kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let state = Streaming {
-        id: format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed)),
-        created: now(),
-        choices: (0..plan.n).map(|_| Choice::new(&plan.stop)).collect(),
-        open: plan.n,
-        _release: Release { app: app.clone(), n: plan.n },
-        app,
-        plan,
-        updates,
-        done: false,
-        sent_prompt: false,
-    };
-    // The chat format opens every choice with its role.
-    let mut state = state;
-    let opening: Vec<Value> = if state.plan.kind == Kind::Chat {
-        (0..state.plan.n)
-            .map(|i| state.chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let body = stream::iter(opening.into_iter().map(|v| Ok(SseEvent::default().data(v.to_string())))).chain(
-        stream::unfold(state, |mut s| async move {
-            if s.done {
-                return None;
-            }
-            let events = s.next_events().await;
-            Some((stream::iter(events.into_iter().map(Ok)), s))
-        })
-        .flatten(),
-    );
-    Sse::new(body)
-}
-
-impl Streaming {
-    fn chunk(&mut self, choices: Value) -> Value {
-        let object = if self.plan.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.app.model_name, "choices": choices});
-        if self.plan.return_token_ids && !self.sent_prompt {
-            v["prompt_token_ids"] = json!(self.plan.prompt);
-            self.sent_prompt = true;
-        }
-        v
-    }
-
-    fn choice_delta(
-        &self,
-        i: usize,
-        text: String,
-        tokens: &[u32],
-        lps: &[f32],
-        top: &[Vec<(u32, f32)>],
-        finish: Option<&str>,
-    ) -> Value {
-        let logprobs = self
-            .plan
-            .logprobs
-            .filter(|_| !tokens.is_empty())
-            .map_or(Value::Null, |k| logprobs_json(&self.app, self.plan.kind, k, tokens, lps, top));
-        let mut v = match self.plan.kind {
-            Kind::Completion => {
-                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
-            }
-            Kind::Chat => {
-                let delta =
-                    if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) };
-                json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
-            }
-        };
-        if self.plan.return_token_ids {
-            v["token_ids"] = json!(tokens);
-        }
-        v
-    }
-
-    /// The SSE events for the next update (several at the end of the stream).
-    async fn next_events(&mut self) -> Vec<SseEvent> {
-        let data = |v: Value| SseEvent::default().data(v.to_string());
-        let tok = self.app.tokenizer.clone();
-        let Some((i, update)) = self.updates.next().await else {
-            self.done = true;
-            let err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped");
-            return vec![data(err.body()), SseEvent::default().data("[DONE]")];
-        };
-        let mut out = Vec::new();
-        match update {
-            Update::Token { token, logprob, top } => {
-                let c = &mut self.choices[i];
-                c.text.push(token);
-                c.logprobs.push(logprob);
-                c.top.push(top.clone());
-                let text = tok.as_ref().map(|t| c.text.delta(t, false)).unwrap_or_default();
-                let choice = self.choice_delta(i, text, &[token], &[logprob], &[top], None);
-                out.push(data(self.chunk(json!([choice]))));
-            }
-            Update::Finished(reason) => {
-                let c = &mut self.choices[i];
-                c.finish = Some(reason);
-                let text = tok.as_ref().map(|t| c.text.delta(t, true)).unwrap_or_default();
-                let choice = self.choice_delta(i, text, &[], &[], &[], Some(finish_reason(reason)));
-                out.push(data(self.chunk(json!([choice]))));
-                self.open -= 1;
-            }
-            Update::Failed(msg) => {
-                out.push(data(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg).body()));
-                self.open = 0;
-            }
-        }
-        if self.open == 0 {
-            self.done = true;
-            if self.plan.include_usage {
-                let completion: usize = self.choices.iter().map(|c| c.text.tokens().len()).sum();
-                let mut v = self.chunk(json!([]));
-                v["usage"] = json!({"prompt_tokens": self.plan.prompt.len(), "completion_tokens": completion,
-                                    "total_tokens": self.plan.prompt.len() + completion});
-                out.push(data(v));
-            }
-            out.push(SseEvent::default().data("[DONE]"));
-        }
-        out
     }
 }
