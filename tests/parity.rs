@@ -109,6 +109,20 @@ impl Target {
         Target::from_dirs(&target, &trained("draft"), target.clone(), deepseek, written, sampled)
     }
 
+    /// An MLX-quantized target (`tests/fixtures/mlx`): `draft` and `mimo` given (the trained
+    /// family's own bf16 head reads a 4-bit target), a random DeepSeek-layout head.
+    fn quantized(tag: &str, name: &str, draft: &Path, mimo: Option<PathBuf>, sampled: bool) -> Target {
+        let target = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name);
+        let deepseek = mtp_dir(tag, &target, MtpLayout::DeepSeek);
+        let mut written = vec![deepseek.clone()];
+        let mimo = mimo.unwrap_or_else(|| {
+            let dir = mtp_dir(tag, &target, MtpLayout::MiMo);
+            written.push(dir.clone());
+            dir
+        });
+        Target::from_dirs(&target, draft, mimo, deepseek, written, sampled)
+    }
+
     fn from_dirs(
         target: &Path,
         draft: &Path,
@@ -262,6 +276,30 @@ fn gate_trained_family() {
 #[test]
 fn gate_trained_family_sampled() {
     gate_on(&Target::trained("sampled", true), "trained");
+}
+
+#[test]
+fn gate_qwen3_4bit() {
+    gate_on(&Target::quantized("q4", "qwen3-q4g32", &fixture("qwen3-draft"), None, false), "qwen3-q4g32");
+}
+
+#[test]
+fn gate_qwen3_4bit_sampled() {
+    gate_on(&Target::quantized("q4s", "qwen3-q4g32", &fixture("qwen3-draft"), None, true), "qwen3-q4g32");
+}
+
+#[test]
+fn gate_qwen2_mixed_bits() {
+    gate_on(
+        &Target::quantized("q4m", "qwen2-q4g32-mixed", &fixture("qwen2-draft"), None, false),
+        "qwen2-mixed",
+    );
+}
+
+#[test]
+fn gate_trained_family_4bit_target() {
+    let t = Target::quantized("q4t", "trained-q4g64", &trained("draft"), Some(trained("target")), false);
+    gate_on(&t, "trained-q4g64");
 }
 
 #[test]

@@ -12,7 +12,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::config::read_json;
 use crate::error::{Error, Result};
-use crate::weights::{Weight, WeightDtype};
+use crate::weights::{Quant, Weight, WeightDtype};
 
 struct Entry {
     file: Arc<PathBuf>,
@@ -94,8 +94,15 @@ impl Checkpoint {
         self.tensors.contains_key(name)
     }
 
-    /// Tensor `name`, which must have exactly `shape` (1-D or 2-D).
+    /// Tensor `name`, which must have exactly `shape` (1-D or 2-D). A 2-D `*.weight`
+    /// stored MLX-quantized (with `*.scales` and `*.biases` beside it) comes back as a
+    /// quantized weight of that logical shape.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        if let (Some(stem), [rows, cols]) = (name.strip_suffix(".weight"), shape) {
+            if self.contains(&format!("{stem}.scales")) {
+                return self.get_quantized(stem, *rows, *cols);
+            }
+        }
         let e = self
             .tensors
             .get(name)
@@ -126,6 +133,52 @@ impl Checkpoint {
             _ => unreachable!("weights are 1-D or 2-D"),
         };
         Ok(Weight::mapped(e.map.clone(), e.range.clone(), dtype, rows, cols))
+    }
+
+    /// `{stem}.weight` (packed u32), `{stem}.scales` and `{stem}.biases` as one quantized
+    /// `rows x cols` weight; bits and group size follow from the shapes.
+    fn get_quantized(&self, stem: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let name = format!("{stem}.weight");
+        let e = self
+            .tensors
+            .get(&name)
+            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.clone() })?;
+        let bad =
+            |msg: String| Error::Safetensors { path: (*e.file).clone(), msg: format!("`{name}`: {msg}") };
+        if e.dtype != Dtype::U32 {
+            return Err(bad(format!("quantized weights are packed as U32, this one is {:?}", e.dtype)));
+        }
+        let words = match e.shape[..] {
+            [r, w] if r == rows => w,
+            _ => {
+                return Err(Error::TensorShape {
+                    path: (*e.file).clone(),
+                    name,
+                    got: e.shape.clone(),
+                    expected: vec![rows, cols],
+                })
+            }
+        };
+        let bits = words * 32 / cols;
+        if ![2, 4, 8].contains(&bits) || words * 32 != cols * bits {
+            return Err(bad(format!(
+                "{words} packed words per row for {cols} values is not 2, 4 or 8 bits per value (supported)"
+            )));
+        }
+        let scales_name = format!("{stem}.scales");
+        let groups = match self.tensors[&scales_name].shape[..] {
+            [r, g] if r == rows && g > 0 && cols % g == 0 && (cols / g) % (32 / bits) == 0 => g,
+            ref got => {
+                return Err(bad(format!(
+                    "`{scales_name}` has shape {got:?}: expected [{rows}, G] with G dividing {cols} into whole words"
+                )))
+            }
+        };
+        let scales = self.get(&scales_name, &[rows, groups])?;
+        let biases = self.get(&format!("{stem}.biases"), &[rows, groups])?;
+        let packed = Weight::mapped(e.map.clone(), e.range.clone(), WeightDtype::F32, rows, words);
+        let quant = Quant { bits, group: cols / groups, scales, biases };
+        Ok(Weight::quantized(packed, rows, cols, quant))
     }
 
     /// A small tensor widened to f32 (norm weights, biases).

@@ -194,6 +194,16 @@ impl Config {
             path: PathBuf::from(path),
             arch: arch_name.to_string(),
         })?;
+        // MLX quantization (weights found by their `.scales`): only the affine mode.
+        if let Some(mode) = k.opt("quantization").and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
+            if mode != "affine" {
+                return Err(Error::config(
+                    path,
+                    "quantization.mode",
+                    &format!("`{mode}` is not supported (affine, as `mlx_lm.convert -q` writes, is)"),
+                ));
+            }
+        }
         let hidden_size = k.usize("hidden_size")?;
         let heads = k.usize("num_attention_heads")?;
         if hidden_size % heads != 0 && k.opt("head_dim").is_none() {

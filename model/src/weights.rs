@@ -60,9 +60,25 @@ enum Bytes {
 #[derive(Clone)]
 pub struct Weight {
     bytes: Bytes,
+    /// The element dtype (of the scales, for a quantized weight).
     pub dtype: WeightDtype,
     pub rows: usize,
     pub cols: usize,
+    /// Set for an MLX-quantized weight, whose bytes are then the packed values.
+    quant: Option<Arc<Quant>>,
+}
+
+/// MLX affine quantization ("mlx_lm.convert -q"): each row is cut into groups of `group`
+/// consecutive values that share a scale and a bias, `w = scale * q + bias`, and the
+/// `bits`-bit integers q are packed `32 / bits` to a little-endian u32 (value j of a word
+/// in bits `[j * bits, (j + 1) * bits)`).
+#[derive(Clone)]
+pub struct Quant {
+    pub bits: usize,
+    pub group: usize,
+    /// `rows x cols / group` each.
+    pub scales: Weight,
+    pub biases: Weight,
 }
 
 impl Weight {
@@ -74,20 +90,33 @@ impl Weight {
         cols: usize,
     ) -> Self {
         debug_assert_eq!(range.len(), rows * cols * dtype.size());
-        Weight { bytes: Bytes::Mapped(map, range), dtype, rows, cols }
+        Weight { bytes: Bytes::Mapped(map, range), dtype, rows, cols, quant: None }
+    }
+
+    /// A quantized `rows x cols` weight: `packed` holds the u32 words (as raw bytes,
+    /// `rows x cols * bits / 32` words), `quant` the group layout, scales and biases.
+    pub(crate) fn quantized(packed: Weight, rows: usize, cols: usize, quant: Quant) -> Self {
+        debug_assert_eq!(packed.bytes().len(), rows * cols * quant.bits / 8);
+        let dtype = quant.scales.dtype;
+        Weight { bytes: packed.bytes, dtype, rows, cols, quant: Some(Arc::new(quant)) }
+    }
+
+    /// The quantization, for a quantized weight.
+    pub fn quant(&self) -> Option<&Quant> {
+        self.quant.as_deref()
     }
 
     /// An owned weight from little-endian bytes of `dtype` (as a checkpoint stores them).
     pub fn from_le_bytes(bytes: Vec<u8>, dtype: WeightDtype, rows: usize, cols: usize) -> Self {
         assert_eq!(bytes.len(), rows * cols * dtype.size(), "from_le_bytes: {rows} x {cols} {dtype:?}");
-        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype, rows, cols }
+        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype, rows, cols, quant: None }
     }
 
     /// An owned f32 weight (used by tests and for small converted tensors).
     pub fn from_f32(values: Vec<f32>, rows: usize, cols: usize) -> Self {
         assert_eq!(values.len(), rows * cols, "Weight::from_f32: shape mismatch");
         let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype: WeightDtype::F32, rows, cols }
+        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype: WeightDtype::F32, rows, cols, quant: None }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -97,9 +126,12 @@ impl Weight {
         }
     }
 
-    /// Row `r` widened to f32.
+    /// Row `r` widened (or dequantized) to f32.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         assert!(r < self.rows && out.len() == self.cols);
+        if let Some(q) = &self.quant {
+            return self.dequantize_row(q, r, out);
+        }
         let row = &self.bytes()[r * self.cols * self.dtype.size()..][..self.cols * self.dtype.size()];
         for (i, o) in out.iter_mut().enumerate() {
             // SAFETY: `row` holds `cols` elements of `dtype`.
@@ -107,9 +139,38 @@ impl Weight {
         }
     }
 
+    /// Row `r` of a quantized weight: `scale * q + bias` per element, in f32.
+    fn dequantize_row(&self, q: &Quant, r: usize, out: &mut [f32]) {
+        let per_word = 32 / q.bits;
+        let mask = (1u32 << q.bits) - 1;
+        let words = self.cols / per_word;
+        let row = &self.bytes()[r * words * 4..][..words * 4];
+        let groups = self.cols / q.group;
+        let (sb, bb) = (q.scales.bytes(), q.biases.bytes());
+        for g in 0..groups {
+            // SAFETY: scales and biases hold rows x groups elements of their dtype.
+            let scale = unsafe { q.scales.dtype.read(sb.as_ptr(), r * groups + g) };
+            let bias = unsafe { q.biases.dtype.read(bb.as_ptr(), r * groups + g) };
+            let first_word = g * q.group / per_word;
+            for (w, word) in row[first_word * 4..][..q.group / per_word * 4].chunks_exact(4).enumerate() {
+                let word = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+                let at = g * q.group + w * per_word;
+                for (j, o) in out[at..at + per_word].iter_mut().enumerate() {
+                    *o = scale * ((word >> (j * q.bits)) & mask) as f32 + bias;
+                }
+            }
+        }
+    }
+
     /// The whole tensor widened to f32 (for small tensors: norms, biases).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.rows * self.cols];
+        if self.quant.is_some() {
+            for (r, row) in out.chunks_mut(self.cols).enumerate() {
+                self.row_f32(r, row);
+            }
+            return out;
+        }
         let b = self.bytes();
         for (i, o) in out.iter_mut().enumerate() {
             // SAFETY: `b` holds rows * cols elements of `dtype`.

@@ -30,6 +30,8 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [
     }
     if crate::negative_control::stock_matmul() {
         stock_linear(x, m, w, out);
+    } else if w.quant().is_some() {
+        quantized(x, m, w, out);
     } else {
         row_invariant(x, m, w, out);
     }
@@ -63,6 +65,46 @@ fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         // SAFETY: shapes checked above; each task owns columns n0..n1.
         unsafe { columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o.0, n) };
     };
+    if m * n * k < 1 << 16 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+/// Output columns one quantized task dequantizes at a time.
+const QUANT_COLS_PER_TASK: usize = 16;
+
+/// A quantized weight: each task dequantizes its weight rows to f32 (the same values
+/// whatever M) and runs the f32 tiles over them, so the order per output is the f32
+/// order for every M.
+fn quantized(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let optr = SendPtr(out.as_mut_ptr());
+    let run = |t: usize| {
+        let n0 = t * QUANT_COLS_PER_TASK;
+        let rows = QUANT_COLS_PER_TASK.min(n - n0);
+        let mut scratch = vec![0f32; rows * k];
+        for (j, row) in scratch.chunks_mut(k).enumerate() {
+            w.row_f32(n0 + j, row);
+        }
+        let o = optr;
+        // SAFETY: `scratch` holds `rows` f32 rows of k; this task owns columns n0..n0+rows.
+        unsafe {
+            columns(
+                x.as_ptr(),
+                m,
+                k,
+                scratch.as_ptr() as *const u8,
+                WeightDtype::F32,
+                0,
+                rows,
+                o.0.add(n0),
+                n,
+            )
+        };
+    };
+    let tasks = n.div_ceil(QUANT_COLS_PER_TASK);
     if m * n * k < 1 << 16 {
         (0..tasks).for_each(run);
     } else {

@@ -259,6 +259,12 @@ impl Kernels for Cuda {
     }
 
     fn matrix(&self, w: &Weight) -> Result<CudaMat> {
+        if let Some(q) = w.quant() {
+            return Err(Error::Backend(format!(
+                "a {}-bit quantized {} x {} weight: quantized checkpoints run on the CPU backend only (so far)",
+                q.bits, w.rows, w.cols
+            )));
+        }
         let buf = self.stream.clone_htod(w.bytes()).map_err(|e| {
             Error::Backend(format!(
                 "cannot copy a {} x {} {} weight to the GPU: {e:?}",

@@ -1,0 +1,171 @@
+//! MLX-quantized checkpoints (`mlx_lm.convert -q`, written by mlx-lm itself by
+//! `scripts/make_mlx_fixtures.py`): golden outputs against mlx-lm, the quantized matmul's
+//! row invariance (with its negative control), and clear errors for what is not supported.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{bits, Lcg};
+use mtp::engine::{prefill, EngineOptions, Request};
+use mtp::model::kernels::linear;
+use mtp::model::{negative_control, Checkpoint, Model};
+use serde_json::Value;
+
+const FIXTURES: [&str; 5] =
+    ["qwen3-q4g32", "qwen3-q8g64", "llama-q4g64", "qwen2-q4g32-mixed", "trained-q4g64"];
+
+/// How far our logits may sit from mlx-lm's: both dequantize `scale * q + bias` in f32,
+/// but mlx's quantized matmul sums in its own order.
+const TOL: f32 = 2e-4;
+
+fn mlx(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name)
+}
+
+fn golden(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn prefill_logits_match_mlx_lm() {
+    for name in FIXTURES {
+        let dir = mlx(name);
+        let model = common::load(&dir);
+        let g = golden(&dir);
+        for (p, want) in
+            g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap())
+        {
+            let mut cache = model.new_cache();
+            let (got, _) = prefill(&model, &mut cache, &ids(p), 3, false).unwrap();
+            let want: Vec<f32> =
+                want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            assert_eq!(got.len(), want.len());
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            println!("{name}: prefill logits within {worst:e} of mlx-lm");
+            assert!(worst < TOL, "{name}: prefill logits differ from mlx-lm's by {worst}");
+        }
+    }
+}
+
+#[test]
+fn greedy_tokens_match_mlx_lm() {
+    for name in FIXTURES {
+        let dir = mlx(name);
+        let model = common::load(&dir);
+        let g = golden(&dir);
+        let n = g["new_tokens"].as_u64().unwrap() as usize;
+        let prompts = g["prompts"].as_array().unwrap();
+        let requests: Vec<Request> =
+            prompts.iter().enumerate().map(|(i, p)| common::request(&i.to_string(), ids(p), n)).collect();
+        let opts = EngineOptions { max_batch: 2, prefill_chunk: 3, ..EngineOptions::default() };
+        for (i, res) in common::run(&model, None, opts, &requests, &[]).into_iter().enumerate() {
+            let got = res.unwrap().tokens;
+            let margins = g["margins"][i].as_array().unwrap();
+            // Up to the first near-tie, where a correct implementation may pick the other token.
+            let upto = margins.iter().position(|m| m.as_f64().unwrap() < 2.0 * TOL as f64).unwrap_or(n);
+            assert!(upto > 0, "{name} prompt {i}: the first step is already a near-tie");
+            assert_eq!(
+                got[..upto],
+                ids(&g["greedy"][i])[..upto],
+                "{name} prompt {i}: greedy tokens differ from mlx-lm's"
+            );
+        }
+    }
+}
+
+/// Every quantized projection of every fixture, at M in {1, 2, 3, 5, 17, 40}: each row
+/// of the product has the bits it has alone.
+#[test]
+fn quantized_matmul_rows_do_not_depend_on_m() {
+    let mut rng = Lcg(7);
+    for name in FIXTURES {
+        let ck = Checkpoint::open(&mlx(name)).unwrap();
+        let model = Model::load(&mlx(name)).unwrap();
+        let (h, i) = (model.config.hidden_size, model.config.intermediate_size);
+        // mlx-lm leaves a matrix whose rows its group size does not divide unquantized.
+        let weights: Vec<_> =
+            [("model.layers.0.mlp.down_proj.weight", [h, i]), ("model.layers.1.mlp.up_proj.weight", [i, h])]
+                .iter()
+                .map(|(w, shape)| ck.get(w, shape).unwrap())
+                .filter(|w| w.quant().is_some())
+                .collect();
+        assert!(!weights.is_empty(), "{name}: no quantized projection to test");
+        for w in weights {
+            let x = rng.vec(40 * w.cols);
+            let mut alone = vec![0.0; 40 * w.rows];
+            for (r, o) in alone.chunks_mut(w.rows).enumerate() {
+                linear(&x[r * w.cols..(r + 1) * w.cols], 1, &w, None, o);
+            }
+            for m in [1, 2, 3, 5, 17, 40] {
+                let mut out = vec![0.0; m * w.rows];
+                linear(&x[..m * w.cols], m, &w, None, &mut out);
+                assert_eq!(bits(&out), bits(&alone[..m * w.rows]), "{name}: M = {m}");
+            }
+        }
+    }
+}
+
+/// Negative control: candle's stock matmul over the same dequantized weights gives rows
+/// whose bits depend on M.
+#[test]
+fn negative_control_stock_matmul_of_quantized_weights_depends_on_m() {
+    let ck = Checkpoint::open(&mlx("trained-q4g64")).unwrap();
+    let w = ck.get("model.layers.0.mlp.up_proj.weight", &[1024, 384]).unwrap();
+    let x = Lcg(3).vec(40 * w.cols);
+    negative_control::set_stock_matmul(true);
+    let mut alone = vec![0.0; w.rows];
+    linear(&x[..w.cols], 1, &w, None, &mut alone);
+    let mut batched = vec![0.0; 40 * w.rows];
+    linear(&x, 40, &w, None, &mut batched);
+    negative_control::set_stock_matmul(false);
+    assert_ne!(bits(&alone), bits(&batched[..w.rows]), "the stock matmul should vary with M");
+}
+
+/// A copy of a quantized fixture in a temporary directory, with `edit` applied.
+fn edited(tag: &str, edit: impl FnOnce(&Path)) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mtp-quantized-{tag}-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(mlx("qwen3-q4g32").join(f), dir.join(f)).unwrap();
+    }
+    edit(&dir);
+    dir
+}
+
+#[test]
+fn unsupported_quantization_is_refused_by_name() {
+    let dir = edited("mode", |d| {
+        let path = d.join("config.json");
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        c["quantization"]["mode"] = "mxfp4".into();
+        std::fs::write(&path, c.to_string()).unwrap();
+    });
+    let err = Model::load(&dir).err().expect("mxfp4 is refused").to_string();
+    assert!(err.contains("quantization.mode") && err.contains("mxfp4"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+    // A scales tensor whose groups do not fit the row (a damaged or foreign file).
+    let dir = edited("scales", |d| {
+        // The same bytes declared as 144 rows of 4 groups instead of 192 rows of 3 (an
+        // edit of equal length inside the safetensors header).
+        let path = d.join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let (from, to) = (
+            r#""model.layers.0.mlp.up_proj.scales":{"data_offsets":[32352,34656],"dtype":"F32","shape":[192,3]}"#,
+            r#""model.layers.0.mlp.up_proj.scales":{"data_offsets":[32352,34656],"dtype":"F32","shape":[144,4]}"#,
+        );
+        let at =
+            bytes.windows(from.len()).position(|w| w == from.as_bytes()).expect("the fixture's header entry");
+        let mut out = bytes.clone();
+        out[at..at + to.len()].copy_from_slice(to.as_bytes());
+        std::fs::write(&path, out).unwrap();
+    });
+    let err = Model::load(&dir).err().expect("misshapen scales are refused").to_string();
+    assert!(err.contains("up_proj.scales"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
