@@ -167,7 +167,7 @@ impl Checkpoint {
         }
         let scales_name = format!("{stem}.scales");
         let groups = match self.tensors[&scales_name].shape[..] {
-            [r, g] if r == rows && g > 0 && cols % g == 0 && (cols / g) % (32 / bits) == 0 => g,
+            [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && (cols / g).is_multiple_of(32 / bits) => g,
             ref got => {
                 return Err(bad(format!(
                     "`{scales_name}` has shape {got:?}: expected [{rows}, G] with G dividing {cols} into whole words"

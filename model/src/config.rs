@@ -200,7 +200,7 @@ impl Config {
                 return Err(Error::config(
                     path,
                     "quantization.mode",
-                    &format!("`{mode}` is not supported (affine, as `mlx_lm.convert -q` writes, is)"),
+                    format!("`{mode}` is not supported (affine, as `mlx_lm.convert -q` writes, is)"),
                 ));
             }
         }
