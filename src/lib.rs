@@ -46,6 +46,18 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// The K/V format from `--kv-dtype` and `--kv-bits` (which cannot both be given).
+pub fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<model::backend::KvDtype> {
+    use model::backend::KvDtype;
+    Ok(match (kv_bits, kv_dtype) {
+        (None, d) => d.parse::<KvDtype>()?,
+        (Some(8), "auto") => KvDtype::Q8,
+        (Some(4), "auto") => KvDtype::Q4,
+        (Some(b), "auto") => anyhow::bail!("--kv-bits {b}: quantized K/V take 8 or 4 bits"),
+        (Some(_), d) => anyhow::bail!("--kv-bits and --kv-dtype {d} both set the K/V format: give one"),
+    })
+}
+
 /// `--k`: `auto` (the engine chooses each row's k every round, up to `--max-k`) or a fixed
 /// count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

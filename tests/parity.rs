@@ -18,6 +18,7 @@ use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleD
 use mtp::engine::{
     prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
 };
+use mtp::model::backend::{Backend, KvDtype};
 use mtp::model::kernels::logprob;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout};
@@ -97,7 +98,7 @@ impl Target {
             mtp_dir(tag, &fixture(name), MtpLayout::DeepSeek),
         );
         let written = vec![mimo.clone(), deepseek.clone()];
-        Target::from_dirs(&fixture(name), &fixture(draft), mimo, deepseek, written, sampled)
+        Target::from_dirs(&fixture(name), &fixture(draft), mimo, deepseek, written, sampled, KvDtype::Auto)
     }
 
     /// The trained family: its own draft model and MTP head (MiMo, inside the target), and
@@ -106,13 +107,28 @@ impl Target {
         let target = trained("target");
         let deepseek = mtp_dir(tag, &target, MtpLayout::DeepSeek);
         let written = vec![deepseek.clone()];
-        Target::from_dirs(&target, &trained("draft"), target.clone(), deepseek, written, sampled)
+        Target::from_dirs(
+            &target,
+            &trained("draft"),
+            target.clone(),
+            deepseek,
+            written,
+            sampled,
+            KvDtype::Auto,
+        )
     }
 
     /// An MLX-quantized target (`tests/fixtures/mlx`): `draft` and `mimo` given (the trained
     /// family's own bf16 head reads a 4-bit target), a random DeepSeek-layout head.
-    fn quantized(tag: &str, name: &str, draft: &Path, mimo: Option<PathBuf>, sampled: bool) -> Target {
-        let target = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name);
+    fn quantized(
+        tag: &str,
+        target: &Path,
+        draft: &Path,
+        mimo: Option<PathBuf>,
+        sampled: bool,
+        kv: KvDtype,
+    ) -> Target {
+        let target = target.to_path_buf();
         let deepseek = mtp_dir(tag, &target, MtpLayout::DeepSeek);
         let mut written = vec![deepseek.clone()];
         let mimo = mimo.unwrap_or_else(|| {
@@ -120,7 +136,7 @@ impl Target {
             written.push(dir.clone());
             dir
         });
-        Target::from_dirs(&target, draft, mimo, deepseek, written, sampled)
+        Target::from_dirs(&target, draft, mimo, deepseek, written, sampled, kv)
     }
 
     fn from_dirs(
@@ -130,8 +146,9 @@ impl Target {
         deepseek: PathBuf,
         written: Vec<PathBuf>,
         sampled: bool,
+        kv: KvDtype,
     ) -> Target {
-        let model = Arc::new(common::load(target));
+        let model = Arc::new(Model::load_with(target, common::backend(), kv).unwrap());
         let (requests, arrive_at) = workload(sampled);
         // The reference: plain decoding, each request alone.
         let reference = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
@@ -278,28 +295,95 @@ fn gate_trained_family_sampled() {
     gate_on(&Target::trained("sampled", true), "trained");
 }
 
+fn mlx(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name)
+}
+
+/// Quantized weights and quantized K/V run on the CPU backend only.
+fn cpu_only() -> bool {
+    let cpu = common::backend() == Backend::Cpu;
+    if !cpu {
+        eprintln!("skipped: quantized weights and K/V run on the CPU backend only");
+    }
+    cpu
+}
+
 #[test]
 fn gate_qwen3_4bit() {
-    gate_on(&Target::quantized("q4", "qwen3-q4g32", &fixture("qwen3-draft"), None, false), "qwen3-q4g32");
+    if cpu_only() {
+        let t =
+            Target::quantized("q4", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, false, KvDtype::Auto);
+        gate_on(&t, "qwen3-q4g32");
+    }
 }
 
 #[test]
 fn gate_qwen3_4bit_sampled() {
-    gate_on(&Target::quantized("q4s", "qwen3-q4g32", &fixture("qwen3-draft"), None, true), "qwen3-q4g32");
+    if cpu_only() {
+        let t =
+            Target::quantized("q4s", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, true, KvDtype::Auto);
+        gate_on(&t, "qwen3-q4g32");
+    }
 }
 
 #[test]
 fn gate_qwen2_mixed_bits() {
-    gate_on(
-        &Target::quantized("q4m", "qwen2-q4g32-mixed", &fixture("qwen2-draft"), None, false),
-        "qwen2-mixed",
-    );
+    if cpu_only() {
+        let t = Target::quantized(
+            "q4m",
+            &mlx("qwen2-q4g32-mixed"),
+            &fixture("qwen2-draft"),
+            None,
+            false,
+            KvDtype::Auto,
+        );
+        gate_on(&t, "qwen2-mixed");
+    }
 }
 
 #[test]
-fn gate_trained_family_4bit_target() {
-    let t = Target::quantized("q4t", "trained-q4g64", &trained("draft"), Some(trained("target")), false);
-    gate_on(&t, "trained-q4g64");
+fn gate_trained_family_4bit_target_8bit_kv() {
+    if cpu_only() {
+        let t = Target::quantized(
+            "q4t",
+            &mlx("trained-q4g64"),
+            &trained("draft"),
+            Some(trained("target")),
+            false,
+            KvDtype::Q8,
+        );
+        gate_on(&t, "trained-q4g64 kv8");
+    }
+}
+
+#[test]
+fn gate_qwen3_4bit_kv() {
+    if cpu_only() {
+        let t = Target::quantized(
+            "kv4",
+            &fixture("qwen3-target"),
+            &fixture("qwen3-draft"),
+            None,
+            false,
+            KvDtype::Q4,
+        );
+        gate_on(&t, "qwen3 kv4");
+    }
+}
+
+#[test]
+fn gate_llama_8bit_kv_sampled() {
+    if cpu_only() {
+        let t = Target::quantized(
+            "kv8s",
+            &fixture("llama-target"),
+            &fixture("llama-draft"),
+            None,
+            true,
+            KvDtype::Q8,
+        );
+        gate_on(&t, "llama kv8");
+    }
 }
 
 #[test]

@@ -11,6 +11,7 @@ use common::{fixture, plain, request, Lcg};
 use mtp::cache::RowCache;
 use mtp::drafter::{Commit, DraftAsk, DraftModelDrafter, Drafter, MtpDrafter};
 use mtp::engine::prefill;
+use mtp::model::backend::{Backend, KvDtype};
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Logits, Model, MtpLayout, RowInput};
 use mtp::sampling::SamplingMode;
@@ -106,28 +107,60 @@ fn run(model: &Model, together: bool, layout: WindowLayout, seed: u64) -> (Vec<V
 #[test]
 fn mixed_accepts_leave_each_row_as_if_alone() {
     for name in ["llama-target", "qwen2-target", "qwen3-target"] {
-        let model = common::load(&fixture(name));
-        let (alone, alone_results) = run(&model, false, WindowLayout::RowTail, 3);
-        let accepted: Vec<usize> = alone_results.iter().map(|v| v.accepted).collect();
-        assert!(accepted.contains(&0) && accepted.iter().any(|&a| a >= 2), "{name}: accepts not mixed");
-        for layout in [WindowLayout::RowTail, WindowLayout::SharedSlots] {
-            let (batched, results) = run(&model, true, layout, 3);
-            assert!(batched == alone, "{name} {layout:?}: a row's K/V differ from the row run alone");
-            assert_eq!(results, alone_results, "{name} {layout:?}: tokens/logprobs/hidden differ");
+        rows_as_if_alone(&common::load(&fixture(name)), name);
+    }
+}
+
+/// The same property with quantized K/V (CPU): a row's quantized entries after mixed
+/// accepts (unequal prompts, unequal accepts in one batch, both layouts) are byte for
+/// byte those of the row alone and of plain decoding.
+#[test]
+fn mixed_accepts_leave_quantized_kv_as_if_alone() {
+    if common::backend() != Backend::Cpu {
+        eprintln!("skipped: quantized K/V run on the CPU backend only");
+        return;
+    }
+    for kv in [KvDtype::Q8, KvDtype::Q4] {
+        for name in ["llama-target", "qwen3-target"] {
+            let model = Model::load_with(&fixture(name), Backend::Cpu, kv).unwrap();
+            assert_eq!(model.kv_dtype(), kv);
+            rows_as_if_alone(&model, &format!("{name} {kv:?}"));
         }
-        // And the rolled-back cache equals plain decoding's cache of the same tokens.
-        for r in rows_for(&model).iter_mut().take(2) {
-            let mut c = model.new_cache();
-            let seq: Vec<u32> = r.prompt.iter().chain(&r.truth[..20]).copied().collect();
-            for t in &seq {
-                let mut rows =
-                    [RowInput { tokens: std::slice::from_ref(t), cache: &mut c, logits: Logits::None }];
-                model.forward(&mut rows).unwrap();
-                c.commit_window(1);
-            }
-            prefill(&model, &mut r.cache, &r.truth[..20], 3, false).unwrap();
-            assert_eq!(cache_bits(&c), cache_bits(&r.cache), "{name}: decode and prefill caches differ");
+    }
+    // Negative control: a rollback that forgets to compact is caught in quantized K/V too.
+    let model = Model::load_with(&fixture("qwen3-target"), Backend::Cpu, KvDtype::Q4).unwrap();
+    let (alone, _) = run(&model, false, WindowLayout::RowTail, 3);
+    mtp::cache::negative_control::set_skip_compaction(true);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(&model, true, WindowLayout::SharedSlots, 3)
+    }));
+    mtp::cache::negative_control::set_skip_compaction(false);
+    if let Ok((batched, _)) = result {
+        assert!(batched != alone, "skipping compaction went unnoticed in quantized K/V");
+    }
+}
+
+fn rows_as_if_alone(model: &Model, name: &str) {
+    let (alone, alone_results) = run(model, false, WindowLayout::RowTail, 3);
+    let accepted: Vec<usize> = alone_results.iter().map(|v| v.accepted).collect();
+    assert!(accepted.contains(&0) && accepted.iter().any(|&a| a >= 2), "{name}: accepts not mixed");
+    for layout in [WindowLayout::RowTail, WindowLayout::SharedSlots] {
+        let (batched, results) = run(model, true, layout, 3);
+        assert!(batched == alone, "{name} {layout:?}: a row's K/V differ from the row run alone");
+        assert_eq!(results, alone_results, "{name} {layout:?}: tokens/logprobs/hidden differ");
+    }
+    // And the rolled-back cache equals plain decoding's cache of the same tokens.
+    for r in rows_for(model).iter_mut().take(2) {
+        let mut c = model.new_cache();
+        let seq: Vec<u32> = r.prompt.iter().chain(&r.truth[..20]).copied().collect();
+        for t in &seq {
+            let mut rows =
+                [RowInput { tokens: std::slice::from_ref(t), cache: &mut c, logits: Logits::None }];
+            model.forward(&mut rows).unwrap();
+            c.commit_window(1);
         }
+        prefill(model, &mut r.cache, &r.truth[..20], 3, false).unwrap();
+        assert_eq!(cache_bits(&c), cache_bits(&r.cache), "{name}: decode and prefill caches differ");
     }
 }
 

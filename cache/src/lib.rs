@@ -13,8 +13,10 @@
 //! (compacting the hole) and frees everything after: that is rollback after a partial
 //! accept. Memory follows the row's own length, never the longest row's.
 
+mod quant;
 mod store;
 
+pub use quant::{QuantKv, QuantLayout};
 pub use store::{HostKv, KvError, KvStore};
 
 /// One row's K/V for every layer.
@@ -65,46 +67,83 @@ impl SlotMap {
 /// Read access to one layer of a host row: committed positions plus the open window.
 #[derive(Clone, Copy, Debug)]
 pub struct KvView<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+    data: Data<'a>,
     stride: usize,
     map: SlotMap,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Data<'a> {
+    F32 { k: &'a [f32], v: &'a [f32] },
+    Quant { k: &'a [u8], v: &'a [u8], layout: QuantLayout },
 }
 
 impl<'a> KvView<'a> {
     /// A view of plain contiguous K/V (`[pos][stride]`), logical position = slot.
     pub fn contiguous(k: &'a [f32], v: &'a [f32], stride: usize) -> Self {
         let n = k.len() / stride.max(1);
-        KvView { k, v, stride, map: SlotMap { committed: n, base: n } }
+        KvView { data: Data::F32 { k, v }, stride, map: SlotMap { committed: n, base: n } }
     }
 
     /// Layer `layer` of a host store, read through `map`.
     pub fn of(store: &'a HostKv, layer: usize, map: SlotMap) -> Self {
         let (k, v) = store.layer(layer);
-        KvView { k, v, stride: store.stride(), map }
+        KvView { data: Data::F32 { k, v }, stride: store.stride(), map }
+    }
+
+    /// Layer `layer` of a quantized host store, read through `map`.
+    pub fn of_quant(store: &'a QuantKv, layer: usize, map: SlotMap) -> Self {
+        let (k, v) = store.layer(layer);
+        let layout = store.layout();
+        KvView { data: Data::Quant { k, v, layout }, stride: layout.heads * layout.head_dim, map }
     }
 
     /// Positions readable through this view.
     pub fn len(&self) -> usize {
-        self.map.committed + (self.k.len() / self.stride.max(1)).saturating_sub(self.map.base)
+        let slots = match self.data {
+            Data::F32 { k, .. } => k.len() / self.stride.max(1),
+            Data::Quant { k, layout, .. } => k.len() / layout.slot_bytes().max(1),
+        };
+        self.map.committed + slots.saturating_sub(self.map.base)
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// K of logical position `pos`, all KV heads (`stride` floats).
+    /// K of logical position `pos`, values `[off, off + len)` (one KV head: `off` is a
+    /// multiple of `len` = head_dim for a quantized store): a slice of the store, or the
+    /// head dequantized into `buf`.
     #[inline]
-    pub fn key(&self, pos: usize) -> &'a [f32] {
-        let s = self.map.slot(pos) * self.stride;
-        &self.k[s..s + self.stride]
+    pub fn key<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        self.read(pos, off, len, buf, true)
     }
 
-    /// V of logical position `pos`, all KV heads.
+    /// V of logical position `pos`, like [`KvView::key`].
     #[inline]
-    pub fn value(&self, pos: usize) -> &'a [f32] {
-        let s = self.map.slot(pos) * self.stride;
-        &self.v[s..s + self.stride]
+    pub fn value<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        self.read(pos, off, len, buf, false)
+    }
+
+    #[inline]
+    fn read<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32], key: bool) -> &'b [f32] {
+        let slot = self.map.slot(pos);
+        match self.data {
+            Data::F32 { k, v } => {
+                let s = slot * self.stride + off;
+                &(if key { k } else { v })[s..s + len]
+            }
+            Data::Quant { k, v, layout } => {
+                debug_assert!(
+                    len == layout.head_dim && off.is_multiple_of(len),
+                    "quantized K/V are read a head at a time"
+                );
+                let at = slot * layout.slot_bytes() + off / layout.head_dim * layout.head_bytes();
+                let g = &(if key { k } else { v })[at..at + layout.head_bytes()];
+                layout.dequantize_head(g, &mut buf[..len]);
+                &buf[..len]
+            }
+        }
     }
 }
 
@@ -203,10 +242,13 @@ impl RowCache {
     }
 
     /// Committed positions plus the open window of `layer`, by logical position, for a host
-    /// cache (`None` for a device cache).
+    /// cache, plain or quantized (`None` for a device cache).
     pub fn view(&self, layer: usize) -> Option<KvView<'_>> {
-        let host = self.store.as_any().downcast_ref::<HostKv>()?;
-        Some(KvView::of(host, layer, self.slot_map()))
+        let any = self.store.as_any();
+        if let Some(host) = any.downcast_ref::<HostKv>() {
+            return Some(KvView::of(host, layer, self.slot_map()));
+        }
+        any.downcast_ref::<QuantKv>().map(|q| KvView::of_quant(q, layer, self.slot_map()))
     }
 
     /// Keeps the first `keep` positions of the open window (rollback of the rest): moves
@@ -321,7 +363,7 @@ mod tests {
         assert_eq!(committed(&c, 1).0, &[1.0, 2.0, 3.0, 4.0]);
         write(&mut c, 2, &[5.0, 6.0, 7.0, 8.0]);
         assert_eq!(c.view(0).unwrap().len(), 4);
-        assert_eq!(c.view(0).unwrap().key(3), &[7.0, 8.0]);
+        assert_eq!(c.view(0).unwrap().key(3, 0, 2, &mut [0.0; 2]), &[7.0, 8.0]);
         c.commit_window(1);
         assert_eq!(committed(&c, 0).0, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         assert_eq!(c.bytes(), 2 * 2 * 6 * 4);
@@ -336,7 +378,11 @@ mod tests {
         c.commit_window(1);
         write(&mut c, 4, &[5.0, 6.0, 7.0]);
         let v = c.view(0).unwrap();
-        assert_eq!((v.len(), v.key(0), v.key(1), v.key(3)), (4, &[1.0][..], &[5.0][..], &[7.0][..]));
+        let b = &mut [0.0; 1];
+        assert_eq!(
+            (v.len(), v.key(0, 0, 1, b).to_vec(), v.key(1, 0, 1, b).to_vec(), v.key(3, 0, 1, b).to_vec()),
+            (4, vec![1.0], vec![5.0], vec![7.0])
+        );
         c.commit_window(2);
         assert_eq!(committed(&c, 0).0, &[1.0, 5.0, 6.0]);
         assert_eq!(c.bytes(), 2 * 3 * 4);

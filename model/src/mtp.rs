@@ -212,11 +212,12 @@ impl<B: Kernels> MtpBlock<B> {
 impl<B: Kernels> MtpNet for MtpBlock<B> {
     fn new_cache(&self) -> RowCache {
         let stride = self.config.num_key_value_heads * self.config.head_dim;
-        RowCache::with_store(self.be.kv_store(1, stride, self.kv), 1, stride)
+        let (heads, hd) = (self.config.num_key_value_heads, self.config.head_dim);
+        RowCache::with_store(self.be.kv_store(1, heads, hd, self.kv), 1, stride)
     }
 
     fn kv_bytes_per_token(&self) -> usize {
-        2 * self.config.num_key_value_heads * self.config.head_dim * self.kv.size()
+        2 * self.kv.slot_bytes(self.config.num_key_value_heads, self.config.head_dim)
     }
 
     fn forward(&self, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>> {

@@ -216,6 +216,12 @@ impl<B: Kernels> Decoder<B> {
             .collect::<Result<Vec<_>>>()?;
         let embed_w = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
+        if kv == KvDtype::Q4 && c.head_dim % 2 == 1 {
+            return Err(Error::Backend(format!(
+                "4-bit K/V packs two values a byte: head_dim {} is odd",
+                c.head_dim
+            )));
+        }
         let embed = Arc::new(be.matrix(&embed_w)?);
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
         let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
@@ -311,13 +317,13 @@ impl<B: Kernels> Net for Decoder<B> {
     fn new_cache(&self) -> RowCache {
         let c = &self.config;
         let stride = c.num_key_value_heads * c.head_dim;
-        let store = self.be.kv_store(c.num_hidden_layers, stride, self.kv);
+        let store = self.be.kv_store(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv);
         RowCache::with_store(store, c.num_hidden_layers, stride)
     }
 
     fn kv_bytes_per_token(&self) -> usize {
         let c = &self.config;
-        2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.kv.size()
+        2 * c.num_hidden_layers * self.kv.slot_bytes(c.num_key_value_heads, c.head_dim)
     }
 
     fn backend(&self) -> Backend {

@@ -141,25 +141,9 @@ impl Weight {
 
     /// Row `r` of a quantized weight: `scale * q + bias` per element, in f32.
     fn dequantize_row(&self, q: &Quant, r: usize, out: &mut [f32]) {
-        let per_word = 32 / q.bits;
-        let mask = (1u32 << q.bits) - 1;
-        let words = self.cols / per_word;
-        let row = &self.bytes()[r * words * 4..][..words * 4];
-        let groups = self.cols / q.group;
-        let (sb, bb) = (q.scales.bytes(), q.biases.bytes());
-        for g in 0..groups {
-            // SAFETY: scales and biases hold rows x groups elements of their dtype.
-            let scale = unsafe { q.scales.dtype.read(sb.as_ptr(), r * groups + g) };
-            let bias = unsafe { q.biases.dtype.read(bb.as_ptr(), r * groups + g) };
-            let first_word = g * q.group / per_word;
-            for (w, word) in row[first_word * 4..][..q.group / per_word * 4].chunks_exact(4).enumerate() {
-                let word = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
-                let at = g * q.group + w * per_word;
-                for (j, o) in out[at..at + per_word].iter_mut().enumerate() {
-                    *o = scale * ((word >> (j * q.bits)) & mask) as f32 + bias;
-                }
-            }
-        }
+        let row_bytes = self.cols * q.bits / 8;
+        let row = &self.bytes()[r * row_bytes..][..row_bytes];
+        crate::kernels::quant::dequantize_row(q, row, r * (self.cols / q.group), out);
     }
 
     /// The whole tensor widened to f32 (for small tensors: norms, biases).

@@ -13,7 +13,7 @@ use mtp::bench::{
     markdown, median_tps, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Run, Setting,
 };
 use mtp::engine::{Completion, DraftLen, Request, SamplingMode, SamplingParams};
-use mtp::model::backend::{Backend, KvDtype};
+use mtp::model::backend::Backend;
 use mtp::model::{Model, Tokenizer};
 
 #[derive(Parser)]
@@ -66,6 +66,9 @@ struct Cli {
     /// How K/V are stored: auto, f32, bf16 (as for `mtp generate`).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
+    /// Quantized K/V: 8 or 4 bits (as for `mtp generate`).
+    #[arg(long)]
+    kv_bits: Option<usize>,
     /// Runs of every setting, taken in turn; the table shows the median (the machine is
     /// noisy) and every run must be identical.
     #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
@@ -96,7 +99,8 @@ fn bench(cli: Cli) -> Result<bool> {
     let target_dir = cli.target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
     let backend: Backend = cli.backend.parse()?;
     backend.check()?;
-    let model = Arc::new(Model::load_with(&target_dir, backend, cli.kv_dtype.parse::<KvDtype>()?)?);
+    let model =
+        Arc::new(Model::load_with(&target_dir, backend, mtp::kv_format(&cli.kv_dtype, cli.kv_bits)?)?);
     let tokenizer = Tokenizer::from_dir_if_present(&target_dir)?;
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,

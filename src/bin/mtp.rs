@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
-use mtp::model::backend::{Backend, KvDtype};
+use mtp::model::backend::Backend;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
 use mtp::server::worker::MakeDrafter;
@@ -158,6 +158,10 @@ struct ModelArgs {
     /// f32 for f32 ones), f32, or bf16 (CUDA only).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
+    /// Quantize K/V to 8 or 4 bits (CPU; per position and KV head: an f32 scale and bias
+    /// per head_dim values). Rollback and batching stay exact.
+    #[arg(long)]
+    kv_bits: Option<usize>,
 }
 
 impl ModelArgs {
@@ -167,7 +171,8 @@ impl ModelArgs {
         let backend = self.backend.parse::<Backend>()?;
         backend.check()?;
         let target = self.target.clone().unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
-        let model = Arc::new(Model::load_with(&target, backend, self.kv_dtype.parse::<KvDtype>()?)?);
+        let model =
+            Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);
         let tokenizer = Tokenizer::from_dir_if_present(&target)?;
         if tokenizer.is_none() {
             tracing::warn!(

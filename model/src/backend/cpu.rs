@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use mtp_cache::{HostKv, KvStore, KvView, RowCache, SlotMap};
+use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
 use rayon::prelude::*;
 
 use super::{open_windows, Backend, Heads, Kernels, KvDtype, Out, Slot};
@@ -50,14 +50,25 @@ impl Kernels for Cpu {
     fn kv_dtype(&self, kv: KvDtype, _weights: WeightDtype) -> Result<KvDtype> {
         match kv {
             KvDtype::Auto | KvDtype::F32 => Ok(KvDtype::F32),
-            KvDtype::Bf16 => {
-                Err(Error::Backend("the CPU backend keeps K/V in f32 (--kv-dtype f32 or auto)".into()))
-            }
+            KvDtype::Q8 | KvDtype::Q4 => Ok(kv),
+            KvDtype::Bf16 => Err(Error::Backend(
+                "the CPU backend keeps K/V in f32 or quantized (--kv-dtype f32 or auto, --kv-bits 8 or 4)"
+                    .into(),
+            )),
         }
     }
 
-    fn kv_store(self: &Arc<Self>, n_layers: usize, stride: usize, _kv: KvDtype) -> Box<dyn KvStore> {
-        Box::new(HostKv::new(n_layers, stride))
+    fn kv_store(
+        self: &Arc<Self>,
+        n_layers: usize,
+        heads: usize,
+        head_dim: usize,
+        kv: KvDtype,
+    ) -> Box<dyn KvStore> {
+        match kv.bits() {
+            Some(bits) => Box::new(QuantKv::new(n_layers, heads, head_dim, bits)),
+            None => Box::new(HostKv::new(n_layers, heads * head_dim)),
+        }
     }
 
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
@@ -154,8 +165,14 @@ impl Kernels for Cpu {
         let mut off = 0;
         for (r, cache) in caches.iter_mut().enumerate() {
             let (t, base) = (cache.window_len(), batch.maps[r].base);
-            let host = cache.store_mut().as_any_mut().downcast_mut::<HostKv>().ok_or_else(|| foreign(r))?;
-            host.write(layer, base, &k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            let store = cache.store_mut().as_any_mut();
+            if let Some(host) = store.downcast_mut::<HostKv>() {
+                host.write(layer, base, kw, vw);
+            } else {
+                let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
+                quant.write(layer, base, kw, vw);
+            }
             off += t;
         }
         Ok(())
@@ -176,8 +193,12 @@ impl Kernels for Cpu {
             .iter()
             .enumerate()
             .map(|(r, c)| {
-                let host = c.store().as_any().downcast_ref::<HostKv>().ok_or_else(|| foreign(r))?;
-                Ok(KvView::of(host, layer, batch.maps[r]))
+                let store = c.store().as_any();
+                match (store.downcast_ref::<HostKv>(), store.downcast_ref::<QuantKv>()) {
+                    (Some(host), _) => Ok(KvView::of(host, layer, batch.maps[r])),
+                    (_, Some(quant)) => Ok(KvView::of_quant(quant, layer, batch.maps[r])),
+                    _ => Err(foreign(r)),
+                }
             })
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;

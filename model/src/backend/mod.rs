@@ -71,12 +71,16 @@ impl Backend {
 
 /// How K/V are stored. `Auto` is each backend's default: f32 on the CPU; on CUDA, bf16 for
 /// 16-bit checkpoints (half the memory; logits move by about 1e-2) and f32 for f32 ones.
+/// `Q8` / `Q4` (`--kv-bits 8|4`, CPU): each position's K or V of one KV head quantized as
+/// one group with an f32 scale and bias.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum KvDtype {
     #[default]
     Auto,
     F32,
     Bf16,
+    Q8,
+    Q4,
 }
 
 impl std::str::FromStr for KvDtype {
@@ -86,17 +90,37 @@ impl std::str::FromStr for KvDtype {
             "auto" => Ok(KvDtype::Auto),
             "f32" => Ok(KvDtype::F32),
             "bf16" => Ok(KvDtype::Bf16),
-            other => Err(Error::Backend(format!("unknown KV dtype `{other}` (auto, f32, bf16)"))),
+            "q8" => Ok(KvDtype::Q8),
+            "q4" => Ok(KvDtype::Q4),
+            other => Err(Error::Backend(format!("unknown KV dtype `{other}` (auto, f32, bf16, q8, q4)"))),
         }
     }
 }
 
 impl KvDtype {
-    /// Bytes per stored value (`Auto` counts as f32).
+    /// Bytes per stored value of a dense dtype (`Auto` counts as f32; quantized dtypes have
+    /// no per-value size: see [`KvDtype::slot_bytes`]).
     pub fn size(self) -> usize {
         match self {
             KvDtype::Bf16 => 2,
-            KvDtype::Auto | KvDtype::F32 => 4,
+            KvDtype::Auto | KvDtype::F32 | KvDtype::Q8 | KvDtype::Q4 => 4,
+        }
+    }
+
+    /// Bits per value of a quantized dtype.
+    pub fn bits(self) -> Option<usize> {
+        match self {
+            KvDtype::Q8 => Some(8),
+            KvDtype::Q4 => Some(4),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one position's K (or V) for one layer.
+    pub fn slot_bytes(self, kv_heads: usize, head_dim: usize) -> usize {
+        match self.bits() {
+            Some(bits) => kv_heads * (8 + head_dim * bits / 8),
+            None => kv_heads * head_dim * self.size(),
         }
     }
 }
@@ -150,7 +174,13 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype>;
     /// An empty KV store for one row of `n_layers` layers, `stride` values per position,
     /// holding `kv` (as [`Kernels::kv_dtype`] resolved it).
-    fn kv_store(self: &Arc<Self>, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore>;
+    fn kv_store(
+        self: &Arc<Self>,
+        n_layers: usize,
+        heads: usize,
+        head_dim: usize,
+        kv: KvDtype,
+    ) -> Box<dyn KvStore>;
 
     /// An activation of `len` values, each to be written before it is read.
     fn alloc(&self, len: usize) -> Result<Self::Act>;

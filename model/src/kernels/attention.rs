@@ -22,12 +22,13 @@ pub fn attend(q: &[f32], kv: &KvView, n_keys: usize, kv_off: usize, scale: f32, 
     let mut l = 0.0f32;
     out.fill(0.0);
     let mut scores = [0.0f32; CHUNK];
+    // Where a quantized cache dequantizes one head's K or V.
+    let mut buf = vec![0.0f32; hd];
     for c0 in (0..n_keys).step_by(CHUNK) {
         let c1 = (c0 + CHUNK).min(n_keys);
         let s = &mut scores[..c1 - c0];
         for (j, sj) in s.iter_mut().enumerate() {
-            let k = &kv.key(c0 + j)[kv_off..kv_off + hd];
-            *sj = dot_f32(q, k) * scale;
+            *sj = dot_f32(q, kv.key(c0 + j, kv_off, hd, &mut buf)) * scale;
         }
         let cm = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m.max(cm);
@@ -42,8 +43,7 @@ pub fn attend(q: &[f32], kv: &KvView, n_keys: usize, kv_off: usize, scale: f32, 
         for (j, &sj) in s.iter().enumerate() {
             let p = (sj - m).exp();
             l += p;
-            let v = &kv.value(c0 + j)[kv_off..kv_off + hd];
-            for (o, &vv) in out.iter_mut().zip(v) {
+            for (o, &vv) in out.iter_mut().zip(kv.value(c0 + j, kv_off, hd, &mut buf)) {
                 *o += p * vv;
             }
         }

@@ -286,6 +286,11 @@ impl Kernels for Cuda {
     }
 
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+        if kv.bits().is_some() {
+            return Err(Error::Backend(
+                "quantized K/V (--kv-bits) runs on the CPU backend only (so far)".into(),
+            ));
+        }
         Ok(match (kv, weights) {
             (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
             (KvDtype::Auto, _) => KvDtype::Bf16,
@@ -293,7 +298,14 @@ impl Kernels for Cuda {
         })
     }
 
-    fn kv_store(self: &Arc<Self>, n_layers: usize, stride: usize, kv: KvDtype) -> Box<dyn KvStore> {
+    fn kv_store(
+        self: &Arc<Self>,
+        n_layers: usize,
+        heads: usize,
+        head_dim: usize,
+        kv: KvDtype,
+    ) -> Box<dyn KvStore> {
+        let stride = heads * head_dim;
         Box::new(CudaKv::new(self.clone(), n_layers, stride, kv))
     }
 
