@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Builds every GPU test and benchmark binary on a machine without a GPU (this one) and
-# packs them into gpu-bundle/bundle.tar.xz, for `scripts/gpu-run.sh` on the GPU machine.
+# Builds the GPU test binaries (`tests`) or those and the benchmark binaries (`all`, the
+# default) on a machine without a GPU (this one) and packs them into
+# gpu-bundle/bundle.tar.xz, for `scripts/gpu-run.sh` on the GPU machine (which takes at
+# most 64 MiB with the working tree: `tests` keeps the bundle small).
 set -euo pipefail
+what="${1:-all}"
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-$(scripts/install-nvcc.sh)}"
 export NVCC
@@ -20,8 +23,10 @@ for line in sys.stdin:
         print(m['executable'])")
     cp "$exe" "gpu-bundle/bin/test-$t"
 done
-cp target/release/mtp target/release/mtp-bench target/release/examples/gpu_matmul gpu-bundle/bin/
+if [ "$what" = all ]; then
+    cp target/release/mtp target/release/mtp-bench target/release/examples/gpu_matmul gpu-bundle/bin/
+fi
 strip gpu-bundle/bin/* 2>/dev/null || true
-tar -C gpu-bundle -cJf gpu-bundle/bundle.tar.xz bin
+XZ_OPT=-9e tar -C gpu-bundle -cJf gpu-bundle/bundle.tar.xz bin
 rm -rf gpu-bundle/bin
 ls -la gpu-bundle
