@@ -121,3 +121,31 @@ fn negative_control_stock_matmul_makes_cached_prefixes_differ() {
     assert!(cached > 0);
     assert_ne!(passes[1], want, "the stock matmul should make a cached prefix differ from recomputing it");
 }
+
+/// With a KV budget, cached prefixes fit in what running rows' reservations leave and give
+/// way to them: a budget of about one request's worst case still runs every request, with
+/// the same bits, and the cache never holds more than the budget.
+#[test]
+fn cached_prefixes_yield_to_rows_within_the_kv_budget() {
+    let model = Arc::new(common::load(&trained("target")));
+    let reqs = requests();
+    let want = alone(&model, &reqs);
+    let per_token = model.kv_bytes_per_token();
+    // The longest request's worst case (prompt + max_tokens + 1) and four blocks more.
+    let budget = (60 + 12 + 1 + 4 * BLOCK_TOKENS) * per_token;
+    let opts = EngineOptions {
+        max_batch: 2,
+        prefill_chunk: 16,
+        prefix_cache_bytes: 64 << 20,
+        kv_budget_bytes: Some(budget),
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(&model, None, opts).unwrap();
+    for pass in 0..2 {
+        let got: Vec<Output> =
+            generate(&mut e, &reqs, &[], |_, _| {}).iter().map(|c| key(c.as_ref().unwrap())).collect();
+        assert_eq!(got, want, "pass {pass}");
+        assert!(e.prefix_cache_bytes() <= budget);
+    }
+    assert!(e.stats().prompt_tokens_cached > 0, "the cache never had room: the test exercises nothing");
+}

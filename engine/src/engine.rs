@@ -36,6 +36,8 @@ pub struct EngineOptions {
     pub sampling_mode: SamplingMode,
     /// Bytes the exact prefix cache may hold (0: off): prompts that share a prefix with an
     /// earlier one load its K/V instead of recomputing them, with identical output bits.
+    /// With a KV budget, cached prefixes also fit in what rows' reservations leave of it,
+    /// and are evicted when an admitted row needs the room.
     pub prefix_cache_bytes: usize,
 }
 
@@ -255,6 +257,11 @@ impl<'a> Engine<'a> {
             if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
                 break; // waits for running rows to free their reservations
             }
+            // Cached prefixes live within the same budget and yield to rows.
+            let room = self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b - self.reserved - need);
+            if let Some(p) = self.prefix.as_mut() {
+                p.evict_to(room);
+            }
             let (id, r) = self.queue.pop_front().expect("front exists");
             let t0 = Instant::now();
             let mut cache = self.model.new_cache();
@@ -272,7 +279,7 @@ impl<'a> Engine<'a> {
                 Ok((logits, rest_hidden)) => {
                     hidden.extend_from_slice(&rest_hidden);
                     if let Some(p) = self.prefix.as_mut() {
-                        p.insert(&r.prompt, &cache, &hidden);
+                        p.insert(&r.prompt, &cache, &hidden, room);
                     }
                     logits
                 }

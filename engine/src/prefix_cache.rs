@@ -5,8 +5,9 @@
 //! computed: the cache changes time to first token, never an output bit.
 //!
 //! Blocks are copied into a row's own cache on admission (rows never share storage, so a
-//! block needs no reference count while rows run); eviction is least recently used within
-//! a byte budget, children before their parents.
+//! block needs no reference count while rows run, and evicting one never touches a running
+//! row); eviction is least recently used within a byte budget and within what the engine's
+//! KV budget leaves after rows' reservations, children before their parents.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -111,10 +112,21 @@ impl PrefixCache {
         (n, hidden)
     }
 
+    /// Evicts least recently used blocks until at most `bytes` are held.
+    pub fn evict_to(&mut self, bytes: usize) {
+        while self.used > bytes {
+            let Some((_, k)) = self.by_stamp.pop_first() else { return };
+            if let Some(b) = self.blocks.remove(&k) {
+                self.used -= b.bytes;
+            }
+        }
+    }
+
     /// Keeps the full blocks of `prompt` that this cache lacks, read from `cache` (which
     /// holds at least the prompt's positions) and `hidden` (the prompt's hidden states, or
-    /// empty), evicting least recently used blocks to stay within the budget.
-    pub fn insert(&mut self, prompt: &[u32], cache: &RowCache, hidden: &[f32]) {
+    /// empty), evicting least recently used blocks to stay within its budget and `limit`.
+    pub fn insert(&mut self, prompt: &[u32], cache: &RowCache, hidden: &[f32], limit: usize) {
+        let budget = self.budget.min(limit);
         let n_blocks = prompt.len().min(cache.len()) / BLOCK_TOKENS;
         let hidden_per_block = if prompt.is_empty() { 0 } else { hidden.len() / prompt.len() * BLOCK_TOKENS };
         let mut layers: Option<Vec<(Vec<u8>, Vec<u8>)>> = None;
@@ -153,7 +165,7 @@ impl PrefixCache {
             };
             let bytes =
                 kv.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() + 4 * (hidden.len() + chunk.len());
-            if !self.make_room(bytes, &path) {
+            if !self.make_room(bytes, budget, &path) {
                 break;
             }
             self.clock += 1;
@@ -167,14 +179,14 @@ impl PrefixCache {
         self.touch(&path);
     }
 
-    /// Evicts least recently used blocks outside `keep` until `bytes` more fit; false when
-    /// they cannot.
-    fn make_room(&mut self, bytes: usize, keep: &[Key]) -> bool {
-        if bytes > self.budget {
+    /// Evicts least recently used blocks outside `keep` until `bytes` more fit in `budget`;
+    /// false when they cannot.
+    fn make_room(&mut self, bytes: usize, budget: usize, keep: &[Key]) -> bool {
+        if bytes > budget {
             return false;
         }
         let keep: HashSet<Key> = keep.iter().copied().collect();
-        while self.used + bytes > self.budget {
+        while self.used + bytes > budget {
             let victim = self.by_stamp.iter().find(|(_, k)| !keep.contains(k)).map(|(&s, &k)| (s, k));
             let Some((stamp, k)) = victim else { return false };
             self.by_stamp.remove(&stamp);
