@@ -14,6 +14,7 @@ keep mlx's own arithmetic close to f32, so the golden logits compare tightly.
 import json
 import os
 import shutil
+import subprocess
 
 import mlx.core as mx
 from mlx_lm import convert, load
@@ -26,11 +27,18 @@ NEW_TOKENS = 24
 MODELS = [
     ("qwen3-q4g32", "tests/fixtures/hf-tiny/qwen3-target", 4, 32, None),
     ("qwen3-q8g64", "tests/fixtures/hf-tiny/qwen3-target", 8, 64, None),
-    ("llama-q4g64", "tests/fixtures/hf-tiny/llama-target", 4, 64, None),
+    # Llama's untied LM head is quantized too.
+    ("llama-q4g32", "tests/fixtures/hf-tiny/llama-target", 4, 32, None),
+    # Group size 128 needs rows of 128: a small checkpoint `mtp synth` writes.
+    ("synth-q4g128", "synth", 4, 128, None),
     # Down projections at 8 bits, the rest at 4: mlx-lm's per-layer config entries.
     ("qwen2-q4g32-mixed", "tests/fixtures/hf-tiny/qwen2-target", 4, 32, "mixed"),
     ("trained-q4g64", "tests/fixtures/trained/target", 4, 64, None),
 ]
+
+# `mtp synth` (build it first: cargo build --release) writes the "synth" source.
+SYNTH = ["--like", "qwen3", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+         "--head-dim", "64", "--intermediate", "512", "--vocab", "512", "--dtype", "f32", "--seed", "3"]
 
 PROMPTS = {
     "hf-tiny": [[168, 488, 80, 205, 336], [27, 40, 423, 277, 51, 190, 301, 32, 468]],
@@ -87,6 +95,12 @@ def main():
     for name, src, bits, group, overrides in MODELS:
         dst = os.path.join(OUT, name)
         shutil.rmtree(dst, ignore_errors=True)
+        if src == "synth":
+            synth = "/tmp/mlx-fixture-synth"
+            shutil.rmtree(synth, ignore_errors=True)
+            subprocess.run([os.path.join(ROOT, "target", "release", "mtp"), "synth", *SYNTH, "--out", synth],
+                           check=True)
+            src = synth
         src_dir = prepared(os.path.join(ROOT, src), "/tmp/mlx-fixture-src")
         convert(src_dir, mlx_path=dst, quantize=True, q_bits=bits, q_group_size=group,
                 dtype="float32", quant_predicate=mixed if overrides == "mixed" else None)

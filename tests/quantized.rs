@@ -12,8 +12,8 @@ use mtp::model::kernels::linear;
 use mtp::model::{negative_control, Checkpoint, Model};
 use serde_json::Value;
 
-const FIXTURES: [&str; 5] =
-    ["qwen3-q4g32", "qwen3-q8g64", "llama-q4g64", "qwen2-q4g32-mixed", "trained-q4g64"];
+const FIXTURES: [&str; 6] =
+    ["qwen3-q4g32", "qwen3-q8g64", "llama-q4g32", "synth-q4g128", "qwen2-q4g32-mixed", "trained-q4g64"];
 
 /// How far our logits may sit from mlx-lm's: both dequantize `scale * q + bias` in f32,
 /// but mlx's quantized matmul sums in its own order.
