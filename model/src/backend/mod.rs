@@ -172,8 +172,8 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     /// The K/V dtype this backend uses for `kv` with weights of dtype `weights` (never
     /// `Auto`), or an error when it cannot store that dtype.
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype>;
-    /// An empty KV store for one row of `n_layers` layers, `stride` values per position,
-    /// holding `kv` (as [`Kernels::kv_dtype`] resolved it).
+    /// An empty KV store for one row of `n_layers` layers of `heads` KV heads of `head_dim`
+    /// values per position, holding `kv` (as [`Kernels::kv_dtype`] resolved it).
     fn kv_store(
         self: &Arc<Self>,
         n_layers: usize,
