@@ -299,18 +299,18 @@ fn mlx(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name)
 }
 
-/// Quantized weights and quantized K/V run on the CPU backend only.
-fn cpu_only() -> bool {
-    let cpu = common::backend() == Backend::Cpu;
-    if !cpu {
-        eprintln!("skipped: quantized weights and K/V run on the CPU backend only");
+/// Whether the test backend stores K/V as `kv` (quantized K/V run on the CPU only).
+fn kv_supported(kv: KvDtype) -> bool {
+    let ok = kv.bits().is_none() || common::backend() == Backend::Cpu;
+    if !ok {
+        eprintln!("skipped: quantized K/V run on the CPU backend only");
     }
-    cpu
+    ok
 }
 
 #[test]
 fn gate_qwen3_4bit() {
-    if cpu_only() {
+    if kv_supported(KvDtype::Auto) {
         let t =
             Target::quantized("q4", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, false, KvDtype::Auto);
         gate_on(&t, "qwen3-q4g32");
@@ -319,7 +319,7 @@ fn gate_qwen3_4bit() {
 
 #[test]
 fn gate_qwen3_4bit_sampled() {
-    if cpu_only() {
+    if kv_supported(KvDtype::Auto) {
         let t =
             Target::quantized("q4s", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, true, KvDtype::Auto);
         gate_on(&t, "qwen3-q4g32");
@@ -328,7 +328,7 @@ fn gate_qwen3_4bit_sampled() {
 
 #[test]
 fn gate_qwen2_mixed_bits() {
-    if cpu_only() {
+    if kv_supported(KvDtype::Auto) {
         let t = Target::quantized(
             "q4m",
             &mlx("qwen2-q4g32-mixed"),
@@ -343,22 +343,22 @@ fn gate_qwen2_mixed_bits() {
 
 #[test]
 fn gate_trained_family_4bit_target_8bit_kv() {
-    if cpu_only() {
-        let t = Target::quantized(
-            "q4t",
-            &mlx("trained-q4g64"),
-            &trained("draft"),
-            Some(trained("target")),
-            false,
-            KvDtype::Q8,
-        );
-        gate_on(&t, "trained-q4g64 kv8");
-    }
+    // 8-bit K/V where the backend has them (the CPU); the 4-bit weights everywhere.
+    let kv = if common::backend() == Backend::Cpu { KvDtype::Q8 } else { KvDtype::Auto };
+    let t = Target::quantized(
+        "q4t",
+        &mlx("trained-q4g64"),
+        &trained("draft"),
+        Some(trained("target")),
+        false,
+        kv,
+    );
+    gate_on(&t, "trained-q4g64");
 }
 
 #[test]
 fn gate_qwen3_4bit_kv() {
-    if cpu_only() {
+    if kv_supported(KvDtype::Q4) {
         let t = Target::quantized(
             "kv4",
             &fixture("qwen3-target"),
@@ -373,7 +373,7 @@ fn gate_qwen3_4bit_kv() {
 
 #[test]
 fn gate_llama_8bit_kv_sampled() {
-    if cpu_only() {
+    if kv_supported(KvDtype::Q8) {
         let t = Target::quantized(
             "kv8s",
             &fixture("llama-target"),

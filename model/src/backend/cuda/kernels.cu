@@ -24,11 +24,13 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(u >> 16);
 }
 
+// Weight readers: a pointer (or, quantized, pointers and a layout) and how to widen
+// element i (flat, row-major) or 8 consecutive elements from an 8-aligned index to f32.
 struct F32W {
     typedef float T;
-    __device__ static float get(const float* p, long long i) { return p[i]; }
-    // 8 consecutive weights from an 8-aligned index.
-    __device__ static void get8(const float* p, long long i, float* o) {
+    const float* p;
+    __device__ float get(long long i) const { return p[i]; }
+    __device__ void get8(long long i, float* o) const {
         float4 a = *reinterpret_cast<const float4*>(p + i);
         float4 b = *reinterpret_cast<const float4*>(p + i + 4);
         o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
@@ -48,13 +50,36 @@ __device__ __forceinline__ void widen8(const u16* p, long long i, float* o) {
 }
 struct Bf16W {
     typedef u16 T;
-    __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
-    __device__ static void get8(const u16* p, long long i, float* o) { widen8<bf16_to_f32>(p, i, o); }
+    const u16* p;
+    __device__ float get(long long i) const { return bf16_to_f32(p[i]); }
+    __device__ void get8(long long i, float* o) const { widen8<bf16_to_f32>(p, i, o); }
 };
 struct F16W {
     typedef u16 T;
-    __device__ static float get(const u16* p, long long i) { return f16_to_f32(p[i]); }
-    __device__ static void get8(const u16* p, long long i, float* o) { widen8<f16_to_f32>(p, i, o); }
+    const u16* p;
+    __device__ float get(long long i) const { return f16_to_f32(p[i]); }
+    __device__ void get8(long long i, float* o) const { widen8<f16_to_f32>(p, i, o); }
+};
+// MLX affine quantization: value i of a row-major rows x k matrix is
+// scale[g] * q + bias[g] (g = i / group; rows hold whole groups), q packed 32 / BITS to a
+// u32 from the low bits up. A multiply then an add, rounded each (never fused).
+template <int BITS>
+struct QW {
+    const u32* q;
+    const float* scale;
+    const float* bias;
+    int group;
+    __device__ float get(long long i) const {
+        const int per = 32 / BITS;
+        const u32 w = q[i / per];
+        const float v = (float)((w >> ((int)(i % per) * BITS)) & ((1u << BITS) - 1u));
+        const long long g = i / group;
+        return __fadd_rn(__fmul_rn(scale[g], v), bias[g]);
+    }
+    __device__ void get8(long long i, float* o) const {
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[j] = get(i + j);
+    }
 };
 
 // The one warp reduction: xor butterfly 16, 8, 4, 2, 1. Float addition is commutative,
@@ -83,7 +108,7 @@ __device__ __forceinline__ float warp_max(float v) {
 #define WARPS 4
 
 template <class W, int MB>
-__device__ void linear_impl(const float* __restrict__ x, int m, int k, const typename W::T* __restrict__ w,
+__device__ void linear_impl(const float* __restrict__ x, int m, int k, const W w,
                             int n, const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -104,10 +129,10 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const typ
                 const int col = min(c0 + c, n - 1);
                 const long long at = (long long)col * k + kb;
                 if (vec) {
-                    W::get8(w, at, wv[c]);
+                    w.get8(at, wv[c]);
                 } else {
 #pragma unroll
-                    for (int j = 0; j < 8; j++) wv[c][j] = kb + j < k ? W::get(w, at + j) : 0.0f;
+                    for (int j = 0; j < 8; j++) wv[c][j] = kb + j < k ? w.get(at + j) : 0.0f;
                 }
             }
 #pragma unroll
@@ -152,7 +177,7 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const typ
 #define LINEAR(NAME, W, T, MB)                                                                            \
     extern "C" __global__ void NAME(const float* x, int m, int k, const T* w, int n, const float* bias,    \
                                     float* out, int accumulate) {                                         \
-        linear_impl<W, MB>(x, m, k, w, n, bias, out, accumulate);                                         \
+        linear_impl<W, MB>(x, m, k, W{w}, n, bias, out, accumulate);                                      \
     }
 LINEAR(linear_f32_4, F32W, float, 4)
 LINEAR(linear_f32_8, F32W, float, 8)
@@ -164,16 +189,40 @@ LINEAR(linear_f16_4, F16W, u16, 4)
 LINEAR(linear_f16_8, F16W, u16, 8)
 LINEAR(linear_f16_16, F16W, u16, 16)
 
+#define LINEAR_Q(NAME, BITS, MB)                                                                          \
+    extern "C" __global__ void NAME(const float* x, int m, int k, const u32* q, const float* scale,        \
+                                    const float* qbias, int group, int n, const float* bias, float* out,   \
+                                    int accumulate) {                                                     \
+        linear_impl<QW<BITS>, MB>(x, m, k, QW<BITS>{q, scale, qbias, group}, n, bias, out, accumulate);   \
+    }
+LINEAR_Q(linear_q2_4, 2, 4)
+LINEAR_Q(linear_q2_8, 2, 8)
+LINEAR_Q(linear_q2_16, 2, 16)
+LINEAR_Q(linear_q4_4, 4, 4)
+LINEAR_Q(linear_q4_8, 4, 8)
+LINEAR_Q(linear_q4_16, 4, 16)
+LINEAR_Q(linear_q8_4, 8, 4)
+LINEAR_Q(linear_q8_8, 8, 8)
+LINEAR_Q(linear_q8_16, 8, 16)
+
 // ---------------------------------------------------------------------------------------
 // Embedding rows widened to f32. grid: tokens, block: 256.
 template <class W>
-__device__ void embed_impl(const typename W::T* table, const u32* tokens, int cols, float* out) {
+__device__ void embed_impl(const W table, const u32* tokens, int cols, float* out) {
     const long long row = (long long)tokens[blockIdx.x] * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(long long)blockIdx.x * cols + c] = W::get(table, row + c);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(long long)blockIdx.x * cols + c] = table.get(row + c);
 }
-extern "C" __global__ void embed_f32(const float* t, const u32* tok, int cols, float* out) { embed_impl<F32W>(t, tok, cols, out); }
-extern "C" __global__ void embed_bf16(const u16* t, const u32* tok, int cols, float* out) { embed_impl<Bf16W>(t, tok, cols, out); }
-extern "C" __global__ void embed_f16(const u16* t, const u32* tok, int cols, float* out) { embed_impl<F16W>(t, tok, cols, out); }
+extern "C" __global__ void embed_f32(const float* t, const u32* tok, int cols, float* out) { embed_impl<F32W>(F32W{t}, tok, cols, out); }
+extern "C" __global__ void embed_bf16(const u16* t, const u32* tok, int cols, float* out) { embed_impl<Bf16W>(Bf16W{t}, tok, cols, out); }
+extern "C" __global__ void embed_f16(const u16* t, const u32* tok, int cols, float* out) { embed_impl<F16W>(F16W{t}, tok, cols, out); }
+#define EMBED_Q(NAME, BITS)                                                                               \
+    extern "C" __global__ void NAME(const u32* q, const float* scale, const float* qbias, int group,       \
+                                    const u32* tok, int cols, float* out) {                               \
+        embed_impl<QW<BITS>>(QW<BITS>{q, scale, qbias, group}, tok, cols, out);                           \
+    }
+EMBED_Q(embed_q2, 2)
+EMBED_Q(embed_q4, 4)
+EMBED_Q(embed_q8, 8)
 
 // ---------------------------------------------------------------------------------------
 // Sum of a block of 256 threads: each warp's butterfly, then warp 0 sums the 8 warp

@@ -72,7 +72,10 @@ fn weight_index(d: WeightDtype) -> usize {
 struct Functions {
     /// By weight dtype (f32, bf16, f16), then rows per pass (4, 8, 16).
     linear: [[CudaFunction; 3]; 3],
+    /// MLX-quantized weights by bits (2, 4, 8), then rows per pass.
+    linear_q: [[CudaFunction; 3]; 3],
     embed: [CudaFunction; 3],
+    embed_q: [CudaFunction; 3],
     widen: [CudaFunction; 2],
     rms_norm: CudaFunction,
     swiglu: CudaFunction,
@@ -136,7 +139,13 @@ impl Cuda {
                 [get("linear_bf16_4")?, get("linear_bf16_8")?, get("linear_bf16_16")?],
                 [get("linear_f16_4")?, get("linear_f16_8")?, get("linear_f16_16")?],
             ],
+            linear_q: [
+                [get("linear_q2_4")?, get("linear_q2_8")?, get("linear_q2_16")?],
+                [get("linear_q4_4")?, get("linear_q4_8")?, get("linear_q4_16")?],
+                [get("linear_q8_4")?, get("linear_q8_8")?, get("linear_q8_16")?],
+            ],
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
+            embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
             widen: [get("widen_bf16")?, get("widen_f16")?],
             rms_norm: get("rms_norm")?,
             swiglu: get("swiglu")?,
@@ -190,13 +199,15 @@ impl Cuda {
             .as_ref()
             .map_err(|e| Error::Backend(format!("cuBLAS: {e}")))?;
         let n_el = w.rows * w.cols;
-        let wf: CudaSlice<f32> = match w.dtype {
-            WeightDtype::F32 => {
+        let wf: CudaSlice<f32> = match (&w.quant, w.dtype) {
+            // The control only needs the same values: dequantized on the host.
+            (Some(q), _) => self.upload_as(&q.host.to_f32(), "dequantized weight")?,
+            (None, WeightDtype::F32) => {
                 // SAFETY: the bytes of an f32 matrix, reinterpreted.
                 let v = unsafe { w.buf.transmute::<f32>(n_el) }.expect("f32 matrix bytes");
                 self.stream.clone_dtod(&v).map_err(driver("widen"))?
             }
-            d => {
+            (None, d) => {
                 // SAFETY: written in full by the widening kernel below.
                 let out = unsafe { self.stream.alloc::<f32>(n_el) }.map_err(driver("widen"))?;
                 let (src, dst, n) = (ptr(&w.buf, &self.stream), ptr(&out, &self.stream), n_el as i64);
@@ -229,6 +240,27 @@ pub struct CudaMat {
     dtype: WeightDtype,
     rows: usize,
     cols: usize,
+    /// For an MLX-quantized weight (`buf` then holds the packed values).
+    quant: Option<CudaQuant>,
+}
+
+/// Scales and biases of a quantized matrix, widened to f32, and its layout.
+struct CudaQuant {
+    scales: CudaSlice<f32>,
+    biases: CudaSlice<f32>,
+    bits: usize,
+    group: usize,
+    /// The weight as loaded (host, memory-mapped), for the stock-matmul negative control.
+    host: Weight,
+}
+
+/// Kernel variant for quantized bits: 2, 4, 8.
+fn bits_index(bits: usize) -> usize {
+    match bits {
+        2 => 0,
+        4 => 1,
+        _ => 2,
+    }
 }
 
 /// The RoPE table on the device.
@@ -259,12 +291,16 @@ impl Kernels for Cuda {
     }
 
     fn matrix(&self, w: &Weight) -> Result<CudaMat> {
-        if let Some(q) = w.quant() {
-            return Err(Error::Backend(format!(
-                "a {}-bit quantized {} x {} weight: quantized checkpoints run on the CPU backend only (so far)",
-                q.bits, w.rows, w.cols
-            )));
-        }
+        let quant = match w.quant() {
+            Some(q) => Some(CudaQuant {
+                scales: self.upload_as(&q.scales.to_f32(), "quantization scales")?,
+                biases: self.upload_as(&q.biases.to_f32(), "quantization biases")?,
+                bits: q.bits,
+                group: q.group,
+                host: w.clone(),
+            }),
+            None => None,
+        };
         let buf = self.stream.clone_htod(w.bytes()).map_err(|e| {
             Error::Backend(format!(
                 "cannot copy a {} x {} {} weight to the GPU: {e:?}",
@@ -273,7 +309,7 @@ impl Kernels for Cuda {
                 w.dtype.name()
             ))
         })?;
-        Ok(CudaMat { buf, dtype: w.dtype, rows: w.rows, cols: w.cols })
+        Ok(CudaMat { buf, dtype: w.dtype, rows: w.rows, cols: w.cols, quant })
     }
 
     fn vector(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
@@ -354,6 +390,11 @@ impl Kernels for Cuda {
         let toks = self.upload_as(tokens, "tokens")?;
         let s = &self.stream;
         let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(&toks, s), table.cols as i32, ptr(out, s));
+        if let Some(q) = &table.quant {
+            let (sc, bi, g) = (ptr(&q.scales, s), ptr(&q.biases, s), q.group as i32);
+            let f = &self.f.embed_q[bits_index(q.bits)];
+            return launch!(self, f, (tokens.len() as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
+        }
         launch!(
             self,
             &self.f.embed[weight_index(table.dtype)],
@@ -391,6 +432,18 @@ impl Kernels for Cuda {
             5..=8 => 1,
             _ => 2,
         };
+        if let Some(q) = &w.quant {
+            let (sc, bi, g) = (ptr(&q.scales, s), ptr(&q.biases, s), q.group as i32);
+            let f = &self.f.linear_q[bits_index(q.bits)][rows_per_pass];
+            return launch!(
+                self,
+                f,
+                (grid, 1),
+                LINEAR_THREADS,
+                "linear",
+                [xp, mi, k, wp, sc, bi, g, n, bp, op, acc]
+            );
+        }
         let f = &self.f.linear[weight_index(w.dtype)][rows_per_pass];
         launch!(self, f, (grid, 1), LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc])
     }
