@@ -34,6 +34,8 @@ MODELS = [
     # Down projections at 8 bits, the rest at 4: mlx-lm's per-layer config entries.
     ("qwen2-q4g32-mixed", "tests/fixtures/hf-tiny/qwen2-target", 4, 32, "mixed"),
     ("trained-q4g64", "tests/fixtures/trained/target", 4, 64, None),
+    # mxfp4: FP4 (E2M1) values with a power-of-two scale per 32, no biases.
+    ("qwen3-mxfp4", "tests/fixtures/hf-tiny/qwen3-target", 4, 32, "mxfp4"),
 ]
 
 # `mtp synth` (build it first: cargo build --release) writes the "synth" source.
@@ -103,6 +105,7 @@ def main():
             src = synth
         src_dir = prepared(os.path.join(ROOT, src), "/tmp/mlx-fixture-src")
         convert(src_dir, mlx_path=dst, quantize=True, q_bits=bits, q_group_size=group,
+                q_mode="mxfp4" if overrides == "mxfp4" else "affine",
                 dtype="float32", quant_predicate=mixed if overrides == "mixed" else None)
         for extra in ("README.md",):
             if os.path.exists(os.path.join(dst, extra)):

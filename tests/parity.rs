@@ -327,6 +327,13 @@ fn gate_qwen3_4bit_sampled() {
 }
 
 #[test]
+fn gate_qwen3_mxfp4() {
+    let t =
+        Target::quantized("mx4", &mlx("qwen3-mxfp4"), &fixture("qwen3-draft"), None, false, KvDtype::Auto);
+    gate_on(&t, "qwen3-mxfp4");
+}
+
+#[test]
 fn gate_qwen2_mixed_bits() {
     if kv_supported(KvDtype::Auto) {
         let t = Target::quantized(

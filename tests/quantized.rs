@@ -12,8 +12,15 @@ use mtp::model::kernels::linear;
 use mtp::model::{negative_control, Checkpoint, Model};
 use serde_json::Value;
 
-const FIXTURES: [&str; 6] =
-    ["qwen3-q4g32", "qwen3-q8g64", "llama-q4g32", "synth-q4g128", "qwen2-q4g32-mixed", "trained-q4g64"];
+const FIXTURES: [&str; 7] = [
+    "qwen3-q4g32",
+    "qwen3-q8g64",
+    "llama-q4g32",
+    "synth-q4g128",
+    "qwen2-q4g32-mixed",
+    "trained-q4g64",
+    "qwen3-mxfp4",
+];
 
 /// How far our logits may sit from mlx-lm's: both dequantize `scale * q + bias` in f32,
 /// but mlx's quantized matmul sums in its own order.
@@ -143,11 +150,11 @@ fn unsupported_quantization_is_refused_by_name() {
     let dir = edited("mode", |d| {
         let path = d.join("config.json");
         let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        c["quantization"]["mode"] = "mxfp4".into();
+        c["quantization"]["mode"] = "nvfp4".into();
         std::fs::write(&path, c.to_string()).unwrap();
     });
-    let err = Model::load(&dir).err().expect("mxfp4 is refused").to_string();
-    assert!(err.contains("quantization.mode") && err.contains("mxfp4"), "{err}");
+    let err = Model::load(&dir).err().expect("an unknown mode is refused").to_string();
+    assert!(err.contains("quantization.mode") && err.contains("nvfp4"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
     // A scales tensor whose groups do not fit the row (a damaged or foreign file).
     let dir = edited("scales", |d| {

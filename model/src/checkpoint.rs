@@ -166,7 +166,8 @@ impl Checkpoint {
             )));
         }
         let scales_name = format!("{stem}.scales");
-        let groups = match self.tensors[&scales_name].shape[..] {
+        let scales_entry = &self.tensors[&scales_name];
+        let groups = match scales_entry.shape[..] {
             [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && (cols / g).is_multiple_of(32 / bits) => g,
             ref got => {
                 return Err(bad(format!(
@@ -174,10 +175,23 @@ impl Checkpoint {
                 )))
             }
         };
-        let scales = self.get(&scales_name, &[rows, groups])?;
-        let biases = self.get(&format!("{stem}.biases"), &[rows, groups])?;
         let packed = Weight::mapped(e.map.clone(), e.range.clone(), WeightDtype::F32, rows, words);
-        let quant = Quant { bits, group: cols / groups, scales, biases };
+        let biases_name = format!("{stem}.biases");
+        let quant = if self.contains(&biases_name) {
+            let scales = self.get(&scales_name, &[rows, groups])?;
+            let biases = self.get(&biases_name, &[rows, groups])?;
+            Quant { bits, group: cols / groups, scales, biases: Some(biases) }
+        } else if scales_entry.dtype == Dtype::U8 && bits == 4 && cols / groups == 32 {
+            // mxfp4: E8M0 scales, 2^(e - 127), exact in f32 (255 is NaN).
+            let exps = &scales_entry.map[scales_entry.range.clone()];
+            let values: Vec<f32> =
+                exps.iter().map(|&e| if e == 255 { f32::NAN } else { 2f32.powi(e as i32 - 127) }).collect();
+            Quant { bits, group: 32, scales: Weight::from_f32(values, rows, groups), biases: None }
+        } else {
+            return Err(bad(format!(
+                "no `{biases_name}` (affine) and `{scales_name}` is not mxfp4's U8 exponents for groups of 32 4-bit values"
+            )));
+        };
         Ok(Weight::quantized(packed, rows, cols, quant))
     }
 

@@ -194,13 +194,13 @@ impl Config {
             path: PathBuf::from(path),
             arch: arch_name.to_string(),
         })?;
-        // MLX quantization (weights found by their `.scales`): only the affine mode.
+        // MLX quantization (weights found by their `.scales`): the affine and mxfp4 modes.
         if let Some(mode) = k.opt("quantization").and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
-            if mode != "affine" {
+            if mode != "affine" && mode != "mxfp4" {
                 return Err(Error::config(
                     path,
                     "quantization.mode",
-                    format!("`{mode}` is not supported (affine, as `mlx_lm.convert -q` writes, is)"),
+                    format!("`{mode}` is not supported (affine and mxfp4, as `mlx_lm.convert -q` writes them, are)"),
                 ));
             }
         }

@@ -68,18 +68,24 @@ pub struct Weight {
     quant: Option<Arc<Quant>>,
 }
 
-/// MLX affine quantization ("mlx_lm.convert -q"): each row is cut into groups of `group`
-/// consecutive values that share a scale and a bias, `w = scale * q + bias`, and the
-/// `bits`-bit integers q are packed `32 / bits` to a little-endian u32 (value j of a word
-/// in bits `[j * bits, (j + 1) * bits)`).
+/// MLX quantization ("mlx_lm.convert -q"): each row is cut into groups of `group`
+/// consecutive values that share a scale (and, affine, a bias), and the `bits`-bit codes
+/// are packed `32 / bits` to a little-endian u32 (value j of a word in bits
+/// `[j * bits, (j + 1) * bits)`). Affine: `w = scale * q + bias`. mxfp4: `w = scale *
+/// e2m1(q)` with a power-of-two scale per 32 values (stored as f32 here).
 #[derive(Clone)]
 pub struct Quant {
     pub bits: usize,
     pub group: usize,
     /// `rows x cols / group` each.
     pub scales: Weight,
-    pub biases: Weight,
+    /// Affine mode's biases; `None` for mxfp4.
+    pub biases: Option<Weight>,
 }
+
+/// The 16 FP4 (E2M1) values: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+pub const E2M1: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 impl Weight {
     pub(crate) fn mapped(

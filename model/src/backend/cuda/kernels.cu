@@ -60,9 +60,13 @@ struct F16W {
     __device__ float get(long long i) const { return f16_to_f32(p[i]); }
     __device__ void get8(long long i, float* o) const { widen8<f16_to_f32>(p, i, o); }
 };
-// MLX affine quantization: value i of a row-major rows x k matrix is
-// scale[g] * q + bias[g] (g = i / group; rows hold whole groups), q packed 32 / BITS to a
-// u32 from the low bits up. A multiply then an add, rounded each (never fused).
+// The 16 FP4 (E2M1) values of mxfp4: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+__constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// MLX quantization: value i of a row-major rows x k matrix (g = i / group; rows hold whole
+// groups), codes packed 32 / BITS to a u32 from the low bits up. Affine:
+// scale[g] * q + bias[g], a multiply then an add, rounded each (never fused). mxfp4 (no
+// biases): scale[g] * e2m1(q), exact (the scale is a power of two).
 template <int BITS>
 struct QW {
     const u32* q;
@@ -72,9 +76,10 @@ struct QW {
     __device__ float get(long long i) const {
         const int per = 32 / BITS;
         const u32 w = q[i / per];
-        const float v = (float)((w >> ((int)(i % per) * BITS)) & ((1u << BITS) - 1u));
+        const u32 code = (w >> ((int)(i % per) * BITS)) & ((1u << BITS) - 1u);
         const long long g = i / group;
-        return __fadd_rn(__fmul_rn(scale[g], v), bias[g]);
+        if (bias == nullptr) return __fmul_rn(scale[g], E2M1[code & 15u]);
+        return __fadd_rn(__fmul_rn(scale[g], (float)code), bias[g]);
     }
     __device__ void get8(long long i, float* o) const {
 #pragma unroll

@@ -247,7 +247,8 @@ pub struct CudaMat {
 /// Scales and biases of a quantized matrix, widened to f32, and its layout.
 struct CudaQuant {
     scales: CudaSlice<f32>,
-    biases: CudaSlice<f32>,
+    /// Affine mode's biases (`None`: mxfp4).
+    biases: Option<CudaSlice<f32>>,
     bits: usize,
     group: usize,
     /// The weight as loaded (host, memory-mapped), for the stock-matmul negative control.
@@ -294,7 +295,10 @@ impl Kernels for Cuda {
         let quant = match w.quant() {
             Some(q) => Some(CudaQuant {
                 scales: self.upload_as(&q.scales.to_f32(), "quantization scales")?,
-                biases: self.upload_as(&q.biases.to_f32(), "quantization biases")?,
+                biases: match &q.biases {
+                    Some(b) => Some(self.upload_as(&b.to_f32(), "quantization biases")?),
+                    None => None,
+                },
                 bits: q.bits,
                 group: q.group,
                 host: w.clone(),
@@ -391,7 +395,7 @@ impl Kernels for Cuda {
         let s = &self.stream;
         let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(&toks, s), table.cols as i32, ptr(out, s));
         if let Some(q) = &table.quant {
-            let (sc, bi, g) = (ptr(&q.scales, s), ptr(&q.biases, s), q.group as i32);
+            let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
             let f = &self.f.embed_q[bits_index(q.bits)];
             return launch!(self, f, (tokens.len() as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
         }
@@ -433,7 +437,7 @@ impl Kernels for Cuda {
             _ => 2,
         };
         if let Some(q) = &w.quant {
-            let (sc, bi, g) = (ptr(&q.scales, s), ptr(&q.biases, s), q.group as i32);
+            let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
             let f = &self.f.linear_q[bits_index(q.bits)][rows_per_pass];
             return launch!(
                 self,
