@@ -91,6 +91,21 @@ impl<'a> KvView<'a> {
         KvView { data: Data::F32 { k, v }, stride: store.stride(), map }
     }
 
+    /// Layer `layer` of a host store, plain or quantized, read through `map` (`None` for a
+    /// device store).
+    pub fn of_store(store: &'a dyn KvStore, layer: usize, map: SlotMap) -> Option<Self> {
+        let any = store.as_any();
+        if let Some(host) = any.downcast_ref::<HostKv>() {
+            return Some(KvView::of(host, layer, map));
+        }
+        any.downcast_ref::<QuantKv>().map(|q| KvView::of_quant(q, layer, map))
+    }
+
+    /// Whether reads dequantize (and so need a buffer of one head).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.data, Data::Quant { .. })
+    }
+
     /// Layer `layer` of a quantized host store, read through `map`.
     pub fn of_quant(store: &'a QuantKv, layer: usize, map: SlotMap) -> Self {
         let (k, v) = store.layer(layer);
@@ -244,11 +259,7 @@ impl RowCache {
     /// Committed positions plus the open window of `layer`, by logical position, for a host
     /// cache, plain or quantized (`None` for a device cache).
     pub fn view(&self, layer: usize) -> Option<KvView<'_>> {
-        let any = self.store.as_any();
-        if let Some(host) = any.downcast_ref::<HostKv>() {
-            return Some(KvView::of(host, layer, self.slot_map()));
-        }
-        any.downcast_ref::<QuantKv>().map(|q| KvView::of_quant(q, layer, self.slot_map()))
+        KvView::of_store(&*self.store, layer, self.slot_map())
     }
 
     /// Keeps the first `keep` positions of the open window (rollback of the rest): moves

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::api::ApiError;
-use crate::routes::{now, Kind, Plan};
+use crate::routes::{now, Kind, PendingSlots, Plan};
 use crate::text::TextState;
 use crate::worker::Update;
 use crate::AppState;
@@ -105,8 +105,8 @@ pub(crate) async fn collect(
     app: &Arc<AppState>,
     plan: &Plan,
     receivers: Vec<mpsc::UnboundedReceiver<Update>>,
+    _slots: PendingSlots,
 ) -> Result<Value, ApiError> {
-    let _release = Release { app: app.clone(), n: plan.n };
     let mut choices = Vec::with_capacity(plan.n);
     for mut rx in receivers {
         let mut c = Choice::new(&plan.stop);
@@ -150,16 +150,9 @@ pub(crate) async fn collect(
             v
         })
         .collect();
-    let (id, object) = match plan.kind {
-        Kind::Completion => {
-            (format!("cmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed)), "text_completion")
-        }
-        Kind::Chat => {
-            (format!("chatcmpl-{}", app.next_id.fetch_add(1, Ordering::Relaxed)), "chat.completion")
-        }
-    };
+    let object = if plan.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
     let mut out = json!({
-        "id": id, "object": object, "created": now(), "model": app.model_name, "choices": body,
+        "id": response_id(app, plan.kind), "object": object, "created": now(), "model": app.model_name, "choices": body,
         "usage": {"prompt_tokens": plan.prompt.len(), "completion_tokens": completion_tokens,
                   "total_tokens": plan.prompt.len() + completion_tokens},
     });
@@ -169,16 +162,10 @@ pub(crate) async fn collect(
     Ok(out)
 }
 
-/// Gives back a request's pending slots when its response (or stream) ends, however it ends.
-struct Release {
-    app: Arc<AppState>,
-    n: usize,
-}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        self.app.pending.fetch_sub(self.n, Ordering::SeqCst);
-    }
+/// A fresh response id in OpenAI's style (`cmpl-N`, `chatcmpl-N`).
+fn response_id(app: &AppState, kind: Kind) -> String {
+    let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+    format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed))
 }
 
 /// What the SSE stream holds between chunks.
@@ -186,20 +173,22 @@ struct Streaming {
     app: Arc<AppState>,
     plan: Plan,
     updates: stream::SelectAll<stream::BoxStream<'static, (usize, Update)>>,
-    choices: Vec<Choice>,
+    /// Each choice's text so far (a stream sends logprobs with their token, keeps none).
+    texts: Vec<TextState>,
     open: usize,
     id: String,
     created: u64,
     done: bool,
     /// Whether a chunk has carried `prompt_token_ids` (asked with `return_token_ids`).
     sent_prompt: bool,
-    _release: Release,
+    _slots: PendingSlots,
 }
 
 pub(crate) fn stream_response(
     app: Arc<AppState>,
     plan: Plan,
     receivers: Vec<mpsc::UnboundedReceiver<Update>>,
+    slots: PendingSlots,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let updates = stream::select_all(
         receivers
@@ -207,13 +196,12 @@ pub(crate) fn stream_response(
             .enumerate()
             .map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |u| (i, u)).boxed()),
     );
-    let prefix = if plan.kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let state = Streaming {
-        id: format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed)),
+    let mut state = Streaming {
+        id: response_id(&app, plan.kind),
         created: now(),
-        choices: (0..plan.n).map(|_| Choice::new(&plan.stop)).collect(),
+        texts: (0..plan.n).map(|_| TextState::new(plan.stop.clone())).collect(),
         open: plan.n,
-        _release: Release { app: app.clone(), n: plan.n },
+        _slots: slots,
         app,
         plan,
         updates,
@@ -221,7 +209,6 @@ pub(crate) fn stream_response(
         sent_prompt: false,
     };
     // The chat format opens every choice with its role.
-    let mut state = state;
     let opening: Vec<Value> = if state.plan.kind == Kind::Chat {
         (0..state.plan.n)
             .map(|i| state.chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
@@ -295,18 +282,14 @@ impl Streaming {
         let mut out = Vec::new();
         match update {
             Update::Token { token, logprob, top } => {
-                let c = &mut self.choices[i];
-                c.text.push(token);
-                c.logprobs.push(logprob);
-                c.top.push(top.clone());
-                let text = tok.as_ref().map(|t| c.text.delta(t, false)).unwrap_or_default();
+                let t = &mut self.texts[i];
+                t.push(token);
+                let text = tok.as_ref().map(|tok| t.delta(tok, false)).unwrap_or_default();
                 let choice = self.choice_delta(i, text, &[token], &[logprob], &[top], None);
                 out.push(data(self.chunk(json!([choice]))));
             }
             Update::Finished(reason) => {
-                let c = &mut self.choices[i];
-                c.finish = Some(reason);
-                let text = tok.as_ref().map(|t| c.text.delta(t, true)).unwrap_or_default();
+                let text = tok.as_ref().map(|tok| self.texts[i].delta(tok, true)).unwrap_or_default();
                 let choice = self.choice_delta(i, text, &[], &[], &[], Some(finish_reason(reason)));
                 out.push(data(self.chunk(json!([choice]))));
                 self.open -= 1;
@@ -319,7 +302,7 @@ impl Streaming {
         if self.open == 0 {
             self.done = true;
             if self.plan.include_usage {
-                let completion: usize = self.choices.iter().map(|c| c.text.tokens().len()).sum();
+                let completion: usize = self.texts.iter().map(|t| t.tokens().len()).sum();
                 let mut v = self.chunk(json!([]));
                 v["usage"] = json!({"prompt_tokens": self.plan.prompt.len(), "completion_tokens": completion,
                                     "total_tokens": self.plan.prompt.len() + completion});

@@ -80,11 +80,11 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: &[u8]) -> Result<Respons
         Kind::Completion => plan_completion(app, api::fields(&body)?, common)?,
         Kind::Chat => plan_chat(app, api::fields(&body)?, common)?,
     };
-    let receivers = submit(app, &plan).await?;
+    let (receivers, slots) = submit(app, &plan).await?;
     if plan.stream {
-        Ok(stream_response(app.clone(), plan, receivers).into_response())
+        Ok(stream_response(app.clone(), plan, receivers, slots).into_response())
     } else {
-        collect(app, &plan, receivers).await.map(|v| Json(v).into_response())
+        collect(app, &plan, receivers, slots).await.map(|v| Json(v).into_response())
     }
 }
 
@@ -259,10 +259,14 @@ fn plan(
 }
 
 /// Hands one job per choice to the engine thread (choice `i` samples with seed + i) and
-/// waits until each is admitted to the queue.
-async fn submit(app: &AppState, plan: &Plan) -> Result<Vec<mpsc::UnboundedReceiver<Update>>, ApiError> {
+/// waits until each is admitted to the queue. The returned slots are held until the
+/// response (or stream) ends, however it ends; a refusal gives them back at once.
+async fn submit(
+    app: &Arc<AppState>,
+    plan: &Plan,
+) -> Result<(Vec<mpsc::UnboundedReceiver<Update>>, PendingSlots), ApiError> {
     let pending = app.pending.fetch_add(plan.n, Ordering::SeqCst);
-    let guard = PendingGuard { app, n: plan.n };
+    let slots = PendingSlots { app: app.clone(), n: plan.n };
     if pending + plan.n > app.max_pending {
         return Err(ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -300,18 +304,16 @@ async fn submit(app: &AppState, plan: &Plan) -> Result<Vec<mpsc::UnboundedReceiv
             }
         }
     }
-    std::mem::forget(guard);
-    // From here each choice's stream releases its own pending slot when it ends.
-    Ok(receivers)
+    Ok((receivers, slots))
 }
 
-/// Gives back pending slots taken by a request that was refused before it ran.
-struct PendingGuard<'a> {
-    app: &'a AppState,
+/// A request's share of `--max-pending`, given back when dropped.
+pub(crate) struct PendingSlots {
+    app: Arc<AppState>,
     n: usize,
 }
 
-impl Drop for PendingGuard<'_> {
+impl Drop for PendingSlots {
     fn drop(&mut self) {
         self.app.pending.fetch_sub(self.n, Ordering::SeqCst);
     }

@@ -183,14 +183,31 @@ impl ModelArgs {
         Ok((target, model, tokenizer))
     }
 
+    /// The drafter `--drafter` names, for the target loaded from `target_dir`.
     fn make_drafter(&self, target_dir: &Path, target: &Arc<Model>) -> Result<Option<Box<dyn Drafter>>> {
-        make_drafter(
-            &self.drafter,
-            self.draft.as_deref(),
-            target_dir,
-            target,
-            (self.ngram_min, self.ngram_max),
-        )
+        Ok(match self.drafter.as_str() {
+            "none" => None,
+            "auto" => {
+                if self.draft.is_some() {
+                    bail!("--draft goes with --drafter draft-model or mtp; --drafter auto uses the target's own MTP head");
+                }
+                if target.config.num_nextn_predict_layers == 0 {
+                    None
+                } else {
+                    Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
+                }
+            }
+            "ngram" => Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max)?)),
+            "draft-model" => {
+                let dir = self.draft.as_deref().context("--drafter draft-model needs --draft DIR")?;
+                Some(Box::new(DraftModelDrafter::load(dir, target_dir, target)?))
+            }
+            "mtp" => {
+                let dir = self.draft.as_deref().unwrap_or(target_dir);
+                Some(Box::new(MtpDrafter::load(dir, target.clone())?))
+            }
+            other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, ngram)"),
+        })
     }
 
     fn engine_options(&self) -> EngineOptions {
@@ -240,38 +257,6 @@ impl SamplingArgs {
         p.validate().map_err(anyhow::Error::msg)?;
         Ok((p, SamplingMode::parse(&self.sampling).map_err(anyhow::Error::msg)?))
     }
-}
-
-fn make_drafter(
-    kind: &str,
-    draft: Option<&Path>,
-    target_dir: &Path,
-    target: &Arc<Model>,
-    ngram: (usize, usize),
-) -> Result<Option<Box<dyn Drafter>>> {
-    Ok(match kind {
-        "none" => None,
-        "auto" => {
-            if draft.is_some() {
-                bail!("--draft goes with --drafter draft-model or mtp; --drafter auto uses the target's own MTP head");
-            }
-            if target.config.num_nextn_predict_layers == 0 {
-                None
-            } else {
-                Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
-            }
-        }
-        "ngram" => Some(Box::new(NgramDrafter::new(ngram.0, ngram.1)?)),
-        "draft-model" => {
-            let dir = draft.context("--drafter draft-model needs --draft DIR")?;
-            Some(Box::new(DraftModelDrafter::load(dir, target_dir, target)?))
-        }
-        "mtp" => {
-            let dir = draft.unwrap_or(target_dir);
-            Some(Box::new(MtpDrafter::load(dir, target.clone())?))
-        }
-        other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, ngram)"),
-    })
 }
 
 /// The last stderr line of `mtp generate`: what speculation did, in plain words.

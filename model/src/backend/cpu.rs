@@ -192,14 +192,7 @@ impl Kernels for Cpu {
         let views = caches
             .iter()
             .enumerate()
-            .map(|(r, c)| {
-                let store = c.store().as_any();
-                match (store.downcast_ref::<HostKv>(), store.downcast_ref::<QuantKv>()) {
-                    (Some(host), _) => Ok(KvView::of(host, layer, batch.maps[r])),
-                    (_, Some(quant)) => Ok(KvView::of_quant(quant, layer, batch.maps[r])),
-                    _ => Err(foreign(r)),
-                }
-            })
+            .map(|(r, c)| KvView::of_store(c.store(), layer, batch.maps[r]).ok_or_else(|| foreign(r)))
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;
         // One task per (token, head): a single decode token still uses every core.

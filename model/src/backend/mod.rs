@@ -119,7 +119,7 @@ impl KvDtype {
     /// Bytes of one position's K (or V) for one layer.
     pub fn slot_bytes(self, kv_heads: usize, head_dim: usize) -> usize {
         match self.bits() {
-            Some(bits) => kv_heads * (8 + head_dim * bits / 8),
+            Some(bits) => mtp_cache::QuantLayout { heads: kv_heads, head_dim, bits }.slot_bytes(),
             None => kv_heads * head_dim * self.size(),
         }
     }

@@ -22,8 +22,8 @@ pub fn attend(q: &[f32], kv: &KvView, n_keys: usize, kv_off: usize, scale: f32, 
     let mut l = 0.0f32;
     out.fill(0.0);
     let mut scores = [0.0f32; CHUNK];
-    // Where a quantized cache dequantizes one head's K or V.
-    let mut buf = vec![0.0f32; hd];
+    // Where a quantized cache dequantizes one head's K or V (a plain one lends slices).
+    let mut buf = if kv.is_quantized() { vec![0.0f32; hd] } else { Vec::new() };
     for c0 in (0..n_keys).step_by(CHUNK) {
         let c1 = (c0 + CHUNK).min(n_keys);
         let s = &mut scores[..c1 - c0];

@@ -65,11 +65,7 @@ fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         // SAFETY: shapes checked above; each task owns columns n0..n1.
         unsafe { columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o.0, n) };
     };
-    if m * n * k < 1 << 16 {
-        (0..tasks).for_each(run);
-    } else {
-        (0..tasks).into_par_iter().for_each(run);
-    }
+    for_each_task(tasks, m * n * k, run);
 }
 
 /// Output columns one quantized task dequantizes at a time.
@@ -105,7 +101,13 @@ fn quantized(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
         };
     };
     let tasks = n.div_ceil(QUANT_COLS_PER_TASK);
-    if m * n * k < 1 << 16 {
+    for_each_task(tasks, m * n * k, run);
+}
+
+/// Runs `run(0..tasks)`: on the calling thread for small products (`work` multiply-adds),
+/// where waking the pool costs more than it saves, else across the pool.
+fn for_each_task(tasks: usize, work: usize, run: impl Fn(usize) + Sync + Send) {
+    if work < 1 << 16 {
         (0..tasks).for_each(run);
     } else {
         (0..tasks).into_par_iter().for_each(run);
