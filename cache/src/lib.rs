@@ -12,6 +12,13 @@
 //! keeps the first `keep` window positions, moves them down to `[len, len + keep)`
 //! (compacting the hole) and frees everything after: that is rollback after a partial
 //! accept. Memory follows the row's own length, never the longest row's.
+//!
+//! Sliding-window layers (Gemma-style) live in an optional second store, the *ring*: it
+//! keeps only the last `cap` committed positions of each of its layers, position `p` at
+//! slot `p % cap`, with the open window after them. Committing copies the kept window
+//! positions into their ring slots, so after every round the ring's bytes are a function
+//! of the row's prefix alone, however the window wrapped. Memory per row for those layers
+//! is bounded by the window, not the row's length.
 
 mod quant;
 mod store;
@@ -26,6 +33,22 @@ pub struct RowCache {
     len: usize,
     stride: usize,
     window: Window,
+    ring: Option<Ring>,
+}
+
+/// The sliding-window layers' store: the last `cap` committed positions, then the window.
+struct Ring {
+    store: Box<dyn KvStore>,
+    n_layers: usize,
+    stride: usize,
+    cap: usize,
+}
+
+impl Ring {
+    /// Slots holding committed positions when the row is `len` long.
+    fn held(&self, len: usize) -> usize {
+        len.min(self.cap)
+    }
 }
 
 impl std::fmt::Debug for RowCache {
@@ -51,15 +74,29 @@ struct Window {
 pub struct SlotMap {
     pub committed: usize,
     pub base: usize,
+    /// A ring's capacity (committed position `p` at slot `p % ring`), 0 for a plain store.
+    pub ring: usize,
 }
 
 impl SlotMap {
     #[inline]
     pub fn slot(&self, pos: usize) -> usize {
-        if pos < self.committed {
+        if pos >= self.committed {
+            self.base + (pos - self.committed)
+        } else if self.ring == 0 {
             pos
         } else {
-            self.base + (pos - self.committed)
+            debug_assert!(pos + self.ring >= self.committed, "position {pos} left the ring");
+            pos % self.ring
+        }
+    }
+
+    /// The first logical position still readable (0 for a plain store).
+    pub fn first_held(&self) -> usize {
+        if self.ring == 0 {
+            0
+        } else {
+            self.committed.saturating_sub(self.ring)
         }
     }
 }
@@ -82,7 +119,7 @@ impl<'a> KvView<'a> {
     /// A view of plain contiguous K/V (`[pos][stride]`), logical position = slot.
     pub fn contiguous(k: &'a [f32], v: &'a [f32], stride: usize) -> Self {
         let n = k.len() / stride.max(1);
-        KvView { data: Data::F32 { k, v }, stride, map: SlotMap { committed: n, base: n } }
+        KvView { data: Data::F32 { k, v }, stride, map: SlotMap { committed: n, base: n, ring: 0 } }
     }
 
     /// Layer `layer` of a host store, read through `map`.
@@ -171,7 +208,56 @@ impl RowCache {
 
     /// An empty cache whose bytes live in `store` (a backend's device memory).
     pub fn with_store(store: Box<dyn KvStore>, n_layers: usize, stride: usize) -> Self {
-        RowCache { store, n_layers, len: 0, stride, window: Window::default() }
+        RowCache { store, n_layers, len: 0, stride, window: Window::default(), ring: None }
+    }
+
+    /// Adds a ring of `n_layers` sliding-window layers of `stride` values per position
+    /// that keeps the last `cap` committed positions (`cap >= 1`).
+    pub fn with_ring(mut self, store: Box<dyn KvStore>, n_layers: usize, stride: usize, cap: usize) -> Self {
+        assert!(cap > 0, "with_ring: a ring needs at least one slot");
+        self.ring = Some(Ring { store, n_layers, stride, cap });
+        self
+    }
+
+    /// Whether this row keeps sliding-window layers in a ring (whose evicted positions
+    /// cannot be rolled back to or copied out).
+    pub fn has_ring(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// The ring's store (`None` without a ring).
+    pub fn ring_store(&self) -> Option<&dyn KvStore> {
+        self.ring.as_ref().map(|r| &*r.store)
+    }
+
+    pub fn ring_store_mut(&mut self) -> Option<&mut dyn KvStore> {
+        self.ring.as_mut().map(|r| &mut *r.store as &mut dyn KvStore)
+    }
+
+    /// Where the ring's committed positions and open window sit (`None` without a ring).
+    pub fn ring_map(&self) -> Option<SlotMap> {
+        self.ring.as_ref().map(|r| SlotMap { committed: self.len, base: r.held(self.len), ring: r.cap })
+    }
+
+    /// Committed positions still held in the ring and the open window of ring layer
+    /// `layer`, by logical position, for a host ring (`None` otherwise).
+    pub fn ring_view(&self, layer: usize) -> Option<KvView<'_>> {
+        let map = self.ring_map()?;
+        KvView::of_store(self.ring_store()?, layer, map)
+    }
+
+    /// The ring's bytes of `layer` as stored (slots `[0, min(len, cap))`): a function of
+    /// the row's prefix, for byte comparisons.
+    pub fn ring_bytes(&self, layer: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
+        match &self.ring {
+            Some(r) => r.store.read(layer, r.held(self.len)),
+            None => Err(KvError("ring_bytes: this row has no ring".into())),
+        }
+    }
+
+    /// Layers in the ring (0 without one).
+    pub fn ring_layers(&self) -> usize {
+        self.ring.as_ref().map_or(0, |r| r.n_layers)
     }
 
     /// Logical length: positions whose K/V are committed.
@@ -205,6 +291,9 @@ impl RowCache {
     pub fn begin_window(&mut self, base: usize) {
         assert!(base >= self.len, "begin_window: slot {base} would overwrite committed positions");
         self.store.truncate(self.len);
+        if let Some(r) = &mut self.ring {
+            r.store.truncate(r.held(self.len));
+        }
         self.window = Window { base, len: 0 };
     }
 
@@ -216,6 +305,9 @@ impl RowCache {
     /// Reserves room for a window of `t` positions at `base` in every layer, reporting
     /// allocation failure instead of aborting the process.
     pub fn try_reserve_window(&mut self, base: usize, t: usize) -> Result<(), KvError> {
+        if let Some(r) = &mut self.ring {
+            r.store.reserve(r.held(self.len) + t)?;
+        }
         self.store.reserve(base.max(self.len) + t)
     }
 
@@ -224,6 +316,11 @@ impl RowCache {
     /// calls before writing the window's K/V at slots `[window_base(), window_base() + t)`.
     pub fn open_window(&mut self, t: usize) -> Result<SlotMap, KvError> {
         let base = self.window_base();
+        if let Some(r) = &mut self.ring {
+            let held = r.held(self.len);
+            r.store.truncate(held);
+            r.store.grow(held + t)?;
+        }
         self.store.truncate(base);
         self.store.grow(base + t)?;
         self.window = Window { base, len: t };
@@ -232,7 +329,7 @@ impl RowCache {
 
     /// Where committed positions and the open window sit.
     pub fn slot_map(&self) -> SlotMap {
-        SlotMap { committed: self.len, base: self.window_base() }
+        SlotMap { committed: self.len, base: self.window_base(), ring: 0 }
     }
 
     /// Writes the window's K/V for `layer` (whole positions) at the window's slots, in a
@@ -248,6 +345,23 @@ impl RowCache {
         }
         let base = self.window.base;
         let host = self.store.as_any_mut().downcast_mut::<HostKv>().expect("write_window: host cache");
+        host.write(layer, base, k, v);
+    }
+
+    /// Writes the window's K/V for ring layer `layer` (whole positions) after the ring's
+    /// committed slots, in a host ring (tests and benches), opening the window if needed.
+    ///
+    /// # Panics
+    /// If the row has no host ring or the host is out of memory.
+    pub fn write_ring_window(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let stride = self.ring.as_ref().expect("write_ring_window: no ring").stride;
+        let t = k.len() / stride;
+        if self.window.len != t {
+            self.open_window(t).expect("write_ring_window: host KV allocation");
+        }
+        let base = self.ring_map().map_or(0, |m| m.base);
+        let ring = self.ring.as_mut().expect("write_ring_window: no ring");
+        let host = ring.store.as_any_mut().downcast_mut::<HostKv>().expect("write_ring_window: host ring");
         host.write(layer, base, k, v);
     }
 
@@ -274,22 +388,52 @@ impl RowCache {
         if from != self.len && keep > 0 && !negative_control::skip_compaction() {
             self.store.move_down(from, self.len, keep);
         }
+        if let Some(r) = &mut self.ring {
+            let held = r.held(self.len);
+            // Window position i (logical len + i, at slot held + i) goes to its ring slot,
+            // in order: a slot written here never holds a window position not yet copied.
+            for i in 0..keep {
+                let slot = (self.len + i) % r.cap;
+                if slot != held + i && !negative_control::skip_compaction() {
+                    r.store.move_down(held + i, slot, 1);
+                }
+            }
+            r.store.truncate(r.held(self.len + keep));
+        }
         self.len += keep;
         self.store.truncate(self.len);
         self.window = Window { base: self.len, len: 0 };
     }
 
     /// Rolls the row back to its first `len` positions (closing any open window).
+    ///
+    /// # Panics
+    /// If `len` is beyond the row's length, or the row has a ring and `len` is shorter than
+    /// its length once the ring has wrapped (the positions it would need are gone).
     pub fn truncate(&mut self, len: usize) {
         assert!(len <= self.len, "truncate: {len} is beyond the row's length {}", self.len);
+        if let Some(r) = &mut self.ring {
+            assert!(
+                len == self.len || self.len <= r.cap,
+                "truncate: a sliding-window ring of {} cannot roll back from {} to {len}",
+                r.cap,
+                self.len
+            );
+            r.store.truncate(r.held(len));
+        }
         self.len = len;
         self.store.truncate(len);
         self.window = Window { base: len, len: 0 };
     }
 
+    /// Whether [`RowCache::truncate`] to `len` is possible.
+    pub fn can_truncate(&self, len: usize) -> bool {
+        len <= self.len && self.ring.as_ref().is_none_or(|r| len == self.len || self.len <= r.cap)
+    }
+
     /// Bytes of K/V currently held (committed and any open window, hole included).
     pub fn bytes(&self) -> usize {
-        self.store.bytes()
+        self.store.bytes() + self.ring.as_ref().map_or(0, |r| r.store.bytes())
     }
 
     /// Committed K and V bytes of `layer` (positions `[0, len)`) as stored, for byte
@@ -301,6 +445,11 @@ impl RowCache {
     /// Appends `n` positions whose K and V bytes per layer (as [`RowCache::committed_bytes`]
     /// gives them) are `kv[layer]`: a prefix computed earlier. Needs no open window.
     pub fn append_bytes(&mut self, n: usize, kv: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+        if self.ring.is_some() {
+            return Err(KvError(
+                "append_bytes: a row with a sliding-window ring has no stored prefix".into(),
+            ));
+        }
         if self.window.len != 0 || kv.len() != self.n_layers {
             return Err(KvError(format!(
                 "append_bytes: {} layers given for {}, window of {} open",
@@ -324,7 +473,11 @@ impl RowCache {
 
     /// A copy of this row's cache (a device cache copies on the device).
     pub fn try_clone(&self) -> Result<RowCache, KvError> {
-        Ok(RowCache { store: self.store.try_clone()?, ..*self })
+        let ring = match &self.ring {
+            Some(r) => Some(Ring { store: r.store.try_clone()?, ..*r }),
+            None => None,
+        };
+        Ok(RowCache { store: self.store.try_clone()?, ring, ..*self })
     }
 }
 
@@ -407,6 +560,113 @@ mod tests {
         c.commit_window(2);
         negative_control::set_skip_compaction(false);
         assert_eq!(committed(&c, 0).0, &[0.0, 0.0]);
+    }
+
+    /// K of logical position `p` in ring layer `l`: what any run writes there.
+    fn val(p: usize, l: usize, stride: usize) -> Vec<f32> {
+        (0..stride).map(|j| (p * 100 + l * 10 + j) as f32).collect()
+    }
+
+    fn ring_row(cap: usize) -> RowCache {
+        RowCache::new(1, 1).with_ring(Box::new(HostKv::new(2, 3)), 2, 3, cap)
+    }
+
+    /// Writes logical positions `[len, len + t)` into a window `hole` slots past the
+    /// row's tail in the plain store.
+    fn write_ring(c: &mut RowCache, hole: usize, t: usize) {
+        let len = c.len();
+        c.begin_window(len + hole);
+        for l in 0..c.ring_layers() {
+            let k: Vec<f32> = (len..len + t).flat_map(|p| val(p, l, 3)).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            c.write_ring_window(l, &k, &v);
+        }
+        c.write_window(0, &vec![1.0; t], &vec![1.0; t]);
+    }
+
+    fn ring_state(c: &RowCache) -> Vec<(Vec<u8>, Vec<u8>)> {
+        (0..c.ring_layers()).map(|l| c.ring_bytes(l).unwrap()).collect()
+    }
+
+    /// Rollbacks of up to k + 1 positions with the ring smaller than k, at every offset
+    /// around the wrap: after each commit the ring's bytes equal those of the same row
+    /// built one position at a time, and the window read back by logical position holds
+    /// exactly the keys `(p - cap, p]` of each of its queries.
+    #[test]
+    fn ring_rollback_matches_the_row_built_alone() {
+        for cap in [1, 2, 3, 5] {
+            for k in [cap + 1, cap + 3] {
+                for start in 0..2 * cap + 2 {
+                    for keep in 0..=k + 1 {
+                        let mut c = ring_row(cap);
+                        let mut alone = ring_row(cap);
+                        for _ in 0..start {
+                            write_ring(&mut c, 2, 1);
+                            c.commit_window(1);
+                        }
+                        write_ring(&mut c, 3, k + 1);
+                        let view = c.ring_view(1).unwrap();
+                        for p in start..start + k + 1 {
+                            for q in p.saturating_sub(cap - 1).max(view_first(&c))..=p {
+                                assert_eq!(
+                                    view.key(q, 0, 3, &mut []),
+                                    val(q, 1, 3),
+                                    "cap {cap} query {p} key {q}"
+                                );
+                            }
+                        }
+                        c.commit_window(keep);
+                        for _ in 0..start + keep {
+                            write_ring(&mut alone, 0, 1);
+                            alone.commit_window(1);
+                        }
+                        assert_eq!(c.len(), alone.len());
+                        assert_eq!(
+                            ring_state(&c),
+                            ring_state(&alone),
+                            "cap {cap} k {k} start {start} keep {keep}"
+                        );
+                        assert!(
+                            c.ring_bytes(0).unwrap().0.len() <= cap * 3 * 4,
+                            "the ring outgrew its window"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn view_first(c: &RowCache) -> usize {
+        c.ring_map().unwrap().first_held()
+    }
+
+    #[test]
+    fn ring_without_compaction_differs() {
+        let mut c = ring_row(2);
+        let mut alone = ring_row(2);
+        for _ in 0..3 {
+            write_ring(&mut c, 0, 1);
+            c.commit_window(1);
+        }
+        write_ring(&mut c, 0, 3);
+        negative_control::set_skip_compaction(true);
+        c.commit_window(2);
+        negative_control::set_skip_compaction(false);
+        for _ in 0..5 {
+            write_ring(&mut alone, 0, 1);
+            alone.commit_window(1);
+        }
+        assert_ne!(ring_state(&c), ring_state(&alone));
+    }
+
+    #[test]
+    fn ring_refuses_what_it_cannot_hold() {
+        let mut c = ring_row(2);
+        write_ring(&mut c, 0, 4);
+        c.commit_window(4);
+        assert!(!c.can_truncate(3) && c.can_truncate(4));
+        assert!(c.append_bytes(1, &[(vec![], vec![])]).is_err());
+        assert_eq!(c.bytes(), 4 * 4 * 2 + 2 * 2 * 3 * 4 * 2);
     }
 
     #[test]

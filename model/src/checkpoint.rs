@@ -195,6 +195,75 @@ impl Checkpoint {
         Ok(Weight::quantized(packed, rows, cols, quant))
     }
 
+    /// Rows `rows` of expert `e` of a 3-D `[experts, n, cols]` tensor (transformers'
+    /// fused MoE weights), as a `rows.len() x cols` weight mapped in place.
+    pub fn get_expert(&self, name: &str, shape: [usize; 3], e: usize, rows: Range<usize>) -> Result<Weight> {
+        let entry = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        let dtype = match entry.dtype {
+            Dtype::F32 => WeightDtype::F32,
+            Dtype::BF16 => WeightDtype::Bf16,
+            Dtype::F16 => WeightDtype::F16,
+            other => {
+                return Err(Error::TensorDtype {
+                    path: (*entry.file).clone(),
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        if entry.shape != shape || e >= shape[0] || rows.end > shape[1] {
+            return Err(Error::TensorShape {
+                path: (*entry.file).clone(),
+                name: name.to_string(),
+                got: entry.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        let row_bytes = shape[2] * dtype.size();
+        let start = entry.range.start + (e * shape[1] + rows.start) * row_bytes;
+        let range = start..start + rows.len() * row_bytes;
+        Ok(Weight::mapped(entry.map.clone(), range, dtype, rows.len(), shape[2]))
+    }
+
+    /// A 1-D integer tensor (I64 or I32) of `len` values, e.g. a token permutation.
+    pub fn get_ids(&self, name: &str, len: usize) -> Result<Vec<i64>> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        if e.shape != [len] {
+            return Err(Error::TensorShape {
+                path: (*e.file).clone(),
+                name: name.to_string(),
+                got: e.shape.clone(),
+                expected: vec![len],
+            });
+        }
+        let b = &e.map[e.range.clone()];
+        match e.dtype {
+            Dtype::I64 => {
+                Ok(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+            }
+            Dtype::I32 => Ok(b
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64)
+                .collect()),
+            other => Err(Error::TensorDtype {
+                path: (*e.file).clone(),
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+            }),
+        }
+    }
+
+    /// Names of the tensors that start with `prefix`.
+    pub fn names_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.tensors.keys().map(|k| k.as_str()).filter(move |k| k.starts_with(prefix))
+    }
+
     /// A small tensor widened to f32 (norm weights, biases).
     pub fn get_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         Ok(self.get(name, &[len])?.to_f32())

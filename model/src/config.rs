@@ -16,6 +16,9 @@ pub enum Arch {
     Qwen2,
     /// `Qwen3ForCausalLM`: per-head RMSNorm on q and k.
     Qwen3,
+    /// `Gemma4ForCausalLM`, or the text part of `Gemma4ForConditionalGeneration`: its own
+    /// forward (`crate::gemma4`).
+    Gemma4,
 }
 
 impl Arch {
@@ -25,6 +28,7 @@ impl Arch {
             // MiMo is a Qwen2 decoder plus MTP layers (`model.mtp_layers.*`).
             "Qwen2ForCausalLM" | "MiMoForCausalLM" => Some(Arch::Qwen2),
             "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            "Gemma4ForCausalLM" | "Gemma4ForConditionalGeneration" => Some(Arch::Gemma4),
             _ => None,
         }
     }
@@ -34,6 +38,7 @@ impl Arch {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Gemma4 => "Gemma4ForCausalLM",
         }
     }
 }
@@ -194,6 +199,16 @@ impl Config {
             path: PathBuf::from(path),
             arch: arch_name.to_string(),
         })?;
+        // A multimodal Gemma 4 keeps its decoder's settings under `text_config`.
+        let wrapped = arch_name == "Gemma4ForConditionalGeneration";
+        let text = if wrapped {
+            v.get("text_config")
+                .filter(|t| t.is_object())
+                .ok_or_else(|| Error::config(path, "text_config", "missing or not an object"))?
+        } else {
+            v
+        };
+        let k = Keys { path, v: text };
         // MLX quantization (weights found by their `.scales`): the affine and mxfp4 modes.
         if let Some(mode) = k.opt("quantization").and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
             if mode != "affine" && mode != "mxfp4" {
@@ -227,7 +242,12 @@ impl Config {
         }
         // transformers 5 moved rope settings into `rope_parameters`; older files use
         // `rope_theta` + `rope_scaling`.
-        let rope_params = k.opt("rope_parameters").or_else(|| k.opt("rope_scaling"));
+        // Gemma 4 keeps RoPE per layer type (read by `gemma4::Gemma4Config`).
+        let rope_params = if arch == Arch::Gemma4 {
+            None
+        } else {
+            k.opt("rope_parameters").or_else(|| k.opt("rope_scaling"))
+        };
         let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
             Some(t) => {
                 t.as_f64().ok_or_else(|| Error::config(path, "rope_parameters.rope_theta", "not a number"))?
@@ -259,9 +279,11 @@ impl Config {
             max_position_embeddings: k.usize_or("max_position_embeddings", 4096)?,
             qkv_bias,
             o_bias,
-            tie_word_embeddings: k.bool_or("tie_word_embeddings", false)?,
-            eos_token_ids: token_ids(path, "eos_token_id", k.opt("eos_token_id"))?,
-            bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id"))?.first().copied(),
+            tie_word_embeddings: k.bool_or("tie_word_embeddings", arch == Arch::Gemma4)?,
+            eos_token_ids: token_ids(path, "eos_token_id", k.opt("eos_token_id").or(v.get("eos_token_id")))?,
+            bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id").or(v.get("bos_token_id")))?
+                .first()
+                .copied(),
             num_nextn_predict_layers: k.usize_or("num_nextn_predict_layers", 0)?,
         })
     }

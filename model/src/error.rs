@@ -10,7 +10,7 @@ pub enum Error {
     Json { path: PathBuf, source: serde_json::Error },
     #[error("{path}: key `{key}`: {msg}")]
     Config { path: PathBuf, key: String, msg: String },
-    #[error("{path}: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)")]
+    #[error("{path}: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]
     UnknownArchitecture { path: PathBuf, arch: String },
     #[error("{path}: invalid safetensors file: {msg}")]
     Safetensors { path: PathBuf, msg: String },

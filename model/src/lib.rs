@@ -7,6 +7,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod gemma4;
 pub mod kernels;
 pub mod mtp;
 pub mod negative_control;

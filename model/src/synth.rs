@@ -172,7 +172,12 @@ impl SynthSpec {
     fn config_json(&self) -> serde_json::Value {
         json!({
             "architectures": [self.arch.hf_name()],
-            "model_type": match self.arch { Arch::Llama => "llama", Arch::Qwen2 => "qwen2", Arch::Qwen3 => "qwen3" },
+            "model_type": match self.arch {
+                Arch::Llama => "llama",
+                Arch::Qwen2 => "qwen2",
+                Arch::Qwen3 => "qwen3",
+                Arch::Gemma4 => "gemma4_text",
+            },
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -18,25 +18,39 @@ use crate::mtp::{MtpLayout, MtpNet};
 use crate::negative_control;
 
 pub(crate) struct Proj<B: Kernels> {
-    w: B::Mat,
+    pub(crate) w: B::Mat,
     bias: Option<B::Vec>,
-    out: usize,
+    pub(crate) out: usize,
 }
 
 impl<B: Kernels> Proj<B> {
-    fn load(be: &B, ck: &Checkpoint, name: &str, out: usize, inp: usize, bias: bool) -> Result<Proj<B>> {
+    /// A projection of `out` outputs over an already loaded weight (no bias).
+    pub(crate) fn from_weight(be: &B, w: &crate::weights::Weight) -> Result<Proj<B>> {
+        Ok(Proj { w: be.matrix(w)?, bias: None, out: w.rows })
+    }
+}
+
+impl<B: Kernels> Proj<B> {
+    pub(crate) fn load(
+        be: &B,
+        ck: &Checkpoint,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Proj<B>> {
         let bias = if bias { Some(be.vector(&ck.get_f32(&format!("{name}.bias"), out)?)?) } else { None };
         Ok(Proj { w: be.matrix(&ck.get(&format!("{name}.weight"), &[out, inp])?)?, bias, out })
     }
 
-    fn forward(&self, be: &B, x: &B::Act, m: usize) -> Result<B::Act> {
+    pub(crate) fn forward(&self, be: &B, x: &B::Act, m: usize) -> Result<B::Act> {
         let mut y = be.alloc(m * self.out)?;
         be.linear(x, m, &self.w, self.bias.as_ref(), &mut y, Out::Write)?;
         Ok(y)
     }
 
     /// `acc += self(x)`: the residual add.
-    fn add_to(&self, be: &B, x: &B::Act, m: usize, acc: &mut B::Act) -> Result<()> {
+    pub(crate) fn add_to(&self, be: &B, x: &B::Act, m: usize, acc: &mut B::Act) -> Result<()> {
         be.linear(x, m, &self.w, self.bias.as_ref(), acc, Out::Add)
     }
 }
@@ -263,38 +277,54 @@ impl<B: Kernels> Decoder<B> {
         drop(caches);
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(&x, &self.norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        // lm_head only for the tokens whose logits were asked for.
-        let mut want: Vec<usize> = Vec::new();
-        let mut off = 0;
-        for row in rows.iter() {
-            let t = row.tokens.len();
-            want.extend(row.logits.wanted(t).map(|i| off + i));
-            off += t;
-        }
-        let vocab = c.vocab_size;
-        let logits = if want.is_empty() {
-            Vec::new()
-        } else {
-            let sel = be.gather(&normed, h, &want)?;
-            let mut logits = be.alloc(want.len() * vocab)?;
-            be.linear(&sel, want.len(), &self.lm_head, None, &mut logits, Out::Write)?;
-            be.download(logits)?
-        };
-        let hidden = be.download(normed)?;
-        let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
-        let mut outs = Vec::with_capacity(rows.len());
-        let mut off = 0;
-        for row in rows.iter() {
-            let t = row.tokens.len();
-            let n = row.logits.wanted(t).len();
-            outs.push(RowOutput {
-                logits: logit_rows.by_ref().take(n).collect(),
-                hidden: hidden[off * h..(off + t) * h].to_vec(),
-            });
-            off += t;
-        }
-        Ok(outs)
+        head_outputs(be, rows, normed, &self.lm_head, c.vocab_size, h, None)
     }
+}
+
+/// Each row's outputs from the final-normed hidden states `normed` (one `h`-wide row per
+/// token): `lm_head` only for the tokens whose logits were asked for, soft-capped
+/// (`cap * tanh(l / cap)`, on the host) when `softcap` is given.
+pub(crate) fn head_outputs<B: Kernels>(
+    be: &B,
+    rows: &[RowInput],
+    normed: B::Act,
+    lm_head: &B::Mat,
+    vocab: usize,
+    h: usize,
+    softcap: Option<f32>,
+) -> Result<Vec<RowOutput>> {
+    let mut want: Vec<usize> = Vec::new();
+    let mut off = 0;
+    for row in rows.iter() {
+        let t = row.tokens.len();
+        want.extend(row.logits.wanted(t).map(|i| off + i));
+        off += t;
+    }
+    let mut logits = if want.is_empty() {
+        Vec::new()
+    } else {
+        let sel = be.gather(&normed, h, &want)?;
+        let mut logits = be.alloc(want.len() * vocab)?;
+        be.linear(&sel, want.len(), lm_head, None, &mut logits, Out::Write)?;
+        be.download(logits)?
+    };
+    if let Some(cap) = softcap {
+        logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
+    }
+    let hidden = be.download(normed)?;
+    let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
+    let mut outs = Vec::with_capacity(rows.len());
+    let mut off = 0;
+    for row in rows.iter() {
+        let t = row.tokens.len();
+        let n = row.logits.wanted(t).len();
+        outs.push(RowOutput {
+            logits: logit_rows.by_ref().take(n).collect(),
+            hidden: hidden[off * h..(off + t) * h].to_vec(),
+        });
+        off += t;
+    }
+    Ok(outs)
 }
 
 /// A model on some backend, as the engine sees it.
@@ -369,6 +399,10 @@ impl Model {
     }
 
     pub fn from_checkpoint(config: Config, ck: &Checkpoint, backend: Backend, kv: KvDtype) -> Result<Model> {
+        if config.arch == Arch::Gemma4 {
+            let net = crate::gemma4::load(config.clone(), ck, backend, kv)?;
+            return Ok(Model { config, net });
+        }
         let net: Box<dyn Net> = match backend {
             Backend::Cpu => Box::new(Decoder::load(Arc::new(Cpu), config.clone(), ck, kv)?),
             #[cfg(feature = "cuda")]

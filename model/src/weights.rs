@@ -39,6 +39,16 @@ impl WeightDtype {
         }
     }
 
+    /// `x` rounded to this dtype and widened back (what `tensor.to(dtype)` of a scalar
+    /// gives), round to nearest even.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            WeightDtype::F32 => x,
+            WeightDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+            WeightDtype::F16 => half::f16::from_f32(x).to_f32(),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             WeightDtype::F32 => "F32",

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
 use rayon::prelude::*;
 
-use super::{open_windows, Backend, Heads, Kernels, KvDtype, Out, Slot};
+use super::{open_windows, Backend, GemmaKernels, Heads, Kernels, KvDtype, Out, Plane, Slot};
 use crate::error::{Error, Result};
-use crate::kernels::{attend, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
+use crate::kernels::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
 use crate::weights::{Weight, WeightDtype};
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -18,6 +18,30 @@ pub struct Cpu;
 pub struct CpuBatch {
     slots: Vec<Slot>,
     maps: Vec<SlotMap>,
+    /// Each row's ring map, for rows with sliding-window layers.
+    ring_maps: Vec<Option<SlotMap>>,
+}
+
+impl CpuBatch {
+    /// Where `plane` of row `r` holds its positions and window.
+    fn map(&self, r: usize, plane: Plane) -> Result<SlotMap> {
+        match plane {
+            Plane::Main(_) => Ok(self.maps[r]),
+            Plane::Ring(_) => self.ring_maps[r].ok_or_else(|| Error::Request {
+                request: format!("row {r}"),
+                msg: "its cache has no sliding-window ring".into(),
+            }),
+        }
+    }
+}
+
+/// Layer `plane` of row `r`'s host store, read through `map`.
+fn view<'a>(cache: &'a RowCache, r: usize, plane: Plane, map: SlotMap) -> Result<KvView<'a>> {
+    let (store, layer) = match plane {
+        Plane::Main(l) => (Some(cache.store()), l),
+        Plane::Ring(l) => (cache.ring_store(), l),
+    };
+    store.and_then(|s| KvView::of_store(s, layer, map)).ok_or_else(|| foreign(r))
 }
 
 fn foreign(row: usize) -> Error {
@@ -84,7 +108,8 @@ impl Kernels for Cpu {
     }
 
     fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
-        Ok(CpuBatch { slots: slots.to_vec(), maps: open_windows(slots, caches)? })
+        let maps = open_windows(slots, caches)?;
+        Ok(CpuBatch { slots: slots.to_vec(), maps, ring_maps: caches.iter().map(|c| c.ring_map()).collect() })
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
@@ -153,29 +178,11 @@ impl Kernels for Cpu {
         layer: usize,
         heads: Heads,
     ) -> Result<()> {
-        let (qd, kvd) = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim);
         if let Some((qn, kn, eps)) = norms {
             rms_norm_inplace(q, qn, eps);
             rms_norm_inplace(k, kn, eps);
         }
-        for (i, s) in batch.slots.iter().enumerate() {
-            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
-            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
-        }
-        let mut off = 0;
-        for (r, cache) in caches.iter_mut().enumerate() {
-            let (t, base) = (cache.window_len(), batch.maps[r].base);
-            let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
-            let store = cache.store_mut().as_any_mut();
-            if let Some(host) = store.downcast_mut::<HostKv>() {
-                host.write(layer, base, kw, vw);
-            } else {
-                let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
-                quant.write(layer, base, kw, vw);
-            }
-            off += t;
-        }
-        Ok(())
+        self.rope_store(q, Some((k, v)), rope, batch, caches, Plane::Main(layer), heads)
     }
 
     fn attention(
@@ -188,22 +195,108 @@ impl Kernels for Cpu {
         scale: f32,
         out: &mut Vec<f32>,
     ) -> Result<()> {
+        self.attention_in(q, batch, caches, Plane::Main(layer), heads, scale, None, out)
+    }
+
+    fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
+        Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
+    }
+}
+
+impl GemmaKernels for Cpu {
+    fn gelu_tanh_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
+        gelu_tanh_mul(gate, up);
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<()> {
+        x.iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn add_rows_scaled(
+        &self,
+        out: &mut Vec<f32>,
+        width: usize,
+        src: &Vec<f32>,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        for ((&r, &w), s) in rows.iter().zip(weights).zip(src.chunks(width)) {
+            for (o, &v) in out[r * width..(r + 1) * width].iter_mut().zip(s) {
+                *o += v * w;
+            }
+        }
+        Ok(())
+    }
+
+    fn rope_store(
+        &self,
+        q: &mut Vec<f32>,
+        kv: Option<(&mut Vec<f32>, &Vec<f32>)>,
+        rope: &RopeTable,
+        batch: &CpuBatch,
+        caches: &mut [&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()> {
+        let (qd, kvd) = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim);
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
+        }
+        let Some((k, v)) = kv else { return Ok(()) };
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
+        }
+        let mut off = 0;
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let (t, base) = (cache.window_len(), batch.map(r, plane)?.base);
+            let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            let (store, layer) = match plane {
+                Plane::Main(l) => (Some(cache.store_mut()), l),
+                Plane::Ring(l) => (cache.ring_store_mut(), l),
+            };
+            let store = store.ok_or_else(|| foreign(r))?.as_any_mut();
+            if let Some(host) = store.downcast_mut::<HostKv>() {
+                host.write(layer, base, kw, vw);
+            } else {
+                let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
+                quant.write(layer, base, kw, vw);
+            }
+            off += t;
+        }
+        Ok(())
+    }
+
+    fn attention_in(
+        &self,
+        q: &Vec<f32>,
+        batch: &CpuBatch,
+        caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
         let views = caches
             .iter()
             .enumerate()
-            .map(|(r, c)| KvView::of_store(c.store(), layer, batch.maps[r]).ok_or_else(|| foreign(r)))
+            .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;
         // One task per (token, head): a single decode token still uses every core.
         out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
             let (s, head) = (&slots[i / nh], i % nh);
-            attend(qh, &views[s.row], s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
+            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
+            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
         });
         Ok(())
-    }
-
-    fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
-        Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
     }
 }

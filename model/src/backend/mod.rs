@@ -248,6 +248,62 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
 }
 
+/// Which K/V of a row a layer reads and writes: layer `l` of the row's main store (every
+/// position) or of its ring (sliding-window layers: the last positions only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plane {
+    Main(usize),
+    Ring(usize),
+}
+
+/// The ops Gemma 4 adds to [`Kernels`]; a backend runs Gemma 4 once it implements them.
+/// Every op is per token (or per element) like the rest of the seam.
+pub trait GemmaKernels: Kernels {
+    /// `gate <- gelu_tanh(gate) * up`.
+    fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// `x <- x * s`.
+    fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;
+    /// `x <- x + y`.
+    fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// `out[rows[i]] += weights[i] * src[i]` for each `width`-wide row `i` of `src`, in
+    /// order (the rows of one call are distinct).
+    fn add_rows_scaled(
+        &self,
+        out: &mut Self::Act,
+        width: usize,
+        src: &Self::Act,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()>;
+    /// RoPE of `q` (and of the window's K, when `kv` is given) at each token's position;
+    /// the window's K and V stored into `plane` of each row.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        q: &mut Self::Act,
+        kv: Option<(&mut Self::Act, &Self::Act)>,
+        rope: &Self::Rope,
+        batch: &Self::Batch,
+        caches: &mut [&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()>;
+    /// Attention of every query over its own row's keys in `plane`: `[0, pos]`, or
+    /// `(pos - window, pos]` on a sliding-window layer.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_in(
+        &self,
+        q: &Self::Act,
+        batch: &Self::Batch,
+        caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+}
+
 /// The slot map of every row, after [`Kernels::batch`] opened their windows.
 pub(crate) fn open_windows(slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Vec<SlotMap>> {
     let mut tokens = vec![0usize; caches.len()];

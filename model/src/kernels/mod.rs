@@ -10,7 +10,9 @@ pub mod quant;
 pub mod rope;
 pub mod simd;
 
-pub use attention::attend;
+pub use attention::{attend, attend_from};
 pub use matmul::linear;
-pub use norm::{argmax, log_softmax, logprob, rms_norm, rms_norm_inplace, swiglu, top_logprobs};
+pub use norm::{
+    argmax, gelu_tanh_mul, log_softmax, logprob, rms_norm, rms_norm_inplace, swiglu, top_logprobs,
+};
 pub use rope::RopeTable;

@@ -38,6 +38,17 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gate <- gelu_tanh(gate) * up` (GELU with the tanh approximation, as
+/// `gelu_pytorch_tanh`).
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gelu_tanh_mul: shape");
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh()) * u;
+    }
+}
+
 /// Sum in the canonical 16-lane order (lane j takes i ≡ j mod 16, then the fixed tree).
 pub fn canonical_sum(x: &[f32]) -> f32 {
     let mut lanes = [0.0f32; LANES];

@@ -21,6 +21,12 @@ impl RopeTable {
                 }
             })
             .collect();
+        RopeTable::from_inv_freq(inv_freq, max_pos)
+    }
+
+    /// The table of `inv_freq.len()` rotated pairs (a zero frequency leaves its pair as is).
+    pub fn from_inv_freq(inv_freq: Vec<f32>, max_pos: usize) -> Self {
+        let half = inv_freq.len();
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
         for p in 0..max_pos {
