@@ -337,6 +337,8 @@ pub(crate) trait Net: Send + Sync {
     fn max_positions(&self) -> usize;
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
+    /// The concrete net, for drafters that share a family's internals (Gemma 4's assistant).
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 impl<B: Kernels> Net for Decoder<B> {
@@ -370,6 +372,10 @@ impl<B: Kernels> Net for Decoder<B> {
 
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>> {
         Ok(Box::new(crate::mtp::MtpBlock::load(self, ck, layout, prefix)?))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
 use rayon::prelude::*;
 
-use super::{open_windows, Backend, GemmaKernels, Heads, Kernels, KvDtype, Out, Plane, Slot};
+use super::{open_windows, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot};
 use crate::error::{Error, Result};
 use crate::kernels::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
 use crate::weights::{Weight, WeightDtype};
@@ -270,6 +270,51 @@ impl GemmaKernels for Cpu {
             }
             off += t;
         }
+        Ok(())
+    }
+
+    fn rope_at(&self, x: &mut Vec<f32>, width: usize, positions: &[usize], rope: &RopeTable) -> Result<()> {
+        for (row, &p) in x.chunks_mut(width).zip(positions) {
+            rope.apply(row, p);
+        }
+        Ok(())
+    }
+
+    fn attention_over(
+        &self,
+        q: &Vec<f32>,
+        keys: &[KeyRange],
+        caches: &[&RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
+        let mut views = Vec::with_capacity(caches.len());
+        for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
+            let map = match plane {
+                Plane::Main(_) => c.slot_map(),
+                Plane::Ring(_) => c.ring_map().ok_or_else(|| foreign(r))?,
+            };
+            if k.first >= k.end || k.first < map.first_held() || k.end > map.committed {
+                return Err(Error::Request {
+                    request: format!("row {r}"),
+                    msg: format!(
+                        "keys [{}, {}) are not held (committed [{}, {}))",
+                        k.first,
+                        k.end,
+                        map.first_held(),
+                        map.committed
+                    ),
+                });
+            }
+            views.push(view(c, r, plane, map)?);
+        }
+        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (r, head) = (i / nh, i % nh);
+            attend_from(qh, &views[r], keys[r].first, keys[r].end, (head / (nh / nkv)) * hd, scale, o);
+        });
         Ok(())
     }
 

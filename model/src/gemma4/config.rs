@@ -25,8 +25,11 @@ pub struct LayerSpec {
     pub head_dim: usize,
     pub kv_heads: usize,
     /// The earlier layer whose K/V this one reads (`num_kv_shared_layers`); `None` when it
-    /// stores its own.
+    /// stores its own or (an assistant's layer) reads another model's.
     pub kv_source: Option<usize>,
+    /// Whether the layer has K/V projections of its own (false on KV-shared layers and on
+    /// every layer of an assistant, whose layers all read the target's K/V).
+    pub own_kv: bool,
     /// `attention_k_eq_v` on a full layer: no `v_proj`, V is K before its norm.
     pub k_eq_v: bool,
     pub intermediate: usize,
@@ -183,7 +186,8 @@ impl Gemma4Config {
         let global_kv = count(path, v, "num_global_key_value_heads", 0)?;
         let overrides = v.get("per_layer_config").filter(|p| !p.is_null());
         let shared = count(path, v, "num_kv_shared_layers", 0)?;
-        if shared >= n_layers {
+        // An assistant shares every layer: it reads its target's K/V.
+        if shared > n_layers {
             return Err(Error::config(
                 path,
                 "num_kv_shared_layers",
@@ -238,6 +242,7 @@ impl Gemma4Config {
                 head_dim: hd,
                 kv_heads: kvh,
                 kv_source,
+                own_kv: i < first_shared,
                 k_eq_v: k_eq_v && kind == LayerKind::Full,
                 intermediate: intermediate * if wide { 2 } else { 1 },
             });
@@ -294,10 +299,6 @@ impl Gemma4Config {
 
     /// The layers of `kind` that store their own K/V, in order.
     pub fn stored(&self, kind: LayerKind) -> impl Iterator<Item = usize> + '_ {
-        self.layers
-            .iter()
-            .enumerate()
-            .filter(move |(_, l)| l.kind == kind && l.kv_source.is_none())
-            .map(|(i, _)| i)
+        self.layers.iter().enumerate().filter(move |(_, l)| l.kind == kind && l.own_kv).map(|(i, _)| i)
     }
 }

@@ -17,14 +17,16 @@
 //! position. KV-shared layers read the K/V of the last earlier layer of their type and
 //! store none. `attention_k_eq_v` full layers take V from K's projection before its norm.
 
+pub mod assistant;
 pub mod config;
+mod layer;
 mod moe;
 
 use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{cpu::Cpu, Backend, GemmaKernels, Heads, KvDtype, Plane};
+use crate::backend::{cpu::Cpu, Backend, GemmaKernels, KvDtype, Plane};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -32,36 +34,7 @@ use crate::mtp::{MtpLayout, MtpNet};
 use crate::transformer::{check_tokens, head_outputs, slots_for, Net, Proj, RowInput, RowOutput};
 
 pub use config::{Gemma4Config, LayerKind, LayerSpec};
-use moe::MoeBlock;
-
-/// The per-layer input path of a layer (E models).
-struct LayerInput<B: GemmaKernels> {
-    gate: Proj<B>,
-    proj: Proj<B>,
-    post_norm: B::Vec,
-}
-
-struct Layer<B: GemmaKernels> {
-    spec: LayerSpec,
-    plane: Plane,
-    input_norm: B::Vec,
-    post_attn_norm: B::Vec,
-    pre_ff_norm: B::Vec,
-    post_ff_norm: B::Vec,
-    q: Proj<B>,
-    q_norm: B::Vec,
-    /// `k_proj`, `v_proj` (absent with K = V) and `k_norm`; `None` on a KV-shared layer.
-    kv: Option<(Proj<B>, Option<Proj<B>>, B::Vec)>,
-    /// Ones of `head_dim`: V's norm has no scale.
-    ones: B::Vec,
-    o: Proj<B>,
-    gate: Proj<B>,
-    up: Proj<B>,
-    down: Proj<B>,
-    moe: Option<MoeBlock<B>>,
-    input: Option<LayerInput<B>>,
-    scalar: f32,
-}
+use layer::Layer;
 
 /// The model-level half of the per-layer inputs (E models).
 struct PerLayerInputs<B: GemmaKernels> {
@@ -143,59 +116,7 @@ impl<B: GemmaKernels> Gemma4<B> {
         };
         let mut layers = Vec::with_capacity(g.layers.len());
         for (i, &spec) in g.layers.iter().enumerate() {
-            let p = format!("{prefix}layers.{i}");
-            let a = format!("{p}.self_attn");
-            let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
-            let (hd, kvd) = (spec.head_dim, spec.kv_heads * spec.head_dim);
-            let qd = c.num_attention_heads * hd;
-            let kv = if spec.kv_source.is_none() {
-                let v = if spec.k_eq_v {
-                    None
-                } else {
-                    Some(Proj::load(&*be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?)
-                };
-                Some((
-                    Proj::load(&*be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
-                    v,
-                    norm(format!("{a}.k_norm.weight"), hd)?,
-                ))
-            } else {
-                None
-            };
-            let input = if g.per_layer_input > 0 {
-                let w = g.per_layer_input;
-                Some(LayerInput {
-                    gate: Proj::load(&*be, ck, &format!("{p}.per_layer_input_gate"), w, h, false)?,
-                    proj: Proj::load(&*be, ck, &format!("{p}.per_layer_projection"), h, w, false)?,
-                    post_norm: norm(format!("{p}.post_per_layer_input_norm.weight"), h)?,
-                })
-            } else {
-                None
-            };
-            let moe = match g.moe {
-                Some(m) => Some(MoeBlock::load(&*be, ck, &p, h, m)?),
-                None => None,
-            };
-            let scalar = ck.get_f32(&format!("{p}.layer_scalar"), 1)?[0];
-            layers.push(Layer {
-                spec,
-                plane: plane_of(i),
-                input_norm: norm(format!("{p}.input_layernorm.weight"), h)?,
-                post_attn_norm: norm(format!("{p}.post_attention_layernorm.weight"), h)?,
-                pre_ff_norm: norm(format!("{p}.pre_feedforward_layernorm.weight"), h)?,
-                post_ff_norm: norm(format!("{p}.post_feedforward_layernorm.weight"), h)?,
-                q: Proj::load(&*be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
-                q_norm: norm(format!("{a}.q_norm.weight"), hd)?,
-                kv,
-                ones: be.vector(&vec![1.0; hd])?,
-                o: Proj::load(&*be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
-                gate: Proj::load(&*be, ck, &format!("{p}.mlp.gate_proj"), spec.intermediate, h, false)?,
-                up: Proj::load(&*be, ck, &format!("{p}.mlp.up_proj"), spec.intermediate, h, false)?,
-                down: Proj::load(&*be, ck, &format!("{p}.mlp.down_proj"), h, spec.intermediate, false)?,
-                moe,
-                input,
-                scalar,
-            });
+            layers.push(Layer::load(&*be, ck, &format!("{prefix}layers.{i}"), spec, plane_of(i), c, &g)?);
         }
         let embed_w = ck.get(&format!("{prefix}embed_tokens.weight"), &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
@@ -314,59 +235,26 @@ impl<B: GemmaKernels> Gemma4<B> {
         input: Option<&B::Act>,
     ) -> Result<()> {
         let (be, c) = (&*self.be, &self.config);
-        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        let hd = l.spec.head_dim;
-        let heads = Heads { heads: c.num_attention_heads, kv_heads: l.spec.kv_heads, head_dim: hd };
-        let mut normed = be.alloc(m * h)?;
-        be.rms_norm(x, &l.input_norm, eps, &mut normed, h, 0)?;
-        let q_raw = l.q.forward(be, &normed, m)?;
-        let mut q = be.alloc(m * heads.heads * hd)?;
-        be.rms_norm(&q_raw, &l.q_norm, eps, &mut q, hd, 0)?;
-        let (rope, window) = match l.spec.kind {
-            LayerKind::Sliding => (&self.rope_sliding, Some(self.g.sliding_window)),
-            LayerKind::Full => (&self.rope_full, None),
-        };
-        match &l.kv {
-            Some((k_proj, v_proj, k_norm)) => {
-                let k_raw = k_proj.forward(be, &normed, m)?;
-                let v_own = match v_proj {
-                    Some(v) => Some(v.forward(be, &normed, m)?),
-                    None => None,
-                };
-                let kvd = m * heads.kv_heads * hd;
-                let (mut k, mut v) = (be.alloc(kvd)?, be.alloc(kvd)?);
-                be.rms_norm(v_own.as_ref().unwrap_or(&k_raw), &l.ones, eps, &mut v, hd, 0)?;
-                be.rms_norm(&k_raw, k_norm, eps, &mut k, hd, 0)?;
-                be.rope_store(&mut q, Some((&mut k, &v)), rope, batch, caches, l.plane, heads)?;
+        let heads = l.heads(c);
+        let (mut q, kv) = l.qkv(be, c, x, m)?;
+        let (rope, window) = self.rope_of(l.spec.kind);
+        match kv {
+            Some((mut k, v)) => {
+                be.rope_store(&mut q, Some((&mut k, &v)), rope, batch, caches, l.plane, heads)?
             }
             None => be.rope_store(&mut q, None, rope, batch, caches, l.plane, heads)?,
         }
-        let mut attn = be.alloc(m * heads.heads * hd)?;
+        let mut attn = be.alloc(m * heads.heads * heads.head_dim)?;
         be.attention_in(&q, batch, caches, l.plane, heads, 1.0, window, &mut attn)?;
-        let a = l.o.forward(be, &attn, m)?;
-        be.rms_norm(&a, &l.post_attn_norm, eps, &mut normed, h, 0)?;
-        be.add(x, &normed)?;
-        be.rms_norm(x, &l.pre_ff_norm, eps, &mut normed, h, 0)?;
-        let mut g = l.gate.forward(be, &normed, m)?;
-        be.gelu_tanh_mul(&mut g, &l.up.forward(be, &normed, m)?)?;
-        let mut f = l.down.forward(be, &g, m)?;
-        if let Some(moe) = &l.moe {
-            let mut dense = be.alloc(m * h)?;
-            be.rms_norm(&f, &moe.post_norm_dense, eps, &mut dense, h, 0)?;
-            let experts = moe.forward(be, x, m, h, eps)?;
-            be.rms_norm(&experts, &moe.post_norm, eps, &mut f, h, 0)?;
-            be.add(&mut f, &dense)?;
+        l.finish(be, c, x, &attn, m, input)
+    }
+
+    /// The RoPE table and attention window of layers of `kind`.
+    fn rope_of(&self, kind: LayerKind) -> (&B::Rope, Option<usize>) {
+        match kind {
+            LayerKind::Sliding => (&self.rope_sliding, Some(self.g.sliding_window)),
+            LayerKind::Full => (&self.rope_full, None),
         }
-        be.rms_norm(&f, &l.post_ff_norm, eps, &mut normed, h, 0)?;
-        be.add(x, &normed)?;
-        if let (Some(li), Some(input)) = (&l.input, input) {
-            let mut g = li.gate.forward(be, x, m)?;
-            be.gelu_tanh_mul(&mut g, input)?;
-            let p = li.proj.forward(be, &g, m)?;
-            be.rms_norm(&p, &li.post_norm, eps, &mut normed, h, 0)?;
-            be.add(x, &normed)?;
-        }
-        be.scale(x, l.scalar)
     }
 }
 
@@ -385,7 +273,9 @@ impl<B: GemmaKernels> Net for Gemma4<B> {
         }
         let (rh, rd) = lay.ring;
         let ring = self.be.kv_store(lay.ring_layers, rh, rd, self.kv);
-        cache.with_ring(ring, lay.ring_layers, rh * rd, self.g.sliding_window)
+        // The window plus one: a layer reads keys (p - W, p], the assistant W + 1 keys
+        // ending at the last committed position (transformers' flipped sliding mask).
+        cache.with_ring(ring, lay.ring_layers, rh * rd, self.g.sliding_window + 1)
     }
 
     /// K/V bytes per position of the full layers; the sliding layers add a fixed
@@ -413,6 +303,10 @@ impl<B: GemmaKernels> Net for Gemma4<B> {
             "architectures",
             "Gemma 4 has no built-in MTP head: draft with its assistant (--drafter assistant --draft DIR)",
         ))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
