@@ -8,7 +8,7 @@ what="${1:-all}"
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-$(scripts/install-nvcc.sh)}"
 export NVCC
-tests=(golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized)
+tests=(golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4)
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
 cargo build --release --features cuda --bins --example gpu_matmul

@@ -25,7 +25,7 @@ status=0
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
     : > "$log"
-    for t in golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized; do
+    for t in golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4; do
         echo "== $t" >> "$log"
         start=$(date +%s)
         (cd /work/main && MTP_TEST_BACKEND=cuda "$bin/test-$t" --test-threads=1 --nocapture) >> "$log" 2>&1

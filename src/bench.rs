@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use mtp_drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
+use mtp_drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
 use mtp_engine::{generate, Completion, DraftLen, Engine, EngineOptions, Request, SamplingMode, SpecStats};
 use mtp_model::{Model, Tokenizer};
 use serde::Serialize;
@@ -19,13 +19,15 @@ pub enum DrafterSpec {
     DraftModel(PathBuf),
     /// An MTP head from this directory, or from the target's own checkpoint.
     Mtp(Option<PathBuf>),
+    /// Gemma 4's assistant from this directory (it reads the target's K/V).
+    Assistant(PathBuf),
     Ngram,
     /// Replays plain decoding's output, each token kept with probability `alpha`.
     Oracle(f64),
 }
 
 impl DrafterSpec {
-    /// Parses `draft-model:DIR,mtp[:DIR],ngram,oracle:ALPHA`.
+    /// Parses `draft-model:DIR,mtp[:DIR],assistant:DIR,ngram,oracle:ALPHA`.
     pub fn parse_list(list: &str) -> Result<Vec<DrafterSpec>> {
         list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(DrafterSpec::parse).collect()
     }
@@ -39,6 +41,8 @@ impl DrafterSpec {
             ("draft-model", Some(dir)) => DrafterSpec::DraftModel(dir.into()),
             ("draft-model", None) => bail!("`draft-model` needs a directory: draft-model:DIR"),
             ("mtp", dir) => DrafterSpec::Mtp(dir.map(PathBuf::from)),
+            ("assistant", Some(dir)) => DrafterSpec::Assistant(dir.into()),
+            ("assistant", None) => bail!("`assistant` needs a directory: assistant:DIR"),
             ("ngram", None) => DrafterSpec::Ngram,
             ("oracle", Some(a)) => {
                 let alpha: f64 = a.parse().with_context(|| format!("oracle:{a}: ALPHA must be a number"))?;
@@ -48,7 +52,9 @@ impl DrafterSpec {
                 DrafterSpec::Oracle(alpha)
             }
             ("oracle", None) => bail!("`oracle` needs an acceptance probability: oracle:ALPHA"),
-            _ => bail!("unknown drafter `{s}` (draft-model:DIR, mtp[:DIR], ngram, oracle:ALPHA)"),
+            _ => bail!(
+                "unknown drafter `{s}` (draft-model:DIR, mtp[:DIR], assistant:DIR, ngram, oracle:ALPHA)"
+            ),
         })
     }
 
@@ -57,6 +63,7 @@ impl DrafterSpec {
         match self {
             DrafterSpec::DraftModel(_) => "draft-model".into(),
             DrafterSpec::Mtp(_) => "mtp".into(),
+            DrafterSpec::Assistant(_) => "assistant".into(),
             DrafterSpec::Ngram => "ngram".into(),
             DrafterSpec::Oracle(a) => format!("oracle:{a}"),
         }
@@ -98,6 +105,7 @@ impl DrafterFactory {
             DrafterSpec::Mtp(dir) => {
                 Box::new(MtpDrafter::load(dir.as_deref().unwrap_or(&self.target_dir), target.clone())?)
             }
+            DrafterSpec::Assistant(dir) => Box::new(AssistantDrafter::load(dir, target.clone())?),
             DrafterSpec::Ngram => Box::new(NgramDrafter::default()),
             DrafterSpec::Oracle(alpha) => {
                 let refs = requests.iter().zip(reference).map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));

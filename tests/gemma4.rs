@@ -5,8 +5,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use mtp::engine::{prefill, EngineOptions, Request};
+use mtp::bench::same;
+use mtp::drafter::{AssistantDrafter, Drafter, NgramDrafter, OracleDrafter};
+use mtp::engine::{
+    prefill, Completion, DraftLen, Engine, EngineOptions, Request, SamplingParams, WindowLayout,
+};
+use mtp::model::backend::Backend;
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -72,9 +78,6 @@ fn greedy_tokens_match_transformers() {
     }
 }
 
-#[allow(dead_code)]
-fn unused(_: &Model) {}
-
 const ASSISTANTS: [&str; 4] = [
     "gemma4-dense-assistant",
     "gemma4-dense-assistant-ordered",
@@ -100,7 +103,8 @@ fn assistant_drafts_match_transformers_rounds() {
     for name in ASSISTANTS {
         let dir = gemma(name);
         let g = golden(&dir);
-        let target = Arc::new(common::load(&gemma(g["target"].as_str().unwrap())));
+        // The assistant runs on the CPU (its target's K/V must be host memory).
+        let target = Arc::new(Model::load(&gemma(g["target"].as_str().unwrap())).unwrap());
         let assistant = Gemma4Assistant::load(&dir, target.clone()).unwrap();
         let w = 8;
         let (mut rounds, mut steps, mut trusted_rounds) = (0, 0, 0);
@@ -145,4 +149,259 @@ fn assistant_drafts_match_transformers_rounds() {
         println!("{name}: {rounds} rounds ({trusted_rounds} without a near-tie), {steps} drafts equal to transformers'");
         assert!(steps > rounds, "{name}: too few drafts compared");
     }
+}
+
+/// Fifteen requests arriving one per round, prompts of 1 to 29 tokens and outputs of 6 to
+/// 34: most cross the sliding window of 8 (some in the prompt, some while decoding), and
+/// rows retire at different rounds. `sampled` mixes temperatures, filters and seeds.
+fn window_workload(sampled: bool) -> (Vec<Request>, Vec<u64>) {
+    let requests = (0..15)
+        .map(|i| {
+            let prompt: Vec<u32> =
+                [2].into_iter().chain((0..2 * i).map(|j| 3 + ((i * 31 + j * 17) % 500) as u32)).collect();
+            let sampling = if sampled && i % 4 != 3 {
+                SamplingParams {
+                    temperature: [0.7, 1.0, 1.3][i % 3],
+                    top_k: [0, 20, 0][i % 3],
+                    top_p: [1.0, 0.95, 0.9][(i / 2) % 3],
+                    min_p: if i % 5 == 1 { 0.05 } else { 0.0 },
+                    seed: 77 + i as u64,
+                }
+            } else {
+                SamplingParams::default()
+            };
+            Request { sampling, ..common::request(&format!("g{i}"), prompt, 6 + 2 * i) }
+        })
+        .collect();
+    (requests, (0..15).collect())
+}
+
+struct Gate {
+    name: &'static str,
+    model: Arc<Model>,
+    assistant: Option<PathBuf>,
+    requests: Vec<Request>,
+    arrive_at: Vec<u64>,
+    /// Plain decoding, each request alone.
+    reference: Vec<Completion>,
+}
+
+impl Gate {
+    fn new(name: &'static str, assistant: Option<&str>, sampled: bool) -> Gate {
+        let model = Arc::new(common::load(&gemma(name)));
+        let (requests, arrive_at) = window_workload(sampled);
+        let reference = common::plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
+        // The assistant drafts on the CPU only (so far): elsewhere the gate runs without it.
+        let assistant = assistant.filter(|_| common::backend() == Backend::Cpu).map(gemma);
+        Gate { name, model, assistant, requests, arrive_at, reference }
+    }
+
+    fn drafter(&self, kind: &str) -> Box<dyn Drafter> {
+        match kind {
+            "assistant" => Box::new(
+                AssistantDrafter::load(self.assistant.as_ref().unwrap(), self.model.clone()).unwrap(),
+            ),
+            "ngram" => Box::new(NgramDrafter::new(1, 3).unwrap()),
+            "oracle" => {
+                let refs = self
+                    .requests
+                    .iter()
+                    .zip(&self.reference)
+                    .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
+                Box::new(OracleDrafter::new(refs, 0.6, 11, self.model.config.vocab_size).unwrap())
+            }
+            other => panic!("unknown drafter {other}"),
+        }
+    }
+
+    /// The first request that differs from plain decoding alone, and (drafted, accepted).
+    fn check(&self, kind: Option<&str>, k: DraftLen, max_batch: usize) -> (Option<String>, (u64, u64)) {
+        let layout = if max_batch == 8 { WindowLayout::SharedSlots } else { WindowLayout::RowTail };
+        let opts = EngineOptions { k, max_batch, prefill_chunk: 5, layout, ..EngineOptions::default() };
+        let mut engine = Engine::new(&self.model, kind.map(|d| self.drafter(d)), opts).unwrap();
+        let got = mtp::engine::generate(&mut engine, &self.requests, &self.arrive_at, |_, _| {});
+        let counts = (engine.stats().drafted, engine.stats().accepted);
+        let diff = got.into_iter().zip(&self.reference).enumerate().find_map(|(i, (g, want))| {
+            let g = g.expect("no request fails");
+            (!same(&g, want)).then(|| format!("request {i}: got {:?}, want {:?}", g.tokens, want.tokens))
+        });
+        (diff, counts)
+    }
+
+    fn run(&self) {
+        let crossing =
+            self.requests.iter().zip(&self.reference).filter(|(r, c)| r.prompt.len() + c.tokens.len() > 9);
+        assert!(crossing.count() >= 10, "{}: the workload must cross the sliding window", self.name);
+        for max_batch in [3, 8] {
+            assert_eq!(
+                self.check(None, DraftLen::Fixed(0), max_batch).0,
+                None,
+                "{}: plain, batch {max_batch}",
+                self.name
+            );
+        }
+        let kinds: &[&str] =
+            if self.assistant.is_some() { &["assistant", "ngram", "oracle"] } else { &["ngram", "oracle"] };
+        for &kind in kinds {
+            let mut totals = (0, 0);
+            for k in [DraftLen::Fixed(1), DraftLen::Fixed(3), DraftLen::Fixed(5), DraftLen::Adaptive(5)] {
+                for max_batch in [1, 3, 8] {
+                    let (diff, (d, a)) = self.check(Some(kind), k, max_batch);
+                    assert_eq!(diff, None, "{}: drafter {kind}, k {k:?}, max batch {max_batch}", self.name);
+                    totals = (totals.0 + d, totals.1 + a);
+                }
+            }
+            eprintln!("{} {kind}: drafted {}, accepted {}", self.name, totals.0, totals.1);
+            assert!(totals.0 > 0 || kind == "ngram", "{} {kind}: nothing was drafted", self.name);
+            if kind == "oracle" {
+                assert!(
+                    totals.1 > 0 && totals.1 < totals.0,
+                    "{}: the oracle must force mixed accepts",
+                    self.name
+                );
+            }
+        }
+    }
+}
+
+/// The parity gate on Gemma 4: every drafter (the assistant where one exists, n-gram, the
+/// adversarial oracle), k in {1, 3, 5} and adaptive, max batch {1, 3, 8}, fifteen
+/// staggered requests across the sliding window: every row bitwise equal to plain
+/// decoding of the request alone, greedy and exact-sampled.
+#[test]
+fn gate_gemma4_dense() {
+    Gate::new("gemma4-dense-target", Some("gemma4-dense-assistant-ordered"), false).run();
+    Gate::new("gemma4-dense-target", Some("gemma4-dense-assistant"), true).run();
+}
+
+#[test]
+fn gate_gemma4_e() {
+    Gate::new("gemma4-e-target", Some("gemma4-e-assistant"), false).run();
+    Gate::new("gemma4-e-target", Some("gemma4-e-assistant-ordered"), true).run();
+}
+
+#[test]
+fn gate_gemma4_moe() {
+    Gate::new("gemma4-moe-target", None, false).run();
+    Gate::new("gemma4-moe-target", None, true).run();
+}
+
+/// With rollback skipping compaction (the ring's copy into its slots included) the gate
+/// fails; without the fault the same run passes.
+#[test]
+fn gemma4_gate_catches_a_rollback_without_compaction() {
+    let g = Gate::new("gemma4-e-target", Some("gemma4-e-assistant"), false);
+    assert_eq!(g.check(Some("oracle"), DraftLen::Fixed(3), 3).0, None);
+    mtp::cache::negative_control::set_skip_compaction(true);
+    let (diff, _) = g.check(Some("oracle"), DraftLen::Fixed(3), 3);
+    mtp::cache::negative_control::set_skip_compaction(false);
+    assert!(diff.is_some(), "the gate missed a rollback that leaves the ring uncompacted");
+}
+
+/// A row alone and in a batch holds the same sliding-window ring and full-layer bytes
+/// after every request of the workload, and a row's ring never outgrows the window.
+#[test]
+fn gemma4_ring_bytes_equal_plain_decoding() {
+    let model = common::load(&gemma("gemma4-dense-target"));
+    let (requests, _) = window_workload(false);
+    // 16 values of f32 or bf16 (CUDA's K/V for 16-bit checkpoints) per KV head.
+    let slot = 2 * 16 * if model.kv_dtype() == mtp::model::backend::KvDtype::Bf16 { 2 } else { 4 };
+    for r in requests.iter().take(8) {
+        let reference = common::plain(&model, std::slice::from_ref(r), 1).pop().unwrap().unwrap();
+        let seq: Vec<u32> = r.prompt.iter().chain(&reference.tokens).copied().collect();
+        // One token at a time vs chunks of 5: the same bytes.
+        let mut a = model.new_cache();
+        prefill(&model, &mut a, &seq, 1, false).unwrap();
+        let mut b = model.new_cache();
+        prefill(&model, &mut b, &seq, 5, false).unwrap();
+        for l in 0..a.ring_layers() {
+            assert_eq!(a.ring_bytes(l).unwrap(), b.ring_bytes(l).unwrap(), "ring layer {l}");
+        }
+        for l in 0..a.n_layers() {
+            assert_eq!(a.committed_bytes(l).unwrap(), b.committed_bytes(l).unwrap(), "main layer {l}");
+        }
+        let ring_bytes = a.ring_bytes(0).unwrap().0.len();
+        assert!(ring_bytes <= 9 * slot, "the ring holds {ring_bytes} bytes per layer");
+    }
+}
+
+/// A multimodal checkpoint (`Gemma4ForConditionalGeneration`: settings under
+/// `text_config`, the decoder under `model.language_model.`, vision tensors beside it)
+/// loads its text part and computes the same bits as the text-only checkpoint.
+#[test]
+fn conditional_generation_checkpoint_loads_its_text_part() {
+    let src = gemma("gemma4-dense-target");
+    let dir = std::env::temp_dir().join(format!("gemma4-multimodal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The same tensors renamed, plus a vision tensor the loader must leave alone.
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    let mut renamed = serde_json::Map::new();
+    for (name, v) in header {
+        let name = match name.strip_prefix("model.") {
+            Some(rest) => format!("model.language_model.{rest}"),
+            None => name,
+        };
+        renamed.insert(name, v);
+    }
+    let at = data.len();
+    data.extend_from_slice(&[0u8; 16]);
+    renamed.insert(
+        "model.vision_tower.patch_embedder.weight".into(),
+        serde_json::json!({"dtype": "F32", "shape": [2, 2], "data_offsets": [at, at + 16]}),
+    );
+    let header = serde_json::to_vec(&renamed).unwrap();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&data);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    let text: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 2},
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string(&config).unwrap()).unwrap();
+
+    let (a, b) = (common::load(&src), common::load(&dir));
+    let prompt = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49];
+    let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
+    let (la, _) = prefill(&a, &mut ca, &prompt, 4, false).unwrap();
+    let (lb, _) = prefill(&b, &mut cb, &prompt, 4, false).unwrap();
+    assert_eq!(common::bits(&la), common::bits(&lb));
+    assert_eq!(b.config.eos_token_ids, vec![1]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Bad Gemma 4 configs are refused naming the key.
+#[test]
+fn bad_gemma4_configs_name_the_key() {
+    let src = gemma("gemma4-e-target");
+    let base: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let cases: [(&str, Value, &str); 4] = [
+        ("hidden_activation", Value::from("relu"), "hidden_activation"),
+        ("num_kv_shared_layers", Value::from(9), "num_kv_shared_layers"),
+        ("layer_types", Value::from(vec!["sliding_attention"]), "layer_types"),
+        ("rope_parameters", serde_json::json!({"full_attention": {"rope_type": "yarn"}}), "rope_type"),
+    ];
+    for (key, value, named) in cases {
+        let dir = std::env::temp_dir().join(format!("gemma4-bad-{key}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = base.clone();
+        c[key] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+        let err = Model::load(&dir).err().unwrap_or_else(|| panic!("{key}: loaded")).to_string();
+        assert!(err.contains(named) && err.contains("config.json"), "{key}: {err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    // An assistant whose target is not Gemma 4 is refused.
+    let llama = Arc::new(Model::load(&common::fixture("llama-target")).unwrap());
+    let err = AssistantDrafter::load(&gemma("gemma4-e-assistant"), llama).err().unwrap().to_string();
+    assert!(err.contains("Gemma 4"), "{err}");
 }

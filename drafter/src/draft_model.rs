@@ -35,6 +35,12 @@ impl DraftModelDrafter {
                 msg: format!("vocabulary of {dv} tokens does not match the target's {tv}"),
             });
         }
+        if draft.new_cache().has_ring() {
+            return Err(Error::Request {
+                request: "draft model".into(),
+                msg: "keeps sliding-window layers in a ring, which cannot roll back past its window; a Gemma 4 target drafts with its assistant (--drafter assistant)".into(),
+            });
+        }
         let relative_cost =
             draft.config.params_per_token() as f64 / target.config.params_per_token().max(1) as f64;
         Ok(DraftModelDrafter {

@@ -1,5 +1,6 @@
 //! Drafters propose tokens for the target to verify. One interface, several kinds:
-//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), n-gram
+//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), Gemma 4's
+//! assistant reading the target's K/V ([`AssistantDrafter`]), n-gram
 //! prompt lookup ([`NgramDrafter`]) and, for benchmarks and tests, an [`OracleDrafter`]
 //! that replays the target's own continuation with controlled corruption.
 //!
@@ -8,17 +9,20 @@
 //! back whatever the drafter computed past the accepted prefix; between commits it calls
 //! [`Drafter::propose`] at most once.
 
+mod assistant;
 mod draft_model;
 mod mtp;
 mod ngram;
 mod oracle;
 mod sequences;
 
+pub use assistant::AssistantDrafter;
 pub use draft_model::DraftModelDrafter;
 pub use mtp::MtpDrafter;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
 
+use mtp_cache::RowCache;
 use mtp_model::kernels::argmax;
 use mtp_model::Error;
 use mtp_sampling::{Filtered, SamplingParams};
@@ -94,6 +98,14 @@ pub trait Drafter {
     /// keyed noise for each draft's position, so they agree with the target as often as
     /// their distributions allow.
     fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error>;
+
+    /// [`Drafter::propose`] with each asking row's target cache (`targets[i]` for
+    /// `asks[i]`, committed positions only): what the engine calls, for drafters that read
+    /// the target's K/V.
+    fn propose_reading(&mut self, asks: &[DraftAsk], targets: &[&RowCache]) -> Result<Vec<Proposal>, Error> {
+        let _ = targets;
+        self.propose(asks)
+    }
 
     /// Forgets a row that finished or was cancelled.
     fn remove(&mut self, row: RowId);

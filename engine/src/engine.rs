@@ -104,6 +104,11 @@ impl<'a> Engine<'a> {
             }
         }
         let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()));
+        // A sliding-window ring forgets old positions, so its rows cannot share a prefix.
+        let prefix_cache = opts.prefix_cache_bytes > 0 && !model.new_cache().has_ring();
+        if opts.prefix_cache_bytes > 0 && !prefix_cache {
+            tracing::info!("prefix cache off: this model keeps sliding-window layers in a ring");
+        }
         Ok(Engine {
             model,
             drafter,
@@ -115,7 +120,7 @@ impl<'a> Engine<'a> {
             reserved: 0,
             stats: SpecStats::default(),
             chooser,
-            prefix: (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes)),
+            prefix: prefix_cache.then(|| PrefixCache::new(opts.prefix_cache_bytes)),
             opts,
         })
     }
@@ -473,18 +478,18 @@ impl<'a> Engine<'a> {
     /// this round (verify still runs).
     fn propose(&mut self, ks: &[usize]) -> Vec<Proposal> {
         let mut drafts: Vec<Proposal> = vec![Proposal::default(); self.active.len()];
-        let asks: Vec<DraftAsk> = self
+        let (asks, targets): (Vec<DraftAsk>, Vec<&RowCache>) = self
             .active
             .iter()
             .zip(ks)
             .filter(|(_, &k)| k > 0)
-            .map(|(r, &k)| DraftAsk { row: r.id, k, sampling: r.sampling })
-            .collect();
+            .map(|(r, &k)| (DraftAsk { row: r.id, k, sampling: r.sampling }, &r.cache))
+            .unzip();
         let Some(d) = self.drafter.as_mut() else { return drafts };
         if asks.is_empty() {
             return drafts;
         }
-        match d.propose(&asks) {
+        match d.propose_reading(&asks, &targets) {
             Ok(proposed) => {
                 let mut it = proposed.into_iter();
                 for (i, &k) in ks.iter().enumerate() {

@@ -211,15 +211,17 @@ impl SynthSpec {
         write_json("generation_config.json", json!({"bos_token_id": 1, "eos_token_id": [0, 2]}))?;
         if self.vocab_size >= 512 {
             let p = dir.join("tokenizer.json");
-            std::fs::write(&p, include_str!("../assets/byte-bpe-512.tokenizer.json"))
-                .map_err(|e| Error::io(&p, e))?;
+            std::fs::write(&p, BYTE_BPE_512).map_err(|e| Error::io(&p, e))?;
         }
         write_random_safetensors(&dir.join("model.safetensors"), &self.tensors(), self.dtype, self.seed)
     }
 }
 
+/// The 512-token byte-level BPE tokenizer synthetic checkpoints ship.
+pub(crate) const BYTE_BPE_512: &str = include_str!("../assets/byte-bpe-512.tokenizer.json");
+
 /// Streams `tensors` with uniform random values (norm weights 1.0) into `path`.
-fn write_random_safetensors(
+pub(crate) fn write_random_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>)],
     dtype: WeightDtype,

@@ -26,7 +26,7 @@ struct Cli {
     /// Target checkpoint (default: the trained family shipped in the repository).
     #[arg(long)]
     target: Option<PathBuf>,
-    /// Comma-separated: draft-model:DIR, mtp[:DIR], ngram, oracle:ALPHA (default: the
+    /// Comma-separated: draft-model:DIR, mtp[:DIR], assistant:DIR (Gemma 4), ngram, oracle:ALPHA (default: the
     /// shipped draft model and MTP head of the default target, and ngram).
     #[arg(long)]
     drafters: Option<String>,

@@ -9,9 +9,10 @@ use clap::{Args, Parser, Subcommand};
 use std::path::Path;
 use std::sync::Arc;
 
-use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
+use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
 use mtp::model::backend::Backend;
+use mtp::model::gemma4::synth::{Gemma4Spec, PRESETS as GEMMA4_PRESETS};
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
 use mtp::server::worker::MakeDrafter;
@@ -72,8 +73,12 @@ enum Command {
         sampling: String,
     },
     /// Writes an HF-layout checkpoint with random weights in the shape of a known model.
+    /// For Gemma 4, --layers keeps the sliding/full pattern and the share of KV-shared
+    /// layers, --kv-heads and --head-dim set the sliding layers' (full layers keep the
+    /// preset's head size ratio).
     Synth {
-        /// Preset shape: qwen3 (Qwen3-0.6B), qwen2 (Qwen2.5-0.5B), llama (Llama-3.2-1B).
+        /// Preset shape: qwen3 (Qwen3-0.6B), qwen2 (Qwen2.5-0.5B), llama (Llama-3.2-1B),
+        /// gemma4-31b (Gemma 4 31B), gemma4-e2b (Gemma 4 E2B); Gemma 4 text decoders only.
         #[arg(long)]
         like: String,
         #[arg(long, value_parser = mtp::at_least_one)]
@@ -123,11 +128,12 @@ struct ModelArgs {
     #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
     max_batch: usize,
     /// auto (the target's own MTP head when its checkpoint has one, else none), none,
-    /// draft-model (needs --draft), mtp (--draft, or the target's own MTP weights) or
-    /// ngram (prompt lookup).
+    /// draft-model (needs --draft), mtp (--draft, or the target's own MTP weights),
+    /// assistant (Gemma 4's assistant in --draft, reading the target's K/V) or ngram
+    /// (prompt lookup).
     #[arg(long, default_value = "auto")]
     drafter: String,
-    /// Draft model or MTP head checkpoint directory.
+    /// Draft model, MTP head or assistant checkpoint directory.
     #[arg(long)]
     draft: Option<PathBuf>,
     /// Draft tokens per row per round: auto (chosen per row every round from measured
@@ -189,7 +195,7 @@ impl ModelArgs {
             "none" => None,
             "auto" => {
                 if self.draft.is_some() {
-                    bail!("--draft goes with --drafter draft-model or mtp; --drafter auto uses the target's own MTP head");
+                    bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter auto uses the target's own MTP head");
                 }
                 if target.config.num_nextn_predict_layers == 0 {
                     None
@@ -206,7 +212,14 @@ impl ModelArgs {
                 let dir = self.draft.as_deref().unwrap_or(target_dir);
                 Some(Box::new(MtpDrafter::load(dir, target.clone())?))
             }
-            other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, ngram)"),
+            "assistant" => {
+                let dir = self
+                    .draft
+                    .as_deref()
+                    .context("--drafter assistant needs --draft DIR (the assistant checkpoint)")?;
+                Some(Box::new(AssistantDrafter::load(dir, target.clone())?))
+            }
+            other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, assistant, ngram)"),
         })
     }
 
@@ -273,6 +286,7 @@ fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
     let what = match drafter {
         "mtp" => "the MTP head",
         "draft-model" => "the draft model",
+        "assistant" => "the assistant",
         "ngram" => "n-gram prompt lookup",
         other => other,
     };
@@ -456,8 +470,33 @@ fn run(cli: Cli) -> Result<ExitCode> {
             seed,
             out,
         } => {
+            let dtype = match dtype.as_str() {
+                "bf16" => WeightDtype::Bf16,
+                "f16" => WeightDtype::F16,
+                "f32" => WeightDtype::F32,
+                other => bail!("unknown --dtype `{other}` (bf16, f16, f32)"),
+            };
+            if let Some(mut g) = Gemma4Spec::preset(&like) {
+                if let Some(n) = layers {
+                    g.set_layers(n);
+                }
+                if let Some(d) = head_dim {
+                    g.global_head_dim = d * g.global_head_dim / g.head_dim;
+                    g.head_dim = d;
+                }
+                g.hidden_size = hidden.unwrap_or(g.hidden_size);
+                g.num_attention_heads = heads.unwrap_or(g.num_attention_heads);
+                g.num_key_value_heads = kv_heads.unwrap_or(g.num_key_value_heads);
+                g.intermediate_size = intermediate.unwrap_or(g.intermediate_size);
+                g.vocab_size = vocab.unwrap_or(g.vocab_size);
+                (g.dtype, g.seed) = (dtype, seed);
+                let (n, shared) = (g.num_hidden_layers, g.num_kv_shared_layers);
+                tracing::info!(like, layers = n, kv_shared = shared, "writing {}", out.display());
+                g.write(&out).with_context(|| format!("writing {}", out.display()))?;
+                return Ok(ExitCode::SUCCESS);
+            }
             let Some(mut s) = SynthSpec::preset(&like) else {
-                bail!("unknown --like `{like}` (qwen3, qwen2, llama)");
+                bail!("unknown --like `{like}` (qwen3, qwen2, llama, {})", GEMMA4_PRESETS.join(", "));
             };
             s.hidden_size = hidden.unwrap_or(s.hidden_size);
             s.num_hidden_layers = layers.unwrap_or(s.num_hidden_layers);
@@ -467,12 +506,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             s.intermediate_size = intermediate.unwrap_or(s.intermediate_size);
             s.vocab_size = vocab.unwrap_or(s.vocab_size);
             s.seed = seed;
-            s.dtype = match dtype.as_str() {
-                "bf16" => WeightDtype::Bf16,
-                "f16" => WeightDtype::F16,
-                "f32" => WeightDtype::F32,
-                other => bail!("unknown --dtype `{other}` (bf16, f16, f32)"),
-            };
+            s.dtype = dtype;
             if s.num_attention_heads % s.num_key_value_heads != 0 {
                 bail!("--kv-heads {} must divide --heads {}", s.num_key_value_heads, s.num_attention_heads);
             }

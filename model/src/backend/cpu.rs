@@ -6,7 +6,10 @@ use std::sync::Arc;
 use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
 use rayon::prelude::*;
 
-use super::{open_windows, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot};
+use super::{
+    open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane,
+    Slot,
+};
 use crate::error::{Error, Result};
 use crate::kernels::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
 use crate::weights::{Weight, WeightDtype};
@@ -273,6 +276,35 @@ impl GemmaKernels for Cpu {
         Ok(())
     }
 
+    fn attention_in(
+        &self,
+        q: &Vec<f32>,
+        batch: &CpuBatch,
+        caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
+        let views = caches
+            .iter()
+            .enumerate()
+            .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
+            .collect::<Result<Vec<KvView>>>()?;
+        let slots = &batch.slots;
+        // One task per (token, head): a single decode token still uses every core.
+        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (s, head) = (&slots[i / nh], i % nh);
+            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
+            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
+        });
+        Ok(())
+    }
+}
+
+impl AssistantKernels for Cpu {
     fn rope_at(&self, x: &mut Vec<f32>, width: usize, positions: &[usize], rope: &RopeTable) -> Result<()> {
         for (row, &p) in x.chunks_mut(width).zip(positions) {
             rope.apply(row, p);
@@ -314,33 +346,6 @@ impl GemmaKernels for Cpu {
         out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
             let (r, head) = (i / nh, i % nh);
             attend_from(qh, &views[r], keys[r].first, keys[r].end, (head / (nh / nkv)) * hd, scale, o);
-        });
-        Ok(())
-    }
-
-    fn attention_in(
-        &self,
-        q: &Vec<f32>,
-        batch: &CpuBatch,
-        caches: &[&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-        scale: f32,
-        window: Option<usize>,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
-        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
-        let views = caches
-            .iter()
-            .enumerate()
-            .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
-            .collect::<Result<Vec<KvView>>>()?;
-        let slots = &batch.slots;
-        // One task per (token, head): a single decode token still uses every core.
-        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
-            let (s, head) = (&slots[i / nh], i % nh);
-            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
-            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
         });
         Ok(())
     }

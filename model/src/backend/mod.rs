@@ -288,21 +288,6 @@ pub trait GemmaKernels: Kernels {
         plane: Plane,
         heads: Heads,
     ) -> Result<()>;
-    /// RoPE of each `width`-wide row `i` of `x` at `positions[i]`.
-    fn rope_at(&self, x: &mut Self::Act, width: usize, positions: &[usize], rope: &Self::Rope) -> Result<()>;
-    /// Attention of query `i` (one token) over keys `keys[i]` of `plane` in `caches[i]`,
-    /// which are read, not written: how an assistant reads its target's K/V.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_over(
-        &self,
-        q: &Self::Act,
-        keys: &[KeyRange],
-        caches: &[&RowCache],
-        plane: Plane,
-        heads: Heads,
-        scale: f32,
-        out: &mut Self::Act,
-    ) -> Result<()>;
     /// Attention of every query over its own row's keys in `plane`: `[0, pos]`, or
     /// `(pos - window, pos]` on a sliding-window layer.
     #[allow(clippy::too_many_arguments)]
@@ -319,8 +304,27 @@ pub trait GemmaKernels: Kernels {
     ) -> Result<()>;
 }
 
+/// What Gemma 4's assistant adds: reading another model's K/V without writing any.
+pub trait AssistantKernels: GemmaKernels {
+    /// RoPE of each `width`-wide row `i` of `x` at `positions[i]`.
+    fn rope_at(&self, x: &mut Self::Act, width: usize, positions: &[usize], rope: &Self::Rope) -> Result<()>;
+    /// Attention of query `i` (one token) over keys `keys[i]` of `plane` in `caches[i]`,
+    /// which are read, not written: how an assistant reads its target's K/V.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_over(
+        &self,
+        q: &Self::Act,
+        keys: &[KeyRange],
+        caches: &[&RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+}
+
 /// Keys `[first, end)` (logical positions, committed) that query `i` of
-/// [`GemmaKernels::attention_over`] reads.
+/// [`AssistantKernels::attention_over`] reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyRange {
     pub first: usize,

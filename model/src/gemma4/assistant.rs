@@ -12,7 +12,7 @@ use std::sync::Arc;
 use mtp_cache::RowCache;
 use serde_json::Value;
 
-use crate::backend::{cpu::Cpu, GemmaKernels, Kernels, KeyRange, Out, Plane};
+use crate::backend::{cpu::Cpu, AssistantKernels, GemmaKernels, Kernels, KeyRange, Out, Plane};
 use crate::checkpoint::Checkpoint;
 use crate::config::{read_json, Config};
 use crate::error::{Error, Result};

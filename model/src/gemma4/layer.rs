@@ -18,6 +18,13 @@ struct LayerInput<B: GemmaKernels> {
     post_norm: B::Vec,
 }
 
+/// `k_proj`, `v_proj` (absent with K = V: V is K's projection) and `k_norm`.
+struct OwnKv<B: GemmaKernels> {
+    k: Proj<B>,
+    v: Option<Proj<B>>,
+    k_norm: B::Vec,
+}
+
 pub(crate) struct Layer<B: GemmaKernels> {
     pub(crate) spec: LayerSpec,
     pub(crate) plane: Plane,
@@ -27,8 +34,8 @@ pub(crate) struct Layer<B: GemmaKernels> {
     post_ff_norm: B::Vec,
     q: Proj<B>,
     q_norm: B::Vec,
-    /// `k_proj`, `v_proj` (absent with K = V) and `k_norm`, when the layer stores K/V.
-    kv: Option<(Proj<B>, Option<Proj<B>>, B::Vec)>,
+    /// The K/V projections, when the layer stores K/V.
+    kv: Option<OwnKv<B>>,
     /// Ones of `head_dim`: V's norm has no scale.
     ones: B::Vec,
     o: Proj<B>,
@@ -62,11 +69,11 @@ impl<B: GemmaKernels> Layer<B> {
             } else {
                 Some(Proj::load(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?)
             };
-            Some((
-                Proj::load(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
+            Some(OwnKv {
+                k: Proj::load(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
                 v,
-                norm(format!("{a}.k_norm.weight"), hd)?,
-            ))
+                k_norm: norm(format!("{a}.k_norm.weight"), hd)?,
+            })
         } else {
             None
         };
@@ -125,7 +132,7 @@ impl<B: GemmaKernels> Layer<B> {
         let q_raw = self.q.forward(be, &normed, m)?;
         let mut q = be.alloc(m * c.num_attention_heads * hd)?;
         be.rms_norm(&q_raw, &self.q_norm, eps, &mut q, hd, 0)?;
-        let Some((k_proj, v_proj, k_norm)) = &self.kv else { return Ok((q, None)) };
+        let Some(OwnKv { k: k_proj, v: v_proj, k_norm }) = &self.kv else { return Ok((q, None)) };
         let k_raw = k_proj.forward(be, &normed, m)?;
         let v_own = match v_proj {
             Some(v) => Some(v.forward(be, &normed, m)?),

@@ -21,6 +21,7 @@ pub mod assistant;
 pub mod config;
 mod layer;
 mod moe;
+pub mod synth;
 
 use std::sync::Arc;
 
@@ -330,12 +331,14 @@ pub(crate) fn load(config: Config, ck: &Checkpoint, backend: Backend, kv: KvDtyp
     }
     match backend {
         Backend::Cpu => Ok(Box::new(Gemma4::load(Arc::new(Cpu), config, g, ck, prefix, kv)?)),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => {
+            let cuda = crate::backend::cuda::Cuda::shared()?;
+            Ok(Box::new(Gemma4::load(cuda, config, g, ck, prefix, kv)?))
+        }
         other => {
             other.check()?;
-            Err(Error::Backend(format!(
-                "Gemma 4 runs on the CPU backend in this build: the {} kernels for its ops (GELU, sliding-window attention over a ring cache) are not written yet",
-                other.name()
-            )))
+            Err(Error::Backend(format!("no {} kernels for Gemma 4 in this build", other.name())))
         }
     }
 }

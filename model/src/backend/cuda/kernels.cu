@@ -274,18 +274,26 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, int widt
 }
 
 // ---------------------------------------------------------------------------------------
-// A forward's layout, uploaded once: per token (row, logical position, RoPE position,
-// cache slot); per row (K/V buffer address, elements per plane, committed length, window
-// base slot). A row's buffer holds 2 * layers planes [layer][K, V][slot][kv_heads * hd].
+// A forward's layout, uploaded once: per token (row, logical position, RoPE position);
+// per row (K/V buffer address, elements per plane, committed length, window base slot,
+// ring capacity). A row's buffer holds 2 * layers planes [layer][K, V][slot][kv_heads * hd].
+// A ring (sliding-window layers) keeps committed position p at slot p % ring; a plain
+// store (ring 0) at slot p; the open window sits from window_base on in both.
 struct Tok {
-    int row, pos, rope_pos, slot;
+    int row, pos, rope_pos;
 };
 struct RowKv {
     u64 base;
     long long plane;
     long long committed;
     long long window_base;
+    long long ring;
 };
+
+__device__ __forceinline__ long long kv_slot(const RowKv& row, long long p) {
+    if (p >= row.committed) return row.window_base + (p - row.committed);
+    return row.ring ? p % row.ring : p;
+}
 
 template <class KV>
 struct KvIo;
@@ -302,8 +310,8 @@ struct KvIo<u16> {
 
 // Per (token, head): optional per-head RMSNorm (q and k), RoPE at the token's RoPE
 // position (HF rotate_half: element i pairs with i + hd/2), then q back in place and K, V
-// stored at the token's slot of layer `layer`. grid: (tokens, heads + 2 * kv_heads),
-// block: 128. Requires hd <= 512.
+// stored at the token's window slot of layer `layer`. grid: (tokens, heads + 2 * kv_heads),
+// or (tokens, heads) to rotate q alone; block: 128. Requires hd <= 512.
 template <class KV>
 __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, const float* q_norm,
                                    const float* k_norm, float eps, const float* cos_t, const float* sin_t,
@@ -315,12 +323,13 @@ __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, con
     const Tok tok = toks[t];
     const RowKv row = rows[tok.row];
     const int kvd = kv_heads * hd;
+    const long long slot = kv_slot(row, tok.pos);
     KV* kbuf = reinterpret_cast<KV*>(row.base) + (long long)(2 * layer) * row.plane;
     KV* vbuf = reinterpret_cast<KV*>(row.base) + (long long)(2 * layer + 1) * row.plane;
     if (y >= heads + kv_heads) {  // V: stored as is
         const int hv = y - heads - kv_heads;
         for (int i = threadIdx.x; i < hd; i += blockDim.x)
-            KvIo<KV>::put(vbuf, (long long)tok.slot * kvd + hv * hd + i, v[(long long)t * kvd + hv * hd + i]);
+            KvIo<KV>::put(vbuf, slot * kvd + hv * hd + i, v[(long long)t * kvd + hv * hd + i]);
         return;
     }
     const bool is_q = y < heads;
@@ -355,7 +364,7 @@ __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, con
             dst[i] = a;
             dst[i + half] = b;
         } else {
-            const long long at = (long long)tok.slot * kvd + (y - heads) * hd;
+            const long long at = slot * kvd + (y - heads) * hd;
             KvIo<KV>::put(kbuf, at + i, a);
             KvIo<KV>::put(kbuf, at + i + half, b);
         }
@@ -372,7 +381,8 @@ extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>
 
 // ---------------------------------------------------------------------------------------
 // Attention. One warp per (token, head): the query at logical position p reads keys
-// [0, p] of its own row in chunks of 32 anchored at position 0; lane j scores key c0 + j
+// [0, p] of its own row ((p - window, p] with a window) in chunks of 32 anchored at
+// position 0; lane j scores key c0 + j
 // (dot product in increasing d), the chunk's maximum and sum come from the butterfly, and
 // each lane accumulates its output dims d = lane + 32 t over the chunk's keys in order.
 // `splits` > 1 is the negative control only: the keys are cut into that many segments,
@@ -382,7 +392,7 @@ extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>
 #define MAX_HD 256
 template <class KV>
 __device__ void attention_impl(const float* q, float* out, const Tok* toks, const RowKv* rows, int layer,
-                               int heads, int kv_heads, int hd, float scale, int splits) {
+                               int heads, int kv_heads, int hd, float scale, int splits, int window) {
     __shared__ float qs[MAX_HD];
     const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
     const Tok tok = toks[t];
@@ -395,24 +405,29 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
     for (int i = lane; i < hd; i += 32) qs[i] = qh[i];
     __syncwarp();
     const int n_keys = tok.pos + 1;
+    const int first = window > 0 ? max(0, n_keys - window) : 0;
     const int dims = (hd + 31) / 32;
     float tot_m = __int_as_float(0xff800000), tot_l = 0.0f, tot[MAX_HD / 32];
     
 #pragma unroll
     for (int d = 0; d < MAX_HD / 32; d++) tot[d] = 0.0f;
     for (int sp = 0; sp < splits; sp++) {
-        const int k0 = (int)((long long)n_keys * sp / splits), k1 = (int)((long long)n_keys * (sp + 1) / splits);
+        const int span = n_keys - first;
+        const int k0 = first + (int)((long long)span * sp / splits);
+        const int k1 = first + (int)((long long)span * (sp + 1) / splits);
         float m = __int_as_float(0xff800000), l = 0.0f, acc[MAX_HD / 32];
         
 #pragma unroll
         for (int d = 0; d < MAX_HD / 32; d++) acc[d] = 0.0f;
-        for (int c0 = k0; c0 < k1; c0 += 32) {
+        // Chunks anchored at position 0 (the split control cuts its own segments).
+        const int start = splits == 1 ? k0 - k0 % 32 : k0;
+        for (int c0 = start; c0 < k1; c0 += 32) {
             const int p = c0 + lane;
-            const bool valid = p < k1;
+            const bool valid = p >= k0 && p < k1;
             long long slot = 0;
             float sc = __int_as_float(0xff800000);
             if (valid) {
-                slot = p < row.committed ? p : row.window_base + (p - row.committed);
+                slot = kv_slot(row, p);
                 const long long at = slot * kvd;
                 float dot = 0.0f;
                 for (int d = 0; d < hd; d++) dot = fmaf(qs[d], KvIo<KV>::get(kbuf, at + d), dot);
@@ -469,8 +484,8 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
 
 #define ATT_ARGS                                                                                                 \
     const float *q, float *out, const Tok *toks, const RowKv *rows, int layer, int heads, int kv_heads, int hd, \
-        float scale, int splits
-#define ATT_PASS q, out, toks, rows, layer, heads, kv_heads, hd, scale, splits
+        float scale, int splits, int window
+#define ATT_PASS q, out, toks, rows, layer, heads, kv_heads, hd, scale, splits, window
 extern "C" __global__ void attention_f32(ATT_ARGS) { attention_impl<float>(ATT_PASS); }
 extern "C" __global__ void attention_bf16(ATT_ARGS) { attention_impl<u16>(ATT_PASS); }
 
@@ -542,4 +557,38 @@ extern "C" __global__ void add_into(float* out, const float* y, const float* bia
         if (bias) v += bias[c];
         out[r * n + c] = accumulate ? out[r * n + c] + v : v;
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gemma 4's elementwise ops: each element (or row) on its own.
+
+// gate <- gelu_tanh(gate) * up (gelu_pytorch_tanh).
+extern "C" __global__ void gelu_tanh_mul(float* g, const float* u, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float x = g[i];
+        g[i] = 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x))) * u[i];
+    }
+}
+
+// x <- x * s
+extern "C" __global__ void scale_by(float* x, float s, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * s;
+}
+
+// x <- x + y
+extern "C" __global__ void add_to(float* x, const float* y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + y[i];
+}
+
+// out[rows[i]] += weights[i] * src[i] (rows `width` wide, distinct within a call). grid:
+// rows of src.
+extern "C" __global__ void add_rows_scaled(float* out, const float* src, const int* rows, const float* weights,
+                                           int width) {
+    const long long i = blockIdx.x;
+    float* o = out + (long long)rows[i] * width;
+    const float w = weights[i];
+    for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = o[c] + src[i * width + c] * w;
 }

@@ -38,7 +38,7 @@ use mtp_cache::{KvStore, RowCache};
 
 pub use kv::CudaKv;
 
-use super::{open_windows, Backend, Heads, Kernels, KvDtype, Out, Slot};
+use super::{open_windows, Backend, GemmaKernels, Heads, Kernels, KvDtype, Out, Plane, Slot};
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
 use crate::negative_control;
@@ -85,6 +85,10 @@ struct Functions {
     attention: [CudaFunction; 2],
     kv_move: [CudaFunction; 2],
     kv_copy: [CudaFunction; 2],
+    gelu_tanh_mul: CudaFunction,
+    scale_by: CudaFunction,
+    add_to: CudaFunction,
+    add_rows_scaled: CudaFunction,
 }
 
 /// GPU 0, its stream and the loaded kernels. One per process ([`Cuda::shared`]): every
@@ -155,6 +159,10 @@ impl Cuda {
             attention: [get("attention_f32")?, get("attention_bf16")?],
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
             kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
+            gelu_tanh_mul: get("gelu_tanh_mul")?,
+            scale_by: get("scale_by")?,
+            add_to: get("add_to")?,
+            add_rows_scaled: get("add_rows_scaled")?,
         };
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
@@ -274,6 +282,8 @@ pub struct CudaRope {
 pub struct CudaBatch {
     toks: CudaSlice<i32>,
     rows: CudaSlice<i64>,
+    /// The rows' sliding-window rings, when every row has one.
+    ring_rows: Option<CudaSlice<i64>>,
     m: usize,
     kv: KvDtype,
     /// Key segments per query: 1, except under the split-attention negative control.
@@ -364,26 +374,43 @@ impl Kernels for Cuda {
 
     fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
         let maps = open_windows(slots, caches)?;
-        let mut rows: Vec<i64> = Vec::with_capacity(4 * caches.len());
+        let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
+        let mut ring_rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
         let mut kv = None;
+        let foreign = |r: usize| Error::Request {
+            request: format!("row {r}"),
+            msg: "its KV cache is not on the GPU (made by a model on another backend)".into(),
+        };
         for (r, c) in caches.iter().enumerate() {
-            let store = c.store().as_any().downcast_ref::<CudaKv>().ok_or_else(|| Error::Request {
-                request: format!("row {r}"),
-                msg: "its KV cache is not on the GPU (made by a model on another backend)".into(),
-            })?;
+            let store = c.store().as_any().downcast_ref::<CudaKv>().ok_or_else(|| foreign(r))?;
             if *kv.get_or_insert(store.dtype()) != store.dtype() {
                 return Err(Error::Backend("rows of one forward hold K/V in different dtypes".into()));
             }
-            rows.extend([store.base(), store.plane() as i64, maps[r].committed as i64, maps[r].base as i64]);
+            rows.extend([
+                store.base(),
+                store.plane() as i64,
+                maps[r].committed as i64,
+                maps[r].base as i64,
+                0,
+            ]);
+            if let (Some(ring), Some(map)) = (c.ring_store(), c.ring_map()) {
+                let ring = ring.as_any().downcast_ref::<CudaKv>().ok_or_else(|| foreign(r))?;
+                ring_rows.extend([ring.base(), ring.plane() as i64, map.committed as i64, map.base as i64]);
+                ring_rows.push(map.ring as i64);
+            }
         }
-        let toks: Vec<i32> = slots
-            .iter()
-            .flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, maps[s.row].slot(s.pos) as i32])
-            .collect();
+        let toks: Vec<i32> =
+            slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32]).collect();
+        let ring_rows = if !caches.is_empty() && ring_rows.len() == rows.len() {
+            Some(self.upload_as(&ring_rows, "batch layout")?)
+        } else {
+            None
+        };
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
         Ok(CudaBatch {
             toks: self.upload_as(&toks, "batch layout")?,
             rows: self.upload_as(&rows, "batch layout")?,
+            ring_rows,
             m: slots.len(),
             kv: kv.unwrap_or(KvDtype::F32),
             splits: splits as i32,
@@ -488,23 +515,9 @@ impl Kernels for Cuda {
         layer: usize,
         heads: Heads,
     ) -> Result<()> {
-        check_heads(heads)?;
         let s = &self.stream;
-        let (qn, kn, eps) = norms.map_or((0, 0, 0.0), |(a, b, e)| (ptr(a, s), ptr(b, s), e));
-        let (qp, kp, vp) = (ptr(q, s), ptr(k, s), ptr(v, s));
-        let (cp, sp, tp, rp) =
-            (ptr(&rope.cos, s), ptr(&rope.sin, s), ptr(&batch.toks, s), ptr(&batch.rows, s));
-        let (li, nh, nkv, hd) =
-            (layer as i32, heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
-        let grid = (batch.m as u32, (heads.heads + 2 * heads.kv_heads) as u32);
-        launch!(
-            self,
-            &self.f.qk_rope_store[kv_index(batch.kv)],
-            grid,
-            128,
-            "qk_rope_store",
-            [qp, kp, vp, qn, kn, eps, cp, sp, tp, rp, li, nh, nkv, hd]
-        )
+        let norms = norms.map(|(a, b, e)| (ptr(a, s), ptr(b, s), e));
+        self.rope_store_on(q, Some((&*k, v)), norms, rope, batch, Plane::Main(layer), heads)
     }
 
     fn attention(
@@ -517,21 +530,7 @@ impl Kernels for Cuda {
         scale: f32,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        check_heads(heads)?;
-        let s = &self.stream;
-        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&batch.toks, s), ptr(&batch.rows, s));
-        let (li, nh, nkv, hd) =
-            (layer as i32, heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
-        let splits = batch.splits;
-        let grid = (batch.m as u32, heads.heads as u32);
-        launch!(
-            self,
-            &self.f.attention[kv_index(batch.kv)],
-            grid,
-            32,
-            "attention",
-            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits]
-        )
+        self.attention_on(q, batch, Plane::Main(layer), heads, scale, None, out)
     }
 
     fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
@@ -542,6 +541,162 @@ impl Kernels for Cuda {
         let (xp, ip, w, op) = (ptr(x, s), ptr(&idx, s), width as i32, ptr(&out, s));
         launch!(self, &self.f.gather, (rows.len() as u32, 1), 256, "gather", [xp, ip, w, op])?;
         Ok(out)
+    }
+}
+
+impl Cuda {
+    /// The row layout of `plane` and the layer within it.
+    fn plane_rows<'a>(&self, batch: &'a CudaBatch, plane: Plane) -> Result<(&'a CudaSlice<i64>, i32)> {
+        match plane {
+            Plane::Main(l) => Ok((&batch.rows, l as i32)),
+            Plane::Ring(l) => match &batch.ring_rows {
+                Some(rows) => Ok((rows, l as i32)),
+                None => Err(Error::Backend("a sliding-window layer ran over rows without a ring".into())),
+            },
+        }
+    }
+
+    /// Optional q/k norms and RoPE, then the window's K and V stored into `plane` (q
+    /// alone without `kv`).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_on(
+        &self,
+        q: &mut CudaSlice<f32>,
+        kv: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        norms: Option<(u64, u64, f32)>,
+        rope: &CudaRope,
+        batch: &CudaBatch,
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let s = &self.stream;
+        let (rows, li) = self.plane_rows(batch, plane)?;
+        let (qn, kn, eps) = norms.unwrap_or((0, 0, 0.0));
+        let (kp, vp) = kv.map_or((0, 0), |(k, v)| (ptr(k, s), ptr(v, s)));
+        let qp = ptr(q, s);
+        let (cp, sp, tp, rp) = (ptr(&rope.cos, s), ptr(&rope.sin, s), ptr(&batch.toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let blocks = if kv.is_some() { heads.heads + 2 * heads.kv_heads } else { heads.heads };
+        let grid = (batch.m as u32, blocks as u32);
+        launch!(
+            self,
+            &self.f.qk_rope_store[kv_index(batch.kv)],
+            grid,
+            128,
+            "qk_rope_store",
+            [qp, kp, vp, qn, kn, eps, cp, sp, tp, rp, li, nh, nkv, hd]
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_on(
+        &self,
+        q: &CudaSlice<f32>,
+        batch: &CudaBatch,
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let s = &self.stream;
+        let (rows, li) = self.plane_rows(batch, plane)?;
+        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&batch.toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let (splits, win) = (batch.splits, window.map_or(0, |w| w as i32));
+        let grid = (batch.m as u32, heads.heads as u32);
+        launch!(
+            self,
+            &self.f.attention[kv_index(batch.kv)],
+            grid,
+            32,
+            "attention",
+            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
+        )
+    }
+
+    /// An elementwise kernel `f(x, ..args, n)` over `n` values.
+    fn elementwise(&self, f: &CudaFunction, n: usize, what: &str, x: u64, y: u64, s: f32) -> Result<()> {
+        let (n64, grid) = (n as i64, (n.div_ceil(256) as u32, 1));
+        if y != 0 {
+            launch!(self, f, grid, 256, what, [x, y, n64])
+        } else {
+            launch!(self, f, grid, 256, what, [x, s, n64])
+        }
+    }
+}
+
+impl GemmaKernels for Cuda {
+    fn gelu_tanh_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
+        let s = &self.stream;
+        self.elementwise(
+            &self.f.gelu_tanh_mul,
+            gate.len().min(up.len()),
+            "gelu",
+            ptr(gate, s),
+            ptr(up, s),
+            0.0,
+        )
+    }
+
+    fn scale(&self, x: &mut CudaSlice<f32>, by: f32) -> Result<()> {
+        self.elementwise(&self.f.scale_by, x.len(), "scale", ptr(x, &self.stream), 0, by)
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        let s = &self.stream;
+        self.elementwise(&self.f.add_to, x.len().min(y.len()), "add", ptr(x, s), ptr(y, s), 0.0)
+    }
+
+    fn add_rows_scaled(
+        &self,
+        out: &mut CudaSlice<f32>,
+        width: usize,
+        src: &CudaSlice<f32>,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let (idx, w) = (self.upload_as(&idx, "expert rows")?, self.upload_as(weights, "expert weights")?);
+        let s = &self.stream;
+        let (op, sp, ip, wp, wd) = (ptr(out, s), ptr(src, s), ptr(&idx, s), ptr(&w, s), width as i32);
+        launch!(
+            self,
+            &self.f.add_rows_scaled,
+            (rows.len() as u32, 1),
+            256,
+            "add_rows_scaled",
+            [op, sp, ip, wp, wd]
+        )
+    }
+
+    fn rope_store(
+        &self,
+        q: &mut CudaSlice<f32>,
+        kv: Option<(&mut CudaSlice<f32>, &CudaSlice<f32>)>,
+        rope: &CudaRope,
+        batch: &CudaBatch,
+        _caches: &mut [&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()> {
+        self.rope_store_on(q, kv.map(|(k, v)| (&*k, v)), None, rope, batch, plane, heads)
+    }
+
+    fn attention_in(
+        &self,
+        q: &CudaSlice<f32>,
+        batch: &CudaBatch,
+        _caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.attention_on(q, batch, plane, heads, scale, window, out)
     }
 }
 
