@@ -5,8 +5,12 @@
 #          rollback, engine, kernel negative controls, prefix cache, the server);
 #   bench: the matmul against torch.matmul, and on synthesized Qwen3-0.6B / Qwen3-8B
 #          shapes (bf16, random weights) B=1 decode of transformers eager beside mtp-bench
-#          (plain, oracle:1.0 and oracle:0.7 at k=4 and adaptive k, batch 1 and 8).
-# Usage: scripts/gpu-run.sh tests|bench|all. Logs go to $OUT (default /tmp/mtp-gpu).
+#          (plain, oracle:1.0 and oracle:0.7 at k=4 and adaptive k, batch 1 and 8);
+#   gemma4-e2b, gemma4-31b-20: the same on a synthesized Gemma 4 E2B shape (all 35 layers)
+#          or the 31B shape cut to 20 of its 60 layers (the disk holds 64 GiB), with
+#          transformers' own Gemma4ForCausalLM as the anchor (a `cli` bundle suffices).
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20. Logs go to $OUT
+# (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -88,5 +92,36 @@ PY
         rm -rf $dir
     done
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
+fi
+
+if [[ "$what" == gemma4-* ]]; then
+    blog="$OUT/gemma4-bench.log"
+    dir=/tmp/$what
+    case $what in
+        gemma4-e2b) "$bin/mtp" synth --like gemma4-e2b --out $dir >> "$blog" 2>&1 ;;
+        gemma4-31b-20) "$bin/mtp" synth --like gemma4-31b --layers 20 --out $dir >> "$blog" 2>&1 ;;
+        *) echo "unknown: $what"; exit 2 ;;
+    esac
+    du -sh $dir | tee -a "$blog"
+    echo "== $what: transformers eager, B=1 greedy decode" | tee -a "$blog"
+    python3 - "$dir" <<'PY' 2>&1 | tail -3 | tee -a "$blog"
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
+ids = torch.randint(3, 500, (1, 32), device="cuda")
+def gen(n):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    torch.cuda.synchronize(); return time.perf_counter() - t
+gen(4)
+t1, t65 = gen(1), gen(65)
+print(f"transformers eager decode: {64 / (t65 - t1):.1f} tok/s (B=1, bf16, 64 tokens after a 32-token prompt)")
+PY
+    echo "== $what: mtp-bench --backend cuda" | tee -a "$blog"
+    "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4 --batch 1,8 \
+        --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
+        --repeats 1 --json "$OUT/bench-$what.json" 2>&1 | tee -a "$blog"
+    status=${PIPESTATUS[0]}
+    rm -rf $dir
 fi
 exit $status

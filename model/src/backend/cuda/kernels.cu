@@ -388,9 +388,9 @@ extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>
 // `splits` > 1 is the negative control only: the keys are cut into that many segments,
 // each with its own online softmax, merged at the end (a split count chosen from the
 // batch changes the bits, which the invariance tests must catch). grid: (tokens, heads),
-// block: 32. Requires hd <= 256.
-#define MAX_HD 256
-template <class KV>
+// block: 32. Requires hd <= MAX_HD (256, or 512 for Gemma 4's global layers: a variant
+// with twice the registers, picked by head size alone).
+template <class KV, int MAX_HD>
 __device__ void attention_impl(const float* q, float* out, const Tok* toks, const RowKv* rows, int layer,
                                int heads, int kv_heads, int hd, float scale, int splits, int window) {
     __shared__ float qs[MAX_HD];
@@ -486,8 +486,10 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
     const float *q, float *out, const Tok *toks, const RowKv *rows, int layer, int heads, int kv_heads, int hd, \
         float scale, int splits, int window
 #define ATT_PASS q, out, toks, rows, layer, heads, kv_heads, hd, scale, splits, window
-extern "C" __global__ void attention_f32(ATT_ARGS) { attention_impl<float>(ATT_PASS); }
-extern "C" __global__ void attention_bf16(ATT_ARGS) { attention_impl<u16>(ATT_PASS); }
+extern "C" __global__ void attention_f32(ATT_ARGS) { attention_impl<float, 256>(ATT_PASS); }
+extern "C" __global__ void attention_bf16(ATT_ARGS) { attention_impl<u16, 256>(ATT_PASS); }
+extern "C" __global__ void attention_f32_512(ATT_ARGS) { attention_impl<float, 512>(ATT_PASS); }
+extern "C" __global__ void attention_bf16_512(ATT_ARGS) { attention_impl<u16, 512>(ATT_PASS); }
 
 // ---------------------------------------------------------------------------------------
 // KV store maintenance on raw element words (4-byte words for f32, 2-byte for bf16).

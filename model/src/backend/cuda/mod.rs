@@ -49,8 +49,9 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 /// Threads per block of the matmul (4 warps of 4 columns each: see kernels.cu).
 const LINEAR_THREADS: u32 = 128;
 const LINEAR_COLS_PER_BLOCK: usize = 16;
-/// Largest head dimension the attention kernel holds in registers.
-const MAX_HEAD_DIM: usize = 256;
+/// Largest head dimension the attention kernels hold in registers (the narrow variant
+/// takes up to 256).
+const MAX_HEAD_DIM: usize = 512;
 
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
@@ -82,7 +83,8 @@ struct Functions {
     gather: CudaFunction,
     add_into: CudaFunction,
     qk_rope_store: [CudaFunction; 2],
-    attention: [CudaFunction; 2],
+    /// By K/V dtype, then head size (up to 256, up to 512).
+    attention: [[CudaFunction; 2]; 2],
     kv_move: [CudaFunction; 2],
     kv_copy: [CudaFunction; 2],
     gelu_tanh_mul: CudaFunction,
@@ -156,7 +158,10 @@ impl Cuda {
             gather: get("gather_rows")?,
             add_into: get("add_into")?,
             qk_rope_store: [get("qk_rope_store_f32")?, get("qk_rope_store_bf16")?],
-            attention: [get("attention_f32")?, get("attention_bf16")?],
+            attention: [
+                [get("attention_f32")?, get("attention_f32_512")?],
+                [get("attention_bf16")?, get("attention_bf16_512")?],
+            ],
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
             kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
             gelu_tanh_mul: get("gelu_tanh_mul")?,
@@ -609,7 +614,7 @@ impl Cuda {
         let grid = (batch.m as u32, heads.heads as u32);
         launch!(
             self,
-            &self.f.attention[kv_index(batch.kv)],
+            &self.f.attention[kv_index(batch.kv)][(heads.head_dim > 256) as usize],
             grid,
             32,
             "attention",
