@@ -322,6 +322,11 @@ fn gemma4_ring_bytes_equal_plain_decoding() {
         }
         let ring_bytes = a.ring_bytes(0).unwrap().0.len();
         assert!(ring_bytes <= 9 * slot, "the ring holds {ring_bytes} bytes per layer");
+        // What the engine reserves per row for the rings is what a long row holds.
+        let held: usize = (0..a.ring_layers()).map(|l| 2 * a.ring_bytes(l).unwrap().0.len()).sum();
+        if seq.len() >= 9 {
+            assert_eq!(held, model.kv_bytes_per_row());
+        }
     }
 }
 

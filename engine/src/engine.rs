@@ -173,7 +173,7 @@ impl<'a> Engine<'a> {
     fn reservation(&self, r: &Request) -> usize {
         let k = if self.drafter.is_some() { self.opts.k.max() } else { 0 };
         let positions = (r.prompt.len() + r.max_tokens + k + 1).min(self.model.max_positions() + k + 1);
-        positions * self.per_token_bytes()
+        positions * self.per_token_bytes() + self.model.kv_bytes_per_row()
     }
 
     /// Queues a request; it is admitted at the start of a round when the batch and the
@@ -211,7 +211,7 @@ impl<'a> Engine<'a> {
                 return err(format!(
                     "needs up to {:.1} MiB of KV cache ({} positions), more than the whole budget of {:.1} MiB",
                     need as f64 / 1048576.0,
-                    need / self.per_token_bytes().max(1),
+                    (need - self.model.kv_bytes_per_row()) / self.per_token_bytes().max(1),
                     budget as f64 / 1048576.0
                 ));
             }

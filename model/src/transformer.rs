@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{cpu::Cpu, Backend, Heads, Kernels, KvDtype, Out, Slot};
+use crate::backend::{cpu::Cpu, Backend, Heads, Kernels, KvDtype, Out, Plane, Slot};
 use crate::checkpoint::Checkpoint;
 use crate::config::{Arch, Config};
 use crate::error::{Error, Result};
@@ -118,10 +118,10 @@ impl<B: Kernels> Block<B> {
         let mut k = self.k.forward(be, &normed, m)?;
         let v = self.v.forward(be, &normed, m)?;
         let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, c.rms_norm_eps));
-        be.qk_rope_store(&mut q, &mut k, &v, norms, rope, batch, caches, li, heads)?;
+        be.qk_rope_store(&mut q, Some((&mut k, &v)), norms, rope, batch, caches, Plane::Main(li), heads)?;
         let mut attn = be.alloc(m * heads.heads * heads.head_dim)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        be.attention(&q, batch, caches, li, heads, scale, &mut attn)?;
+        be.attention(&q, batch, caches, Plane::Main(li), heads, scale, None, &mut attn)?;
         self.o.add_to(be, &attn, m, x)?;
         be.rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed, h, 0)?;
         let mut g = self.gate.forward(be, &normed, m)?;
@@ -332,6 +332,10 @@ pub(crate) trait Net: Send + Sync {
     fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>>;
     fn new_cache(&self) -> RowCache;
     fn kv_bytes_per_token(&self) -> usize;
+    /// K/V bytes a row holds whatever its length (a sliding-window ring).
+    fn kv_bytes_per_row(&self) -> usize {
+        0
+    }
     fn backend(&self) -> Backend;
     fn kv_dtype(&self) -> KvDtype;
     fn max_positions(&self) -> usize;
@@ -441,6 +445,12 @@ impl Model {
     /// KV bytes one position costs (device bytes on a GPU backend).
     pub fn kv_bytes_per_token(&self) -> usize {
         self.net.kv_bytes_per_token()
+    }
+
+    /// K/V bytes a row holds whatever its length, besides [`Model::kv_bytes_per_token`]
+    /// per position: Gemma 4's sliding-window rings (0 for other models).
+    pub fn kv_bytes_per_row(&self) -> usize {
+        self.net.kv_bytes_per_row()
     }
 
     /// The longest sequence (prompt + output) a row may reach.

@@ -172,20 +172,47 @@ impl Kernels for Cpu {
     fn qk_rope_store(
         &self,
         q: &mut Vec<f32>,
-        k: &mut Vec<f32>,
-        v: &Vec<f32>,
+        kv: Option<(&mut Vec<f32>, &Vec<f32>)>,
         norms: Option<(&Vec<f32>, &Vec<f32>, f32)>,
         rope: &RopeTable,
         batch: &CpuBatch,
         caches: &mut [&mut RowCache],
-        layer: usize,
+        plane: Plane,
         heads: Heads,
     ) -> Result<()> {
+        let mut kv = kv;
         if let Some((qn, kn, eps)) = norms {
             rms_norm_inplace(q, qn, eps);
-            rms_norm_inplace(k, kn, eps);
+            if let Some((k, _)) = kv.as_mut() {
+                rms_norm_inplace(k, kn, eps);
+            }
         }
-        self.rope_store(q, Some((k, v)), rope, batch, caches, Plane::Main(layer), heads)
+        let (qd, kvd) = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim);
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
+        }
+        let Some((k, v)) = kv else { return Ok(()) };
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
+        }
+        let mut off = 0;
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let (t, base) = (cache.window_len(), batch.map(r, plane)?.base);
+            let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            let (store, layer) = match plane {
+                Plane::Main(l) => (Some(cache.store_mut()), l),
+                Plane::Ring(l) => (cache.ring_store_mut(), l),
+            };
+            let store = store.ok_or_else(|| foreign(r))?.as_any_mut();
+            if let Some(host) = store.downcast_mut::<HostKv>() {
+                host.write(layer, base, kw, vw);
+            } else {
+                let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
+                quant.write(layer, base, kw, vw);
+            }
+            off += t;
+        }
+        Ok(())
     }
 
     fn attention(
@@ -193,12 +220,26 @@ impl Kernels for Cpu {
         q: &Vec<f32>,
         batch: &CpuBatch,
         caches: &[&mut RowCache],
-        layer: usize,
+        plane: Plane,
         heads: Heads,
         scale: f32,
+        window: Option<usize>,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        self.attention_in(q, batch, caches, Plane::Main(layer), heads, scale, None, out)
+        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
+        let views = caches
+            .iter()
+            .enumerate()
+            .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
+            .collect::<Result<Vec<KvView>>>()?;
+        let slots = &batch.slots;
+        // One task per (token, head): a single decode token still uses every core.
+        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (s, head) = (&slots[i / nh], i % nh);
+            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
+            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
+        });
+        Ok(())
     }
 
     fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
@@ -235,71 +276,6 @@ impl GemmaKernels for Cpu {
                 *o += v * w;
             }
         }
-        Ok(())
-    }
-
-    fn rope_store(
-        &self,
-        q: &mut Vec<f32>,
-        kv: Option<(&mut Vec<f32>, &Vec<f32>)>,
-        rope: &RopeTable,
-        batch: &CpuBatch,
-        caches: &mut [&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-    ) -> Result<()> {
-        let (qd, kvd) = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim);
-        for (i, s) in batch.slots.iter().enumerate() {
-            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
-        }
-        let Some((k, v)) = kv else { return Ok(()) };
-        for (i, s) in batch.slots.iter().enumerate() {
-            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
-        }
-        let mut off = 0;
-        for (r, cache) in caches.iter_mut().enumerate() {
-            let (t, base) = (cache.window_len(), batch.map(r, plane)?.base);
-            let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
-            let (store, layer) = match plane {
-                Plane::Main(l) => (Some(cache.store_mut()), l),
-                Plane::Ring(l) => (cache.ring_store_mut(), l),
-            };
-            let store = store.ok_or_else(|| foreign(r))?.as_any_mut();
-            if let Some(host) = store.downcast_mut::<HostKv>() {
-                host.write(layer, base, kw, vw);
-            } else {
-                let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
-                quant.write(layer, base, kw, vw);
-            }
-            off += t;
-        }
-        Ok(())
-    }
-
-    fn attention_in(
-        &self,
-        q: &Vec<f32>,
-        batch: &CpuBatch,
-        caches: &[&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-        scale: f32,
-        window: Option<usize>,
-        out: &mut Vec<f32>,
-    ) -> Result<()> {
-        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
-        let views = caches
-            .iter()
-            .enumerate()
-            .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
-            .collect::<Result<Vec<KvView>>>()?;
-        let slots = &batch.slots;
-        // One task per (token, head): a single decode token still uses every core.
-        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
-            let (s, head) = (&slots[i / nh], i % nh);
-            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
-            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
-        });
         Ok(())
     }
 }

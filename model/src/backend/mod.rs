@@ -218,30 +218,32 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     /// `gate <- silu(gate) * up`.
     fn swiglu(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
     /// Per-head RMSNorm of q and k (when `norms` is given), RoPE at each token's position,
-    /// and the window's K and V stored into layer `layer` of each row's cache.
+    /// and the window's K and V stored into `plane` of each row's cache (q alone, no
+    /// store, without `kv`: a layer that reads another layer's K/V).
     #[allow(clippy::too_many_arguments)]
     fn qk_rope_store(
         &self,
         q: &mut Self::Act,
-        k: &mut Self::Act,
-        v: &Self::Act,
+        kv: Option<(&mut Self::Act, &Self::Act)>,
         norms: Option<(&Self::Vec, &Self::Vec, f32)>,
         rope: &Self::Rope,
         batch: &Self::Batch,
         caches: &mut [&mut RowCache],
-        layer: usize,
+        plane: Plane,
         heads: Heads,
     ) -> Result<()>;
-    /// Causal attention of every query over its own row's keys `[0, pos]` of `layer`.
+    /// Causal attention of every query over its own row's keys in `plane`: `[0, pos]`, or
+    /// `(pos - window, pos]` on a sliding-window layer.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Self::Act,
         batch: &Self::Batch,
         caches: &[&mut RowCache],
-        layer: usize,
+        plane: Plane,
         heads: Heads,
         scale: f32,
+        window: Option<usize>,
         out: &mut Self::Act,
     ) -> Result<()>;
     /// Rows `rows` of `x` (each `width` wide), in that order.
@@ -274,33 +276,6 @@ pub trait GemmaKernels: Kernels {
         src: &Self::Act,
         rows: &[usize],
         weights: &[f32],
-    ) -> Result<()>;
-    /// RoPE of `q` (and of the window's K, when `kv` is given) at each token's position;
-    /// the window's K and V stored into `plane` of each row.
-    #[allow(clippy::too_many_arguments)]
-    fn rope_store(
-        &self,
-        q: &mut Self::Act,
-        kv: Option<(&mut Self::Act, &Self::Act)>,
-        rope: &Self::Rope,
-        batch: &Self::Batch,
-        caches: &mut [&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-    ) -> Result<()>;
-    /// Attention of every query over its own row's keys in `plane`: `[0, pos]`, or
-    /// `(pos - window, pos]` on a sliding-window layer.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_in(
-        &self,
-        q: &Self::Act,
-        batch: &Self::Batch,
-        caches: &[&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-        scale: f32,
-        window: Option<usize>,
-        out: &mut Self::Act,
     ) -> Result<()>;
 }
 

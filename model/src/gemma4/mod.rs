@@ -237,16 +237,12 @@ impl<B: GemmaKernels> Gemma4<B> {
     ) -> Result<()> {
         let (be, c) = (&*self.be, &self.config);
         let heads = l.heads(c);
-        let (mut q, kv) = l.qkv(be, c, x, m)?;
+        let (mut q, mut kv) = l.qkv(be, c, x, m)?;
         let (rope, window) = self.rope_of(l.spec.kind);
-        match kv {
-            Some((mut k, v)) => {
-                be.rope_store(&mut q, Some((&mut k, &v)), rope, batch, caches, l.plane, heads)?
-            }
-            None => be.rope_store(&mut q, None, rope, batch, caches, l.plane, heads)?,
-        }
+        let kv = kv.as_mut().map(|(k, v)| (k, &*v));
+        be.qk_rope_store(&mut q, kv, None, rope, batch, caches, l.plane, heads)?;
         let mut attn = be.alloc(m * heads.heads * heads.head_dim)?;
-        be.attention_in(&q, batch, caches, l.plane, heads, 1.0, window, &mut attn)?;
+        be.attention(&q, batch, caches, l.plane, heads, 1.0, window, &mut attn)?;
         l.finish(be, c, x, &attn, m, input)
     }
 
@@ -279,11 +275,15 @@ impl<B: GemmaKernels> Net for Gemma4<B> {
         cache.with_ring(ring, lay.ring_layers, rh * rd, self.g.sliding_window + 1)
     }
 
-    /// K/V bytes per position of the full layers; the sliding layers add a fixed
-    /// `window` positions per row, whatever its length.
+    /// K/V bytes per position of the full layers (the sliding layers' ring is per row).
     fn kv_bytes_per_token(&self) -> usize {
         let (h, d) = self.layout.main;
         2 * self.layout.main_layers * self.kv.slot_bytes(h, d)
+    }
+
+    fn kv_bytes_per_row(&self) -> usize {
+        let (h, d) = self.layout.ring;
+        2 * self.layout.ring_layers * self.kv.slot_bytes(h, d) * (self.g.sliding_window + 1)
     }
 
     fn backend(&self) -> Backend {

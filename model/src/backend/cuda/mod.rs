@@ -511,18 +511,32 @@ impl Kernels for Cuda {
     fn qk_rope_store(
         &self,
         q: &mut CudaSlice<f32>,
-        k: &mut CudaSlice<f32>,
-        v: &CudaSlice<f32>,
+        kv: Option<(&mut CudaSlice<f32>, &CudaSlice<f32>)>,
         norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>, f32)>,
         rope: &CudaRope,
         batch: &CudaBatch,
         _caches: &mut [&mut RowCache],
-        layer: usize,
+        plane: Plane,
         heads: Heads,
     ) -> Result<()> {
+        check_heads(heads)?;
         let s = &self.stream;
-        let norms = norms.map(|(a, b, e)| (ptr(a, s), ptr(b, s), e));
-        self.rope_store_on(q, Some((&*k, v)), norms, rope, batch, Plane::Main(layer), heads)
+        let (rows, li) = self.plane_rows(batch, plane)?;
+        let (qn, kn, eps) = norms.map_or((0, 0, 0.0), |(a, b, e)| (ptr(a, s), ptr(b, s), e));
+        let blocks = if kv.is_some() { heads.heads + 2 * heads.kv_heads } else { heads.heads };
+        let (kp, vp) = kv.map_or((0, 0), |(k, v)| (ptr(k, s), ptr(v, s)));
+        let qp = ptr(q, s);
+        let (cp, sp, tp, rp) = (ptr(&rope.cos, s), ptr(&rope.sin, s), ptr(&batch.toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let grid = (batch.m as u32, blocks as u32);
+        launch!(
+            self,
+            &self.f.qk_rope_store[kv_index(batch.kv)],
+            grid,
+            128,
+            "qk_rope_store",
+            [qp, kp, vp, qn, kn, eps, cp, sp, tp, rp, li, nh, nkv, hd]
+        )
     }
 
     fn attention(
@@ -530,12 +544,27 @@ impl Kernels for Cuda {
         q: &CudaSlice<f32>,
         batch: &CudaBatch,
         _caches: &[&mut RowCache],
-        layer: usize,
+        plane: Plane,
         heads: Heads,
         scale: f32,
+        window: Option<usize>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        self.attention_on(q, batch, Plane::Main(layer), heads, scale, None, out)
+        check_heads(heads)?;
+        let s = &self.stream;
+        let (rows, li) = self.plane_rows(batch, plane)?;
+        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&batch.toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let (splits, win) = (batch.splits, window.map_or(0, |w| w as i32));
+        let grid = (batch.m as u32, heads.heads as u32);
+        launch!(
+            self,
+            &self.f.attention[kv_index(batch.kv)][(heads.head_dim > 256) as usize],
+            grid,
+            32,
+            "attention",
+            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
+        )
     }
 
     fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
@@ -559,67 +588,6 @@ impl Cuda {
                 None => Err(Error::Backend("a sliding-window layer ran over rows without a ring".into())),
             },
         }
-    }
-
-    /// Optional q/k norms and RoPE, then the window's K and V stored into `plane` (q
-    /// alone without `kv`).
-    #[allow(clippy::too_many_arguments)]
-    fn rope_store_on(
-        &self,
-        q: &mut CudaSlice<f32>,
-        kv: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
-        norms: Option<(u64, u64, f32)>,
-        rope: &CudaRope,
-        batch: &CudaBatch,
-        plane: Plane,
-        heads: Heads,
-    ) -> Result<()> {
-        check_heads(heads)?;
-        let s = &self.stream;
-        let (rows, li) = self.plane_rows(batch, plane)?;
-        let (qn, kn, eps) = norms.unwrap_or((0, 0, 0.0));
-        let (kp, vp) = kv.map_or((0, 0), |(k, v)| (ptr(k, s), ptr(v, s)));
-        let qp = ptr(q, s);
-        let (cp, sp, tp, rp) = (ptr(&rope.cos, s), ptr(&rope.sin, s), ptr(&batch.toks, s), ptr(rows, s));
-        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
-        let blocks = if kv.is_some() { heads.heads + 2 * heads.kv_heads } else { heads.heads };
-        let grid = (batch.m as u32, blocks as u32);
-        launch!(
-            self,
-            &self.f.qk_rope_store[kv_index(batch.kv)],
-            grid,
-            128,
-            "qk_rope_store",
-            [qp, kp, vp, qn, kn, eps, cp, sp, tp, rp, li, nh, nkv, hd]
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn attention_on(
-        &self,
-        q: &CudaSlice<f32>,
-        batch: &CudaBatch,
-        plane: Plane,
-        heads: Heads,
-        scale: f32,
-        window: Option<usize>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        check_heads(heads)?;
-        let s = &self.stream;
-        let (rows, li) = self.plane_rows(batch, plane)?;
-        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&batch.toks, s), ptr(rows, s));
-        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
-        let (splits, win) = (batch.splits, window.map_or(0, |w| w as i32));
-        let grid = (batch.m as u32, heads.heads as u32);
-        launch!(
-            self,
-            &self.f.attention[kv_index(batch.kv)][(heads.head_dim > 256) as usize],
-            grid,
-            32,
-            "attention",
-            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
-        )
     }
 
     /// An elementwise kernel `f(x, ..args, n)` over `n` values.
@@ -675,33 +643,6 @@ impl GemmaKernels for Cuda {
             "add_rows_scaled",
             [op, sp, ip, wp, wd]
         )
-    }
-
-    fn rope_store(
-        &self,
-        q: &mut CudaSlice<f32>,
-        kv: Option<(&mut CudaSlice<f32>, &CudaSlice<f32>)>,
-        rope: &CudaRope,
-        batch: &CudaBatch,
-        _caches: &mut [&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-    ) -> Result<()> {
-        self.rope_store_on(q, kv.map(|(k, v)| (&*k, v)), None, rope, batch, plane, heads)
-    }
-
-    fn attention_in(
-        &self,
-        q: &CudaSlice<f32>,
-        batch: &CudaBatch,
-        _caches: &[&mut RowCache],
-        plane: Plane,
-        heads: Heads,
-        scale: f32,
-        window: Option<usize>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        self.attention_on(q, batch, plane, heads, scale, window, out)
     }
 }
 
