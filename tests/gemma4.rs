@@ -12,7 +12,6 @@ use mtp::drafter::{AssistantDrafter, Drafter, NgramDrafter, OracleDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, Engine, EngineOptions, Request, SamplingParams, WindowLayout,
 };
-use mtp::model::backend::Backend;
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -103,8 +102,7 @@ fn assistant_drafts_match_transformers_rounds() {
     for name in ASSISTANTS {
         let dir = gemma(name);
         let g = golden(&dir);
-        // The assistant runs on the CPU (its target's K/V must be host memory).
-        let target = Arc::new(Model::load(&gemma(g["target"].as_str().unwrap())).unwrap());
+        let target = Arc::new(common::load(&gemma(g["target"].as_str().unwrap())));
         let assistant = Gemma4Assistant::load(&dir, target.clone()).unwrap();
         let w = 8;
         let (mut rounds, mut steps, mut trusted_rounds) = (0, 0, 0);
@@ -191,9 +189,7 @@ impl Gate {
         let model = Arc::new(common::load(&gemma(name)));
         let (requests, arrive_at) = window_workload(sampled);
         let reference = common::plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
-        // The assistant drafts on the CPU only (so far): elsewhere the gate runs without it.
-        let assistant = assistant.filter(|_| common::backend() == Backend::Cpu).map(gemma);
-        Gate { name, model, assistant, requests, arrive_at, reference }
+        Gate { name, model, assistant: assistant.map(gemma), requests, arrive_at, reference }
     }
 
     fn drafter(&self, kind: &str) -> Box<dyn Drafter> {

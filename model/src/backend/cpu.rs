@@ -7,8 +7,8 @@ use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
 use rayon::prelude::*;
 
 use super::{
-    open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane,
-    Slot,
+    held_keys, open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out,
+    Plane, Slot,
 };
 use crate::error::{Error, Result};
 use crate::kernels::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
@@ -281,7 +281,14 @@ impl GemmaKernels for Cpu {
 }
 
 impl AssistantKernels for Cpu {
-    fn rope_at(&self, x: &mut Vec<f32>, width: usize, positions: &[usize], rope: &RopeTable) -> Result<()> {
+    fn rope_at(
+        &self,
+        x: &mut Vec<f32>,
+        width: usize,
+        _head_dim: usize,
+        positions: &[usize],
+        rope: &RopeTable,
+    ) -> Result<()> {
         for (row, &p) in x.chunks_mut(width).zip(positions) {
             rope.apply(row, p);
         }
@@ -301,22 +308,7 @@ impl AssistantKernels for Cpu {
         let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
         let mut views = Vec::with_capacity(caches.len());
         for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
-            let map = match plane {
-                Plane::Main(_) => c.slot_map(),
-                Plane::Ring(_) => c.ring_map().ok_or_else(|| foreign(r))?,
-            };
-            if k.first >= k.end || k.first < map.first_held() || k.end > map.committed {
-                return Err(Error::Request {
-                    request: format!("row {r}"),
-                    msg: format!(
-                        "keys [{}, {}) are not held (committed [{}, {}))",
-                        k.first,
-                        k.end,
-                        map.first_held(),
-                        map.committed
-                    ),
-                });
-            }
+            let map = held_keys(c, r, plane, *k)?;
             views.push(view(c, r, plane, map)?);
         }
         out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {

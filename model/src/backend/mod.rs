@@ -281,8 +281,16 @@ pub trait GemmaKernels: Kernels {
 
 /// What Gemma 4's assistant adds: reading another model's K/V without writing any.
 pub trait AssistantKernels: GemmaKernels {
-    /// RoPE of each `width`-wide row `i` of `x` at `positions[i]`.
-    fn rope_at(&self, x: &mut Self::Act, width: usize, positions: &[usize], rope: &Self::Rope) -> Result<()>;
+    /// RoPE of every `head_dim`-wide head of each `width`-wide row `i` of `x` at
+    /// `positions[i]`.
+    fn rope_at(
+        &self,
+        x: &mut Self::Act,
+        width: usize,
+        head_dim: usize,
+        positions: &[usize],
+        rope: &Self::Rope,
+    ) -> Result<()>;
     /// Attention of query `i` (one token) over keys `keys[i]` of `plane` in `caches[i]`,
     /// which are read, not written: how an assistant reads its target's K/V.
     #[allow(clippy::too_many_arguments)]
@@ -304,6 +312,22 @@ pub trait AssistantKernels: GemmaKernels {
 pub struct KeyRange {
     pub first: usize,
     pub end: usize,
+}
+
+/// Where `plane` of row `r`'s cache holds its committed positions, once checked that they
+/// include `keys` (an assistant reads only what is held).
+pub(crate) fn held_keys(cache: &RowCache, r: usize, plane: Plane, keys: KeyRange) -> Result<SlotMap> {
+    let map = match plane {
+        Plane::Main(_) => Some(cache.slot_map()),
+        Plane::Ring(_) => cache.ring_map(),
+    };
+    match map {
+        Some(m) if keys.first < keys.end && keys.first >= m.first_held() && keys.end <= m.committed => Ok(m),
+        _ => Err(Error::Request {
+            request: format!("row {r}"),
+            msg: format!("keys [{}, {}) are not held in its {plane:?} K/V", keys.first, keys.end),
+        }),
+    }
 }
 
 /// The slot map of every row, after [`Kernels::batch`] opened their windows.

@@ -12,11 +12,10 @@ use std::sync::Arc;
 use mtp_cache::RowCache;
 use serde_json::Value;
 
-use crate::backend::{cpu::Cpu, AssistantKernels, GemmaKernels, Kernels, KeyRange, Out, Plane};
+use crate::backend::{cpu::Cpu, AssistantKernels, Backend, KeyRange, Out, Plane};
 use crate::checkpoint::Checkpoint;
 use crate::config::{read_json, Config};
 use crate::error::{Error, Result};
-use crate::kernels::RopeTable;
 use crate::transformer::{Model, Proj};
 
 use super::config::{Gemma4Config, LayerKind};
@@ -24,8 +23,8 @@ use super::layer::Layer;
 use super::Gemma4;
 
 /// The centroid-masked LM head: only the tokens of the `top_k` best centroids get logits.
-struct Ordered {
-    centroids: Proj<Cpu>,
+struct Ordered<B: AssistantKernels> {
+    centroids: Proj<B>,
     /// `[centroid][token]`: the tokens each centroid owns.
     ordering: Vec<u32>,
     top_k: usize,
@@ -51,19 +50,29 @@ pub struct AssistantStep {
 }
 
 pub struct Gemma4Assistant {
-    be: Arc<Cpu>,
     config: Config,
     target: Arc<Model>,
-    layers: Vec<Layer<Cpu>>,
-    norm: Vec<f32>,
-    pre_projection: Proj<Cpu>,
-    post_projection: Proj<Cpu>,
-    lm_head: crate::weights::Weight,
-    ordered: Option<Ordered>,
-    rope_sliding: RopeTable,
-    rope_full: RopeTable,
     backbone: usize,
     window: usize,
+    net: Box<dyn Steps>,
+}
+
+/// The assistant's weights on the target's backend.
+struct Weights<B: AssistantKernels> {
+    be: Arc<B>,
+    layers: Vec<Layer<B>>,
+    norm: B::Vec,
+    pre_projection: Proj<B>,
+    post_projection: Proj<B>,
+    lm_head: B::Mat,
+    ordered: Option<Ordered<B>>,
+    rope_sliding: B::Rope,
+    rope_full: B::Rope,
+}
+
+/// One draft step, whatever the backend.
+trait Steps: Send + Sync {
+    fn step(&self, a: &Gemma4Assistant, rows: &[AssistantRow]) -> Result<Vec<AssistantStep>>;
 }
 
 fn bad(path: &Path, key: &str, msg: impl Into<String>) -> Error {
@@ -71,18 +80,29 @@ fn bad(path: &Path, key: &str, msg: impl Into<String>) -> Error {
 }
 
 impl Gemma4Assistant {
-    /// Loads the assistant in `dir` to draft for `target` (a Gemma 4 model on the CPU).
+    /// Loads the assistant in `dir` to draft for `target` (a Gemma 4 model), on the
+    /// target's backend.
     pub fn load(dir: &Path, target: Arc<Model>) -> Result<Gemma4Assistant> {
+        match target.backend() {
+            Backend::Cpu => Gemma4Assistant::load_on(dir, target, Arc::new(Cpu)),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => Gemma4Assistant::load_on(dir, target, crate::backend::cuda::Cuda::shared()?),
+            other => Err(Error::Backend(format!("no {} kernels for the Gemma 4 assistant", other.name()))),
+        }
+    }
+
+    fn load_on<B: AssistantKernels>(dir: &Path, target: Arc<Model>, be: Arc<B>) -> Result<Gemma4Assistant> {
         let path = dir.join("config.json");
         let v = read_json(&path)?;
         let arch = v.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str()).unwrap_or("");
         if arch != "Gemma4AssistantForCausalLM" {
             return Err(bad(&path, "architectures", format!("`{arch}` is not a Gemma4AssistantForCausalLM")));
         }
-        let t = target.net().as_any().downcast_ref::<Gemma4<Cpu>>().ok_or_else(|| {
+        let t = target.net().as_any().downcast_ref::<Gemma4<B>>().ok_or_else(|| {
             Error::InvalidOption(format!(
-                "the Gemma 4 assistant in {} drafts for a Gemma 4 target on the CPU backend",
-                dir.display()
+                "the Gemma 4 assistant in {} drafts for a Gemma 4 target (this one is a {})",
+                dir.display(),
+                target.config.arch.hf_name()
             ))
         })?;
         let mut text = v
@@ -122,7 +142,6 @@ impl Gemma4Assistant {
             }
         };
         let ck = Checkpoint::open(dir)?;
-        let be = Arc::new(Cpu);
         let mut layers = Vec::with_capacity(g.layers.len());
         for (i, &spec) in g.layers.iter().enumerate() {
             let (plane, shape) = plane_of(spec.kind).ok_or_else(|| {
@@ -142,8 +161,11 @@ impl Gemma4Assistant {
         }
         let h = c.hidden_size;
         let embed = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let lm_head =
-            if ck.contains("lm_head.weight") { ck.get("lm_head.weight", &[c.vocab_size, h])? } else { embed };
+        let lm_head = be.matrix(&if ck.contains("lm_head.weight") {
+            ck.get("lm_head.weight", &[c.vocab_size, h])?
+        } else {
+            embed
+        })?;
         let ordered = if v.get("use_ordered_embeddings").and_then(|o| o.as_bool()).unwrap_or(false) {
             let n = v.get("num_centroids").and_then(|n| n.as_u64()).unwrap_or(0) as usize;
             let top_k = v.get("centroid_intermediate_top_k").and_then(|n| n.as_u64()).unwrap_or(0) as usize;
@@ -175,20 +197,23 @@ impl Gemma4Assistant {
         };
         let max_pos = t.max_positions;
         let head_dim = |kind: LayerKind| g.layers.iter().find(|l| l.kind == kind).map_or(2, |l| l.head_dim);
-        Ok(Gemma4Assistant {
-            norm: ck.get_f32("model.norm.weight", h)?,
+        let net = Weights {
+            norm: be.vector(&ck.get_f32("model.norm.weight", h)?)?,
             pre_projection: Proj::load(&*be, &ck, "pre_projection", h, 2 * backbone, false)?,
             post_projection: Proj::load(&*be, &ck, "post_projection", backbone, h, false)?,
-            rope_sliding: g.rope_sliding.table(head_dim(LayerKind::Sliding), max_pos),
-            rope_full: g.rope_full.table(head_dim(LayerKind::Full), max_pos),
-            window: t.g.sliding_window,
-            be,
-            config: c,
+            rope_sliding: be.rope_table(g.rope_sliding.table(head_dim(LayerKind::Sliding), max_pos))?,
+            rope_full: be.rope_table(g.rope_full.table(head_dim(LayerKind::Full), max_pos))?,
             layers,
             lm_head,
             ordered,
+            be,
+        };
+        Ok(Gemma4Assistant {
+            window: t.g.sliding_window,
+            config: c,
             backbone,
             target: target.clone(),
+            net: Box::new(net),
         })
     }
 
@@ -214,15 +239,22 @@ impl Gemma4Assistant {
 
     /// One draft step for every row.
     pub fn step(&self, rows: &[AssistantRow]) -> Result<Vec<AssistantStep>> {
-        let t = self.target.net().as_any().downcast_ref::<Gemma4<Cpu>>().expect("checked at load");
-        let (be, c) = (&*self.be, &self.config);
-        let (m, hb, h) = (rows.len(), self.backbone, c.hidden_size);
-        let mut input = vec![0.0f32; m * 2 * hb];
+        self.net.step(self, rows)
+    }
+}
+
+impl<B: AssistantKernels> Steps for Weights<B> {
+    fn step(&self, a: &Gemma4Assistant, rows: &[AssistantRow]) -> Result<Vec<AssistantStep>> {
+        let t = a.target.net().as_any().downcast_ref::<Gemma4<B>>().expect("checked at load");
+        let (be, c) = (&*self.be, &a.config);
+        let (m, hb, h) = (rows.len(), a.backbone, c.hidden_size);
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         crate::transformer::check_tokens(std::iter::once(tokens.as_slice()), c.vocab_size, "assistant row")?;
         let mut emb = be.alloc(m * hb)?;
         be.embed(&t.embed, &tokens, &mut emb)?;
         be.scale(&mut emb, t.embed_scale)?;
+        let emb = be.download(emb)?;
+        let mut input = vec![0.0f32; m * 2 * hb];
         for (i, r) in rows.iter().enumerate() {
             if r.hidden.len() != hb {
                 return Err(Error::Request {
@@ -233,7 +265,7 @@ impl Gemma4Assistant {
             input[i * 2 * hb..i * 2 * hb + hb].copy_from_slice(&emb[i * hb..(i + 1) * hb]);
             input[i * 2 * hb + hb..(i + 1) * 2 * hb].copy_from_slice(r.hidden);
         }
-        let mut x = self.pre_projection.forward(be, &input, m)?;
+        let mut x = self.pre_projection.forward(be, &be.upload(&input)?, m)?;
         let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect();
         for l in &self.layers {
             let heads = l.heads(c);
@@ -242,7 +274,7 @@ impl Gemma4Assistant {
                 LayerKind::Sliding => &self.rope_sliding,
                 LayerKind::Full => &self.rope_full,
             };
-            be.rope_at(&mut q, heads.heads * heads.head_dim, &positions, rope)?;
+            be.rope_at(&mut q, heads.heads * heads.head_dim, heads.head_dim, &positions, rope)?;
             let mut caches = Vec::with_capacity(m);
             let mut keys = Vec::with_capacity(m);
             for (i, r) in rows.iter().enumerate() {
@@ -263,13 +295,14 @@ impl Gemma4Assistant {
         }
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(&x, &self.norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        let hidden = self.post_projection.forward(be, &normed, m)?;
+        let hidden = be.download(self.post_projection.forward(be, &normed, m)?)?;
         let mut logits = be.alloc(m * c.vocab_size)?;
         be.linear(&normed, m, &self.lm_head, None, &mut logits, Out::Write)?;
+        let mut logits = be.download(logits)?;
         if let Some(o) = &self.ordered {
-            let scores = o.centroids.forward(be, &normed, m)?;
+            let scores = be.download(o.centroids.forward(be, &normed, m)?)?;
             for (row, s) in logits.chunks_mut(c.vocab_size).zip(scores.chunks(o.centroids.out)) {
-                mask_to_centroids(row, s, o);
+                mask_to_centroids(row, s, &o.ordering, o.top_k);
             }
         }
         Ok(logits
@@ -282,13 +315,13 @@ impl Gemma4Assistant {
 
 /// Keeps the logits of the tokens owned by the `top_k` best centroids (ties to the lower
 /// centroid) and sets every other to the smallest kept logit minus one.
-fn mask_to_centroids(logits: &mut [f32], scores: &[f32], o: &Ordered) {
+fn mask_to_centroids(logits: &mut [f32], scores: &[f32], ordering: &[u32], top_k: usize) {
     let per = logits.len() / scores.len();
     let mut order: Vec<usize> = (0..scores.len()).collect();
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
-    let kept: Vec<u32> = order[..o.top_k]
+    let kept: Vec<u32> = order[..top_k]
         .iter()
-        .flat_map(|&cent| o.ordering[cent * per..(cent + 1) * per].iter().copied())
+        .flat_map(|&cent| ordering[cent * per..(cent + 1) * per].iter().copied())
         .collect();
     let floor = kept.iter().map(|&t| logits[t as usize]).fold(f32::INFINITY, f32::min) - 1.0;
     let mut out = vec![floor; logits.len()];

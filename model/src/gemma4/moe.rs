@@ -130,6 +130,12 @@ mod tests {
         let r = route(&[0.0, 0.0, 5.0, 1.0], moe, &[1.0, 1.0, 1.0, 3.0]);
         assert_eq!(r[0][0].0, 2);
         assert_eq!(r[0][1].0, 3);
-        assert!(r[0][1].1 > 3.0 * 0.1, "the per-expert scale multiplies the weight");
+        // Renormalized over the two picked, then times expert 3's scale of 3.
+        let (p2, p3) = (5f32.exp(), 1f32.exp());
+        assert!(
+            (r[0][1].1 - 3.0 * p3 / (p2 + p3)).abs() < 1e-6,
+            "the per-expert scale multiplies the weight"
+        );
+        assert!((r[0][0].1 - p2 / (p2 + p3)).abs() < 1e-6);
     }
 }

@@ -274,13 +274,14 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, int widt
 }
 
 // ---------------------------------------------------------------------------------------
-// A forward's layout, uploaded once: per token (row, logical position, RoPE position);
+// A forward's layout, uploaded once: per token (row, logical position, RoPE position, first
+// key it may read: 0 but for an assistant's explicit key range);
 // per row (K/V buffer address, elements per plane, committed length, window base slot,
 // ring capacity). A row's buffer holds 2 * layers planes [layer][K, V][slot][kv_heads * hd].
 // A ring (sliding-window layers) keeps committed position p at slot p % ring; a plain
 // store (ring 0) at slot p; the open window sits from window_base on in both.
 struct Tok {
-    int row, pos, rope_pos;
+    int row, pos, rope_pos, first;
 };
 struct RowKv {
     u64 base;
@@ -405,7 +406,7 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
     for (int i = lane; i < hd; i += 32) qs[i] = qh[i];
     __syncwarp();
     const int n_keys = tok.pos + 1;
-    const int first = window > 0 ? max(0, n_keys - window) : 0;
+    const int first = max(tok.first, window > 0 ? n_keys - window : 0);
     const int dims = (hd + 31) / 32;
     float tot_m = __int_as_float(0xff800000), tot_l = 0.0f, tot[MAX_HD / 32];
     
@@ -593,4 +594,19 @@ extern "C" __global__ void add_rows_scaled(float* out, const float* src, const i
     float* o = out + (long long)rows[i] * width;
     const float w = weights[i];
     for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = o[c] + src[i * width + c] * w;
+}
+
+// RoPE of every hd-wide head of each `width`-wide row r of x at pos[r] (an assistant's
+// queries, whose positions are not a forward's). grid: (rows, heads), block: 128.
+extern "C" __global__ void rope_rows(float* x, int width, int hd, const int* pos, const float* cos_t,
+                                     const float* sin_t) {
+    const int half = hd / 2;
+    float* h = x + (long long)blockIdx.x * width + blockIdx.y * hd;
+    const float* c = cos_t + (long long)pos[blockIdx.x] * half;
+    const float* s = sin_t + (long long)pos[blockIdx.x] * half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float x1 = h[i], x2 = h[i + half];
+        h[i] = x1 * c[i] - x2 * s[i];
+        h[i + half] = x2 * c[i] + x1 * s[i];
+    }
 }

@@ -38,7 +38,10 @@ use mtp_cache::{KvStore, RowCache};
 
 pub use kv::CudaKv;
 
-use super::{open_windows, Backend, GemmaKernels, Heads, Kernels, KvDtype, Out, Plane, Slot};
+use super::{
+    held_keys, open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out,
+    Plane, Slot,
+};
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
 use crate::negative_control;
@@ -91,6 +94,7 @@ struct Functions {
     scale_by: CudaFunction,
     add_to: CudaFunction,
     add_rows_scaled: CudaFunction,
+    rope_rows: CudaFunction,
 }
 
 /// GPU 0, its stream and the loaded kernels. One per process ([`Cuda::shared`]): every
@@ -168,6 +172,7 @@ impl Cuda {
             scale_by: get("scale_by")?,
             add_to: get("add_to")?,
             add_rows_scaled: get("add_rows_scaled")?,
+            rope_rows: get("rope_rows")?,
         };
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
@@ -404,8 +409,9 @@ impl Kernels for Cuda {
                 ring_rows.push(map.ring as i64);
             }
         }
+        // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
         let toks: Vec<i32> =
-            slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32]).collect();
+            slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
         let ring_rows = if !caches.is_empty() && ring_rows.len() == rows.len() {
             Some(self.upload_as(&ring_rows, "batch layout")?)
         } else {
@@ -642,6 +648,81 @@ impl GemmaKernels for Cuda {
             256,
             "add_rows_scaled",
             [op, sp, ip, wp, wd]
+        )
+    }
+}
+
+impl AssistantKernels for Cuda {
+    fn rope_at(
+        &self,
+        x: &mut CudaSlice<f32>,
+        width: usize,
+        head_dim: usize,
+        positions: &[usize],
+        rope: &CudaRope,
+    ) -> Result<()> {
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let pos = self.upload_as(&pos, "positions")?;
+        let s = &self.stream;
+        let (xp, w, hd, pp, cp, sp) =
+            (ptr(x, s), width as i32, head_dim as i32, ptr(&pos, s), ptr(&rope.cos, s), ptr(&rope.sin, s));
+        let grid = (positions.len() as u32, (width / head_dim.max(1)) as u32);
+        launch!(self, &self.f.rope_rows, grid, 128, "rope_rows", [xp, w, hd, pp, cp, sp])
+    }
+
+    fn attention_over(
+        &self,
+        q: &CudaSlice<f32>,
+        keys: &[KeyRange],
+        caches: &[&RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
+        let mut toks: Vec<i32> = Vec::with_capacity(4 * caches.len());
+        let mut kv = None;
+        for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
+            let map = held_keys(c, r, plane, *k)?;
+            let store = match plane {
+                Plane::Main(_) => Some(c.store()),
+                Plane::Ring(_) => c.ring_store(),
+            };
+            let store =
+                store.and_then(|s| s.as_any().downcast_ref::<CudaKv>()).ok_or_else(|| Error::Request {
+                    request: format!("row {r}"),
+                    msg: "its target K/V are not on the GPU".into(),
+                })?;
+            if *kv.get_or_insert(store.dtype()) != store.dtype() {
+                return Err(Error::Backend("rows of one step hold K/V in different dtypes".into()));
+            }
+            rows.extend([
+                store.base(),
+                store.plane() as i64,
+                map.committed as i64,
+                map.base as i64,
+                map.ring as i64,
+            ]);
+            toks.extend([r as i32, k.end as i32 - 1, 0, k.first as i32]);
+        }
+        let (toks, rows) = (self.upload_as(&toks, "key ranges")?, self.upload_as(&rows, "key ranges")?);
+        let li = match plane {
+            Plane::Main(l) | Plane::Ring(l) => l as i32,
+        };
+        let s = &self.stream;
+        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&toks, s), ptr(&rows, s));
+        let (nh, nkv, hd, splits, win) =
+            (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32, 1i32, 0i32);
+        let grid = (caches.len() as u32, heads.heads as u32);
+        launch!(
+            self,
+            &self.f.attention[kv_index(kv.unwrap_or(KvDtype::F32))][(heads.head_dim > 256) as usize],
+            grid,
+            32,
+            "attention",
+            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
         )
     }
 }
