@@ -9,7 +9,9 @@
 #   gemma4-e2b, gemma4-31b-20: the same on a synthesized Gemma 4 E2B shape (all 35 layers)
 #          or the 31B shape cut to 20 of its 60 layers (the disk holds 64 GiB), with
 #          transformers' own Gemma4ForCausalLM as the anchor (a `cli` bundle suffices).
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20. Logs go to $OUT
+#   anchors: scripts/transformers_anchors.py (eager and static cache + torch.compile, B=1
+#          and 8) on the Qwen3-0.6B and Qwen3-8B shapes (a `cli` bundle suffices).
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +94,12 @@ PY
         rm -rf $dir
     done
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
+fi
+
+if [ "$what" = anchors ]; then
+    "$bin/mtp" synth --like qwen3 --out /tmp/qwen3-0.6b > /dev/null && "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    python3 scripts/transformers_anchors.py /tmp/qwen3-0.6b /tmp/qwen3-8b --batch 1 8 2>&1 | grep -v Warning | tee "$OUT/anchors.log"
+    status=${PIPESTATUS[0]}
 fi
 
 if [[ "$what" == gemma4-* ]]; then

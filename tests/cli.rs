@@ -305,3 +305,35 @@ fn logs_carry_no_colour_codes_off_a_terminal() {
     assert!(err.contains("INFO"), "no log lines to check: {err}");
     assert!(!err.contains('\u{1b}'), "escape codes in piped logs: {err:?}");
 }
+
+/// `--drafter assistant` on a Gemma 4 target prints what plain decoding prints (greedy and
+/// exact-sampled, batched); without `--draft` it is refused naming the flag, and a Gemma 4
+/// target refuses `--drafter draft-model` with a sliding-window model.
+#[test]
+fn gemma4_assistant_prints_what_plain_decoding_prints() {
+    let prompts = write_prompts(
+        "gemma4",
+        "{\"id\": \"a\", \"prompt\": \"def main():\\n    return\", \"arrive_at\": 1}\n\
+         {\"id\": \"b\", \"prompt_ids\": [2, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7], \"max_tokens\": 12}\n\
+         {\"id\": \"c\", \"prompt\": \"import os\", \"arrive_at\": 3}\n",
+    );
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4");
+    let (target, assistant) = (dir.join("gemma4-e-target"), dir.join("gemma4-e-assistant-ordered"));
+    let (t, a) = (target.to_str().unwrap(), assistant.to_str().unwrap());
+    let base = ["generate", "--target", t, "--prompts", &prompts, "--ignore-eos", "--max-tokens", "20"];
+    for sampling in [vec![], vec!["--temperature", "0.9", "--seed", "5"]] {
+        let plain: Vec<&str> = base.iter().chain(&sampling).copied().collect();
+        let (code, want, err) = mtp(&[&plain[..], &["--drafter", "none"]].concat());
+        assert_eq!(code, 0, "{err}");
+        let args =
+            [&plain[..], &["--drafter", "assistant", "--draft", a, "--k", "3", "--max-batch", "3"]].concat();
+        let (code, got, err) = mtp(&args);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(got, want, "the assistant changed the output ({sampling:?})");
+        assert!(err.contains("the assistant"), "{err}");
+    }
+    let (code, _, err) = mtp(&[&base[..], &["--drafter", "assistant"]].concat());
+    assert!(code == 1 && err.contains("--draft"), "{err}");
+    let (code, _, err) = mtp(&[&base[..], &["--drafter", "draft-model", "--draft", t]].concat());
+    assert!(code == 1 && err.contains("sliding-window"), "{err}");
+}

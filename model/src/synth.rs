@@ -49,6 +49,15 @@ impl SynthSpec {
         };
         match name {
             "qwen3" | "qwen3-0.6b" => Some(base),
+            "qwen3-8b" => Some(SynthSpec {
+                hidden_size: 4096,
+                num_hidden_layers: 36,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                intermediate_size: 12288,
+                tie_word_embeddings: false,
+                ..base
+            }),
             "qwen2" | "qwen2.5-0.5b" => Some(SynthSpec {
                 arch: Arch::Qwen2,
                 hidden_size: 896,

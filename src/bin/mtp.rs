@@ -77,7 +77,7 @@ enum Command {
     /// layers, --kv-heads and --head-dim set the sliding layers' (full layers keep the
     /// preset's head size ratio).
     Synth {
-        /// Preset shape: qwen3 (Qwen3-0.6B), qwen2 (Qwen2.5-0.5B), llama (Llama-3.2-1B),
+        /// Preset shape: qwen3 (Qwen3-0.6B), qwen3-8b, qwen2 (Qwen2.5-0.5B), llama (Llama-3.2-1B),
         /// gemma4-31b (Gemma 4 31B), gemma4-e2b (Gemma 4 E2B); Gemma 4 text decoders only.
         #[arg(long)]
         like: String,
@@ -496,7 +496,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             let Some(mut s) = SynthSpec::preset(&like) else {
-                bail!("unknown --like `{like}` (qwen3, qwen2, llama, {})", GEMMA4_PRESETS.join(", "));
+                bail!(
+                    "unknown --like `{like}` (qwen3, qwen3-8b, qwen2, llama, {})",
+                    GEMMA4_PRESETS.join(", ")
+                );
             };
             s.hidden_size = hidden.unwrap_or(s.hidden_size);
             s.num_hidden_layers = layers.unwrap_or(s.num_hidden_layers);
