@@ -406,3 +406,17 @@ fn bad_gemma4_configs_name_the_key() {
     let err = AssistantDrafter::load(&gemma("gemma4-e-assistant"), llama).err().unwrap().to_string();
     assert!(err.contains("Gemma 4"), "{err}");
 }
+
+/// A prefix cache asked for is left off for ring rows (their evicted positions cannot be
+/// shared), and the outputs stay those of plain decoding alone.
+#[test]
+fn gemma4_runs_with_the_prefix_cache_switched_off() {
+    let g = Gate::new("gemma4-dense-target", Some("gemma4-dense-assistant"), false);
+    let opts = EngineOptions { max_batch: 4, prefix_cache_bytes: 1 << 20, ..EngineOptions::default() };
+    let mut engine = Engine::new(&g.model, Some(g.drafter("assistant")), opts).unwrap();
+    let got = mtp::engine::generate(&mut engine, &g.requests, &g.arrive_at, |_, _| {});
+    assert_eq!(engine.prefix_cache_bytes(), 0);
+    for (i, (r, want)) in got.into_iter().zip(&g.reference).enumerate() {
+        assert!(same(&r.unwrap(), want), "request {i}");
+    }
+}
