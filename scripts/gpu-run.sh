@@ -74,19 +74,7 @@ PY
                 --intermediate 12288 --vocab 151936 --out $dir >> "$blog" 2>&1
         fi
         echo "== qwen3-$shape: transformers eager, B=1 greedy decode" | tee -a "$blog"
-        python3 - "$dir" <<'PY' 2>&1 | tee -a "$blog"
-import sys, time, torch
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
-ids = torch.randint(3, 1000, (1, 32), device="cuda")
-def gen(n):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    torch.cuda.synchronize(); return time.perf_counter() - t
-gen(4)
-t1, t65 = gen(1), gen(65)
-print(f"transformers eager decode: {64 / (t65 - t1):.1f} tok/s (B=1, bf16, 64 tokens after a 32-token prompt)")
-PY
+        python3 scripts/transformers_anchors.py $dir --modes eager --batch 1 2>&1 | grep "tok/s" | tee -a "$blog"
         echo "== qwen3-$shape: mtp-bench --backend cuda" | tee -a "$blog"
         "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4,auto --batch 1,8 \
             --temperatures 0 --prompts-dir "$prompts" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
@@ -112,19 +100,7 @@ if [[ "$what" == gemma4-* ]]; then
     esac
     du -sh $dir | tee -a "$blog"
     echo "== $what: transformers eager, B=1 greedy decode" | tee -a "$blog"
-    python3 - "$dir" <<'PY' 2>&1 | tail -3 | tee -a "$blog"
-import sys, time, torch
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, attn_implementation="eager").cuda().eval()
-ids = torch.randint(3, 500, (1, 32), device="cuda")
-def gen(n):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    torch.cuda.synchronize(); return time.perf_counter() - t
-gen(4)
-t1, t65 = gen(1), gen(65)
-print(f"transformers eager decode: {64 / (t65 - t1):.1f} tok/s (B=1, bf16, 64 tokens after a 32-token prompt)")
-PY
+    python3 scripts/transformers_anchors.py $dir --modes eager --batch 1 2>&1 | grep "tok/s" | tee -a "$blog"
     echo "== $what: mtp-bench --backend cuda" | tee -a "$blog"
     "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4 --batch 1,8 \
         --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \

@@ -22,6 +22,22 @@ struct Entry {
     shape: Vec<usize>,
 }
 
+impl Entry {
+    /// The tensor's dtype as a float weight dtype (F32, BF16, F16), or an error naming it.
+    fn float_dtype(&self, name: &str) -> Result<WeightDtype> {
+        match self.dtype {
+            Dtype::F32 => Ok(WeightDtype::F32),
+            Dtype::BF16 => Ok(WeightDtype::Bf16),
+            Dtype::F16 => Ok(WeightDtype::F16),
+            other => Err(Error::TensorDtype {
+                path: (*self.file).clone(),
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+            }),
+        }
+    }
+}
+
 /// The tensors of one checkpoint directory.
 pub struct Checkpoint {
     dir: PathBuf,
@@ -115,18 +131,7 @@ impl Checkpoint {
                 expected: shape.to_vec(),
             });
         }
-        let dtype = match e.dtype {
-            Dtype::F32 => WeightDtype::F32,
-            Dtype::BF16 => WeightDtype::Bf16,
-            Dtype::F16 => WeightDtype::F16,
-            other => {
-                return Err(Error::TensorDtype {
-                    path: (*e.file).clone(),
-                    name: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
+        let dtype = e.float_dtype(name)?;
         let (rows, cols) = match shape {
             [n] => (1, *n),
             [r, c] => (*r, *c),
@@ -202,18 +207,7 @@ impl Checkpoint {
             .tensors
             .get(name)
             .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
-        let dtype = match entry.dtype {
-            Dtype::F32 => WeightDtype::F32,
-            Dtype::BF16 => WeightDtype::Bf16,
-            Dtype::F16 => WeightDtype::F16,
-            other => {
-                return Err(Error::TensorDtype {
-                    path: (*entry.file).clone(),
-                    name: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
+        let dtype = entry.float_dtype(name)?;
         if entry.shape != shape || e >= shape[0] || rows.end > shape[1] {
             return Err(Error::TensorShape {
                 path: (*entry.file).clone(),
