@@ -11,7 +11,9 @@
 #          transformers' own Gemma4ForCausalLM as the anchor (a `cli` bundle suffices).
 #   anchors: scripts/transformers_anchors.py (eager and static cache + torch.compile, B=1
 #          and 8) on the Qwen3-0.6B and Qwen3-8B shapes (a `cli` bundle suffices).
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors. Logs go to $OUT
+#   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
+#          time of each forward's kernels (ncu, one metric), split by kernel.
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|profile. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +90,41 @@ if [ "$what" = anchors ]; then
     "$bin/mtp" synth --like qwen3 --out /tmp/qwen3-0.6b > /dev/null && "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
     python3 scripts/transformers_anchors.py /tmp/qwen3-0.6b /tmp/qwen3-8b --batch 1 8 2>&1 | grep -v Warning | tee "$OUT/anchors.log"
     status=${PIPESTATUS[0]}
+fi
+
+if [ "$what" = profile ]; then
+    dir=/tmp/qwen3-0.6b
+    "$bin/mtp" synth --like qwen3 --out $dir > /dev/null
+    python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': list(range(3, 35))}))" > /tmp/p.jsonl
+    gen=("$bin/mtp" generate --target $dir --backend cuda --drafter none --max-batch 1 --prompts /tmp/p.jsonl --ignore-eos)
+    "${gen[@]}" --max-tokens 200 2>&1 >/dev/null | grep -E "tokens_per_second" | tee "$OUT/profile.log"
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    "$ncu" --metrics gpu__time_duration.sum --csv -c 2800 "${gen[@]}" --max-tokens 8 > "$OUT/ncu.csv" 2>/dev/null
+    python3 - "$OUT/ncu.csv" <<'PY' 2>&1 | tee -a "$OUT/profile.log"
+import csv, sys, collections
+# ncu's CSV lines are quoted; mtp's own stdout lines in the same file are not.
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+head, rows = rows[0], rows[1:]
+name, val = head.index("Kernel Name"), head.index("Metric Value")
+forwards, cur = [], None
+for r in rows:
+    k, ns = r[name].split("(")[0], float(r[val].replace(",", ""))
+    if k.startswith("embed"):
+        cur = collections.Counter(); forwards.append(cur)
+    if cur is not None:
+        cur[k] += ns; cur["#launches"] += 1
+decode = forwards[1:-1] or forwards
+total = sum(sum(v for k, v in f.items() if k != "#launches") for f in decode) / len(decode)
+print(f"{len(forwards)} forwards profiled; per decode forward: {total / 1e3:.0f} us of kernel time, "
+      f"{sum(f['#launches'] for f in decode) / len(decode):.0f} launches")
+agg = collections.Counter()
+for f in decode:
+    agg.update(f)
+for k, v in agg.most_common(12):
+    if k != "#launches":
+        print(f"  {k}: {v / len(decode) / 1e3:.1f} us")
+PY
+    rm -rf $dir
 fi
 
 if [[ "$what" == gemma4-* ]]; then
