@@ -76,7 +76,7 @@ PY
                 --intermediate 12288 --vocab 151936 --out $dir >> "$blog" 2>&1
         fi
         echo "== qwen3-$shape: transformers eager, B=1 greedy decode" | tee -a "$blog"
-        python3 scripts/transformers_anchors.py $dir --modes eager --batch 1 2>&1 | grep "tok/s" | tee -a "$blog"
+        python3 scripts/transformers_anchors.py $dir --modes eager --attn eager --batch 1 2>&1 | grep "tok/s" | tee -a "$blog"
         echo "== qwen3-$shape: mtp-bench --backend cuda" | tee -a "$blog"
         "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4,auto --batch 1,8 \
             --temperatures 0 --prompts-dir "$prompts" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
@@ -137,7 +137,7 @@ if [[ "$what" == gemma4-* ]]; then
     esac
     du -sh $dir | tee -a "$blog"
     echo "== $what: transformers eager, B=1 greedy decode" | tee -a "$blog"
-    python3 scripts/transformers_anchors.py $dir --modes eager --batch 1 2>&1 | grep "tok/s" | tee -a "$blog"
+    python3 scripts/transformers_anchors.py $dir --modes eager --attn eager --batch 1 2>&1 | grep "tok/s" | tee -a "$blog"
     echo "== $what: mtp-bench --backend cuda" | tee -a "$blog"
     "$bin/mtp-bench" --target $dir --backend cuda --drafters oracle:1.0,oracle:0.7 --k 4 --batch 1,8 \
         --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \

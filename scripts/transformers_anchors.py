@@ -20,12 +20,14 @@ p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
 p.add_argument("--prompt", type=int, default=32)
 p.add_argument("--new", type=int, default=65)
 p.add_argument("--modes", default="eager,compile")
+p.add_argument("--attn", default=None, help="attn_implementation (default: transformers' own choice)")
 p.add_argument("--bandwidth", type=float, default=3.0e12, help="bytes/s for the limit column")
 a = p.parse_args()
 
 rows = []
 for path in a.models:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    extra = {"attn_implementation": a.attn} if a.attn else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **extra).cuda().eval()
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     limit = a.bandwidth / weights
     for mode in a.modes.split(","):
