@@ -40,11 +40,7 @@ impl CpuBatch {
 
 /// Layer `plane` of row `r`'s host store, read through `map`.
 fn view<'a>(cache: &'a RowCache, r: usize, plane: Plane, map: SlotMap) -> Result<KvView<'a>> {
-    let (store, layer) = match plane {
-        Plane::Main(l) => (Some(cache.store()), l),
-        Plane::Ring(l) => (cache.ring_store(), l),
-    };
-    store.and_then(|s| KvView::of_store(s, layer, map)).ok_or_else(|| foreign(r))
+    plane.store(cache).and_then(|s| KvView::of_store(s, plane.layer(), map)).ok_or_else(|| foreign(r))
 }
 
 fn foreign(row: usize) -> Error {
@@ -199,11 +195,8 @@ impl Kernels for Cpu {
         for (r, cache) in caches.iter_mut().enumerate() {
             let (t, base) = (cache.window_len(), batch.map(r, plane)?.base);
             let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
-            let (store, layer) = match plane {
-                Plane::Main(l) => (Some(cache.store_mut()), l),
-                Plane::Ring(l) => (cache.ring_store_mut(), l),
-            };
-            let store = store.ok_or_else(|| foreign(r))?.as_any_mut();
+            let layer = plane.layer();
+            let store = plane.store_mut(cache).ok_or_else(|| foreign(r))?.as_any_mut();
             if let Some(host) = store.downcast_mut::<HostKv>() {
                 host.write(layer, base, kw, vw);
             } else {

@@ -258,6 +258,38 @@ pub enum Plane {
     Ring(usize),
 }
 
+impl Plane {
+    /// The layer within its store.
+    pub fn layer(self) -> usize {
+        match self {
+            Plane::Main(l) | Plane::Ring(l) => l,
+        }
+    }
+
+    /// The store of `cache` this plane lives in (`None`: the row has no ring).
+    pub fn store(self, cache: &RowCache) -> Option<&dyn KvStore> {
+        match self {
+            Plane::Main(_) => Some(cache.store()),
+            Plane::Ring(_) => cache.ring_store(),
+        }
+    }
+
+    pub fn store_mut(self, cache: &mut RowCache) -> Option<&mut dyn KvStore> {
+        match self {
+            Plane::Main(_) => Some(cache.store_mut()),
+            Plane::Ring(_) => cache.ring_store_mut(),
+        }
+    }
+
+    /// Where this plane of `cache` holds its committed positions and open window.
+    pub fn map(self, cache: &RowCache) -> Option<SlotMap> {
+        match self {
+            Plane::Main(_) => Some(cache.slot_map()),
+            Plane::Ring(_) => cache.ring_map(),
+        }
+    }
+}
+
 /// The ops Gemma 4 adds to [`Kernels`]; a backend runs Gemma 4 once it implements them.
 /// Every op is per token (or per element) like the rest of the seam.
 pub trait GemmaKernels: Kernels {
@@ -317,11 +349,7 @@ pub struct KeyRange {
 /// Where `plane` of row `r`'s cache holds its committed positions, once checked that they
 /// include `keys` (an assistant reads only what is held).
 pub(crate) fn held_keys(cache: &RowCache, r: usize, plane: Plane, keys: KeyRange) -> Result<SlotMap> {
-    let map = match plane {
-        Plane::Main(_) => Some(cache.slot_map()),
-        Plane::Ring(_) => cache.ring_map(),
-    };
-    match map {
+    match plane.map(cache) {
         Some(m) if keys.first < keys.end && keys.first >= m.first_held() && keys.end <= m.committed => Ok(m),
         _ => Err(Error::Request {
             request: format!("row {r}"),

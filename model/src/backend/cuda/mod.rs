@@ -595,38 +595,29 @@ impl Cuda {
             },
         }
     }
+}
 
-    /// An elementwise kernel `f(x, ..args, n)` over `n` values.
-    fn elementwise(&self, f: &CudaFunction, n: usize, what: &str, x: u64, y: u64, s: f32) -> Result<()> {
-        let (n64, grid) = (n as i64, (n.div_ceil(256) as u32, 1));
-        if y != 0 {
-            launch!(self, f, grid, 256, what, [x, y, n64])
-        } else {
-            launch!(self, f, grid, 256, what, [x, s, n64])
-        }
-    }
+/// Blocks of 256 threads covering `n` values.
+fn grid256(n: usize) -> (u32, u32) {
+    (n.div_ceil(256) as u32, 1)
 }
 
 impl GemmaKernels for Cuda {
     fn gelu_tanh_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
-        let s = &self.stream;
-        self.elementwise(
-            &self.f.gelu_tanh_mul,
-            gate.len().min(up.len()),
-            "gelu",
-            ptr(gate, s),
-            ptr(up, s),
-            0.0,
-        )
+        let n = gate.len().min(up.len());
+        let (g, u, n64) = (ptr(gate, &self.stream), ptr(up, &self.stream), n as i64);
+        launch!(self, &self.f.gelu_tanh_mul, grid256(n), 256, "gelu", [g, u, n64])
     }
 
     fn scale(&self, x: &mut CudaSlice<f32>, by: f32) -> Result<()> {
-        self.elementwise(&self.f.scale_by, x.len(), "scale", ptr(x, &self.stream), 0, by)
+        let (xp, n64) = (ptr(x, &self.stream), x.len() as i64);
+        launch!(self, &self.f.scale_by, grid256(x.len()), 256, "scale", [xp, by, n64])
     }
 
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
-        let s = &self.stream;
-        self.elementwise(&self.f.add_to, x.len().min(y.len()), "add", ptr(x, s), ptr(y, s), 0.0)
+        let n = x.len().min(y.len());
+        let (xp, yp, n64) = (ptr(x, &self.stream), ptr(y, &self.stream), n as i64);
+        launch!(self, &self.f.add_to, grid256(n), 256, "add", [xp, yp, n64])
     }
 
     fn add_rows_scaled(
@@ -686,14 +677,12 @@ impl AssistantKernels for Cuda {
         let mut kv = None;
         for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
             let map = held_keys(c, r, plane, *k)?;
-            let store = match plane {
-                Plane::Main(_) => Some(c.store()),
-                Plane::Ring(_) => c.ring_store(),
-            };
             let store =
-                store.and_then(|s| s.as_any().downcast_ref::<CudaKv>()).ok_or_else(|| Error::Request {
-                    request: format!("row {r}"),
-                    msg: "its target K/V are not on the GPU".into(),
+                plane.store(c).and_then(|s| s.as_any().downcast_ref::<CudaKv>()).ok_or_else(|| {
+                    Error::Request {
+                        request: format!("row {r}"),
+                        msg: "its target K/V are not on the GPU".into(),
+                    }
                 })?;
             if *kv.get_or_insert(store.dtype()) != store.dtype() {
                 return Err(Error::Backend("rows of one step hold K/V in different dtypes".into()));
@@ -708,9 +697,7 @@ impl AssistantKernels for Cuda {
             toks.extend([r as i32, k.end as i32 - 1, 0, k.first as i32]);
         }
         let (toks, rows) = (self.upload_as(&toks, "key ranges")?, self.upload_as(&rows, "key ranges")?);
-        let li = match plane {
-            Plane::Main(l) | Plane::Ring(l) => l as i32,
-        };
+        let li = plane.layer() as i32;
         let s = &self.stream;
         let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&toks, s), ptr(&rows, s));
         let (nh, nkv, hd, splits, win) =
