@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{cpu::Cpu, Backend, Heads, Kernels, KvDtype, Out, Plane, Slot};
+use crate::backend::{Backend, Heads, Kernels, KvDtype, Out, Plane, Slot};
 use crate::checkpoint::Checkpoint;
 use crate::config::{Arch, Config};
 use crate::error::{Error, Result};
@@ -413,17 +413,7 @@ impl Model {
             let net = crate::gemma4::load(config.clone(), ck, backend, kv)?;
             return Ok(Model { config, net });
         }
-        let net: Box<dyn Net> = match backend {
-            Backend::Cpu => Box::new(Decoder::load(Arc::new(Cpu), config.clone(), ck, kv)?),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda => {
-                Box::new(Decoder::load(crate::backend::cuda::Cuda::shared()?, config.clone(), ck, kv)?)
-            }
-            other => {
-                other.check()?;
-                return Err(Error::Backend(format!("no {} kernels in this build", other.name())));
-            }
-        };
+        let net: Box<dyn Net> = crate::on_backend!(backend, be => Ok(Box::new(Decoder::load(be, config.clone(), ck, kv)?) as Box<dyn Net>))?;
         Ok(Model { config, net })
     }
 

@@ -135,6 +135,11 @@ impl Weight {
         Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype: WeightDtype::F32, rows, cols, quant: None }
     }
 
+    /// Whether the bytes are a memory-mapped checkpoint's (not an owned copy).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.bytes, Bytes::Mapped(..))
+    }
+
     pub fn bytes(&self) -> &[u8] {
         match &self.bytes {
             Bytes::Mapped(m, r) => &m[r.clone()],

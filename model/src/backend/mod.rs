@@ -1,7 +1,8 @@
 //! The backend seam. The model, the MTP head, the verifier, rollback and the engine exist
 //! once; a backend is the set of kernels behind [`Kernels`] and the place where its
 //! buffers live. [`cpu::Cpu`] is the reference (f32 activations and KV in host memory);
-//! `cuda::Cuda` (feature `cuda`) runs the same forward on an NVIDIA GPU.
+//! `cuda::Cuda` (feature `cuda`) runs the same forward on an NVIDIA GPU, [`metal::Metal`] on
+//! an Apple GPU (feature `metal`, macOS) or on its CPU emulator (`metal-emulated`).
 //!
 //! Why a trait over buffers rather than candle tensors with custom ops: every op of the
 //! forward must be a row-invariant kernel of ours, the KV cache has its own window and
@@ -12,6 +13,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod metal;
 
 use std::sync::Arc;
 
@@ -28,6 +30,8 @@ pub enum Backend {
     Cpu,
     Cuda,
     Metal,
+    /// The Metal kernels on the CPU, through the emulator that runs them in CI.
+    MetalEmulated,
 }
 
 impl std::str::FromStr for Backend {
@@ -37,7 +41,10 @@ impl std::str::FromStr for Backend {
             "cpu" => Ok(Backend::Cpu),
             "cuda" => Ok(Backend::Cuda),
             "metal" => Ok(Backend::Metal),
-            other => Err(Error::Backend(format!("unknown backend `{other}` (cpu, cuda, metal)"))),
+            "metal-emulated" => Ok(Backend::MetalEmulated),
+            other => {
+                Err(Error::Backend(format!("unknown backend `{other}` (cpu, cuda, metal, metal-emulated)")))
+            }
         }
     }
 }
@@ -50,9 +57,22 @@ impl Backend {
             Backend::Cpu => Ok(()),
             #[cfg(feature = "cuda")]
             Backend::Cuda => cuda::Cuda::shared().map(|_| ()),
-            Backend::Metal if cfg!(feature = "metal") => Err(Error::Backend(
-                "the Metal row-invariant kernels are not implemented yet; use --backend cpu".into(),
+            #[cfg(all(feature = "metal", target_os = "macos"))]
+            Backend::Metal => metal::apple::Apple::shared().map(|_| ()),
+            #[cfg(not(target_os = "macos"))]
+            Backend::Metal => Err(Error::Backend(
+                "the Metal backend runs on macOS (Apple GPUs); here `--backend metal-emulated` runs the same \
+                 kernels on the CPU emulator (slow: for testing)"
+                    .into(),
             )),
+            #[cfg(mtp_metal_emulator)]
+            Backend::MetalEmulated => Ok(()),
+            #[cfg(not(mtp_metal_emulator))]
+            Backend::MetalEmulated => Err(Error::Backend(
+                "this build has no Metal emulator (it is built everywhere but macOS, where the real device runs)"
+                    .into(),
+            )),
+            #[allow(unreachable_patterns)]
             other => Err(Error::Backend(format!(
                 "this binary was not built with the {other:?} backend (rebuild with --features {})",
                 format!("{other:?}").to_lowercase()
@@ -65,8 +85,47 @@ impl Backend {
             Backend::Cpu => "cpu",
             Backend::Cuda => "cuda",
             Backend::Metal => "metal",
+            Backend::MetalEmulated => "metal-emulated",
         }
     }
+}
+
+/// Runs `$body` with `$be` bound to the `Arc` of `$backend`'s kernel set (each backend this
+/// build has), or returns an error naming what is missing. The one list of backends that
+/// loads a model.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! on_backend {
+    ($backend:expr, $be:ident => $body:expr) => {{
+        #[allow(unused_imports)]
+        use $crate::backend::Backend;
+        match $backend {
+            Backend::Cpu => {
+                let $be = std::sync::Arc::new($crate::backend::cpu::Cpu);
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => {
+                let $be = $crate::backend::cuda::Cuda::shared()?;
+                $body
+            }
+            #[cfg(all(feature = "metal", target_os = "macos"))]
+            Backend::Metal => {
+                let $be = $crate::backend::metal::apple::Apple::shared()?;
+                $body
+            }
+            #[cfg(mtp_metal_emulator)]
+            Backend::MetalEmulated => {
+                let $be = $crate::backend::metal::emulated::Emulator::shared();
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            other => {
+                other.check()?;
+                Err($crate::error::Error::Backend(format!("no {} kernels in this build", other.name())))
+            }
+        }
+    }};
 }
 
 /// How K/V are stored. `Auto` is each backend's default: f32 on the CPU; on CUDA, bf16 for

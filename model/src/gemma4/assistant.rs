@@ -12,7 +12,7 @@ use std::sync::Arc;
 use mtp_cache::RowCache;
 use serde_json::Value;
 
-use crate::backend::{cpu::Cpu, AssistantKernels, Backend, KeyRange, Out, Plane};
+use crate::backend::{AssistantKernels, KeyRange, Out, Plane};
 use crate::checkpoint::Checkpoint;
 use crate::config::{read_json, Config};
 use crate::error::{Error, Result};
@@ -83,12 +83,7 @@ impl Gemma4Assistant {
     /// Loads the assistant in `dir` to draft for `target` (a Gemma 4 model), on the
     /// target's backend.
     pub fn load(dir: &Path, target: Arc<Model>) -> Result<Gemma4Assistant> {
-        match target.backend() {
-            Backend::Cpu => Gemma4Assistant::load_on(dir, target, Arc::new(Cpu)),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda => Gemma4Assistant::load_on(dir, target, crate::backend::cuda::Cuda::shared()?),
-            other => Err(Error::Backend(format!("no {} kernels for the Gemma 4 assistant", other.name()))),
-        }
+        crate::on_backend!(target.backend(), be => Gemma4Assistant::load_on(dir, target, be))
     }
 
     fn load_on<B: AssistantKernels>(dir: &Path, target: Arc<Model>, be: Arc<B>) -> Result<Gemma4Assistant> {

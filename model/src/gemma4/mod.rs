@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{cpu::Cpu, Backend, GemmaKernels, KvDtype, Plane};
+use crate::backend::{Backend, GemmaKernels, KvDtype, Plane};
 use crate::checkpoint::Checkpoint;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -329,16 +329,5 @@ pub(crate) fn load(config: Config, ck: &Checkpoint, backend: Backend, kv: KvDtyp
             ck.dir().display()
         );
     }
-    match backend {
-        Backend::Cpu => Ok(Box::new(Gemma4::load(Arc::new(Cpu), config, g, ck, prefix, kv)?)),
-        #[cfg(feature = "cuda")]
-        Backend::Cuda => {
-            let cuda = crate::backend::cuda::Cuda::shared()?;
-            Ok(Box::new(Gemma4::load(cuda, config, g, ck, prefix, kv)?))
-        }
-        other => {
-            other.check()?;
-            Err(Error::Backend(format!("no {} kernels for Gemma 4 in this build", other.name())))
-        }
-    }
+    crate::on_backend!(backend, be => Ok(Box::new(Gemma4::load(be, config, g, ck, prefix, kv)?) as Box<dyn Net>))
 }

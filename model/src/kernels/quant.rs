@@ -2,7 +2,9 @@
 //! multiply then an add (never fused), so every ISA path gives the same bits; mxfp4
 //! `scale * e2m1(q)` (exact: the scale is a power of two).
 
-use super::simd::{isa, Isa};
+use super::simd::isa;
+#[cfg(target_arch = "x86_64")]
+use super::simd::Isa;
 use crate::weights::{Quant, E2M1};
 
 /// Dequantizes one row: `packed` holds its `out.len() * bits / 8` bytes, `scales` and

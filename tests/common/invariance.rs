@@ -1,0 +1,96 @@
+//! Kernel-level invariance checks shared by the GPU and Metal-emulator tests: the same
+//! property, asserted on each backend's kernels.
+
+use mtp::model::backend::{Backend, Kernels, KvDtype, Out};
+use mtp::model::{Logits, Model, RowInput, Weight, WeightDtype};
+
+use super::{bits, fixture, Lcg};
+
+/// A random `n x k` weight in `dtype` (values in +-0.05).
+pub fn weight(rng: &mut Lcg, dtype: WeightDtype, n: usize, k: usize) -> Weight {
+    let values: Vec<f32> = (0..n * k).map(|_| rng.f32() * 0.05).collect();
+    let bytes = match dtype {
+        WeightDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        WeightDtype::Bf16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+        WeightDtype::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+    };
+    Weight::from_le_bytes(bytes, dtype, n, k)
+}
+
+/// `x (m x k) . w^T` on `kernels` (`w` made by its `matrix`).
+pub fn product<K: Kernels>(kernels: &K, w: &K::Mat, n: usize, x: &[f32], m: usize) -> Vec<f32> {
+    let xs = kernels.upload(x).unwrap();
+    let mut out = kernels.alloc(m * n).unwrap();
+    kernels.linear(&xs, m, w, None, &mut out, Out::Write).unwrap();
+    kernels.download(out).unwrap()
+}
+
+/// Whether the rows of `x . w^T` computed `m` at a time equal the same rows computed one
+/// by one, for every `m` in `ms`.
+pub fn rows_invariant<K: Kernels>(kernels: &K, w: &Weight, x: &[f32], ms: &[usize]) -> bool {
+    let (n, k) = (w.rows, w.cols);
+    let mat = kernels.matrix(w).unwrap();
+    let max_m = *ms.iter().max().unwrap();
+    let alone: Vec<Vec<u32>> =
+        (0..max_m).map(|r| bits(&product(kernels, &mat, n, &x[r * k..(r + 1) * k], 1))).collect();
+    ms.iter().all(|&m| {
+        let together = product(kernels, &mat, n, &x[..m * k], m);
+        (0..m).all(|r| bits(&together[r * n..(r + 1) * n]) == alone[r])
+    })
+}
+
+/// Logits after each prompt, run alone or all in one forward.
+pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<Vec<u32>> {
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();
+    let run = |idx: &[usize], caches: &mut [mtp::cache::RowCache]| {
+        let mut rows: Vec<RowInput> = idx
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(&i, c)| RowInput { tokens: &prompts[i], cache: c, logits: Logits::Last })
+            .collect();
+        model.forward(&mut rows).unwrap().into_iter().map(|o| bits(&o.logits[0])).collect::<Vec<_>>()
+    };
+    if together {
+        let idx: Vec<usize> = (0..prompts.len()).collect();
+        run(&idx, &mut caches)
+    } else {
+        (0..prompts.len()).flat_map(|i| run(&[i], &mut caches[i..i + 1])).collect()
+    }
+}
+
+/// Eight prompts of different lengths (40 to 117 tokens) for `model`.
+pub fn prompts(model: &Model, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = Lcg(seed);
+    (0..8).map(|i| (0..40 + 11 * i).map(|_| rng.below(model.config.vocab_size) as u32).collect()).collect()
+}
+
+/// For f32, bf16 and f16 weights (every widening path of the kernels) and f32 K/V, the
+/// largest difference between `backend`'s logits after a prompt and the CPU's, with the
+/// logits' scale: (dtype, worst, scale).
+pub fn logits_vs_cpu(backend: Backend) -> Vec<(WeightDtype, f32, f32)> {
+    use mtp::model::synth::SynthSpec;
+    let base = super::load(&fixture("qwen3-target")).config;
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % base.vocab_size as u32).collect();
+    let mut out = Vec::new();
+    for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+        let dir = std::env::temp_dir().join(format!(
+            "mtp-{}-{}-{}",
+            backend.name(),
+            dtype.name(),
+            std::process::id()
+        ));
+        SynthSpec { dtype, seed: 5, ..SynthSpec::from_config(&base) }.write(&dir).unwrap();
+        let logits = |backend: Backend| {
+            let model = Model::load_with(&dir, backend, KvDtype::F32).unwrap();
+            let mut cache = model.new_cache();
+            mtp::engine::prefill(&model, &mut cache, &prompt, 16, false).unwrap().0
+        };
+        let (cpu, other) = (logits(Backend::Cpu), logits(backend));
+        let scale = cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let worst = cpu.iter().zip(&other).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        println!("{}: {} logits within {worst:e} of the CPU's (scale {scale})", dtype.name(), backend.name());
+        out.push((dtype, worst, scale));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    out
+}
