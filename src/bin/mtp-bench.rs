@@ -60,7 +60,8 @@ struct Cli {
     /// New tokens per request (EOS is ignored so every run generates the same count).
     #[arg(long, default_value_t = 32, value_parser = mtp::at_least_one)]
     max_tokens: usize,
-    /// Where the models run: cpu, or cuda (a build with `--features cuda`).
+    /// Where the models run: cpu, cuda (a build with `--features cuda`), metal (macOS,
+    /// `--features metal`) or metal-emulated (the Metal kernels on the CPU emulator).
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// How K/V are stored: auto, f32, bf16 (as for `mtp generate`).

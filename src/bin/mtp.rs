@@ -156,12 +156,13 @@ struct ModelArgs {
     /// Prompt tokens per prefill forward.
     #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
     prefill_chunk: usize,
-    /// Where the model runs: cpu, or cuda (a build with `--features cuda` and an
-    /// NVIDIA GPU; weights go to GPU 0, K/V stay there).
+    /// Where the model runs: cpu; cuda (a build with `--features cuda` and an NVIDIA GPU;
+    /// weights go to GPU 0, K/V stay there); metal (macOS, `--features metal`, Apple GPU);
+    /// metal-emulated (the Metal kernels on the CPU emulator: slow, for testing).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// How K/V are stored: auto (f32 on the CPU; on CUDA bf16 for 16-bit checkpoints,
-    /// f32 for f32 ones), f32, or bf16 (CUDA only).
+    /// How K/V are stored: auto (f32 on the CPU; on CUDA and Metal bf16 for 16-bit checkpoints,
+    /// f32 for f32 ones), f32, or bf16 (CUDA and Metal).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
     /// Quantize K/V to 8 or 4 bits (CPU; per position and KV head: an f32 scale and bias

@@ -417,6 +417,41 @@ pub(crate) fn held_keys(cache: &RowCache, r: usize, plane: Plane, keys: KeyRange
     }
 }
 
+/// The GPU backends' K/V dtype: f32 for f32 weights and bf16 for 16-bit ones by default (half
+/// the memory), or as chosen; quantized K/V are the CPU's only (so far).
+#[cfg_attr(not(any(feature = "cuda", mtp_metal_emulator, feature = "metal")), allow(dead_code))]
+pub(crate) fn device_kv_dtype(kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+    if kv.bits().is_some() {
+        return Err(Error::Backend("quantized K/V (--kv-bits) runs on the CPU backend only (so far)".into()));
+    }
+    Ok(match (kv, weights) {
+        (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
+        (KvDtype::Auto, _) => KvDtype::Bf16,
+        (chosen, _) => chosen,
+    })
+}
+
+/// Largest head dimension the GPU attention kernels hold in registers.
+pub(crate) const GPU_MAX_HEAD_DIM: usize = 512;
+
+/// Whether the GPU attention kernels of `backend` take this attention shape.
+pub(crate) fn check_gpu_heads(h: Heads, backend: &str) -> Result<()> {
+    if h.head_dim > GPU_MAX_HEAD_DIM || h.kv_heads == 0 || !h.heads.is_multiple_of(h.kv_heads) {
+        return Err(Error::Backend(format!(
+            "{backend} attention supports head_dim up to {GPU_MAX_HEAD_DIM} and heads divisible by KV heads \
+             (got head_dim {}, {} heads, {} KV heads)",
+            h.head_dim, h.heads, h.kv_heads
+        )));
+    }
+    Ok(())
+}
+
+/// The capacity a device K/V store grows to when a window needs `slots`: by half again, at
+/// least 64 slots (so decoding does not reallocate every token), at least `slots`.
+pub(crate) fn grown_capacity(capacity: usize, slots: usize) -> usize {
+    slots.max((capacity + capacity / 2).max(capacity + 64))
+}
+
 /// The slot map of every row, after [`Kernels::batch`] opened their windows.
 pub(crate) fn open_windows(slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Vec<SlotMap>> {
     let mut tokens = vec![0usize; caches.len()];

@@ -21,9 +21,6 @@ pub struct CudaKv {
     held: usize,
 }
 
-/// Slots a store grows by at least, so that decoding does not reallocate every token.
-const MIN_GROWTH: usize = 64;
-
 impl CudaKv {
     pub fn new(cuda: Arc<Cuda>, n_layers: usize, stride: usize, dtype: KvDtype) -> CudaKv {
         CudaKv { cuda, buf: None, dtype, planes: 2 * n_layers, stride, capacity: 0, held: 0 }
@@ -111,8 +108,7 @@ impl KvStore for CudaKv {
         if slots <= self.capacity {
             return Ok(());
         }
-        let grown = (self.capacity + self.capacity / 2).max(self.capacity + MIN_GROWTH);
-        self.reallocate(slots.max(grown))
+        self.reallocate(crate::backend::grown_capacity(self.capacity, slots))
     }
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {

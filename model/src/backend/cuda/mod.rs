@@ -39,8 +39,8 @@ use mtp_cache::{KvStore, RowCache};
 pub use kv::CudaKv;
 
 use super::{
-    held_keys, open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out,
-    Plane, Slot,
+    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, GemmaKernels,
+    Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
@@ -52,9 +52,6 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 /// Threads per block of the matmul (4 warps of 4 columns each: see kernels.cu).
 const LINEAR_THREADS: u32 = 128;
 const LINEAR_COLS_PER_BLOCK: usize = 16;
-/// Largest head dimension the attention kernels hold in registers (the narrow variant
-/// takes up to 256).
-const MAX_HEAD_DIM: usize = 512;
 
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
@@ -346,16 +343,7 @@ impl Kernels for Cuda {
     }
 
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
-        if kv.bits().is_some() {
-            return Err(Error::Backend(
-                "quantized K/V (--kv-bits) runs on the CPU backend only (so far)".into(),
-            ));
-        }
-        Ok(match (kv, weights) {
-            (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
-            (KvDtype::Auto, _) => KvDtype::Bf16,
-            (chosen, _) => chosen,
-        })
+        device_kv_dtype(kv, weights)
     }
 
     fn kv_store(
@@ -715,12 +703,5 @@ impl AssistantKernels for Cuda {
 }
 
 fn check_heads(h: Heads) -> Result<()> {
-    if h.head_dim > MAX_HEAD_DIM || h.kv_heads == 0 || !h.heads.is_multiple_of(h.kv_heads) {
-        return Err(Error::Backend(format!(
-            "CUDA attention supports head_dim up to {MAX_HEAD_DIM} and heads divisible by KV heads \
-             (got head_dim {}, {} heads, {} KV heads)",
-            h.head_dim, h.heads, h.kv_heads
-        )));
-    }
-    Ok(())
+    check_gpu_heads(h, "CUDA")
 }

@@ -200,7 +200,7 @@ impl Dispatch for Emulator {
                 args.len()
             )));
         }
-        if threads % 32 != 0 {
+        if !threads.is_multiple_of(32) {
             return Err(Error::Backend(format!(
                 "Metal kernel {name}: a threadgroup of {threads} threads is not a whole number of SIMD-groups"
             )));

@@ -175,8 +175,8 @@ LINEAR_Q(linear_q8_4, 8, 4)
 LINEAR_Q(linear_q8_8, 8, 8)
 LINEAR_Q(linear_q8_16, 8, 16)
 
-// The negative control's matmul (never used by the library): what a stock kernel does for
-// small M, splitting K into `splits` segments (4 below M = 8, else 1) summed at the end, so
+// The negative control's matmul (never used by the library): like a stock kernel that
+// picks its split-K from the shape, K is cut into 1 + M % 4 segments summed at the end, so
 // a row's bits depend on M. f32 weights (the host widens). grid: ceil(n / 16), 128 threads.
 kernel void linear_split_k(device const float* x [[buffer(0)]], constant int& m [[buffer(1)]],
                            constant int& k [[buffer(2)]], device const float* w [[buffer(3)]],
@@ -185,7 +185,7 @@ kernel void linear_split_k(device const float* x [[buffer(0)]], constant int& m 
     const int col = int(group.x) * 16 + int(tid >> 3);
     const int part = int(tid & 7u);
     if (col >= n) return;
-    const int splits = m < 8 ? 4 : 1;
+    const int splits = 1 + m % 4;
     for (int r = part; r < m; r += 8) {
         float total = 0.0f;
         for (int s = 0; s < splits; s++) {

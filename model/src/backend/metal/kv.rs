@@ -21,9 +21,6 @@ pub struct MetalKv<D: Dispatch> {
     held: usize,
 }
 
-/// Slots a store grows by at least, so that decoding does not reallocate every token.
-const MIN_GROWTH: usize = 64;
-
 fn kv_err(e: Error) -> KvError {
     KvError(format!("Metal KV cache: {e}"))
 }
@@ -133,8 +130,7 @@ impl<D: Dispatch> KvStore for MetalKv<D> {
         if slots <= self.capacity {
             return Ok(());
         }
-        let grown = (self.capacity + self.capacity / 2).max(self.capacity + MIN_GROWTH);
-        self.reallocate(slots.max(grown))
+        self.reallocate(crate::backend::grown_capacity(self.capacity, slots))
     }
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {

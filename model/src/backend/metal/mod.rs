@@ -24,17 +24,14 @@ pub use dispatch::{Arg, Dispatch};
 pub use kv::MetalKv;
 
 use super::{
-    held_keys, open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out,
-    Plane, Slot,
+    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, GemmaKernels,
+    Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
 use crate::negative_control;
 use crate::weights::{Weight, WeightDtype};
 
-/// Largest head dimension the attention kernels hold in registers (the narrow variant takes
-/// up to 256).
-const MAX_HEAD_DIM: usize = 512;
 /// Output columns per matmul threadgroup (4 SIMD-groups of 4: see kernels.metal).
 const LINEAR_COLS_PER_GROUP: usize = 16;
 
@@ -67,12 +64,12 @@ impl<D: Dispatch> Metal<D> {
         Ok(MetalBuf { buf, len: x.len() })
     }
 
-    /// A weight's bytes on the device: wrapped in place when the platform allows and the
-    /// offset suits 4-byte reads, copied otherwise.
+    /// A weight's bytes on the device: wrapped in place when the platform allows and they
+    /// sit at an address fit for 4-byte reads, copied otherwise.
     fn weight_bytes(&self, w: &Weight) -> Result<(D::Buffer, usize)> {
-        if let Some((buf, offset)) = self.d.wrap(w)? {
-            if offset % 4 == 0 {
-                return Ok((buf, offset));
+        if (w.bytes().as_ptr() as usize).is_multiple_of(4) {
+            if let Some(wrapped) = self.d.wrap(w)? {
+                return Ok(wrapped);
             }
         }
         Ok((self.d.upload(w.bytes())?, 0))
@@ -145,7 +142,10 @@ impl<D: Dispatch> Metal<D> {
             request: format!("row {r}"),
             msg: "its KV cache is not on this Metal device (made by a model on another backend)".into(),
         })?;
-        let map = plane.map(cache).expect("a plane with a store has a slot map");
+        let map = plane.map(cache).ok_or_else(|| Error::Request {
+            request: format!("row {r}"),
+            msg: format!("its {plane:?} K/V have no slot map"),
+        })?;
         Ok((kv, RowKv::new(kv, map)))
     }
 
@@ -250,14 +250,7 @@ fn weight_kind(d: WeightDtype) -> &'static str {
 }
 
 fn check_heads(h: Heads) -> Result<()> {
-    if h.head_dim > MAX_HEAD_DIM || h.kv_heads == 0 || !h.heads.is_multiple_of(h.kv_heads) {
-        return Err(Error::Backend(format!(
-            "Metal attention supports head_dim up to {MAX_HEAD_DIM} and heads divisible by KV heads \
-             (got head_dim {}, {} heads, {} KV heads)",
-            h.head_dim, h.heads, h.kv_heads
-        )));
-    }
-    Ok(())
+    check_gpu_heads(h, "Metal")
 }
 
 /// Threadgroups of 256 threads covering `n` values.
@@ -310,16 +303,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
     }
 
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
-        if kv.bits().is_some() {
-            return Err(Error::Backend(
-                "quantized K/V (--kv-bits) runs on the CPU backend only (so far)".into(),
-            ));
-        }
-        Ok(match (kv, weights) {
-            (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
-            (KvDtype::Auto, _) => KvDtype::Bf16,
-            (chosen, _) => chosen,
-        })
+        device_kv_dtype(kv, weights)
     }
 
     fn kv_store(
