@@ -11,9 +11,12 @@
 #          transformers' own Gemma4ForCausalLM as the anchor (a `cli` bundle suffices).
 #   anchors: scripts/transformers_anchors.py (eager and static cache + torch.compile, B=1
 #          and 8) on the Qwen3-0.6B and Qwen3-8B shapes (a `cli` bundle suffices).
+#   ab:    two versions side by side (an `ab REV` bundle: mtp-bench-base built from REV and
+#          mtp-bench from the tree), alternated twice on the Qwen3-0.6B and Qwen3-8B shapes:
+#          plain and oracle:1.0 k=4 decode at batch 1 and 8.
 #   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|profile. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|profile. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +87,25 @@ PY
         rm -rf $dir
     done
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
+fi
+
+if [ "$what" = ab ]; then
+    alog="$OUT/ab.log"
+    for shape in 0.6b 8b; do
+        dir=/tmp/qwen3-$shape
+        like=qwen3; [ $shape = 8b ] && like=qwen3-8b
+        "$bin/mtp" synth --like $like --out $dir > /dev/null
+        for round in 1 2; do
+            for v in base new; do
+                b="$bin/mtp-bench"; [ $v = base ] && b="$bin/mtp-bench-base"
+                echo "== qwen3-$shape $v (round $round)" | tee -a "$alog"
+                "$b" --target $dir --backend cuda --drafters oracle:1.0 --k 4 --batch 1,8 --temperatures 0 \
+                    --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
+                    2>&1 | tee -a "$alog"
+            done
+        done
+        rm -rf $dir
+    done
 fi
 
 if [ "$what" = anchors ]; then

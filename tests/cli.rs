@@ -337,3 +337,41 @@ fn gemma4_assistant_prints_what_plain_decoding_prints() {
     let (code, _, err) = mtp(&[&base[..], &["--drafter", "draft-model", "--draft", t]].concat());
     assert!(code == 1 && err.contains("sliding-window"), "{err}");
 }
+
+/// `--backend metal-emulated`: the Metal kernels on the emulator print the same lines alone
+/// and batched; `--backend metal` off macOS is a one-line error that names the emulator.
+#[cfg(not(target_os = "macos"))]
+#[test]
+fn metal_emulated_backend_is_identical_alone_and_batched() {
+    let prompts = write_prompts(
+        "metal",
+        "{\"id\": \"a\", \"prompt\": \"def f(x):\"}\n{\"id\": \"b\", \"prompt_ids\": [5, 9, 200]}\n",
+    );
+    let target = common::fixture("qwen3-target");
+    let t = target.to_str().unwrap();
+    let run = |batch: &str, chunk: &str| {
+        mtp(&[
+            "generate",
+            "--target",
+            t,
+            "--prompts",
+            &prompts,
+            "--backend",
+            "metal-emulated",
+            "--max-batch",
+            batch,
+            "--prefill-chunk",
+            chunk,
+            "--ignore-eos",
+            "--max-tokens",
+            "10",
+        ])
+    };
+    let ((c1, alone, _), (c8, batched, _)) = (run("1", "64"), run("8", "3"));
+    assert_eq!((c1, c8), (0, 0));
+    assert_eq!(alone, batched, "metal-emulated stdout differs between --max-batch 1 and 8");
+    assert_eq!(alone.lines().count(), 2);
+    let (code, _, err) = mtp(&["generate", "--target", t, "--prompts", &prompts, "--backend", "metal"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("metal-emulated"), "{err}");
+}

@@ -103,22 +103,24 @@ __device__ __forceinline__ float warp_max(float v) {
 // ---------------------------------------------------------------------------------------
 // Matmul: out[r, c] (+)= dot(x[r, :], w[c, :]) + bias[c].
 //
-// One warp owns NC output columns for every row. Canonical order of one output: lane L
-// accumulates, with fused multiply-adds in increasing k, the elements k = 256 i + 8 L + j
-// (i = 0, 1, ..; j = 0..7); then the warp butterfly. Rows are processed MB at a time only
-// to reuse weights from registers (MB = 4, 8 or 16, picked from M by the host: fewer
-// passes over the weights for verify-sized M); the order of an output never depends on M,
-// on MB, on its row block or on the other rows. No split-K.
+// A block of KWARPS warps owns NC output columns for every row; K is dealt to the warps in
+// 256-wide chunks, chunk i to warp i % KWARPS (a split fixed by K and constants alone, never
+// by M, so small N x K still fills the SMs). Canonical order of one output: lane L of warp w
+// accumulates, with fused multiply-adds in increasing k, the elements
+// k = 256 (KWARPS t + w) + 8 L + j (t = 0, 1, ..; j = 0..7); then the warp butterfly; then
+// the KWARPS warp sums added in warp order. Rows are processed MB at a time only to reuse
+// weights from registers (MB = 4, 8 or 16, picked from M by the host); the order of an
+// output never depends on M, on MB, on its row block or on the other rows.
 #define NC 4
-#define WARPS 4
+#define KWARPS 8
 
 template <class W, int MB>
 __device__ void linear_impl(const float* __restrict__ x, int m, int k, const W w,
                             int n, const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
+    __shared__ float part[KWARPS][MB][NC];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int c0 = (blockIdx.x * WARPS + warp) * NC;
-    if (c0 >= n) return;
+    const int c0 = blockIdx.x * NC;
     const bool vec = (k & 7) == 0;
     for (int r0 = 0; r0 < m; r0 += MB) {
         float acc[MB][NC];
@@ -127,7 +129,7 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const W w
 #pragma unroll
             for (int c = 0; c < NC; c++) acc[a][c] = 0.0f;
 #pragma unroll 2
-        for (int kb = lane * 8; kb < k; kb += 256) {
+        for (int kb = (warp * 32 + lane) * 8; kb < k; kb += 256 * KWARPS) {
             float wv[NC][8];
 #pragma unroll
             for (int c = 0; c < NC; c++) {
@@ -162,20 +164,26 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const W w
             }
         }
 #pragma unroll
-        for (int a = 0; a < MB; a++) {
-            const int r = r0 + a;
+        for (int a = 0; a < MB; a++)
 #pragma unroll
             for (int c = 0; c < NC; c++) {
                 const float s = warp_sum(acc[a][c]);
-                const int col = c0 + c;
-                if (lane == c && r < m && col < n) {
-                    float y = s;
-                    if (bias) y += bias[col];
-                    float* o = out + (long long)r * n + col;
-                    *o = accumulate ? *o + y : y;
-                }
+                if (lane == c) part[warp][a][c] = s;
+            }
+        __syncthreads();
+        for (int i = threadIdx.x; i < MB * NC; i += blockDim.x) {
+            const int a = i / NC, c = i % NC;
+            const int r = r0 + a, col = c0 + c;
+            if (r < m && col < n) {
+                float y = part[0][a][c];
+#pragma unroll
+                for (int v = 1; v < KWARPS; v++) y += part[v][a][c];
+                if (bias) y += bias[col];
+                float* o = out + (long long)r * n + col;
+                *o = accumulate ? *o + y : y;
             }
         }
+        __syncthreads();
     }
 }
 

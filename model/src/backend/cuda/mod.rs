@@ -49,9 +49,9 @@ use crate::weights::{Weight, WeightDtype};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 
-/// Threads per block of the matmul (4 warps of 4 columns each: see kernels.cu).
-const LINEAR_THREADS: u32 = 128;
-const LINEAR_COLS_PER_BLOCK: usize = 16;
+/// Threads per block of the matmul (8 warps sharing 4 columns: see kernels.cu).
+const LINEAR_THREADS: u32 = 256;
+const LINEAR_COLS_PER_BLOCK: usize = 4;
 
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
