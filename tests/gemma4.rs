@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use mtp::bench::same;
-use mtp::drafter::{AssistantDrafter, Drafter, NgramDrafter, OracleDrafter};
+use mtp::drafter::{AssistantDrafter, Drafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, Engine, EngineOptions, Request, SamplingParams, WindowLayout,
 };
@@ -199,12 +199,7 @@ impl Gate {
             ),
             "ngram" => Box::new(NgramDrafter::new(1, 3).unwrap()),
             "oracle" => {
-                let refs = self
-                    .requests
-                    .iter()
-                    .zip(&self.reference)
-                    .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
-                Box::new(OracleDrafter::new(refs, 0.6, 11, self.model.config.vocab_size).unwrap())
+                Box::new(common::oracle(&self.requests, &self.reference, self.model.config.vocab_size))
             }
             other => panic!("unknown drafter {other}"),
         }

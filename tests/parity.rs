@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::{bits, fixture, plain, request, run, trained};
 use mtp::bench::same;
-use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
+use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
 };
@@ -171,14 +171,7 @@ impl Target {
             "mtp-deepseek" => Box::new(MtpDrafter::load(&self.deepseek, self.model.clone()).unwrap()),
             "ngram" => Box::new(NgramDrafter::new(1, 3).unwrap()),
             "oracle" => {
-                // The target's own continuation, each token corrupted with probability 0.4:
-                // rows of one batch accept different lengths every round.
-                let refs = self
-                    .requests
-                    .iter()
-                    .zip(&self.reference)
-                    .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
-                Box::new(OracleDrafter::new(refs, 0.6, 11, self.model.config.vocab_size).unwrap())
+                Box::new(common::oracle(&self.requests, &self.reference, self.model.config.vocab_size))
             }
             other => panic!("unknown drafter {other}"),
         }

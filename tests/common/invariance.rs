@@ -39,6 +39,21 @@ pub fn rows_invariant<K: Kernels>(kernels: &K, w: &Weight, x: &[f32], ms: &[usiz
     })
 }
 
+/// [`rows_invariant`] on `kernels`, then with the stock-matmul negative control switched on:
+/// (ours invariant, the control's invariant).
+pub fn rows_invariant_and_control<K: Kernels>(
+    kernels: &K,
+    w: &Weight,
+    x: &[f32],
+    ms: &[usize],
+) -> (bool, bool) {
+    let ours = rows_invariant(kernels, w, x, ms);
+    mtp::model::negative_control::set_stock_matmul(true);
+    let stock = rows_invariant(kernels, w, x, ms);
+    mtp::model::negative_control::set_stock_matmul(false);
+    (ours, stock)
+}
+
 /// Logits after each prompt, run alone or all in one forward.
 pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<Vec<u32>> {
     let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();

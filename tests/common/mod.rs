@@ -37,6 +37,14 @@ pub fn trained(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trained").join(name)
 }
 
+/// The adversarial oracle of the parity gates: each request's reference continuation, every
+/// token corrupted with probability 0.4, so rows of one batch accept different lengths
+/// every round.
+pub fn oracle(requests: &[Request], reference: &[Completion], vocab: usize) -> mtp::drafter::OracleDrafter {
+    let refs = requests.iter().zip(reference).map(|(r, c)| (r.prompt.clone(), c.tokens.clone()));
+    mtp::drafter::OracleDrafter::new(refs, 0.6, 11, vocab).unwrap()
+}
+
 /// A small deterministic generator for test data (no global RNG state).
 pub struct Lcg(pub u64);
 

@@ -205,8 +205,4 @@ impl Dispatch for Apple {
         encoder.dispatch_thread_groups(groups, per_group);
         Ok(())
     }
-
-    fn synchronize(&self) -> Result<()> {
-        self.wait()
-    }
 }

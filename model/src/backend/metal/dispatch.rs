@@ -46,6 +46,4 @@ pub trait Dispatch: Send + Sync + Sized + 'static {
         threads: u32,
         args: &[Arg<'_, Self::Buffer>],
     ) -> Result<()>;
-    /// Waits for every queued kernel.
-    fn synchronize(&self) -> Result<()>;
 }

@@ -117,13 +117,6 @@ impl Emulator {
             .collect();
         Emulator { kernels }
     }
-
-    /// The names of every compiled kernel.
-    pub fn kernel_names(&self) -> Vec<&'static str> {
-        let mut names: Vec<_> = self.kernels.keys().copied().collect();
-        names.sort_unstable();
-        names
-    }
 }
 
 impl Dispatch for Emulator {
@@ -252,10 +245,6 @@ impl Dispatch for Emulator {
                 }
             }
         }
-        Ok(())
-    }
-
-    fn synchronize(&self) -> Result<()> {
         Ok(())
     }
 }

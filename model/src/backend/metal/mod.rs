@@ -52,11 +52,6 @@ impl<D: Dispatch> Metal<D> {
         &self.d
     }
 
-    /// Waits for every queued kernel (for timing).
-    pub fn synchronize(&self) -> Result<()> {
-        self.d.synchronize()
-    }
-
     fn upload_as<T: Copy>(&self, x: &[T]) -> Result<MetalBuf<D>> {
         // SAFETY: plain numbers (f32, i32, u32, i64) viewed as their bytes.
         let bytes = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) };
@@ -166,16 +161,6 @@ pub struct MetalBuf<D: Dispatch> {
     len: usize,
 }
 
-impl<D: Dispatch> MetalBuf<D> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 /// A weight matrix on the device, in its checkpoint dtype.
 pub struct MetalMat<D: Dispatch> {
     buf: D::Buffer,
@@ -238,14 +223,6 @@ impl RowKv {
             b[8 * i..8 * i + 8].copy_from_slice(&v.to_ne_bytes());
         }
         b
-    }
-}
-
-fn weight_kind(d: WeightDtype) -> &'static str {
-    match d {
-        WeightDtype::F32 => "f32",
-        WeightDtype::Bf16 => "bf16",
-        WeightDtype::F16 => "f16",
     }
 }
 
@@ -640,16 +617,16 @@ impl<D: Dispatch> Metal<D> {
 }
 
 fn linear_name(d: WeightDtype, rows_per_pass: usize) -> &'static str {
-    match (weight_kind(d), rows_per_pass) {
-        ("f32", 4) => "linear_f32_4",
-        ("f32", 8) => "linear_f32_8",
-        ("f32", _) => "linear_f32_16",
-        ("bf16", 4) => "linear_bf16_4",
-        ("bf16", 8) => "linear_bf16_8",
-        ("bf16", _) => "linear_bf16_16",
-        (_, 4) => "linear_f16_4",
-        (_, 8) => "linear_f16_8",
-        (_, _) => "linear_f16_16",
+    match (d, rows_per_pass) {
+        (WeightDtype::F32, 4) => "linear_f32_4",
+        (WeightDtype::F32, 8) => "linear_f32_8",
+        (WeightDtype::F32, _) => "linear_f32_16",
+        (WeightDtype::Bf16, 4) => "linear_bf16_4",
+        (WeightDtype::Bf16, 8) => "linear_bf16_8",
+        (WeightDtype::Bf16, _) => "linear_bf16_16",
+        (WeightDtype::F16, 4) => "linear_f16_4",
+        (WeightDtype::F16, 8) => "linear_f16_8",
+        (WeightDtype::F16, _) => "linear_f16_16",
     }
 }
 
