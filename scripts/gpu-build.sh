@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the GPU test binaries (`tests`), the CLIs alone (`cli`: mtp and mtp-bench, for
-# measurements on synthesized checkpoints), the CLIs plus mtp-bench as built from git
-# revision REV (`ab REV`: side-by-side runs of two versions, `gpu-run.sh ab`) or both and
-# the matmul bench (`all`, the default) on a machine without a GPU (this one) and packs them into
+# measurements on synthesized checkpoints), the CLIs plus mtp-bench and the matmul bench as
+# built from git revision REV (`ab REV`: side-by-side runs of two versions, `gpu-run.sh
+# ab`), both and the matmul bench (`all`, the default), or all of it (`full REV`: one
+# device call runs `gpu-run.sh tests` then `ab`) on a machine without a GPU (this one) and
+# packs them into
 # gpu-bundle/bundle.tar.xz, for `scripts/gpu-run.sh` on the GPU machine (which takes at
 # most 64 MiB with the working tree: `tests` and `cli` keep the bundle small).
 set -euo pipefail
@@ -16,6 +18,8 @@ for t in "${tests[@]}"; do args+=(--test "$t"); done
 cargo build --release --features cuda --bins --example gpu_matmul
 rm -rf gpu-bundle && mkdir -p gpu-bundle/bin
 [ "$what" = cli ] || [ "$what" = ab ] && tests=()
+base_rev=""
+[ "$what" = ab ] || [ "$what" = full ] && base_rev="${2:?usage: scripts/gpu-build.sh ab|full REV}"
 json=$([ ${#tests[@]} -eq 0 ] || cargo test --release --features cuda --no-run --message-format=json "${args[@]}")
 for t in "${tests[@]}"; do
     exe=$(echo "$json" | python3 -c "
@@ -26,19 +30,17 @@ for line in sys.stdin:
         print(m['executable'])")
     cp "$exe" "gpu-bundle/bin/test-$t"
 done
-if [ "$what" = all ]; then
-    cp target/release/mtp target/release/mtp-bench target/release/examples/gpu_matmul gpu-bundle/bin/
-elif [ "$what" = cli ]; then
-    cp target/release/mtp target/release/mtp-bench gpu-bundle/bin/
-elif [ "$what" = ab ]; then
-    rev="${2:?usage: scripts/gpu-build.sh ab REV}"
-    cp target/release/mtp target/release/mtp-bench gpu-bundle/bin/
+[ "$what" = cli ] || cp target/release/examples/gpu_matmul gpu-bundle/bin/
+[ "$what" = tests ] || cp target/release/mtp target/release/mtp-bench gpu-bundle/bin/
+if [ -n "$base_rev" ]; then
     # The base version, from a worktree at REV, built in target/ab-base.
     base=/tmp/mtp-ab-base
     git worktree remove --force "$base" 2>/dev/null || rm -rf "$base"
-    git worktree add --force --detach "$base" "$rev"
-    (cd "$base" && CARGO_TARGET_DIR="$OLDPWD/target/ab-base" cargo build --release --features cuda --bin mtp-bench)
+    git worktree add --force --detach "$base" "$base_rev"
+    (cd "$base" && CARGO_TARGET_DIR="$OLDPWD/target/ab-base" \
+        cargo build --release --features cuda --bin mtp-bench --example gpu_matmul)
     cp target/ab-base/release/mtp-bench gpu-bundle/bin/mtp-bench-base
+    cp target/ab-base/release/examples/gpu_matmul gpu-bundle/bin/gpu_matmul-base
     git worktree remove --force "$base"
 fi
 strip gpu-bundle/bin/* 2>/dev/null || true

@@ -13,10 +13,12 @@
 #          and 8) on the Qwen3-0.6B and Qwen3-8B shapes (a `cli` bundle suffices).
 #   ab:    two versions side by side (an `ab REV` bundle: mtp-bench-base built from REV and
 #          mtp-bench from the tree), alternated twice on the Qwen3-0.6B and Qwen3-8B shapes:
-#          plain and oracle:1.0 k=4 decode at batch 1 and 8.
+#          plain and oracle:1.0 k=4 decode at batch 1 and 8; with a `full REV` bundle, the
+#          matmul of both versions beside torch.matmul first.
+#   full:  tests, then ab (a `full REV` bundle).
 #   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|profile. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|full|profile. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,26 @@ summary="$OUT/summary.txt"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } | tee "$summary"
 status=0
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+torch_matmul() {
+    python3 - <<'PY'
+import torch
+print("torch.matmul (cuBLAS), bf16 x bf16 -> bf16, median ms of 20 (4 weight copies in turn):")
+print("| N x K | M | ms | weight GB/s |")
+for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    for m in [1, 8, 40, 64, 512]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ts = []
+        for i in range(23):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); torch.matmul(x, ws[i % 4].t()); e.record(); torch.cuda.synchronize()
+            if i >= 3: ts.append(s.elapsed_time(e))
+        t = sorted(ts)[len(ts) // 2]
+        print(f"| {n} x {k} | {m} | {t:.3f} | {n*k*2/t/1e6:.0f} |")
+PY
+}
+
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = full ]; then
     : > "$log"
     for t in golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4; do
         echo "== $t" >> "$log"
@@ -52,22 +73,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     blog="$OUT/gpu-bench.log"
     : > "$blog"
     "$bin/gpu_matmul" 2>&1 | tee -a "$blog"
-    python3 - <<'PY' 2>&1 | tee -a "$blog"
-import torch
-print("torch.matmul (cuBLAS), bf16 x bf16 -> bf16, median ms of 20 (4 weight copies in turn):")
-print("| N x K | M | ms | weight GB/s |")
-for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    for m in [1, 8, 40, 64, 512]:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ts = []
-        for i in range(23):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); torch.matmul(x, ws[i % 4].t()); e.record(); torch.cuda.synchronize()
-            if i >= 3: ts.append(s.elapsed_time(e))
-        t = sorted(ts)[len(ts) // 2]
-        print(f"| {n} x {k} | {m} | {t:.3f} | {n*k*2/t/1e6:.0f} |")
-PY
+    torch_matmul 2>&1 | tee -a "$blog"
     # Prompts cut from a folder that does not change with the engine, so runs compare.
     prompts="$root/training"
     for shape in 0.6b 8b; do
@@ -89,8 +95,16 @@ PY
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
 fi
 
-if [ "$what" = ab ]; then
+if [ "$what" = ab ] || [ "$what" = full ]; then
     alog="$OUT/ab.log"
+    if [ -x "$bin/gpu_matmul-base" ]; then
+        for v in base new; do
+            m="$bin/gpu_matmul"; [ $v = base ] && m="$bin/gpu_matmul-base"
+            echo "== matmul $v" | tee -a "$alog"
+            "$m" 2>&1 | tee -a "$alog"
+        done
+        torch_matmul 2>&1 | tee -a "$alog"
+    fi
     for shape in 0.6b 8b; do
         dir=/tmp/qwen3-$shape
         like=qwen3; [ $shape = 8b ] && like=qwen3-8b

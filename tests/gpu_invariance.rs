@@ -17,9 +17,11 @@ use mtp::model::{negative_control, Logits, Model, RowInput, WeightDtype};
 fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
     let cuda = Cuda::shared().unwrap();
     let mut rng = Lcg(3);
-    let ms = [1, 2, 3, 8, 64, 512];
-    // Qwen3-8B's attention and MLP shapes, and a K that is not a multiple of 8 (the
-    // kernels' scalar path).
+    // Every tokens-per-pass variant of both matmuls (CUDA cores: 4, 8, 16 rows; tensor
+    // cores: 8, 16, 32, 64 tokens), and several passes.
+    let ms = [1, 2, 3, 8, 9, 17, 40, 64, 512];
+    // Qwen3-8B's attention and MLP shapes (bf16, K % 32 == 0: tensor cores), and a K that
+    // is not a multiple of 8 (CUDA cores, the scalar path).
     for (n, k) in [(4096, 4096), (12288, 4096), (4096, 12288), (96, 100)] {
         let w = weight(&mut rng, WeightDtype::Bf16, n, k);
         let x = rng.vec(512 * k);

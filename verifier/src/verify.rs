@@ -117,24 +117,29 @@ pub fn verify(
     match model.forward(&mut inputs) {
         Ok(outs) => {
             drop(inputs);
-            // Rows decide in parallel (a sampled pick over a large vocabulary costs ms);
+            // Rows decide in parallel (a sampled pick over a large vocabulary costs ms), and
+            // their tokens' log-probabilities (a log-softmax over the vocabulary each) too;
             // test fault switches follow the work onto the pool's threads.
             let faults = mtp_sampling::negative_control::current();
-            let decided: Vec<(usize, Vec<u32>)> = live
+            type Decided = ((usize, Vec<u32>), Vec<f32>, Vec<Vec<(u32, f32)>>);
+            let decided: Vec<Decided> = live
                 .par_iter()
                 .zip(&outs)
                 .zip(&windows)
                 .map(|((&i, out), window)| {
                     let row = &rows[i];
-                    faults.apply(|| {
+                    let (a, tokens) = faults.apply(|| {
                         decide(&out.logits, &window[1..], row.draft_dists, &row.sampling, mode, starts[i] + 1)
-                    })
+                    });
+                    let logprobs = tokens.par_iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
+                    let top = out.logits[..tokens.len()]
+                        .iter()
+                        .map(|l| top_logprobs(l, row.top_logprobs))
+                        .collect();
+                    ((a, tokens), logprobs, top)
                 })
                 .collect();
-            for ((&i, out), (a, tokens)) in live.iter().zip(outs).zip(decided) {
-                let logprobs = tokens.iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
-                let n = rows[i].top_logprobs;
-                let top = out.logits[..tokens.len()].iter().map(|l| top_logprobs(l, n)).collect();
+            for ((&i, out), ((a, tokens), logprobs, top)) in live.iter().zip(outs).zip(decided) {
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
                 let hidden = out.hidden[..(a + 1) * h].to_vec();

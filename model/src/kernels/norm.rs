@@ -68,8 +68,18 @@ pub fn canonical_sum(x: &[f32]) -> f32 {
 /// so `logprob(t) = (x[t] - max) - lse`.
 pub fn log_softmax_parts(logits: &[f32]) -> (f32, f32) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
-    (max, canonical_sum(&exps).ln())
+    // `canonical_sum` of the exponentials, without storing them (a vocabulary-sized row).
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            lanes[j] += (c[j] - max).exp();
+        }
+    }
+    for (j, v) in chunks.remainder().iter().enumerate() {
+        lanes[j] += (v - max).exp();
+    }
+    (max, Portable::reduce(lanes).ln())
 }
 
 /// Log-probability of `token` under `logits` at temperature 1.
@@ -111,4 +121,22 @@ pub fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streamed normaliser is `canonical_sum` over the stored exponentials, bit for bit
+    /// (a length with a remainder past the 16 lanes, and one without).
+    #[test]
+    fn log_softmax_parts_streams_the_canonical_sum() {
+        for n in [151_936usize + 7, 64] {
+            let logits: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 0.031).collect();
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
+            let (m, lse) = log_softmax_parts(&logits);
+            assert_eq!((m.to_bits(), lse.to_bits()), (max.to_bits(), canonical_sum(&exps).ln().to_bits()));
+        }
+    }
 }

@@ -3,7 +3,8 @@
 // Every reduction has one order that depends only on the reduced length and fixed
 // constants (a warp of 32 lanes, chunks of 8 elements per lane, key chunks of 32 anchored
 // at position 0), never on how many tokens or rows share a launch. Activations are f32;
-// weights are read in their checkpoint dtype and widened in registers; K/V are stored in
+// weights are read in their checkpoint dtype and widened in registers (bf16 weights go to
+// the tensor cores with each activation split exactly into three bf16 terms); K/V are stored in
 // the model's KV dtype (f32 or bf16). No headers: bf16/f16 are widened by hand.
 
 typedef unsigned short u16;
@@ -219,6 +220,143 @@ LINEAR_Q(linear_q8_8, 8, 8)
 LINEAR_Q(linear_q8_16, 8, 16)
 
 // ---------------------------------------------------------------------------------------
+// Tensor-core matmul for bf16 weights with K % 32 == 0 (the weight alone picks this path,
+// never M). mma.sync m16n8k16 (bf16 in, f32 accumulate): A = 16 weight rows (16 output
+// columns) x 16 k, B = 16 k x 8 tokens. Each f32 activation is split exactly into three
+// bf16 terms x = h + m + l (so every product with a bf16 weight is exact and activations
+// keep f32 precision; only the accumulation differs from an f32 dot product).
+//
+// A block of KWARPS warps owns 16 output columns. Canonical order of one output: K is cut
+// into 128-wide chunks of four 32-wide blocks, chunk i accumulated by warp i % KWARPS (a
+// warp streams 256 contiguous bytes of each weight row), blocks in increasing k; within a
+// block two MMA steps (k 0..15 and 16..31 of a fixed permutation: lane 4g + t holds k
+// 8t..8t+3 in step 0 and 8t+4..8t+7 in step 1), each step the h, m, l MMAs in that order;
+// then the KWARPS warp sums added in warp order. The MMA's internal order is fixed by the hardware and
+// does not depend on which of the 8 token columns a row occupies, so a row's bits do not
+// depend on M, on the tokens per pass (8 MT) or on its place in a tile.
+#define TC_COLS 16
+#define TC_CHUNK 128
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float lo_f32(u32 p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float hi_f32(u32 p) { return __uint_as_float(p & 0xffff0000u); }
+
+// Splits the pairs (a, b) into h, m, l bf16x2 words: a = h.lo + m.lo + l.lo, same for b.
+__device__ __forceinline__ void split3(float a, float b, u32& h, u32& m, u32& l) {
+    h = pack_bf16x2(a, b);
+    a -= lo_f32(h);
+    b -= hi_f32(h);
+    m = pack_bf16x2(a, b);
+    a -= lo_f32(m);
+    b -= hi_f32(m);
+    l = pack_bf16x2(a, b);
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
+template <int MT>
+__device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const u16* __restrict__ w, int n,
+                               const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
+    __shared__ float sum[TC_COLS][8 * MT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int c0 = blockIdx.x * TC_COLS;
+    // This lane's two weight rows (g, g + 8); rows past n read the last row (their outputs
+    // are never stored).
+    const u16* wr[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) wr[h] = w + (long long)min(c0 + 8 * h + g, n - 1) * k + 8 * t;
+    for (int r0 = 0; r0 < m; r0 += 8 * MT) {
+        float acc[MT][4];
+#pragma unroll
+        for (int j = 0; j < MT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+        for (int kc = warp * TC_CHUNK; kc < k; kc += TC_CHUNK * KWARPS) {
+            // The chunk's blocks, loaded before their MMAs.
+            uint4 wv[TC_CHUNK / 32][2];
+#pragma unroll
+            for (int u = 0; u < TC_CHUNK / 32; u++) {
+                const int kb = kc + u * 32;
+                if (kb < k) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) wv[u][h] = *reinterpret_cast<const uint4*>(wr[h] + kb);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < TC_CHUNK / 32; u++) {
+                const int kb = kc + u * 32;
+                if (kb >= k) break;
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+                    if (r0 + 8 * j >= m) break;
+                    const int r = r0 + 8 * j + g;
+                    // Rows past m read row m - 1 and count as zero (no branch before the MMAs).
+                    const float* xr = x + (long long)min(r, m - 1) * k + kb + 8 * t;
+                    const float keep = r < m ? 1.0f : 0.0f;
+                    float4 p = *reinterpret_cast<const float4*>(xr), q = *reinterpret_cast<const float4*>(xr + 4);
+                    u32 b[3][4];  // [h, m, l][k pairs 0-1, 2-3, 4-5, 6-7 of this lane's 8]
+                    split3(p.x * keep, p.y * keep, b[0][0], b[1][0], b[2][0]);
+                    split3(p.z * keep, p.w * keep, b[0][1], b[1][1], b[2][1]);
+                    split3(q.x * keep, q.y * keep, b[0][2], b[1][2], b[2][2]);
+                    split3(q.z * keep, q.w * keep, b[0][3], b[1][3], b[2][3]);
+                    const uint4 a = wv[u][0], a8 = wv[u][1];
+#pragma unroll
+                    for (int sp = 0; sp < 3; sp++) mma_bf16(acc[j], a.x, a8.x, a.y, a8.y, b[sp][0], b[sp][1]);
+#pragma unroll
+                    for (int sp = 0; sp < 3; sp++) mma_bf16(acc[j], a.z, a8.z, a.w, a8.w, b[sp][2], b[sp][3]);
+                }
+            }
+        }
+        // Warp sums added in warp order into one buffer. D: acc[j][0..1] = (column g, tokens
+        // 8j + 2t, +1), acc[j][2..3] = (column g + 8, same).
+        for (int v = 0; v < KWARPS; v++) {
+            if (warp == v) {
+#pragma unroll
+                for (int j = 0; j < MT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
+                        *y = v == 0 ? acc[j][e] : *y + acc[j][e];
+                    }
+            }
+            __syncthreads();
+        }
+        for (int i = threadIdx.x; i < TC_COLS * 8 * MT; i += blockDim.x) {
+            const int c = i % TC_COLS, a = i / TC_COLS;
+            const int r = r0 + a, col = c0 + c;
+            if (r < m && col < n) {
+                float y = sum[c][a];
+                if (bias) y += bias[col];
+                float* o = out + (long long)r * n + col;
+                *o = accumulate ? *o + y : y;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+#define LINEAR_TC(NAME, MT)                                                                               \
+    extern "C" __global__ void NAME(const float* x, int m, int k, const u16* w, int n, const float* bias,  \
+                                    float* out, int accumulate) {                                         \
+        linear_tc_impl<MT>(x, m, k, w, n, bias, out, accumulate);                                         \
+    }
+LINEAR_TC(linear_tc_bf16_8, 1)
+LINEAR_TC(linear_tc_bf16_16, 2)
+LINEAR_TC(linear_tc_bf16_32, 4)
+LINEAR_TC(linear_tc_bf16_64, 8)
+
+// ---------------------------------------------------------------------------------------
 // Embedding rows widened to f32. grid: tokens, block: 256.
 template <class W>
 __device__ void embed_impl(const W table, const u32* tokens, int cols, float* out) {
@@ -309,11 +447,13 @@ struct KvIo;
 template <>
 struct KvIo<float> {
     __device__ static float get(const float* p, long long i) { return p[i]; }
+    __device__ static void get8(const float* p, long long i, float* o) { F32W{p}.get8(i, o); }
     __device__ static void put(float* p, long long i, float v) { p[i] = v; }
 };
 template <>
 struct KvIo<u16> {
     __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
+    __device__ static void get8(const u16* p, long long i, float* o) { widen8<bf16_to_f32>(p, i, o); }
     __device__ static void put(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 };
 
@@ -439,7 +579,18 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
                 slot = kv_slot(row, p);
                 const long long at = slot * kvd;
                 float dot = 0.0f;
-                for (int d = 0; d < hd; d++) dot = fmaf(qs[d], KvIo<KV>::get(kbuf, at + d), dot);
+                if ((hd & 7) == 0) {
+                    // The same order, 8 elements per load.
+#pragma unroll 4
+                    for (int d = 0; d < hd; d += 8) {
+                        float kv[8];
+                        KvIo<KV>::get8(kbuf, at + d, kv);
+#pragma unroll
+                        for (int j = 0; j < 8; j++) dot = fmaf(qs[d + j], kv[j], dot);
+                    }
+                } else {
+                    for (int d = 0; d < hd; d++) dot = fmaf(qs[d], KvIo<KV>::get(kbuf, at + d), dot);
+                }
                 sc = dot * scale;
             }
             const float cm = warp_max(sc);

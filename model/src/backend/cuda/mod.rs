@@ -49,9 +49,17 @@ use crate::weights::{Weight, WeightDtype};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 
-/// Threads per block of the matmul (8 warps sharing 4 columns: see kernels.cu).
+/// Threads per block of the matmul (8 warps sharing 4 columns, or 16 on tensor cores: see
+/// kernels.cu).
 const LINEAR_THREADS: u32 = 256;
 const LINEAR_COLS_PER_BLOCK: usize = 4;
+const LINEAR_TC_COLS_PER_BLOCK: usize = 16;
+
+/// Whether a weight takes the tensor-core matmul: bf16, not quantized, K a multiple of
+/// 32. Decided by the weight alone, so every M takes the same path.
+fn tensor_core_path(w: &CudaMat) -> bool {
+    w.quant.is_none() && w.dtype == WeightDtype::Bf16 && w.cols.is_multiple_of(32)
+}
 
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
@@ -75,6 +83,8 @@ struct Functions {
     linear: [[CudaFunction; 3]; 3],
     /// MLX-quantized weights by bits (2, 4, 8), then rows per pass.
     linear_q: [[CudaFunction; 3]; 3],
+    /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64).
+    linear_tc: [CudaFunction; 4],
     embed: [CudaFunction; 3],
     embed_q: [CudaFunction; 3],
     widen: [CudaFunction; 2],
@@ -150,6 +160,12 @@ impl Cuda {
                 [get("linear_q2_4")?, get("linear_q2_8")?, get("linear_q2_16")?],
                 [get("linear_q4_4")?, get("linear_q4_8")?, get("linear_q4_16")?],
                 [get("linear_q8_4")?, get("linear_q8_8")?, get("linear_q8_16")?],
+            ],
+            linear_tc: [
+                get("linear_tc_bf16_8")?,
+                get("linear_tc_bf16_16")?,
+                get("linear_tc_bf16_32")?,
+                get("linear_tc_bf16_64")?,
             ],
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
@@ -455,6 +471,19 @@ impl Kernels for Cuda {
         }
         let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
         let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
+        if tensor_core_path(w) {
+            // Tokens per pass over the weights: 8, 16, 32, 64; every variant sums each
+            // output in one order (see kernels.cu).
+            let tokens_per_pass = match m {
+                0..=8 => 0,
+                9..=16 => 1,
+                17..=32 => 2,
+                _ => 3,
+            };
+            let grid = w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK) as u32;
+            let f = &self.f.linear_tc[tokens_per_pass];
+            return launch!(self, f, (grid, 1), LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
+        }
         let grid = w.rows.div_ceil(LINEAR_COLS_PER_BLOCK) as u32;
         // Rows per pass over the weights; every variant sums each output in the same order.
         let rows_per_pass = match m {
