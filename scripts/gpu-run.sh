@@ -16,9 +16,13 @@
 #          plain and oracle:1.0 k=4 decode at batch 1 and 8; with a `full REV` bundle, the
 #          matmul of both versions beside torch.matmul first.
 #   full:  tests, then ab (a `full REV` bundle).
+#   long:  the prefill and long-context goals (a `cli` bundle suffices): mtp's prefill of a
+#          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
+#          one layer's decode attention at 4k and 32k of context beside PyTorch's
+#          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
 #   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|full|profile. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|full|long|profile. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -126,6 +130,45 @@ if [ "$what" = anchors ]; then
     "$bin/mtp" synth --like qwen3 --out /tmp/qwen3-0.6b > /dev/null && "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
     python3 scripts/transformers_anchors.py /tmp/qwen3-0.6b /tmp/qwen3-8b --batch 1 8 2>&1 | grep -v Warning | tee "$OUT/anchors.log"
     status=${PIPESTATUS[0]}
+fi
+
+# Seconds of one `mtp generate` (after loading) on prompt file $1 with $2 new tokens and
+# prefill chunk $3, on checkpoint $4.
+mtp_seconds() {
+    "$bin/mtp" generate --target "$4" --backend cuda --drafter none --max-batch 1 --prompts "$1" \
+        --max-tokens "$2" --ignore-eos --prefill-chunk "$3" 2>&1 >/dev/null |
+        sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1
+}
+
+# A prompt file of $2 token ids at $1.
+prompt_of() {
+    python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': [3 + i % 1000 for i in range($2)]}))" > "$1"
+}
+
+if [ "$what" = long ]; then
+    llog="$OUT/long.log"
+    # Prefill of a 2,048-token prompt on the 8B shape (first token only), 3 runs per chunk size.
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    prompt_of /tmp/p2048.jsonl 2048
+    for chunk in 512 2048; do
+        for r in 1 2 3; do
+            s=$(mtp_seconds /tmp/p2048.jsonl 1 $chunk /tmp/qwen3-8b)
+            echo "mtp prefill 2048 tokens, chunk $chunk, run $r: $s s" | tee -a "$llog"
+        done
+    done
+    python3 scripts/long_context_anchors.py prefill /tmp/qwen3-8b --tokens 2048 2>&1 | grep -v Warning | tee -a "$llog"
+    rm -rf /tmp/qwen3-8b
+    # Attention at long context: one layer of the 8B shape; the decode step's extra time at
+    # 4k and 32k of context over 32 is one layer's attention (and K/V store).
+    "$bin/mtp" synth --like qwen3-8b --layers 1 --out /tmp/qwen3-8b-1 > /dev/null
+    for ctx in 32 4096 32768; do
+        prompt_of /tmp/pctx.jsonl $ctx
+        s1=$(mtp_seconds /tmp/pctx.jsonl 1 512 /tmp/qwen3-8b-1)
+        s65=$(mtp_seconds /tmp/pctx.jsonl 65 512 /tmp/qwen3-8b-1)
+        echo "mtp 1 layer, context $ctx: $(python3 -c "print(f'{($s65 - $s1) / 64 * 1e6:.0f}')") us per decode step" | tee -a "$llog"
+    done
+    python3 scripts/long_context_anchors.py attention --keys 4096 32768 2>&1 | tee -a "$llog"
+    rm -rf /tmp/qwen3-8b-1
 fi
 
 if [ "$what" = profile ]; then
