@@ -3,6 +3,9 @@
 //! weight bandwidth. Each repetition reads another of 4 weight copies, so the 50 MB L2
 //! never holds the weights being timed. `scripts/gpu-run.sh`
 //! prints torch.matmul (cuBLAS) on the same shapes beside it.
+//!
+//! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R]` narrows it (for a profiler:
+//! `scripts/gpu-run.sh profile-matmul`).
 
 use std::time::Instant;
 
@@ -10,22 +13,49 @@ use mtp::model::backend::cuda::Cuda;
 use mtp::model::backend::{Kernels, Out};
 use mtp::model::{Weight, WeightDtype};
 
+/// The comma-separated list after `name`, each item parsed by `parse`, or `default`.
+fn list<T>(
+    args: &[String],
+    name: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    default: Vec<T>,
+) -> anyhow::Result<Vec<T>> {
+    match args.iter().position(|a| a == name) {
+        None => Ok(default),
+        Some(i) => {
+            let v = args.get(i + 1).ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?;
+            v.split(',')
+                .map(|s| parse(s).ok_or_else(|| anyhow::anyhow!("{name}: cannot read {s:?}")))
+                .collect()
+        }
+    }
+}
+
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let shapes = list(
+        &args,
+        "--shapes",
+        |s| s.split_once('x').and_then(|(n, k)| Some((n.parse().ok()?, k.parse().ok()?))),
+        vec![(4096usize, 4096usize), (12288, 4096), (4096, 12288)],
+    )?;
+    let ms = list(&args, "--m", |s| s.parse().ok(), vec![1usize, 8, 40, 64, 512])?;
+    let reps = list(&args, "--reps", |s| s.parse().ok(), vec![20usize])?[0].max(1);
     let cuda = Cuda::shared()?;
     println!("device: {}", cuda.device_name());
-    println!("| N x K | M | ms (median of 20) | weight GB/s |");
+    println!("| N x K | M | ms (median of {reps}) | weight GB/s |");
     println!("| --- | --- | --- | --- |");
-    for (n, k) in [(4096usize, 4096usize), (12288, 4096), (4096, 12288)] {
+    for (n, k) in shapes {
         let bytes: Vec<u8> = (0..n * k)
             .flat_map(|i| half::bf16::from_f32(((i % 97) as f32 - 48.0) * 1e-3).to_le_bytes())
             .collect();
         let weight = Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k);
         let copies = (0..4).map(|_| cuda.matrix(&weight)).collect::<Result<Vec<_>, _>>()?;
-        for m in [1usize, 8, 40, 64, 512] {
+        for &m in &ms {
             let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
             let mut out = cuda.alloc(m * n)?;
             let mut times = Vec::new();
-            for rep in 0..23 {
+            for rep in 0..reps + 3 {
                 cuda.synchronize()?;
                 let t0 = Instant::now();
                 cuda.linear(&x, m, &copies[rep % 4], None, &mut out, Out::Write)?;

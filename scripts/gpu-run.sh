@@ -20,9 +20,11 @@
 #          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
 #          one layer's decode attention at 4k and 32k of context beside PyTorch's
 #          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
+#   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
+#          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|full|long|profile. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|full|long|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -169,6 +171,21 @@ if [ "$what" = long ]; then
     done
     python3 scripts/long_context_anchors.py attention --keys 4096 32768 2>&1 | tee -a "$llog"
     rm -rf /tmp/qwen3-8b-1
+fi
+
+if [ "$what" = profile-matmul ]; then
+    # One launch of the matmul on the 12288 x 4096 shape at M = 1, 8, 40, 512 under Nsight
+    # Compute's throughput, memory, occupancy and stall sections (a `tests` bundle suffices).
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    for m in 1 8 40 512; do
+        "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+            --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats \
+            -k regex:linear --launch-skip 3 --launch-count 1 \
+            "$bin/gpu_matmul" --shapes 12288x4096 --m $m --reps 1 > "$OUT/ncu-matmul-m$m.txt" 2>&1
+        echo "== M=$m" | tee -a "$OUT/profile-matmul.log"
+        grep -E "linear|Duration|Throughput|Hit Rate|Occupancy|Registers Per|Issue Slots|Stall|Block Limit" \
+            "$OUT/ncu-matmul-m$m.txt" | tee -a "$OUT/profile-matmul.log"
+    done
 fi
 
 if [ "$what" = profile ]; then
