@@ -2,9 +2,8 @@
 # Builds the GPU test binaries (`tests`), the CLIs alone (`cli`: mtp and mtp-bench, for
 # measurements on synthesized checkpoints), the CLIs plus mtp-bench and the matmul bench as
 # built from git revision REV (`ab REV`: side-by-side runs of two versions, `gpu-run.sh
-# ab`), both and the matmul bench (`all`, the default), or all of it (`full REV`: one
-# device call runs `gpu-run.sh tests` then `ab`) on a machine without a GPU (this one) and
-# packs them into
+# ab`), or both and the matmul bench (`all`, the default) on a machine without a GPU (this
+# one) and packs them into
 # gpu-bundle/bundle.tar.xz, for `scripts/gpu-run.sh` on the GPU machine (which takes at
 # most 64 MiB with the working tree: `tests` and `cli` keep the bundle small).
 set -euo pipefail
@@ -19,7 +18,7 @@ cargo build --release --features cuda --bins --example gpu_matmul
 rm -rf gpu-bundle && mkdir -p gpu-bundle/bin
 [ "$what" = cli ] || [ "$what" = ab ] && tests=()
 base_rev=""
-[ "$what" = ab ] || [ "$what" = full ] && base_rev="${2:?usage: scripts/gpu-build.sh ab|full REV}"
+[ "$what" = ab ] && base_rev="${2:?usage: scripts/gpu-build.sh ab REV}"
 json=$([ ${#tests[@]} -eq 0 ] || cargo test --release --features cuda --no-run --message-format=json "${args[@]}")
 for t in "${tests[@]}"; do
     exe=$(echo "$json" | python3 -c "

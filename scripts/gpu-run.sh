@@ -11,11 +11,10 @@
 #          transformers' own Gemma4ForCausalLM as the anchor (a `cli` bundle suffices).
 #   anchors: scripts/transformers_anchors.py (eager and static cache + torch.compile, B=1
 #          and 8) on the Qwen3-0.6B and Qwen3-8B shapes (a `cli` bundle suffices).
-#   ab:    two versions side by side (an `ab REV` bundle: mtp-bench-base built from REV and
-#          mtp-bench from the tree), alternated twice on the Qwen3-0.6B and Qwen3-8B shapes:
-#          plain and oracle:1.0 k=4 decode at batch 1 and 8; with a `full REV` bundle, the
-#          matmul of both versions beside torch.matmul first.
-#   full:  tests, then ab (a `full REV` bundle).
+#   ab:    two versions side by side (an `ab REV` bundle: mtp-bench-base and gpu_matmul-base
+#          built from REV, mtp-bench and gpu_matmul from the tree): the matmul of each beside
+#          torch.matmul, then mtp-bench alternated twice on the Qwen3-0.6B and Qwen3-8B
+#          shapes: plain and oracle:1.0 k=4 decode at batch 1 and 8.
 #   long:  the prefill and long-context goals (a `cli` bundle suffices): mtp's prefill of a
 #          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
 #          one layer's decode attention at 4k and 32k of context beside PyTorch's
@@ -24,7 +23,7 @@
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|full|long|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|long|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +60,7 @@ for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
 PY
 }
 
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = full ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
     : > "$log"
     for t in golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4; do
         echo "== $t" >> "$log"
@@ -101,16 +100,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
 fi
 
-if [ "$what" = ab ] || [ "$what" = full ]; then
+if [ "$what" = ab ]; then
     alog="$OUT/ab.log"
-    if [ -x "$bin/gpu_matmul-base" ]; then
-        for v in base new; do
-            m="$bin/gpu_matmul"; [ $v = base ] && m="$bin/gpu_matmul-base"
-            echo "== matmul $v" | tee -a "$alog"
-            "$m" 2>&1 | tee -a "$alog"
-        done
-        torch_matmul 2>&1 | tee -a "$alog"
-    fi
+    for v in base new; do
+        m="$bin/gpu_matmul"; [ $v = base ] && m="$bin/gpu_matmul-base"
+        echo "== matmul $v" | tee -a "$alog"
+        "$m" 2>&1 | tee -a "$alog"
+    done
+    torch_matmul 2>&1 | tee -a "$alog"
     for shape in 0.6b 8b; do
         dir=/tmp/qwen3-$shape
         like=qwen3; [ $shape = 8b ] && like=qwen3-8b

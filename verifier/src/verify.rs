@@ -121,7 +121,7 @@ pub fn verify(
             // their tokens' log-probabilities (a log-softmax over the vocabulary each) too;
             // test fault switches follow the work onto the pool's threads.
             let faults = mtp_sampling::negative_control::current();
-            type Decided = ((usize, Vec<u32>), Vec<f32>, Vec<Vec<(u32, f32)>>);
+            type Decided = (usize, Vec<u32>, Vec<f32>, Vec<Vec<(u32, f32)>>);
             let decided: Vec<Decided> = live
                 .par_iter()
                 .zip(&outs)
@@ -136,10 +136,10 @@ pub fn verify(
                         .iter()
                         .map(|l| top_logprobs(l, row.top_logprobs))
                         .collect();
-                    ((a, tokens), logprobs, top)
+                    (a, tokens, logprobs, top)
                 })
                 .collect();
-            for ((&i, out), ((a, tokens), logprobs, top)) in live.iter().zip(outs).zip(decided) {
+            for ((&i, out), (a, tokens, logprobs, top)) in live.iter().zip(outs).zip(decided) {
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
                 let hidden = out.hidden[..(a + 1) * h].to_vec();

@@ -51,15 +51,20 @@ pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
 
 /// Sum in the canonical 16-lane order (lane j takes i ≡ j mod 16, then the fixed tree).
 pub fn canonical_sum(x: &[f32]) -> f32 {
+    canonical_sum_of(x, |v| v)
+}
+
+/// `canonical_sum` of `f(x[i])`, without storing the values.
+fn canonical_sum_of(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0.0f32; LANES];
     let mut chunks = x.chunks_exact(LANES);
     for c in &mut chunks {
         for j in 0..LANES {
-            lanes[j] += c[j];
+            lanes[j] += f(c[j]);
         }
     }
-    for (j, v) in chunks.remainder().iter().enumerate() {
-        lanes[j] += v;
+    for (j, &v) in chunks.remainder().iter().enumerate() {
+        lanes[j] += f(v);
     }
     Portable::reduce(lanes)
 }
@@ -68,18 +73,7 @@ pub fn canonical_sum(x: &[f32]) -> f32 {
 /// so `logprob(t) = (x[t] - max) - lse`.
 pub fn log_softmax_parts(logits: &[f32]) -> (f32, f32) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // `canonical_sum` of the exponentials, without storing them (a vocabulary-sized row).
-    let mut lanes = [0.0f32; LANES];
-    let mut chunks = logits.chunks_exact(LANES);
-    for c in &mut chunks {
-        for j in 0..LANES {
-            lanes[j] += (c[j] - max).exp();
-        }
-    }
-    for (j, v) in chunks.remainder().iter().enumerate() {
-        lanes[j] += (v - max).exp();
-    }
-    (max, Portable::reduce(lanes).ln())
+    (max, canonical_sum_of(logits, |v| (v - max).exp()).ln())
 }
 
 /// Log-probability of `token` under `logits` at temperature 1.
