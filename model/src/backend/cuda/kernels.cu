@@ -529,21 +529,98 @@ extern "C" __global__ void qk_rope_store_f32(QK_ARGS) { qk_rope_store_impl<float
 extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>(QK_PASS); }
 
 // ---------------------------------------------------------------------------------------
-// Attention. One warp per (token, head): the query at logical position p reads keys
-// [0, p] of its own row ((p - window, p] with a window) in chunks of 32 anchored at
-// position 0; lane j scores key c0 + j
-// (dot product in increasing d), the chunk's maximum and sum come from the butterfly, and
-// each lane accumulates its output dims d = lane + 32 t over the chunk's keys in order.
-// `splits` > 1 is the negative control only: the keys are cut into that many segments,
-// each with its own online softmax, merged at the end (a split count chosen from the
-// batch changes the bits, which the invariance tests must catch). grid: (tokens, heads),
-// block: 32. Requires hd <= MAX_HD (256, or 512 for Gemma 4's global layers: a variant
-// with twice the registers, picked by head size alone).
+// Attention. A block of ATT_WARPS warps per (token, head): the query at logical position
+// p reads keys [0, p] of its own row ((p - window, p] with a window) in chunks of 32
+// anchored at position 0, chunk c (keys 32c..32c+31) taken by warp c % ATT_WARPS (a split
+// fixed by position alone, never by the batch). In a chunk lane j scores key 32c + j (dot
+// product in increasing d), the chunk's maximum and sum come from the butterfly, and each
+// lane accumulates its output dims d = lane + 32 t over the chunk's keys in order (an
+// online softmax over the warp's chunks in increasing c); then the warps' states are merged
+// in warp order. `splits` > 1 is the negative control only: warp 0 alone cuts the keys
+// into that many segments, each with its own online softmax, merged at the end (a split
+// count chosen from the batch changes the bits, which the invariance tests must catch).
+// grid: (tokens, heads), block: 32 ATT_WARPS. Requires hd <= MAX_HD (256, or 512 for
+// Gemma 4's global layers: a variant with twice the registers, picked by head size alone).
+#define ATT_WARPS 8
+
+// One online-softmax state: running maximum, sum and output accumulators (this lane's dims).
+template <int MAX_HD>
+struct Online {
+    float m, l, acc[MAX_HD / 32];
+    __device__ void clear() {
+        m = __int_as_float(0xff800000);
+        l = 0.0f;
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) acc[d] = 0.0f;
+    }
+    // Adds the state (m2, l2, acc2) of other keys: scaled to the larger maximum.
+    __device__ void merge(float m2, float l2, const float* acc2) {
+        const float nm = fmaxf(m, m2);
+        const float a = expf(m - nm), b = expf(m2 - nm);
+        l = l * a + l2 * b;
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) acc[d] = acc[d] * a + acc2[d] * b;
+        m = nm;
+    }
+};
+
+// Keys [max(c0, k0), min(c0 + 32, k1)) of the chunk at c0 into `st` (one warp).
+template <class KV, int MAX_HD>
+__device__ void attend_chunk(Online<MAX_HD>& st, int c0, int k0, int k1, const float* qs, const KV* kbuf,
+                             const KV* vbuf, const RowKv& row, int kvd, int hd, float scale, int lane) {
+    const int dims = (hd + 31) / 32;
+    const int p = c0 + lane;
+    const bool valid = p >= k0 && p < k1;
+    long long slot = 0;
+    float sc = __int_as_float(0xff800000);
+    if (valid) {
+        slot = kv_slot(row, p);
+        const long long at = slot * kvd;
+        float dot = 0.0f;
+        if ((hd & 7) == 0) {
+            // The same order, 8 elements per load.
+#pragma unroll 4
+            for (int d = 0; d < hd; d += 8) {
+                float kv[8];
+                KvIo<KV>::get8(kbuf, at + d, kv);
+#pragma unroll
+                for (int j = 0; j < 8; j++) dot = fmaf(qs[d + j], kv[j], dot);
+            }
+        } else {
+            for (int d = 0; d < hd; d++) dot = fmaf(qs[d], KvIo<KV>::get(kbuf, at + d), dot);
+        }
+        sc = dot * scale;
+    }
+    const float cm = warp_max(sc);
+    const float m_new = fmaxf(st.m, cm);
+    if (m_new > st.m) {
+        const float alpha = expf(st.m - m_new);
+        st.l *= alpha;
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) st.acc[d] *= alpha;
+        st.m = m_new;
+    }
+    const float pj = valid ? expf(sc - st.m) : 0.0f;
+    st.l += warp_sum(pj);
+    const int j0 = max(k0 - c0, 0), n = min(32, k1 - c0);
+    for (int j = j0; j < n; j++) {
+        const float pb = __shfl_sync(0xffffffffu, pj, j);
+        const long long sj = __shfl_sync(0xffffffffu, slot, j);
+        const long long at = sj * kvd;
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) {
+            const int dd = lane + 32 * d;
+            if (d < dims && dd < hd) st.acc[d] = fmaf(pb, KvIo<KV>::get(vbuf, at + dd), st.acc[d]);
+        }
+    }
+}
+
 template <class KV, int MAX_HD>
 __device__ void attention_impl(const float* q, float* out, const Tok* toks, const RowKv* rows, int layer,
                                int heads, int kv_heads, int hd, float scale, int splits, int window) {
     __shared__ float qs[MAX_HD];
-    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS], wacc[ATT_WARPS][MAX_HD];
+    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const Tok tok = toks[t];
     const RowKv row = rows[tok.row];
     const int kvd = kv_heads * hd;
@@ -551,94 +628,66 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
     const KV* kbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer) * row.plane + kvh * hd;
     const KV* vbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer + 1) * row.plane + kvh * hd;
     const float* qh = q + ((long long)t * heads + head) * hd;
-    for (int i = lane; i < hd; i += 32) qs[i] = qh[i];
-    __syncwarp();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = qh[i];
+    __syncthreads();
     const int n_keys = tok.pos + 1;
     const int first = max(tok.first, window > 0 ? n_keys - window : 0);
     const int dims = (hd + 31) / 32;
-    float tot_m = __int_as_float(0xff800000), tot_l = 0.0f, tot[MAX_HD / 32];
-    
-#pragma unroll
-    for (int d = 0; d < MAX_HD / 32; d++) tot[d] = 0.0f;
-    for (int sp = 0; sp < splits; sp++) {
-        const int span = n_keys - first;
-        const int k0 = first + (int)((long long)span * sp / splits);
-        const int k1 = first + (int)((long long)span * (sp + 1) / splits);
-        float m = __int_as_float(0xff800000), l = 0.0f, acc[MAX_HD / 32];
-        
-#pragma unroll
-        for (int d = 0; d < MAX_HD / 32; d++) acc[d] = 0.0f;
-        // Chunks anchored at position 0 (the split control cuts its own segments).
-        const int start = splits == 1 ? k0 - k0 % 32 : k0;
-        for (int c0 = start; c0 < k1; c0 += 32) {
-            const int p = c0 + lane;
-            const bool valid = p >= k0 && p < k1;
-            long long slot = 0;
-            float sc = __int_as_float(0xff800000);
-            if (valid) {
-                slot = kv_slot(row, p);
-                const long long at = slot * kvd;
-                float dot = 0.0f;
-                if ((hd & 7) == 0) {
-                    // The same order, 8 elements per load.
-#pragma unroll 4
-                    for (int d = 0; d < hd; d += 8) {
-                        float kv[8];
-                        KvIo<KV>::get8(kbuf, at + d, kv);
-#pragma unroll
-                        for (int j = 0; j < 8; j++) dot = fmaf(qs[d + j], kv[j], dot);
-                    }
-                } else {
-                    for (int d = 0; d < hd; d++) dot = fmaf(qs[d], KvIo<KV>::get(kbuf, at + d), dot);
-                }
-                sc = dot * scale;
-            }
-            const float cm = warp_max(sc);
-            const float m_new = fmaxf(m, cm);
-            if (m_new > m) {
-                const float alpha = expf(m - m_new);
-                l *= alpha;
-                
-#pragma unroll
-                for (int d = 0; d < MAX_HD / 32; d++) acc[d] *= alpha;
-                m = m_new;
-            }
-            const float pj = valid ? expf(sc - m) : 0.0f;
-            l += warp_sum(pj);
-            const int n = min(32, k1 - c0);
-            for (int j = 0; j < n; j++) {
-                const float pb = __shfl_sync(0xffffffffu, pj, j);
-                const long long sj = __shfl_sync(0xffffffffu, slot, j);
-                const long long at = sj * kvd;
-#pragma unroll
-                for (int d = 0; d < MAX_HD / 32; d++) {
-                    const int dd = lane + 32 * d;
-                    if (d < dims && dd < hd) acc[d] = fmaf(pb, KvIo<KV>::get(vbuf, at + dd), acc[d]);
-                }
-            }
-        }
-        if (splits == 1) {
-            tot_m = m;
-            tot_l = l;
-            
-#pragma unroll
-            for (int d = 0; d < MAX_HD / 32; d++) tot[d] = acc[d];
-        } else if (k1 > k0) {
-            const float nm = fmaxf(tot_m, m);
-            const float a = expf(tot_m - nm), b = expf(m - nm);
-            tot_l = tot_l * a + l * b;
-            
-#pragma unroll
-            for (int d = 0; d < MAX_HD / 32; d++) tot[d] = tot[d] * a + acc[d] * b;
-            tot_m = nm;
+    Online<MAX_HD> st;
+    st.clear();
+    if (splits == 1) {
+        // This warp's chunks: c = warp (mod ATT_WARPS), from the first chunk holding a key.
+        const int c_first = first / 32;
+        const int c_start = c_first + ((warp - c_first) % ATT_WARPS + ATT_WARPS) % ATT_WARPS;
+        for (int c = c_start; 32 * c < n_keys; c += ATT_WARPS)
+            attend_chunk<KV, MAX_HD>(st, 32 * c, first, n_keys, qs, kbuf, vbuf, row, kvd, hd, scale, lane);
+    } else if (warp == 0) {
+        for (int sp = 0; sp < splits; sp++) {
+            const int span = n_keys - first;
+            const int k0 = first + (int)((long long)span * sp / splits);
+            const int k1 = first + (int)((long long)span * (sp + 1) / splits);
+            if (k1 <= k0) continue;
+            Online<MAX_HD> seg;
+            seg.clear();
+            for (int c0 = k0; c0 < k1; c0 += 32)
+                attend_chunk<KV, MAX_HD>(seg, c0, k0, k1, qs, kbuf, vbuf, row, kvd, hd, scale, lane);
+            if (st.l == 0.0f)
+                st = seg;
+            else
+                st.merge(seg.m, seg.l, seg.acc);
         }
     }
-    const float inv = 1.0f / tot_l;
+    if (lane == 0) {
+        wm[warp] = st.m;
+        wl[warp] = st.l;
+    }
+#pragma unroll
+    for (int d = 0; d < MAX_HD / 32; d++) wacc[warp][lane + 32 * d] = st.acc[d];
+    __syncthreads();
+    if (warp != 0) return;
+    // Warp 0 merges the warps' states in warp order; a warp without keys is skipped.
+    Online<MAX_HD> tot;
+    tot.clear();
+    for (int v = 0; v < ATT_WARPS; v++) {
+        if (wl[v] == 0.0f) continue;
+        float a[MAX_HD / 32];
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) a[d] = wacc[v][lane + 32 * d];
+        if (tot.l == 0.0f) {
+            tot.m = wm[v];
+            tot.l = wl[v];
+#pragma unroll
+            for (int d = 0; d < MAX_HD / 32; d++) tot.acc[d] = a[d];
+        } else {
+            tot.merge(wm[v], wl[v], a);
+        }
+    }
+    const float inv = 1.0f / tot.l;
     float* o = out + ((long long)t * heads + head) * hd;
 #pragma unroll
     for (int d = 0; d < MAX_HD / 32; d++) {
         const int dd = lane + 32 * d;
-        if (d < dims && dd < hd) o[dd] = tot[d] * inv;
+        if (d < dims && dd < hd) o[dd] = tot.acc[d] * inv;
     }
 }
 

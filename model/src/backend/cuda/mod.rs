@@ -54,6 +54,8 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 const LINEAR_THREADS: u32 = 256;
 const LINEAR_COLS_PER_BLOCK: usize = 4;
 const LINEAR_TC_COLS_PER_BLOCK: usize = 16;
+/// Threads per block of attention: 8 warps per (token, head), key chunks dealt by position.
+const ATTENTION_THREADS: u32 = 256;
 
 /// Whether a weight takes the tensor-core matmul: bf16, not quantized, K a multiple of
 /// 32. Decided by the weight alone, so every M takes the same path.
@@ -584,7 +586,7 @@ impl Kernels for Cuda {
             self,
             &self.f.attention[kv_index(batch.kv)][(heads.head_dim > 256) as usize],
             grid,
-            32,
+            ATTENTION_THREADS,
             "attention",
             [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
         )
@@ -724,7 +726,7 @@ impl AssistantKernels for Cuda {
             self,
             &self.f.attention[kv_index(kv.unwrap_or(KvDtype::F32))][(heads.head_dim > 256) as usize],
             grid,
-            32,
+            ATTENTION_THREADS,
             "attention",
             [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
         )
