@@ -8,7 +8,7 @@
 mod common;
 
 use common::invariance::{
-    attention_batch_invariant_and_control, logits_vs_cpu, rows_invariant_and_control, weight,
+    attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
 };
 use common::{fixture, Lcg};
 use mtp::model::backend::cuda::Cuda;
