@@ -21,7 +21,7 @@
 #          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
 #   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
-#   profile: on the Qwen3-0.6B shape, B=1 plain decode's wall time per token beside the GPU
+#   profile: on the Qwen3-0.6B and 8B shapes, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
 # Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|long|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
@@ -186,14 +186,21 @@ if [ "$what" = profile-matmul ]; then
 fi
 
 if [ "$what" = profile ]; then
-    dir=/tmp/qwen3-0.6b
-    "$bin/mtp" synth --like qwen3 --out $dir > /dev/null
-    python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': list(range(3, 35))}))" > /tmp/p.jsonl
-    gen=("$bin/mtp" generate --target $dir --backend cuda --drafter none --max-batch 1 --prompts /tmp/p.jsonl --ignore-eos)
-    "${gen[@]}" --max-tokens 200 2>&1 >/dev/null | grep -E "tokens_per_second" | tee "$OUT/profile.log"
-    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    "$ncu" --metrics gpu__time_duration.sum --csv -c 2800 "${gen[@]}" --max-tokens 8 > "$OUT/ncu.csv" 2>/dev/null
-    python3 - "$OUT/ncu.csv" <<'PY' 2>&1 | tee -a "$OUT/profile.log"
+    # like=launches for 8 forwards of that shape (the ncu launch cap)
+    for shape in qwen3=2800 qwen3-8b=3600; do
+        like=${shape%=*}; launches=${shape#*=}
+        dir=/tmp/profile-$like
+        "$bin/mtp" synth --like $like --out $dir > /dev/null
+        echo "== $like" | tee -a "$OUT/profile.log"
+        python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': list(range(3, 35))}))" > /tmp/p.jsonl
+        gen=("$bin/mtp" generate --target $dir --backend cuda --drafter none --max-batch 1 --prompts /tmp/p.jsonl --ignore-eos)
+        "${gen[@]}" --max-tokens 200 2>&1 >/dev/null | grep -E "tokens_per_second" | tee -a "$OUT/profile.log"
+        ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+        # Real clocks and warm caches: each kernel's time as in a run (not ncu's flushed-cache
+        # upper bound), so the sum beside the wall time splits GPU time from launch and host time.
+        "$ncu" --metrics gpu__time_duration.sum --clock-control none --cache-control none --csv -c $launches \
+            "${gen[@]}" --max-tokens 8 > "$OUT/ncu-$like.csv" 2>/dev/null
+        python3 - "$OUT/ncu-$like.csv" <<'PY' 2>&1 | tee -a "$OUT/profile.log"
 import csv, sys, collections
 # ncu's CSV lines are quoted; mtp's own stdout lines in the same file are not.
 rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
@@ -213,11 +220,13 @@ print(f"{len(forwards)} forwards profiled; per decode forward: {total / 1e3:.0f}
 agg = collections.Counter()
 for f in decode:
     agg.update(f)
+count = collections.Counter(r[name].split("(")[0] for r in rows)
 for k, v in agg.most_common(12):
     if k != "#launches":
-        print(f"  {k}: {v / len(decode) / 1e3:.1f} us")
+        print(f"  {k}: {v / len(decode) / 1e3:.1f} us ({count[k] / len(forwards):.0f} launches a forward)")
 PY
-    rm -rf $dir
+        rm -rf $dir
+    done
 fi
 
 if [[ "$what" == gemma4-* ]]; then
