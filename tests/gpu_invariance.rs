@@ -60,6 +60,7 @@ fn long_context_attention_is_batch_and_block_invariant() {
         let mut cache = model.new_cache();
         let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last }];
         model.forward(&mut rows).unwrap();
+        cache.commit_window(head.len());
         let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last }];
         let decoded = model.forward(&mut rows).unwrap().remove(0).logits.remove(0);
         assert_eq!(&common::bits(&decoded), want, "decode after prefill differs at {} keys", p.len());
