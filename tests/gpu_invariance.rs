@@ -43,9 +43,10 @@ fn attention_alone_equals_batched_and_batch_sized_splits_do_not() {
     assert!(!control, "a split count chosen from the batch went unnoticed");
 }
 
-/// At long context (300 to 700 keys: each of the attention block's 8 warps takes several
-/// 32-key chunks) a query's bits are the same alone, beside other rows, and decoded after a
-/// prefill as inside the prefill's block.
+/// Past the 256 keys one pass of the 8 warps covers (300 to 700 keys: warps take several
+/// chunks each), a query's bits are the same alone, beside other rows, and decoded after a
+/// prefill as inside the prefill's block. Control: attention split by batch size (one row:
+/// 16 splits, three: 5) must fail both.
 #[test]
 fn long_context_attention_is_batch_and_block_invariant() {
     let model = Model::load_on(&fixture("qwen3-target"), Backend::Cuda).unwrap();
@@ -53,18 +54,26 @@ fn long_context_attention_is_batch_and_block_invariant() {
     let vocab = model.config.vocab_size;
     let prompts: Vec<Vec<u32>> =
         [300usize, 530, 700].iter().map(|&n| (0..n).map(|_| rng.below(vocab) as u32).collect()).collect();
-    let alone = last_logits(&model, &prompts, false);
-    assert_eq!(alone, last_logits(&model, &prompts, true), "a long row's bits depend on the batch");
-    for (p, want) in prompts.iter().zip(&alone) {
-        let (head, last) = p.split_at(p.len() - 1);
-        let mut cache = model.new_cache();
-        let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last }];
-        model.forward(&mut rows).unwrap();
-        cache.commit_window(head.len());
-        let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last }];
-        let decoded = model.forward(&mut rows).unwrap().remove(0).logits.remove(0);
-        assert_eq!(&common::bits(&decoded), want, "decode after prefill differs at {} keys", p.len());
-    }
+    // (alone == batched, every decode step == the batched prefill's last token)
+    let check = || {
+        let batched = last_logits(&model, &prompts, true);
+        let decoded = prompts.iter().zip(&batched).all(|(p, want)| {
+            let (head, last) = p.split_at(p.len() - 1);
+            let mut cache = model.new_cache();
+            let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last }];
+            model.forward(&mut rows).unwrap();
+            cache.commit_window(head.len());
+            let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last }];
+            let logits = model.forward(&mut rows).unwrap().remove(0).logits.remove(0);
+            common::bits(&logits) == *want
+        });
+        (last_logits(&model, &prompts, false) == batched, decoded)
+    };
+    assert_eq!(check(), (true, true), "(alone == batched, decode == prefill) at 300-700 keys");
+    mtp::model::negative_control::set_split_attention(true);
+    let control = check();
+    mtp::model::negative_control::set_split_attention(false);
+    assert_eq!(control, (false, false), "batch-sized attention splits went unseen at 300-700 keys");
 }
 
 /// Running out of device memory for K/V is an error naming the bytes, never a crash, and

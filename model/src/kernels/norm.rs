@@ -72,7 +72,7 @@ fn canonical_sum_of(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 /// Natural-log softmax normaliser of a logit row: returns `(max, ln(sum(exp(x - max))))`,
 /// so `logprob(t) = (x[t] - max) - lse`.
 pub fn log_softmax_parts(logits: &[f32]) -> (f32, f32) {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_of(logits);
     (max, canonical_sum_of(logits, |v| (v - max).exp()).ln())
 }
 
@@ -104,17 +104,43 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&v| (v - max) - lse).collect()
 }
 
-/// Index of the largest logit; ties go to the lowest id, NaN never wins.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best_v {
-            best = i;
-            best_v = v;
+/// The largest value (NaN ignored; -inf for none): 16 independent lanes, so the running
+/// maxima do not wait on each other (max is exact: the value of a sequential fold).
+fn max_of(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            lanes[j] = lanes[j].max(c[j]);
         }
     }
-    best as u32
+    chunks.remainder().iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Index of the largest logit; ties go to the lowest id, NaN never wins (0 when nothing
+/// beats -inf). Lane j keeps the first maximum of ids j mod 16; the lanes' winners then
+/// compare by value, then id: the sequential scan's answer.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best_v = [f32::NEG_INFINITY; LANES];
+    let mut best_i = [0u32; LANES];
+    let mut chunks = logits.chunks_exact(LANES);
+    for (ci, c) in (&mut chunks).enumerate() {
+        let base = (ci * LANES) as u32;
+        for j in 0..LANES {
+            let better = c[j] > best_v[j];
+            best_v[j] = if better { c[j] } else { best_v[j] };
+            best_i[j] = if better { base + j as u32 } else { best_i[j] };
+        }
+    }
+    let tail = (logits.len() - chunks.remainder().len()) as u32;
+    let tail = chunks.remainder().iter().enumerate().map(|(j, &v)| (v, tail + j as u32));
+    let mut best = (f32::NEG_INFINITY, 0u32);
+    for (v, i) in best_v.into_iter().zip(best_i).chain(tail) {
+        if v > best.0 || (v == best.0 && v > f32::NEG_INFINITY && i < best.1) {
+            best = (v, i);
+        }
+    }
+    best.1
 }
 
 #[cfg(test)]
@@ -128,9 +154,49 @@ mod tests {
         for n in [151_936usize + 7, 64] {
             let logits: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 0.031).collect();
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max_of(&logits).to_bits(), max.to_bits());
             let exps: Vec<f32> = logits.iter().map(|&v| (v - max).exp()).collect();
             let (m, lse) = log_softmax_parts(&logits);
             assert_eq!((m.to_bits(), lse.to_bits()), (max.to_bits(), canonical_sum(&exps).ln().to_bits()));
+        }
+    }
+
+    /// The lane-wise argmax is the sequential scan's: first maximum wins, NaN never does,
+    /// 0 when nothing beats -inf; ties placed in every lane and in the tail.
+    #[test]
+    fn argmax_matches_the_sequential_scan() {
+        let scan = |x: &[f32]| {
+            let (mut best, mut best_v) = (0usize, f32::NEG_INFINITY);
+            for (i, &v) in x.iter().enumerate() {
+                if v > best_v {
+                    (best, best_v) = (i, v);
+                }
+            }
+            best as u32
+        };
+        let mut rows: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![f32::NAN; 40],
+            vec![f32::NEG_INFINITY; 37],
+            vec![1.0; 35],
+            (0..100).map(|i| if i == 50 { f32::NAN } else { (i % 7) as f32 }).collect(),
+            (0..21).map(|i| if i >= 16 { 9.0 } else { 1.0 }).collect(),
+        ];
+        let mut seed = 7u64;
+        for n in [1usize, 15, 16, 17, 64, 1000, 151_936] {
+            rows.push(
+                (0..n)
+                    .map(|_| {
+                        seed = seed
+                            .wrapping_mul(6_364_136_223_846_793_005)
+                            .wrapping_add(1_442_695_040_888_963_407);
+                        ((seed >> 33) % 50) as f32 // few distinct values: many ties
+                    })
+                    .collect(),
+            );
+        }
+        for row in &rows {
+            assert_eq!(argmax(row), scan(row), "{} logits", row.len());
         }
     }
 }

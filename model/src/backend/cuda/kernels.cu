@@ -396,12 +396,32 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int n, float
                                     int col) {
     __shared__ float part[NORM_THREADS / 32];
     const float* xr = x + (long long)blockIdx.x * n;
+    // Thread i sums elements i, i + NORM_THREADS, ... in order; 8 loads in flight at once.
     float s = 0.0f;
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS) s = fmaf(xr[i], xr[i], s);
+    int i = threadIdx.x;
+    for (; i + 7 * NORM_THREADS < n; i += 8 * NORM_THREADS) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = xr[i + u * NORM_THREADS];
+#pragma unroll
+        for (int u = 0; u < 8; u++) s = fmaf(v[u], v[u], s);
+    }
+    for (; i < n; i += NORM_THREADS) s = fmaf(xr[i], xr[i], s);
     s = block_sum(s, part);
     const float inv = 1.0f / sqrtf(s / (float)n + eps);
     float* o = out + (long long)blockIdx.x * out_width + col;
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS) o[i] = w[i] * (xr[i] * inv);
+    i = threadIdx.x;
+    for (; i + 7 * NORM_THREADS < n; i += 8 * NORM_THREADS) {
+        float v[8], g[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            v[u] = xr[i + u * NORM_THREADS];
+            g[u] = w[i + u * NORM_THREADS];
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) o[i + u * NORM_THREADS] = g[u] * (v[u] * inv);
+    }
+    for (; i < n; i += NORM_THREADS) o[i] = w[i] * (xr[i] * inv);
 }
 
 // gate <- silu(gate) * up
