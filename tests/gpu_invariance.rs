@@ -9,6 +9,7 @@ mod common;
 
 use common::invariance::{
     attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
+    with_split_attention_control,
 };
 use common::{fixture, Lcg};
 use mtp::model::backend::cuda::Cuda;
@@ -69,10 +70,8 @@ fn long_context_attention_is_batch_and_block_invariant() {
         });
         (last_logits(&model, &prompts, false) == batched, decoded)
     };
-    assert_eq!(check(), (true, true), "(alone == batched, decode == prefill) at 300-700 keys");
-    mtp::model::negative_control::set_split_attention(true);
-    let control = check();
-    mtp::model::negative_control::set_split_attention(false);
+    let (ours, control) = with_split_attention_control(check);
+    assert_eq!(ours, (true, true), "(alone == batched, decode == prefill) at 300-700 keys");
     assert_eq!(control, (false, false), "batch-sized attention splits went unseen at 300-700 keys");
 }
 

@@ -73,18 +73,25 @@ pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<V
     }
 }
 
+/// `check()` on our kernels, then with the batch-sized split-attention negative control
+/// switched on: (ours, the control's).
+pub fn with_split_attention_control<T>(check: impl Fn() -> T) -> (T, T) {
+    let ours = check();
+    mtp::model::negative_control::set_split_attention(true);
+    let control = check();
+    mtp::model::negative_control::set_split_attention(false);
+    (ours, control)
+}
+
 /// Whether the qwen3-target fixture on `backend` gives eight prompts the same last logits
 /// alone as in one forward, then the same with the batch-sized split-attention negative
 /// control switched on: (ours invariant, the control's invariant).
 pub fn attention_batch_invariant_and_control(backend: Backend) -> (bool, bool) {
     let model = Model::load_on(&fixture("qwen3-target"), backend).unwrap();
     let prompts = prompts(&model, 17);
-    let invariant = || last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true);
-    let ours = invariant();
-    mtp::model::negative_control::set_split_attention(true);
-    let control = invariant();
-    mtp::model::negative_control::set_split_attention(false);
-    (ours, control)
+    with_split_attention_control(|| {
+        last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true)
+    })
 }
 
 /// Eight prompts of different lengths (40 to 117 tokens) for `model`.
