@@ -44,10 +44,11 @@ fn attention_alone_equals_batched_and_batch_sized_splits_do_not() {
     assert!(!control, "a split count chosen from the batch went unnoticed");
 }
 
-/// Past the 256 keys one pass of the 8 warps covers (300 to 700 keys: warps take several
-/// chunks each), a query's bits are the same alone, beside other rows, and decoded after a
-/// prefill as inside the prefill's block. Control: attention split by batch size (one row:
-/// 16 splits, three: 5) must fail both.
+/// Past one warp's chunks and past one 512-key segment, a query's bits are the same alone,
+/// beside other rows, and decoded after a prefill as inside the prefill's block. The
+/// prefills run a block per (token, head) walking the segments; the decode steps at 530 and
+/// 700 keys a block per segment and the merge launch: the same order, so the same bits.
+/// Control: attention split by batch size (one row: 16 splits, three: 5) must fail both.
 #[test]
 fn long_context_attention_is_batch_and_block_invariant() {
     let model = Model::load_on(&fixture("qwen3-target"), Backend::Cuda).unwrap();

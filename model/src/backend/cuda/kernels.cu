@@ -549,19 +549,30 @@ extern "C" __global__ void qk_rope_store_f32(QK_ARGS) { qk_rope_store_impl<float
 extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>(QK_PASS); }
 
 // ---------------------------------------------------------------------------------------
-// Attention. A block of ATT_WARPS warps per (token, head): the query at logical position
-// p reads keys [0, p] of its own row ((p - window, p] with a window) in chunks of 32
-// anchored at position 0, chunk c (keys 32c..32c+31) taken by warp c % ATT_WARPS (a split
-// fixed by position alone, never by the batch). In a chunk lane j scores key 32c + j (dot
-// product in increasing d), the chunk's maximum and sum come from the butterfly, and each
-// lane accumulates its output dims d = lane + 32 t over the chunk's keys in order (an
-// online softmax over the warp's chunks in increasing c); then the warps' states are merged
-// in warp order. `splits` > 1 is the negative control only: warp 0 alone cuts the keys
-// into that many segments, each with its own online softmax, merged at the end (a split
-// count chosen from the batch changes the bits, which the invariance tests must catch).
-// grid: (tokens, heads), block: 32 ATT_WARPS. Requires hd <= MAX_HD (256, or 512 for
-// Gemma 4's global layers: a variant with twice the registers, picked by head size alone).
+// Attention. The query at logical position p reads keys [0, p] of its own row ((p - window,
+// p] with a window) in one fixed order, set by positions alone (never by the batch):
+//   - keys are cut into segments of ATT_SEG (512) anchored at position 0, each segment into
+//     chunks of 32, chunk c (keys 32c..32c+31) taken by warp c % ATT_WARPS of a block;
+//   - in a chunk lane j scores key 32c + j (dot product in increasing d), the chunk's
+//     maximum and sum come from the butterfly, and each lane accumulates its output dims
+//     d = lane + 32 t over the chunk's keys in order (an online softmax over the warp's
+//     chunks in increasing c);
+//   - a segment's state is its warps' states merged in warp order, the query's state its
+//     segments' states merged in segment order (empty ones skipped), then normalised.
+// Two launches compute the same bits: a block per (token, head) walking the segments in
+// order (`partial` null: prefill), or a block per (token, head, segment) writing each
+// segment's state to `partial` and `attention_merge` merging them (few tokens at long
+// context, where one block per head would leave the GPU idle).
+// `splits` > 1 is the negative control only: warp 0 alone cuts the keys into that many
+// segments, each with its own online softmax, merged at the end (a split count chosen from
+// the batch changes the bits, which the invariance tests must catch).
+// grid: (tokens, heads) or (tokens, heads * segments), block: 32 ATT_WARPS. Requires
+// hd <= MAX_HD (256, or 512 for Gemma 4's global layers: a variant with twice the
+// registers, picked by head size alone).
 #define ATT_WARPS 8
+#define ATT_SEG 512
+// Two blocks per SM: at most 128 registers a thread (the 512 variant spills a little).
+#define ATT_MIN_BLOCKS 2
 
 // One online-softmax state: running maximum, sum and output accumulators (this lane's dims).
 template <int MAX_HD>
@@ -573,13 +584,23 @@ struct Online {
 #pragma unroll
         for (int d = 0; d < MAX_HD / 32; d++) acc[d] = 0.0f;
     }
-    // Adds the state (m2, l2, acc2) of other keys: scaled to the larger maximum.
-    __device__ void merge(float m2, float l2, const float* acc2) {
+    // Adds the state (m2, l2, acc2) of later keys: taken as is into an empty state, else
+    // both scaled to the larger maximum (explicit roundings: every launch that merges gets
+    // the same bits). A state without keys (l2 == 0) adds nothing.
+    __device__ void add(float m2, float l2, const float* acc2) {
+        if (l2 == 0.0f) return;
+        if (l == 0.0f) {
+            m = m2;
+            l = l2;
+#pragma unroll
+            for (int d = 0; d < MAX_HD / 32; d++) acc[d] = acc2[d];
+            return;
+        }
         const float nm = fmaxf(m, m2);
         const float a = expf(m - nm), b = expf(m2 - nm);
-        l = l * a + l2 * b;
+        l = fmaf(l2, b, __fmul_rn(l, a));
 #pragma unroll
-        for (int d = 0; d < MAX_HD / 32; d++) acc[d] = acc[d] * a + acc2[d] * b;
+        for (int d = 0; d < MAX_HD / 32; d++) acc[d] = fmaf(acc2[d], b, __fmul_rn(acc[d], a));
         m = nm;
     }
 };
@@ -622,25 +643,94 @@ __device__ void attend_chunk(Online<MAX_HD>& st, int c0, int k0, int k1, const f
     }
     const float pj = valid ? expf(sc - st.m) : 0.0f;
     st.l += warp_sum(pj);
+    // Values: VB keys' loads in flight at once, then their FMAs in key order (the order of
+    // one key at a time).
+    constexpr int VB = MAX_HD <= 256 ? 4 : 2;
     const int j0 = max(k0 - c0, 0), n = min(32, k1 - c0);
-    for (int j = j0; j < n; j++) {
-        const float pb = __shfl_sync(0xffffffffu, pj, j);
-        const long long sj = __shfl_sync(0xffffffffu, slot, j);
-        const long long at = sj * kvd;
+    for (int jb = j0; jb < n; jb += VB) {
+        float pb[VB], vv[VB][MAX_HD / 32];
 #pragma unroll
-        for (int d = 0; d < MAX_HD / 32; d++) {
-            const int dd = lane + 32 * d;
-            if (d < dims && dd < hd) st.acc[d] = fmaf(pb, KvIo<KV>::get(vbuf, at + dd), st.acc[d]);
+        for (int u = 0; u < VB; u++) {
+            const int j = min(jb + u, 31);
+            pb[u] = __shfl_sync(0xffffffffu, pj, j);
+            const long long at = __shfl_sync(0xffffffffu, slot, j) * kvd;
+#pragma unroll
+            for (int d = 0; d < MAX_HD / 32; d++) {
+                const int dd = lane + 32 * d;
+                vv[u][d] = (jb + u < n && d < dims && dd < hd) ? KvIo<KV>::get(vbuf, at + dd) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VB; u++) {
+            if (jb + u >= n) break;
+#pragma unroll
+            for (int d = 0; d < MAX_HD / 32; d++) {
+                const int dd = lane + 32 * d;
+                if (d < dims && dd < hd) st.acc[d] = fmaf(pb[u], vv[u][d], st.acc[d]);
+            }
         }
     }
 }
 
+// The block's shared scratch: each warp's state, merged by warp 0.
+template <int MAX_HD>
+struct WarpStates {
+    float m[ATT_WARPS], l[ATT_WARPS], acc[ATT_WARPS][MAX_HD];
+};
+
+// Segment `seg`'s state of keys [first, n_keys), in warp 0's `out` (the whole block calls).
 template <class KV, int MAX_HD>
-__device__ void attention_impl(const float* q, float* out, const Tok* toks, const RowKv* rows, int layer,
-                               int heads, int kv_heads, int hd, float scale, int splits, int window) {
+__device__ void segment_state(Online<MAX_HD>& out, WarpStates<MAX_HD>& ws, int seg, int first, int n_keys,
+                              const float* qs, const KV* kbuf, const KV* vbuf, const RowKv& row, int kvd,
+                              int hd, float scale) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    Online<MAX_HD> st;
+    st.clear();
+    const int lo = max(first, seg * ATT_SEG), hi = min(n_keys, (seg + 1) * ATT_SEG);
+    if (lo < hi) {
+        // This warp's chunks of the segment: c = warp (mod ATT_WARPS).
+        const int c_first = lo / 32;
+        const int c_start = c_first + ((warp - c_first) % ATT_WARPS + ATT_WARPS) % ATT_WARPS;
+        for (int c = c_start; 32 * c < hi; c += ATT_WARPS)
+            attend_chunk<KV, MAX_HD>(st, 32 * c, first, n_keys, qs, kbuf, vbuf, row, kvd, hd, scale, lane);
+    }
+    __syncthreads();  // warp 0 is done reading the previous segment's states
+    if (lane == 0) {
+        ws.m[warp] = st.m;
+        ws.l[warp] = st.l;
+    }
+#pragma unroll
+    for (int d = 0; d < MAX_HD / 32; d++) ws.acc[warp][lane + 32 * d] = st.acc[d];
+    __syncthreads();
+    if (warp != 0) return;
+    out.clear();
+    for (int v = 0; v < ATT_WARPS; v++) {
+        float a[MAX_HD / 32];
+#pragma unroll
+        for (int d = 0; d < MAX_HD / 32; d++) a[d] = ws.acc[v][lane + 32 * d];
+        out.add(ws.m[v], ws.l[v], a);
+    }
+}
+
+// Writes the normalised output of `st` (one warp's lanes).
+template <int MAX_HD>
+__device__ void write_output(const Online<MAX_HD>& st, float* o, int hd, int lane) {
+    const float inv = 1.0f / st.l;
+#pragma unroll
+    for (int d = 0; d < MAX_HD / 32; d++) {
+        const int dd = lane + 32 * d;
+        if (dd < hd) o[dd] = __fmul_rn(st.acc[d], inv);
+    }
+}
+
+template <class KV, int MAX_HD>
+__device__ void attention_impl(const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows,
+                               int layer, int heads, int kv_heads, int hd, float scale, int splits, int window) {
     __shared__ float qs[MAX_HD];
-    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS], wacc[ATT_WARPS][MAX_HD];
-    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ WarpStates<MAX_HD> ws;
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int head = blockIdx.y % heads, seg = blockIdx.y / heads;
+    const int max_segs = gridDim.y / heads;
     const Tok tok = toks[t];
     const RowKv row = rows[tok.row];
     const int kvd = kv_heads * hd;
@@ -652,73 +742,76 @@ __device__ void attention_impl(const float* q, float* out, const Tok* toks, cons
     __syncthreads();
     const int n_keys = tok.pos + 1;
     const int first = max(tok.first, window > 0 ? n_keys - window : 0);
-    const int dims = (hd + 31) / 32;
-    Online<MAX_HD> st;
-    st.clear();
-    if (splits == 1) {
-        // This warp's chunks: c = warp (mod ATT_WARPS), from the first chunk holding a key.
-        const int c_first = first / 32;
-        const int c_start = c_first + ((warp - c_first) % ATT_WARPS + ATT_WARPS) % ATT_WARPS;
-        for (int c = c_start; 32 * c < n_keys; c += ATT_WARPS)
-            attend_chunk<KV, MAX_HD>(st, 32 * c, first, n_keys, qs, kbuf, vbuf, row, kvd, hd, scale, lane);
-    } else if (warp == 0) {
+    float* o = out + ((long long)t * heads + head) * hd;
+    Online<MAX_HD> tot;
+    tot.clear();
+    if (splits > 1) {
+        if (warp != 0) return;
         for (int sp = 0; sp < splits; sp++) {
             const int span = n_keys - first;
             const int k0 = first + (int)((long long)span * sp / splits);
             const int k1 = first + (int)((long long)span * (sp + 1) / splits);
             if (k1 <= k0) continue;
-            Online<MAX_HD> seg;
-            seg.clear();
+            Online<MAX_HD> part;
+            part.clear();
             for (int c0 = k0; c0 < k1; c0 += 32)
-                attend_chunk<KV, MAX_HD>(seg, c0, k0, k1, qs, kbuf, vbuf, row, kvd, hd, scale, lane);
-            if (st.l == 0.0f)
-                st = seg;
-            else
-                st.merge(seg.m, seg.l, seg.acc);
+                attend_chunk<KV, MAX_HD>(part, c0, k0, k1, qs, kbuf, vbuf, row, kvd, hd, scale, lane);
+            tot.add(part.m, part.l, part.acc);
         }
+        write_output(tot, o, hd, lane);
+        return;
     }
-    if (lane == 0) {
-        wm[warp] = st.m;
-        wl[warp] = st.l;
-    }
-#pragma unroll
-    for (int d = 0; d < MAX_HD / 32; d++) wacc[warp][lane + 32 * d] = st.acc[d];
-    __syncthreads();
-    if (warp != 0) return;
-    // Warp 0 merges the warps' states in warp order; a warp without keys is skipped.
-    Online<MAX_HD> tot;
-    tot.clear();
-    for (int v = 0; v < ATT_WARPS; v++) {
-        if (wl[v] == 0.0f) continue;
-        float a[MAX_HD / 32];
-#pragma unroll
-        for (int d = 0; d < MAX_HD / 32; d++) a[d] = wacc[v][lane + 32 * d];
-        if (tot.l == 0.0f) {
-            tot.m = wm[v];
-            tot.l = wl[v];
-#pragma unroll
-            for (int d = 0; d < MAX_HD / 32; d++) tot.acc[d] = a[d];
-        } else {
-            tot.merge(wm[v], wl[v], a);
+    if (partial) {
+        // This block's segment alone, its state stored for attention_merge (l = 0: no keys).
+        float* dst = partial + (((long long)t * heads + head) * max_segs + seg) * (hd + 2);
+        segment_state<KV, MAX_HD>(tot, ws, seg, first, n_keys, qs, kbuf, vbuf, row, kvd, hd, scale);
+        if (warp != 0) return;
+        if (lane == 0) {
+            dst[0] = tot.m;
+            dst[1] = tot.l;
         }
-    }
-    const float inv = 1.0f / tot.l;
-    float* o = out + ((long long)t * heads + head) * hd;
 #pragma unroll
-    for (int d = 0; d < MAX_HD / 32; d++) {
-        const int dd = lane + 32 * d;
-        if (d < dims && dd < hd) o[dd] = tot.acc[d] * inv;
+        for (int d = 0; d < MAX_HD / 32; d++)
+            if (lane + 32 * d < hd) dst[2 + lane + 32 * d] = tot.acc[d];
+        return;
     }
+    for (int s = first / ATT_SEG; s * ATT_SEG < n_keys; s++) {
+        Online<MAX_HD> st;
+        segment_state<KV, MAX_HD>(st, ws, s, first, n_keys, qs, kbuf, vbuf, row, kvd, hd, scale);
+        if (warp == 0) tot.add(st.m, st.l, st.acc);
+    }
+    if (warp == 0) write_output(tot, o, hd, lane);
 }
 
 #define ATT_ARGS                                                                                                 \
-    const float *q, float *out, const Tok *toks, const RowKv *rows, int layer, int heads, int kv_heads, int hd, \
-        float scale, int splits, int window
-#define ATT_PASS q, out, toks, rows, layer, heads, kv_heads, hd, scale, splits, window
-extern "C" __global__ void attention_f32(ATT_ARGS) { attention_impl<float, 256>(ATT_PASS); }
-extern "C" __global__ void attention_bf16(ATT_ARGS) { attention_impl<u16, 256>(ATT_PASS); }
-extern "C" __global__ void attention_f32_512(ATT_ARGS) { attention_impl<float, 512>(ATT_PASS); }
-extern "C" __global__ void attention_bf16_512(ATT_ARGS) { attention_impl<u16, 512>(ATT_PASS); }
+    const float *q, float *out, float *partial, const Tok *toks, const RowKv *rows, int layer, int heads,        \
+        int kv_heads, int hd, float scale, int splits, int window
+#define ATT_PASS q, out, partial, toks, rows, layer, heads, kv_heads, hd, scale, splits, window
+#define ATT_KERNEL(name, KV, MAX_HD) \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, ATT_MIN_BLOCKS) name(ATT_ARGS) { attention_impl<KV, MAX_HD>(ATT_PASS); }
+ATT_KERNEL(attention_f32_128, float, 128)
+ATT_KERNEL(attention_bf16_128, u16, 128)
+ATT_KERNEL(attention_f32_256, float, 256)
+ATT_KERNEL(attention_bf16_256, u16, 256)
+ATT_KERNEL(attention_f32_512, float, 512)
+ATT_KERNEL(attention_bf16_512, u16, 512)
+
+// Merges the segments' states that `attention` stored in `partial` (tokens x heads x
+// max_segs states of hd + 2 floats), in segment order, as the one-block launch does.
+// grid: (tokens, heads), block: 32.
+extern "C" __global__ void attention_merge(const float* partial, float* out, int heads, int hd, int max_segs) {
+    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    const float* src = partial + ((long long)t * heads + head) * max_segs * (hd + 2);
+    Online<512> tot;
+    tot.clear();
+    for (int s = 0; s < max_segs; s++, src += hd + 2) {
+        float a[16];
+#pragma unroll
+        for (int d = 0; d < 16; d++) a[d] = lane + 32 * d < hd ? src[2 + lane + 32 * d] : 0.0f;
+        tot.add(src[0], src[1], a);
+    }
+    write_output(tot, out + ((long long)t * heads + head) * hd, hd, lane);
+}
 
 // ---------------------------------------------------------------------------------------
 // KV store maintenance on raw element words (4-byte words for f32, 2-byte for bf16).

@@ -96,7 +96,9 @@ struct Functions {
     add_into: CudaFunction,
     qk_rope_store: [CudaFunction; 2],
     /// By K/V dtype, then head size (up to 256, up to 512).
-    attention: [[CudaFunction; 2]; 2],
+    /// By K/V dtype, then head size: up to 128, 256, 512.
+    attention: [[CudaFunction; 3]; 2],
+    attention_merge: CudaFunction,
     kv_move: [CudaFunction; 2],
     kv_copy: [CudaFunction; 2],
     gelu_tanh_mul: CudaFunction,
@@ -178,9 +180,10 @@ impl Cuda {
             add_into: get("add_into")?,
             qk_rope_store: [get("qk_rope_store_f32")?, get("qk_rope_store_bf16")?],
             attention: [
-                [get("attention_f32")?, get("attention_f32_512")?],
-                [get("attention_bf16")?, get("attention_bf16_512")?],
+                [get("attention_f32_128")?, get("attention_f32_256")?, get("attention_f32_512")?],
+                [get("attention_bf16_128")?, get("attention_bf16_256")?, get("attention_bf16_512")?],
             ],
+            attention_merge: get("attention_merge")?,
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
             kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
             gelu_tanh_mul: get("gelu_tanh_mul")?,
@@ -310,6 +313,8 @@ pub struct CudaBatch {
     /// The rows' sliding-window rings, when every row has one.
     ring_rows: Option<CudaSlice<i64>>,
     m: usize,
+    /// The most keys a token reads (position + 1).
+    most_keys: usize,
     kv: KvDtype,
     /// Key segments per query: 1, except under the split-attention negative control.
     splits: i32,
@@ -429,6 +434,7 @@ impl Kernels for Cuda {
             rows: self.upload_as(&rows, "batch layout")?,
             ring_rows,
             m: slots.len(),
+            most_keys: slots.iter().map(|s| s.pos + 1).max().unwrap_or(0),
             kv: kv.unwrap_or(KvDtype::F32),
             splits: splits as i32,
         })
@@ -576,20 +582,11 @@ impl Kernels for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_heads(heads)?;
-        let s = &self.stream;
         let (rows, li) = self.plane_rows(batch, plane)?;
-        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&batch.toks, s), ptr(rows, s));
-        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
-        let (splits, win) = (batch.splits, window.map_or(0, |w| w as i32));
-        let grid = (batch.m as u32, heads.heads as u32);
-        launch!(
-            self,
-            &self.f.attention[kv_index(batch.kv)][(heads.head_dim > 256) as usize],
-            grid,
-            ATTENTION_THREADS,
-            "attention",
-            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
-        )
+        let win = window.map_or(0, |w| w as i32);
+        let keys =
+            AttentionKeys { tokens: batch.m, most: batch.most_keys, splits: batch.splits, window: win };
+        self.launch_attention(q, out, &batch.toks, rows, li, heads, scale, batch.kv, keys)
     }
 
     fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
@@ -603,7 +600,97 @@ impl Kernels for Cuda {
     }
 }
 
+/// One attention launch's queries and keys.
+struct AttentionKeys {
+    tokens: usize,
+    /// The most keys any token reads (its position + 1).
+    most: usize,
+    /// Key segments per query under the split-attention negative control (else 1).
+    splits: i32,
+    /// Sliding window (0: none).
+    window: i32,
+}
+
+/// Keys per attention segment (`ATT_SEG` in kernels.cu).
+const ATTENTION_SEGMENT: usize = 512;
+
+/// The segments a block per (token, head, segment) launch would cover, when that launch
+/// pays: few tokens over more than one segment (one block per (token, head) would leave
+/// most of the GPU idle), with its scratch under 256 MiB. Either launch gives the same
+/// bits, so this choice may follow the batch.
+fn split_segments(keys: &AttentionKeys, heads: Heads) -> Option<usize> {
+    let segs = keys.most.div_ceil(ATTENTION_SEGMENT);
+    let scratch = keys.tokens * heads.heads * segs * (heads.head_dim + 2) * 4;
+    (keys.splits == 1
+        && segs >= 2
+        && keys.tokens <= 64
+        && heads.heads * segs <= 65_535
+        && scratch <= 256 << 20)
+        .then_some(segs)
+}
+
 impl Cuda {
+    /// Attention of `keys.tokens` queries over their rows' K/V (`toks`, `rows`: the
+    /// kernels' layout), by one block per (token, head) or, per [`split_segments`], a block
+    /// per (token, head, segment) and the merge.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        toks: &CudaSlice<i32>,
+        rows: &CudaSlice<i64>,
+        li: i32,
+        heads: Heads,
+        scale: f32,
+        kv: KvDtype,
+        keys: AttentionKeys,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let variant = match heads.head_dim {
+            0..=128 => 0,
+            129..=256 => 1,
+            _ => 2,
+        };
+        let f = &self.f.attention[kv_index(kv)][variant];
+        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let (splits, win) = (keys.splits, keys.window);
+        let tokens = keys.tokens as u32;
+        let Some(segs) = split_segments(&keys, heads) else {
+            let pp = 0u64;
+            let grid = (tokens, heads.heads as u32);
+            return launch!(
+                self,
+                f,
+                grid,
+                ATTENTION_THREADS,
+                "attention",
+                [qp, op, pp, tp, rp, li, nh, nkv, hd, scale, splits, win]
+            );
+        };
+        let partial = self.alloc(keys.tokens * heads.heads * segs * (heads.head_dim + 2))?;
+        let pp = ptr(&partial, s);
+        let grid = (tokens, (heads.heads * segs) as u32);
+        launch!(
+            self,
+            f,
+            grid,
+            ATTENTION_THREADS,
+            "attention",
+            [qp, op, pp, tp, rp, li, nh, nkv, hd, scale, splits, win]
+        )?;
+        let ms = segs as i32;
+        launch!(
+            self,
+            &self.f.attention_merge,
+            (tokens, heads.heads as u32),
+            32,
+            "attention merge",
+            [pp, op, nh, hd, ms]
+        )
+    }
+
     /// The row layout of `plane` and the layer within it.
     fn plane_rows<'a>(&self, batch: &'a CudaBatch, plane: Plane) -> Result<(&'a CudaSlice<i64>, i32)> {
         match plane {
@@ -715,21 +802,11 @@ impl AssistantKernels for Cuda {
             ]);
             toks.extend([r as i32, k.end as i32 - 1, 0, k.first as i32]);
         }
+        let most = keys.iter().map(|k| k.end).max().unwrap_or(0);
         let (toks, rows) = (self.upload_as(&toks, "key ranges")?, self.upload_as(&rows, "key ranges")?);
-        let li = plane.layer() as i32;
-        let s = &self.stream;
-        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(&toks, s), ptr(&rows, s));
-        let (nh, nkv, hd, splits, win) =
-            (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32, 1i32, 0i32);
-        let grid = (caches.len() as u32, heads.heads as u32);
-        launch!(
-            self,
-            &self.f.attention[kv_index(kv.unwrap_or(KvDtype::F32))][(heads.head_dim > 256) as usize],
-            grid,
-            ATTENTION_THREADS,
-            "attention",
-            [qp, op, tp, rp, li, nh, nkv, hd, scale, splits, win]
-        )
+        let keys = AttentionKeys { tokens: caches.len(), most, splits: 1, window: 0 };
+        let kv = kv.unwrap_or(KvDtype::F32);
+        self.launch_attention(q, out, &toks, &rows, plane.layer() as i32, heads, scale, kv, keys)
     }
 }
 
