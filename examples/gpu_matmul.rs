@@ -4,12 +4,13 @@
 //! never holds the weights being timed. `scripts/gpu-run.sh`
 //! prints torch.matmul (cuBLAS) on the same shapes beside it.
 //!
-//! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R]` narrows it (for a profiler:
-//! `scripts/gpu-run.sh profile-matmul`).
+//! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R] [--kernels]` narrows it (for a
+//! profiler: `scripts/gpu-run.sh profile-matmul`); `--kernels` times every tensor-core
+//! kernel at every M, not only the one the host picks (which `kernel` names).
 
 use std::time::Instant;
 
-use mtp::model::backend::cuda::Cuda;
+use mtp::model::backend::cuda::{Cuda, TcKernel};
 use mtp::model::backend::{Kernels, Out};
 use mtp::model::{Weight, WeightDtype};
 
@@ -43,8 +44,9 @@ fn main() -> anyhow::Result<()> {
     let reps = list(&args, "--reps", |s| s.parse().ok(), vec![20usize])?[0].max(1);
     let cuda = Cuda::shared()?;
     println!("device: {}", cuda.device_name());
-    println!("| N x K | M | ms (median of {reps}) | weight GB/s |");
-    println!("| --- | --- | --- | --- |");
+    let every_kernel = args.iter().any(|a| a == "--kernels");
+    println!("| N x K | M | kernel | ms (median of {reps}) | weight GB/s |");
+    println!("| --- | --- | --- | --- | --- |");
     for (n, k) in shapes {
         let bytes: Vec<u8> = (0..n * k)
             .flat_map(|i| half::bf16::from_f32(((i % 97) as f32 - 48.0) * 1e-3).to_le_bytes())
@@ -54,19 +56,28 @@ fn main() -> anyhow::Result<()> {
         for &m in &ms {
             let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
             let mut out = cuda.alloc(m * n)?;
-            let mut times = Vec::new();
-            for rep in 0..reps + 3 {
-                cuda.synchronize()?;
-                let t0 = Instant::now();
-                cuda.linear(&x, m, &copies[rep % 4], None, &mut out, Out::Write)?;
-                cuda.synchronize()?;
-                if rep >= 3 {
-                    times.push(t0.elapsed().as_secs_f64());
+            let picked = TcKernel::for_shape(m, n);
+            let kernels = if every_kernel { TcKernel::ALL.to_vec() } else { vec![picked] };
+            for kernel in kernels {
+                let mut times = Vec::new();
+                for rep in 0..reps + 3 {
+                    cuda.synchronize()?;
+                    let t0 = Instant::now();
+                    cuda.linear_tc_with(kernel, &x, m, &copies[rep % 4], None, &mut out, Out::Write)?;
+                    cuda.synchronize()?;
+                    if rep >= 3 {
+                        times.push(t0.elapsed().as_secs_f64());
+                    }
                 }
+                times.sort_by(|a, b| a.total_cmp(b));
+                let t = times[times.len() / 2];
+                let mark = if kernel == picked && every_kernel { " (picked)" } else { "" };
+                println!(
+                    "| {n} x {k} | {m} | {kernel:?}{mark} | {:.3} | {:.0} |",
+                    t * 1e3,
+                    (n * k * 2) as f64 / t / 1e9
+                );
             }
-            times.sort_by(|a, b| a.total_cmp(b));
-            let t = times[times.len() / 2];
-            println!("| {n} x {k} | {m} | {:.3} | {:.0} |", t * 1e3, (n * k * 2) as f64 / t / 1e9);
         }
     }
     Ok(())

@@ -11,21 +11,22 @@ use common::invariance::{
     attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
     with_split_attention_control,
 };
-use common::{fixture, Lcg};
-use mtp::model::backend::cuda::Cuda;
-use mtp::model::backend::Backend;
+use common::{bits, fixture, Lcg};
+use mtp::model::backend::cuda::{Cuda, TcKernel};
+use mtp::model::backend::{Backend, Kernels, Out};
 use mtp::model::{Logits, Model, RowInput, WeightDtype};
 
 #[test]
 fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
     let cuda = Cuda::shared().unwrap();
     let mut rng = Lcg(3);
-    // Every tokens-per-pass variant of both matmuls (CUDA cores: 4, 8, 16 rows; tensor
-    // cores: 8, 16, 32, 64 tokens), and several passes.
-    let ms = [1, 2, 3, 8, 9, 17, 40, 64, 512];
+    // Every variant of both matmuls the host picks by shape (CUDA cores: 4, 8, 16 rows a
+    // pass; tensor cores: passes of 8 to 64 tokens, shared-memory tiles), several passes
+    // and partial tiles.
+    let ms = [1, 2, 3, 8, 9, 17, 40, 64, 100, 129, 512];
     // Qwen3-8B's attention and MLP shapes (bf16, K % 32 == 0: tensor cores), and a K that
     // is not a multiple of 8 (CUDA cores, the scalar path).
-    for (n, k) in [(4096, 4096), (12288, 4096), (4096, 12288), (96, 100)] {
+    for (n, k) in [(4096, 4096), (12288, 4096), (4096, 12288), (200, 1056), (96, 100)] {
         let w = weight(&mut rng, WeightDtype::Bf16, n, k);
         let x = rng.vec(512 * k);
         let (ours, stock) = rows_invariant_and_control(&*cuda, &w, &x, &ms);
@@ -34,6 +35,45 @@ fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
             !stock,
             "{n}x{k}: cuBLAS gave every M the same bits: the check cannot see shape-dependent kernels"
         );
+    }
+}
+
+/// Every tensor-core kernel (passes of 8 to 64 tokens, shared-memory tiles of 256x16 to
+/// 64x128) gives the same bits at every M, with a bias and accumulating into the output,
+/// on shapes that leave partial tiles, a partial last 128-wide chunk (K = 1056) and phases
+/// without chunks (K < 1024). Control: cuBLAS's product, compared the same way, must differ.
+#[test]
+fn every_tensor_core_kernel_gives_the_same_bits() {
+    let cuda = Cuda::shared().unwrap();
+    let mut rng = Lcg(11);
+    for (n, k) in [(200, 1056), (100, 96), (4096, 4096)] {
+        let w = weight(&mut rng, WeightDtype::Bf16, n, k);
+        let mat = cuda.matrix(&w).unwrap();
+        let bias = cuda.upload(&rng.vec(n)).unwrap();
+        for m in [1, 7, 16, 33, 64, 100, 129] {
+            let x = cuda.upload(&rng.vec(m * k)).unwrap();
+            let start = rng.vec(m * n);
+            let run = |kernel: TcKernel| {
+                let mut out = cuda.upload(&start).unwrap();
+                cuda.linear_tc_with(kernel, &x, m, &mat, Some(&bias), &mut out, Out::Add).unwrap();
+                bits(&cuda.download(out).unwrap())
+            };
+            let reference = run(TcKernel::Pass8);
+            for kernel in TcKernel::ALL {
+                assert!(run(kernel) == reference, "{n}x{k}, M={m}: {kernel:?} differs from Pass8");
+            }
+            if m == 64 {
+                mtp::model::negative_control::set_stock_matmul(true);
+                let mut out = cuda.upload(&start).unwrap();
+                cuda.linear(&x, m, &mat, Some(&bias), &mut out, Out::Add).unwrap();
+                mtp::model::negative_control::set_stock_matmul(false);
+                let stock = bits(&cuda.download(out).unwrap());
+                assert!(
+                    stock != reference,
+                    "{n}x{k}: cuBLAS matched bit for bit: the check cannot see an order change"
+                );
+            }
+        }
     }
 }
 

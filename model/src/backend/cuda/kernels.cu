@@ -357,6 +357,232 @@ LINEAR_TC(linear_tc_bf16_32, 4)
 LINEAR_TC(linear_tc_bf16_64, 8)
 
 // ---------------------------------------------------------------------------------------
+// Tiled tensor-core matmul for many tokens: each output summed in linear_tc's order (so
+// with its bits), but a block of 8 warps stages a (32 WCOLS columns) x (64 WN / WCOLS
+// tokens) tile's weights and activations in shared memory 32 k at a time (cp.async,
+// STAGES deep), so a weight or activation fetched from global memory feeds a whole tile
+// instead of 8 tokens or 16 columns. The activations come split once, by split_activations
+// (linear_tc splits them in every warp). Warp (wc, wt) holds 32 columns x 8 WN tokens.
+// linear_tc's 8 warp partials (chunk i of 128 k to partial i % 8, partials added in warp
+// order) become 8 phases walked in order: phase p sums its chunks p, p + 8, .. from zero
+// in increasing k and is then added to the running sum.
+
+// x (n f32, n even) split exactly into three bf16 planes h, m, l of n each: x = h + m + l,
+// the terms linear_tc's split3 makes.
+extern "C" __global__ void split_activations(const float* x, long long n, u32* out) {
+    const long long pairs = n / 2;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
+        const float2 v = reinterpret_cast<const float2*>(x)[i];
+        split3(v.x, v.y, out[i], out[pairs + i], out[2 * pairs + i]);
+    }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Chunk (128 k) number i of the phase walk over nch chunks: phases 0..7 in order, phase p
+// holding chunks p, p + 8, ..; the first nch % 8 phases hold one chunk more.
+__device__ __forceinline__ int tt_chunk(int i, int nch) {
+    const int q = nch / 8, rem = nch % 8, big = rem * (q + 1);
+    if (i < big) return i / (q + 1) + 8 * (i % (q + 1));
+    i -= big;
+    return rem + i / q + 8 * (i % q);
+}
+
+// The walk's position: chunk number i (chunk c) and its 32-wide block u. The walk covers
+// every phase in order (phase < 0) or one phase's chunks.
+struct TtPos {
+    int i, c, u, phase, chunks;
+    __device__ TtPos(int phase, int nch)
+        : i(0), u(0), phase(phase), chunks(phase < 0 ? nch : (nch - phase + 7) / 8) {
+        c = chunk(0, nch);
+    }
+    __device__ int chunk(int j, int nch) const { return phase < 0 ? tt_chunk(j, nch) : phase + 8 * j; }
+    __device__ void next(int nch, int nb) {
+        if (++u == min(4, nb - 4 * c)) {
+            u = 0;
+            if (++i < chunks) c = chunk(i, nch);
+        }
+    }
+    __device__ int kb() const { return 128 * c + 32 * u; }
+};
+
+// xs: split_activations of the m x k activations (planes h, m, l of m k each). phased: the
+// grid's y holds 8 blocks per token tile, block y walking phase y % 8 alone and writing its
+// partial to part[phase][m][n] (no bias), for linear_merge_phases to add in phase order:
+// 8 times the blocks, for grids too small to fill the GPU.
+template <int WCOLS, int WN, int STAGES>
+__device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u16* __restrict__ w, int n,
+                               const float* __restrict__ bias, float* __restrict__ out, int accumulate,
+                               float* __restrict__ part, int phased) {
+    constexpr int COLS = 32 * WCOLS, TOKS = 8 * WN * (8 / WCOLS);
+    __shared__ __align__(16) u16 ws[STAGES][COLS][32];
+    __shared__ __align__(16) u16 xsh[STAGES][3][TOKS][32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wc = warp % WCOLS, wt = warp / WCOLS;
+    const int c0 = blockIdx.x * COLS, r0 = (phased ? blockIdx.y / 8 : blockIdx.y) * TOKS;
+    const int phase = phased ? blockIdx.y % 8 : -1;
+    const int nb = k / 32, nch = (nb + 3) / 4;
+    const long long plane = (long long)m * k;
+    int steps = nb;
+    if (phased) {
+        steps = 0;
+        for (int c = phase; c < nch; c += 8) steps += min(4, nb - 4 * c);
+    }
+
+    // Stage s gets the 32-wide block at kb in 16-byte pieces, 4 per weight row and per
+    // token and split plane; rows past n and tokens past m repeat the last (their outputs
+    // are not stored, and an MMA's token columns never mix).
+    auto load = [&](int s, int kb) {
+#pragma unroll
+        for (int i = 0; i < (COLS * 4 + 255) / 256; i++) {
+            const int p = tid + 256 * i;
+            if ((COLS * 4) % 256 == 0 || p < COLS * 4)
+                cp_async16(&ws[s][p / 4][8 * (p % 4)], w + (long long)min(c0 + p / 4, n - 1) * k + kb + 8 * (p % 4));
+        }
+#pragma unroll
+        for (int i = 0; i < (TOKS * 12 + 255) / 256; i++) {
+            const int p = tid + 256 * i;
+            const int sp = p / (TOKS * 4), tok = p % (TOKS * 4) / 4, piece = p % 4;
+            if ((TOKS * 12) % 256 == 0 || p < TOKS * 12)
+                cp_async16(&xsh[s][sp][tok][8 * piece],
+                           xs + sp * plane + (long long)min(r0 + tok, m - 1) * k + kb + 8 * piece);
+        }
+    };
+
+    TtPos fetch(phase, nch);
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < steps) {
+            load(s, fetch.kb());
+            fetch.next(nch, nb);
+        }
+        cp_async_commit();
+    }
+    float acc[2][WN][4], sum[2][WN][4];
+#pragma unroll
+    for (int a = 0; a < 2; a++)
+#pragma unroll
+        for (int j = 0; j < WN; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[a][j][e] = sum[a][j][e] = 0.0f;
+    TtPos at(phase, nch);
+    for (int s = 0; s < steps; s++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // block s has landed, and every warp is done with block s - 1's stage
+        if (s + STAGES - 1 < steps) {
+            load((s + STAGES - 1) % STAGES, fetch.kb());
+            fetch.next(nch, nb);
+        }
+        cp_async_commit();
+        const int st = s % STAGES;
+        // Lane 4g + t: weight rows g and g + 8 of each 16-column tile and token g of each
+        // 8-token tile, k 8t..8t+7 (as in linear_tc: 8t..8t+3 in MMA step 0, the rest in 1).
+        uint4 a[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                a[mt][h] = *reinterpret_cast<const uint4*>(&ws[st][32 * wc + 16 * mt + 8 * h + g][8 * t]);
+#pragma unroll
+        for (int j = 0; j < WN; j++) {
+            uint4 b[3];
+#pragma unroll
+            for (int sp = 0; sp < 3; sp++)
+                b[sp] = *reinterpret_cast<const uint4*>(&xsh[st][sp][8 * (WN * wt + j) + g][8 * t]);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const uint4 lo = a[mt][0], hi = a[mt][1];
+#pragma unroll
+                for (int sp = 0; sp < 3; sp++) mma_bf16(acc[mt][j], lo.x, hi.x, lo.y, hi.y, b[sp].x, b[sp].y);
+#pragma unroll
+                for (int sp = 0; sp < 3; sp++) mma_bf16(acc[mt][j], lo.z, hi.z, lo.w, hi.w, b[sp].z, b[sp].w);
+            }
+        }
+        // The end of a phase: its partial joins the running sum, as linear_tc's warp sums do.
+        const int c = at.c;
+        at.next(nch, nb);
+        if (!phased && at.u == 0 && c + 8 >= nch) {
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int j = 0; j < WN; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        sum[mt][j][e] = (c & 7) == 0 ? acc[mt][j][e] : sum[mt][j][e] + acc[mt][j][e];
+                        acc[mt][j][e] = 0.0f;
+                    }
+        }
+    }
+    if (phased) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int j = 0; j < WN; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = c0 + 32 * wc + 16 * mt + g + 8 * (e >> 1);
+                    const int r = r0 + 8 * (WN * wt + j) + 2 * t + (e & 1);
+                    if (r < m && col < n) part[((long long)phase * m + r) * n + col] = acc[mt][j][e];
+                }
+        return;
+    }
+    // Phases without chunks (K < 1024) add linear_tc's idle warps' zeros.
+    for (int p = nch; p < 8; p++)
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int j = 0; j < WN; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sum[mt][j][e] = sum[mt][j][e] + 0.0f;
+    // D layout: acc[mt][j][0..1] = (column g, tokens 2t, 2t + 1), [2..3] = (column g + 8, same).
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int j = 0; j < WN; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = c0 + 32 * wc + 16 * mt + g + 8 * (e >> 1);
+                const int r = r0 + 8 * (WN * wt + j) + 2 * t + (e & 1);
+                if (r < m && col < n) {
+                    float y = sum[mt][j][e];
+                    if (bias) y += bias[col];
+                    float* o = out + (long long)r * n + col;
+                    *o = accumulate ? *o + y : y;
+                }
+            }
+}
+
+#define LINEAR_TT(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, const u16* w,     \
+                                                           int n, const float* bias, float* out,         \
+                                                           int accumulate, float* part, int phased) {    \
+        linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, w, n, bias, out, accumulate, part, phased);           \
+    }
+LINEAR_TT(linear_tt_bf16_256x16, 8, 2, 2, 2)
+LINEAR_TT(linear_tt_bf16_128x32, 4, 2, 3, 2)
+LINEAR_TT(linear_tt_bf16_64x64, 2, 2, 3, 2)
+LINEAR_TT(linear_tt_bf16_128x64, 4, 4, 2, 1)
+
+// out (+)= the 8 phase partials added in phase order (linear_tc's warp order), + bias.
+extern "C" __global__ void linear_merge_phases(const float* part, int m, int n, const float* bias, float* out,
+                                               int accumulate) {
+    const long long mn = (long long)m * n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < mn; i += (long long)gridDim.x * blockDim.x) {
+        float y = part[i];
+#pragma unroll
+        for (int p = 1; p < 8; p++) y += part[p * mn + i];
+        if (bias) y += bias[i % n];
+        out[i] = accumulate ? out[i] + y : y;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Embedding rows widened to f32. grid: tokens, block: 256.
 template <class W>
 __device__ void embed_impl(const W table, const u32* tokens, int cols, float* out) {

@@ -63,6 +63,58 @@ fn tensor_core_path(w: &CudaMat) -> bool {
     w.quant.is_none() && w.dtype == WeightDtype::Bf16 && w.cols.is_multiple_of(32)
 }
 
+/// The tensor-core matmul's kernels. Every one sums each output in the same order, so they
+/// give the same bits, and the host's choice by shape ([`TcKernel::for_shape`]) only
+/// changes the speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcKernel {
+    /// Stream the weights once per pass of 8, 16, 32 or 64 tokens, each warp splitting its
+    /// own activations: the fastest for a few tokens.
+    Pass8,
+    Pass16,
+    Pass32,
+    Pass64,
+    /// Stage (columns x tokens) tiles in shared memory: a fetched weight or activation
+    /// serves the whole tile.
+    Tile256x16,
+    Tile128x32,
+    Tile64x64,
+    Tile128x64,
+    /// A tile's K walk cut into its 8 phases, a block each, then added in phase order by a
+    /// second launch: 8 times the blocks, for grids too small to fill the GPU.
+    Phases256x16,
+    Phases128x32,
+}
+
+impl TcKernel {
+    pub const ALL: [TcKernel; 10] = [
+        TcKernel::Pass8,
+        TcKernel::Pass16,
+        TcKernel::Pass32,
+        TcKernel::Pass64,
+        TcKernel::Tile256x16,
+        TcKernel::Tile128x32,
+        TcKernel::Tile64x64,
+        TcKernel::Tile128x64,
+        TcKernel::Phases256x16,
+        TcKernel::Phases128x32,
+    ];
+
+    /// The fastest kernel for M tokens and N output columns, as measured on an H100
+    /// (`gpu_matmul --kernels`; docs/cuda-speed-notes.md): passes up to 32 tokens; then up
+    /// to 128 tokens the phase-split 128x32 tile while the plain tile's grid would give
+    /// fewer than 2 blocks an SM (a block alone waits on its loads); otherwise the tile.
+    pub fn for_shape(m: usize, n: usize) -> TcKernel {
+        match m {
+            0..=8 => TcKernel::Pass8,
+            9..=16 => TcKernel::Pass16,
+            17..=32 => TcKernel::Pass32,
+            33..=128 if n.div_ceil(128) * m.div_ceil(32) < 264 => TcKernel::Phases128x32,
+            _ => TcKernel::Tile128x32,
+        }
+    }
+}
+
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
@@ -87,6 +139,11 @@ struct Functions {
     linear_q: [[CudaFunction; 3]; 3],
     /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64).
     linear_tc: [CudaFunction; 4],
+    /// The same, tiled in shared memory: 256x16, 128x32, 64x64, 128x64 (columns x tokens),
+    /// on activations split by `split_activations`.
+    linear_tt: [CudaFunction; 4],
+    split_activations: CudaFunction,
+    linear_merge_phases: CudaFunction,
     embed: [CudaFunction; 3],
     embed_q: [CudaFunction; 3],
     widen: [CudaFunction; 2],
@@ -95,7 +152,6 @@ struct Functions {
     gather: CudaFunction,
     add_into: CudaFunction,
     qk_rope_store: [CudaFunction; 2],
-    /// By K/V dtype, then head size (up to 256, up to 512).
     /// By K/V dtype, then head size: up to 128, 256, 512.
     attention: [[CudaFunction; 3]; 2],
     attention_merge: CudaFunction,
@@ -171,6 +227,14 @@ impl Cuda {
                 get("linear_tc_bf16_32")?,
                 get("linear_tc_bf16_64")?,
             ],
+            linear_tt: [
+                get("linear_tt_bf16_256x16")?,
+                get("linear_tt_bf16_128x32")?,
+                get("linear_tt_bf16_64x64")?,
+                get("linear_tt_bf16_128x64")?,
+            ],
+            split_activations: get("split_activations")?,
+            linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
             widen: [get("widen_bf16")?, get("widen_f16")?],
@@ -204,6 +268,78 @@ impl Cuda {
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// `out` (+)= `x` (M rows) times `w`'s transpose by one tensor-core kernel: what
+    /// [`Kernels::linear`] does for a bf16 weight with K % 32 == 0 (it picks the kernel from
+    /// M), open to benchmarks and tests of each kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_tc_with(
+        &self,
+        kernel: TcKernel,
+        x: &CudaSlice<f32>,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        if !tensor_core_path(w) {
+            return Err(Error::Backend(format!(
+                "{kernel:?}: the tensor-core matmul takes unquantized bf16 weights with K % 32 == 0, \
+                 not {:?} {}x{}",
+                w.dtype, w.rows, w.cols
+            )));
+        }
+        if m == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+        let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
+        let cols_grid = |cols: usize| w.rows.div_ceil(cols) as u32;
+        let (tile, (cols, toks), phased) = match kernel {
+            TcKernel::Pass8 | TcKernel::Pass16 | TcKernel::Pass32 | TcKernel::Pass64 => {
+                let f = &self.f.linear_tc[kernel as usize]; // declared first, in this order
+                let grid = (cols_grid(LINEAR_TC_COLS_PER_BLOCK), 1);
+                return launch!(self, f, grid, LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
+            }
+            TcKernel::Tile256x16 => (0, (256, 16), false),
+            TcKernel::Tile128x32 => (1, (128, 32), false),
+            TcKernel::Tile64x64 => (2, (64, 64), false),
+            TcKernel::Tile128x64 => (3, (128, 64), false),
+            TcKernel::Phases256x16 => (0, (256, 16), true),
+            TcKernel::Phases128x32 => (1, (128, 32), true),
+        };
+        // The tiles take the activations split once into three bf16 planes.
+        let len = m * w.cols;
+        // SAFETY: split_activations writes all 3 len elements before the matmul reads them.
+        let split = unsafe { self.stream.alloc::<u16>(3 * len) }.map_err(driver("split activations"))?;
+        let (sp, len) = (ptr(&split, s), len as i64);
+        let blocks = (len as usize / 2).div_ceil(256).clamp(1, 4096) as u32;
+        launch!(self, &self.f.split_activations, (blocks, 1), 256, "split", [xp, len, sp])?;
+        let f = &self.f.linear_tt[tile];
+        let token_tiles = m.div_ceil(toks) as u32;
+        if !phased {
+            let (none, zero) = (0u64, 0i32);
+            let grid = (cols_grid(cols), token_tiles);
+            return launch!(
+                self,
+                f,
+                grid,
+                LINEAR_THREADS,
+                "linear",
+                [sp, mi, k, wp, n, bp, op, acc, none, zero]
+            );
+        }
+        // SAFETY: every phase block writes its whole tile of partials before the merge.
+        let part = unsafe { self.stream.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
+        let (pp, one, write) = (ptr(&part, s), 1i32, 0i32);
+        let grid = (cols_grid(cols), 8 * token_tiles);
+        let no_bias = 0u64;
+        launch!(self, f, grid, LINEAR_THREADS, "linear", [sp, mi, k, wp, n, no_bias, op, write, pp, one])?;
+        let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
+        launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [pp, mi, n, bp, op, acc])
     }
 
     /// Waits for every queued kernel (for timing).
@@ -480,17 +616,7 @@ impl Kernels for Cuda {
         let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
         let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
         if tensor_core_path(w) {
-            // Tokens per pass over the weights: 8, 16, 32, 64; every variant sums each
-            // output in one order (see kernels.cu).
-            let tokens_per_pass = match m {
-                0..=8 => 0,
-                9..=16 => 1,
-                17..=32 => 2,
-                _ => 3,
-            };
-            let grid = w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK) as u32;
-            let f = &self.f.linear_tc[tokens_per_pass];
-            return launch!(self, f, (grid, 1), LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
+            return self.linear_tc_with(TcKernel::for_shape(m, w.rows), x, m, w, bias, out, mode);
         }
         let grid = w.rows.div_ceil(LINEAR_COLS_PER_BLOCK) as u32;
         // Rows per pass over the weights; every variant sums each output in the same order.
