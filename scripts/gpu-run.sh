@@ -19,11 +19,13 @@
 #          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
 #          one layer's decode attention at 4k and 32k of context beside PyTorch's
 #          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
+#   kernels: every tensor-core matmul kernel (passes, tiles, phase splits) timed at M = 1 to
+#          512 on the three 8B shapes, the host's pick marked (a `tests` bundle suffices).
 #   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B and 8B shapes, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|long|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|long|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -168,6 +170,10 @@ if [ "$what" = long ]; then
     done
     python3 scripts/long_context_anchors.py attention --keys 4096 32768 2>&1 | tee -a "$llog"
     rm -rf /tmp/qwen3-8b-1
+fi
+
+if [ "$what" = kernels ]; then
+    "$bin/gpu_matmul" --kernels --m 1,8,16,32,40,64,128,512 2>&1 | tee "$OUT/matmul-kernels.md"
 fi
 
 if [ "$what" = profile-matmul ]; then
