@@ -17,7 +17,8 @@
 #          shapes: plain and oracle:1.0 k=4 decode at batch 1 and 8.
 #   long:  the prefill and long-context goals (a `cli` bundle suffices): mtp's prefill of a
 #          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
-#          one layer's decode attention at 4k and 32k of context beside PyTorch's
+#          one layer's decode attention at 4k and 32k of context (the step's extra wall time,
+#          and the attention launches' GPU time under ncu) beside PyTorch's
 #          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
 #   kernels: every tensor-core matmul kernel (passes, tiles, phase splits) timed at M = 1 to
 #          512 on the three 8B shapes, the host's pick marked (a `tests` bundle suffices).
@@ -167,6 +168,27 @@ if [ "$what" = long ]; then
         s1=$(mtp_seconds /tmp/pctx.jsonl 1 512 /tmp/qwen3-8b-1)
         s65=$(mtp_seconds /tmp/pctx.jsonl 65 512 /tmp/qwen3-8b-1)
         echo "mtp 1 layer, context $ctx: $(python3 -c "print(f'{($s65 - $s1) / 64 * 1e6:.0f}')") us per decode step" | tee -a "$llog"
+    done
+    # The same decode steps' attention launches alone (the attention kernel and its merge),
+    # GPU time under ncu with real clocks: skip the prefill's launches (one a 512-token
+    # chunk), then 8 decode steps.
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    for ctx in 4096 32768; do
+        prompt_of /tmp/pctx.jsonl $ctx
+        "$ncu" --kernel-name regex:^attention --launch-skip $((ctx / 512)) --metrics gpu__time_duration.sum \
+            --clock-control none --cache-control none --csv \
+            "$bin/mtp" generate --target /tmp/qwen3-8b-1 --backend cuda --drafter none --max-batch 1 \
+            --prompts /tmp/pctx.jsonl --max-tokens 9 --ignore-eos --prefill-chunk 512 > /tmp/ncu-att.csv 2>/dev/null
+        python3 - /tmp/ncu-att.csv $ctx <<'PY' 2>&1 | tee -a "$llog"
+import csv, sys
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+head, rows = rows[0], rows[1:]
+name, val = head.index("Kernel Name"), head.index("Metric Value")
+ns = [float(r[val].replace(",", "")) for r in rows]
+kinds = sorted({r[name].split("(")[0] for r in rows})
+print(f"mtp attention, one decode query, context {sys.argv[2]}: {sum(ns) / 8 / 1e3:.1f} us per layer "
+      f"(ncu, {len(ns)} launches over 8 steps: {', '.join(kinds)})")
+PY
     done
     python3 scripts/long_context_anchors.py attention --keys 4096 32768 2>&1 | tee -a "$llog"
     rm -rf /tmp/qwen3-8b-1

@@ -271,8 +271,8 @@ impl Cuda {
     }
 
     /// `out` (+)= `x` (M rows) times `w`'s transpose by one tensor-core kernel: what
-    /// [`Kernels::linear`] does for a bf16 weight with K % 32 == 0 (it picks the kernel from
-    /// M), open to benchmarks and tests of each kernel.
+    /// [`Kernels::linear`] does for a bf16 weight with K % 32 == 0 (it picks the kernel by
+    /// [`TcKernel::for_shape`]), open to benchmarks and tests of each kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_tc_with(
         &self,
