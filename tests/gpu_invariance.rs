@@ -39,7 +39,7 @@ fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
 }
 
 /// Every tensor-core kernel (passes of 8 to 64 tokens, shared-memory tiles of 256x16 to
-/// 64x128) gives the same bits at every M, with a bias and accumulating into the output,
+/// 128x64, the phase-split tiles) gives the same bits at every M, with a bias and accumulating into the output,
 /// on shapes that leave partial tiles, a partial last 128-wide chunk (K = 1056) and phases
 /// without chunks (K < 1024). Control: cuBLAS's product, compared the same way, must differ.
 #[test]

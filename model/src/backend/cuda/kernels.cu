@@ -427,7 +427,7 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
     const int g = lane >> 2, t = lane & 3;
     const int wc = warp % WCOLS, wt = warp / WCOLS;
     const int c0 = blockIdx.x * COLS, r0 = (phased ? blockIdx.y / 8 : blockIdx.y) * TOKS;
-    const int phase = phased ? blockIdx.y % 8 : -1;
+    const int phase = phased ? (int)(blockIdx.y % 8) : -1;
     const int nb = k / 32, nch = (nb + 3) / 4;
     const long long plane = (long long)m * k;
     int steps = nb;

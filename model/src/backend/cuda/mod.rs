@@ -613,11 +613,11 @@ impl Kernels for Cuda {
             let (yp, op, n, mi) = (ptr(&y, s), ptr(out, s), w.rows as i32, m as i32);
             return launch!(self, &self.f.add_into, (m as u32, 1), 256, "add", [op, yp, bp, mi, n, acc]);
         }
-        let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
-        let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
         if tensor_core_path(w) {
             return self.linear_tc_with(TcKernel::for_shape(m, w.rows), x, m, w, bias, out, mode);
         }
+        let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
+        let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
         let grid = w.rows.div_ceil(LINEAR_COLS_PER_BLOCK) as u32;
         // Rows per pass over the weights; every variant sums each output in the same order.
         let rows_per_pass = match m {
@@ -783,21 +783,12 @@ impl Cuda {
         let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
         let (splits, win) = (keys.splits, keys.window);
         let tokens = keys.tokens as u32;
-        let Some(segs) = split_segments(&keys, heads) else {
-            let pp = 0u64;
-            let grid = (tokens, heads.heads as u32);
-            return launch!(
-                self,
-                f,
-                grid,
-                ATTENTION_THREADS,
-                "attention",
-                [qp, op, pp, tp, rp, li, nh, nkv, hd, scale, splits, win]
-            );
-        };
-        let partial = self.alloc(keys.tokens * heads.heads * segs * (heads.head_dim + 2))?;
-        let pp = ptr(&partial, s);
-        let grid = (tokens, (heads.heads * segs) as u32);
+        // Split: a block per segment, its state in `partial` for the merge launch.
+        let segs = split_segments(&keys, heads);
+        let partial =
+            segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
+        let pp = partial.as_ref().map_or(0, |p| ptr(p, s));
+        let grid = (tokens, (heads.heads * segs.unwrap_or(1)) as u32);
         launch!(
             self,
             f,
@@ -806,6 +797,7 @@ impl Cuda {
             "attention",
             [qp, op, pp, tp, rp, li, nh, nkv, hd, scale, splits, win]
         )?;
+        let Some(segs) = segs else { return Ok(()) };
         let ms = segs as i32;
         launch!(
             self,
