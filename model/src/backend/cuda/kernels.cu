@@ -519,21 +519,9 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
                     }
         }
     }
-    if (phased) {
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int j = 0; j < WN; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int col = c0 + 32 * wc + 16 * mt + g + 8 * (e >> 1);
-                    const int r = r0 + 8 * (WN * wt + j) + 2 * t + (e & 1);
-                    if (r < m && col < n) part[((long long)phase * m + r) * n + col] = acc[mt][j][e];
-                }
-        return;
-    }
-    // Phases without chunks (K < 1024) add linear_tc's idle warps' zeros.
-    for (int p = nch; p < 8; p++)
+    // Phases without chunks (K < 1024) add linear_tc's idle warps' zeros (a phase block
+    // writes its own partial alone).
+    for (int p = phased ? 8 : nch; p < 8; p++)
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -549,12 +537,15 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
             for (int e = 0; e < 4; e++) {
                 const int col = c0 + 32 * wc + 16 * mt + g + 8 * (e >> 1);
                 const int r = r0 + 8 * (WN * wt + j) + 2 * t + (e & 1);
-                if (r < m && col < n) {
-                    float y = sum[mt][j][e];
-                    if (bias) y += bias[col];
-                    float* o = out + (long long)r * n + col;
-                    *o = accumulate ? *o + y : y;
+                if (r >= m || col >= n) continue;
+                if (phased) {
+                    part[((long long)phase * m + r) * n + col] = acc[mt][j][e];
+                    continue;
                 }
+                float y = sum[mt][j][e];
+                if (bias) y += bias[col];
+                float* o = out + (long long)r * n + col;
+                *o = accumulate ? *o + y : y;
             }
 }
 
