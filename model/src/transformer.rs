@@ -303,9 +303,10 @@ pub(crate) fn head_outputs<B: Kernels>(
     let mut logits = if want.is_empty() {
         Vec::new()
     } else {
-        let sel = be.gather(&normed, h, &want)?;
+        // Every token wanted (decode, verify): the rows are already in order.
+        let gathered = if want.len() == off { None } else { Some(be.gather(&normed, h, &want)?) };
         let mut logits = be.alloc(want.len() * vocab)?;
-        be.linear(&sel, want.len(), lm_head, None, &mut logits, Out::Write)?;
+        be.linear(gathered.as_ref().unwrap_or(&normed), want.len(), lm_head, None, &mut logits, Out::Write)?;
         be.download(logits)?
     };
     if let Some(cap) = softcap {
