@@ -14,7 +14,10 @@
 #   ab:    two versions side by side (an `ab REV` bundle: mtp-bench-base and gpu_matmul-base
 #          built from REV, mtp-bench and gpu_matmul from the tree): the matmul of each beside
 #          torch.matmul, then mtp-bench alternated twice on the Qwen3-0.6B and Qwen3-8B
-#          shapes: plain and oracle:1.0 k=4 decode at batch 1 and 8.
+#          shapes: plain and oracle:1.0 k=4 decode at batch 1 and 8 (the tree's also with
+#          --no-cuda-graphs).
+#   oracle: the speculative goals at partial acceptance on the Qwen3-8B shape: oracle:0.7 and
+#          oracle:0.8, k=4, batch 1 and 8, beside plain (a `cli` bundle suffices).
 #   long:  the prefill and long-context goals (a `cli` bundle suffices): mtp's prefill of a
 #          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
 #          one layer's decode attention at 4k and 32k of context (the step's extra wall time,
@@ -26,7 +29,7 @@
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B and 8B shapes, B=1 plain decode's wall time per token beside the GPU
 #          time of each forward's kernels (ncu, one metric), split by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|long|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,16 +119,28 @@ if [ "$what" = ab ]; then
         like=qwen3; [ $shape = 8b ] && like=qwen3-8b
         "$bin/mtp" synth --like $like --out $dir > /dev/null
         for round in 1 2; do
-            for v in base new; do
+            # base, new, and new launching every kernel from the host (no CUDA graphs).
+            for v in base new eager; do
                 b="$bin/mtp-bench"; [ $v = base ] && b="$bin/mtp-bench-base"
+                flags=(); [ $v = eager ] && flags=(--no-cuda-graphs)
                 echo "== qwen3-$shape $v (round $round)" | tee -a "$alog"
                 "$b" --target $dir --backend cuda --drafters oracle:1.0 --k 4 --batch 1,8 --temperatures 0 \
                     --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
-                    2>&1 | tee -a "$alog"
+                    "${flags[@]}" 2>&1 | tee -a "$alog"
             done
         done
         rm -rf $dir
     done
+fi
+
+if [ "$what" = oracle ]; then
+    # The speculative goals at partial acceptance: oracle:0.7 and 0.8, k=4, B=1 and 8, 8B shape.
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    "$bin/mtp-bench" --target /tmp/qwen3-8b --backend cuda --drafters oracle:0.7,oracle:0.8 --k 4 --batch 1,8 \
+        --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
+        --repeats 2 2>&1 | tee "$OUT/oracle.log"
+    status=${PIPESTATUS[0]}
+    rm -rf /tmp/qwen3-8b
 fi
 
 if [ "$what" = anchors ]; then

@@ -36,6 +36,21 @@ pub fn init_threads() {
     let _ = rayon::ThreadPoolBuilder::new().use_current_thread().build_global();
 }
 
+/// Keeps freed host memory for reuse (glibc): by default glibc hands blocks over ~128 KiB
+/// back to the kernel and takes fresh zeroed pages for the next, so every step's logits
+/// (600 KB a token of a 151,936-word vocabulary, tens of MB a verify step) fault their
+/// pages in again; whether that happens depends on the heap's history, and it cost up to
+/// ~30 ms a B=8 verify step on the GPU host. The binaries call this first; a program
+/// embedding the library may too (it sets process-wide malloc options).
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets glibc's thresholds; called before any other thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
 /// Parses a command-line count that cannot be zero (batch sizes, token counts, sizes):
 /// clap names the flag in the error.
 pub fn at_least_one(s: &str) -> Result<usize, String> {

@@ -136,3 +136,71 @@ fn gpu_logits_agree_with_the_cpu_for_every_weight_dtype() {
         assert!(worst <= 1e-4 * scale.max(1.0), "{}: GPU and CPU logits differ by {worst}", dtype.name());
     }
 }
+
+/// Every logit of a fixed run of decode and verify steps, as bits: three rows prefilled to
+/// 20, 40 and 530 tokens (the last past a 512-key segment, so its decode steps take the
+/// split attention launch), six greedy decode steps of all three, four of the first row
+/// alone, then three verify steps of five tokens a row keeping two (mixed accepts, the
+/// window rewritten). Each decode and verify shape runs at least three times: eagerly the
+/// first time, recorded the second, replayed after.
+fn decode_and_verify_bits(graphs: bool, stale: bool) -> Vec<Vec<u32>> {
+    Cuda::set_graphs(graphs);
+    let model = Model::load_on(&fixture("qwen3-target"), Backend::Cuda).unwrap();
+    let vocab = model.config.vocab_size;
+    let mut rng = Lcg(41);
+    let mut caches: Vec<_> = (0..3).map(|_| model.new_cache()).collect();
+    let mut next = Vec::new();
+    for (cache, n) in caches.iter_mut().zip([20, 40, 530]) {
+        let prompt: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
+        let mut rows = [RowInput { tokens: &prompt, cache, logits: Logits::Last }];
+        next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
+        cache.commit_window(n);
+    }
+    mtp::model::negative_control::set_stale_replay(stale);
+    let mut seen = Vec::new();
+    for rows_now in [3, 3, 3, 3, 3, 3, 1, 1, 1, 1] {
+        let tokens: Vec<[u32; 1]> = next[..rows_now].iter().map(|&t| [t]).collect();
+        let mut rows: Vec<RowInput> = caches[..rows_now]
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(cache, t)| RowInput { tokens: t, cache, logits: Logits::Last })
+            .collect();
+        for (r, out) in model.forward(&mut rows).unwrap().into_iter().enumerate() {
+            next[r] = argmax(&out.logits[0]);
+            seen.push(common::bits(&out.logits[0]));
+        }
+        caches[..rows_now].iter_mut().for_each(|c| c.commit_window(1));
+    }
+    for _ in 0..3 {
+        let blocks: Vec<Vec<u32>> =
+            (0..3).map(|_| (0..5).map(|_| rng.below(vocab) as u32).collect()).collect();
+        let mut rows: Vec<RowInput> = caches
+            .iter_mut()
+            .zip(&blocks)
+            .map(|(cache, b)| RowInput { tokens: b, cache, logits: Logits::All })
+            .collect();
+        for out in model.forward(&mut rows).unwrap() {
+            seen.extend(out.logits.iter().map(|l| common::bits(l)));
+        }
+        caches.iter_mut().for_each(|c| c.commit_window(2));
+    }
+    mtp::model::negative_control::set_stale_replay(false);
+    Cuda::set_graphs(true);
+    seen
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap_or(0) as u32
+}
+
+/// A decode or verify forward replayed from its CUDA graph gives every row the bits of the
+/// same forward launched kernel by kernel (decode of 3 rows and of 1, the split attention
+/// launch past 512 keys, verify blocks after mixed accepts). Control: replays that do not
+/// copy each step's tables into the recording recompute the recorded step, and must differ.
+#[test]
+fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
+    let eager = decode_and_verify_bits(false, false);
+    assert_eq!(eager.len(), 6 * 3 + 4 + 3 * 3 * 5);
+    assert!(decode_and_verify_bits(true, false) == eager, "a replayed forward changed some row's bits");
+    assert!(decode_and_verify_bits(true, true) != eager, "replays with stale tables went unnoticed");
+}

@@ -248,7 +248,7 @@ impl<B: Kernels> MtpNet for MtpBlock<B> {
         let mut x = be.alloc(m * h)?;
         be.linear(&cat, m, &self.proj, None, &mut x, Out::Write)?;
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
-        let batch = be.batch(&slots, &mut caches)?;
+        let batch = be.batch(&slots, &tokens, &mut caches)?;
         self.block.forward(be, c, &self.rope, &mut x, m, &batch, &mut caches, 0)?;
         drop(caches);
         // Each row's last pair predicts its next token.

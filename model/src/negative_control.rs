@@ -8,6 +8,7 @@ thread_local! {
     static STOCK_MATMUL: Cell<bool> = const { Cell::new(false) };
     static PHYSICAL_ROPE: Cell<bool> = const { Cell::new(false) };
     static SPLIT_ATTENTION: Cell<bool> = const { Cell::new(false) };
+    static STALE_REPLAY: Cell<bool> = const { Cell::new(false) };
 }
 
 /// When on, `linear` runs a stock matmul whose kernel choice depends on M: candle's on
@@ -39,4 +40,16 @@ pub fn set_split_attention(on: bool) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn split_attention() -> bool {
     SPLIT_ATTENTION.with(|c| c.get())
+}
+
+/// When on, a recorded forward (a CUDA graph) is replayed without copying the step's
+/// tables (tokens, positions, K/V addresses) into the buffers it reads: it recomputes the
+/// step it was recorded at.
+pub fn set_stale_replay(on: bool) {
+    STALE_REPLAY.with(|c| c.set(on));
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn stale_replay() -> bool {
+    STALE_REPLAY.with(|c| c.get())
 }

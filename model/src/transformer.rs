@@ -219,6 +219,8 @@ pub(crate) struct Decoder<B: Kernels> {
     pub(crate) max_positions: usize,
     /// How this model's K/V are stored (resolved, never `Auto`).
     pub(crate) kv: KvDtype,
+    /// Decode and verify forwards recorded by the backend (CUDA graphs), one per shape.
+    recordings: B::Recordings,
 }
 
 impl<B: Kernels> Decoder<B> {
@@ -256,29 +258,81 @@ impl<B: Kernels> Decoder<B> {
             lm_head,
             max_positions,
             kv,
+            recordings: B::Recordings::default(),
         })
     }
 
     fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
         let (be, c) = (&*self.be, &self.config);
-        let h = c.hidden_size;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
         let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
         let slots = slots_for(&sizes, self.max_positions)?;
-        check_tokens(rows.iter().map(|r| r.tokens), c.vocab_size, "row")?;
+        check_tokens(rows.iter().map(|r| r.tokens), vocab, "row")?;
         let m = slots.len();
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let mut x = be.alloc(m * h)?;
-        be.embed(&self.embed, &tokens, &mut x)?;
+        let every_logit = wanted_tokens(rows).len() == m;
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
-        let batch = be.batch(&slots, &mut caches)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            layer.forward(be, c, &self.rope, &mut x, m, &batch, &mut caches, li)?;
+        let batch = be.batch(&slots, &tokens, &mut caches)?;
+        // The embedding, the layers and the final norm, into `normed`.
+        let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
+            let mut x = be.alloc(m * h)?;
+            be.embed_batch(&self.embed, batch, &mut x)?;
+            for (li, layer) in self.layers.iter().enumerate() {
+                layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li)?;
+            }
+            be.rms_norm(&x, &self.norm, c.rms_norm_eps, normed, h, 0)
+        };
+        if m > 0 && every_logit {
+            // Decode and verify: with the LM head over every token, the whole forward's
+            // launches follow the batch's shape, so the backend may record and replay it.
+            let outs =
+                be.run_recorded(&self.recordings, batch, &[m * h, m * vocab], &mut |batch, outs| {
+                    let [normed, logits] = outs else {
+                        return Err(Error::Backend("a recorded forward got the wrong outputs".into()));
+                    };
+                    hidden_states(batch, normed)?;
+                    be.linear(normed, m, &self.lm_head, None, logits, Out::Write)
+                })?;
+            drop(caches);
+            let [hidden, logits]: [Vec<f32>; 2] =
+                outs.try_into().map_err(|_| Error::Backend("a recorded forward lost its outputs".into()))?;
+            return Ok(row_outputs(rows, &logits, &hidden, vocab, h));
         }
-        drop(caches);
         let mut normed = be.alloc(m * h)?;
-        be.rms_norm(&x, &self.norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        head_outputs(be, rows, normed, &self.lm_head, c.vocab_size, h, None)
+        hidden_states(&batch, &mut normed)?;
+        drop(caches);
+        head_outputs(be, rows, normed, &self.lm_head, vocab, h, None)
     }
+}
+
+/// Indices (among all the rows' tokens, in order) of the tokens whose logits are wanted.
+fn wanted_tokens(rows: &[RowInput]) -> Vec<usize> {
+    let mut want: Vec<usize> = Vec::new();
+    let mut off = 0;
+    for row in rows.iter() {
+        let t = row.tokens.len();
+        want.extend(row.logits.wanted(t).map(|i| off + i));
+        off += t;
+    }
+    want
+}
+
+/// Each row's outputs from the wanted tokens' `logits` (`vocab` wide, in order) and every
+/// token's final-normed `hidden` state (`h` wide).
+fn row_outputs(rows: &[RowInput], logits: &[f32], hidden: &[f32], vocab: usize, h: usize) -> Vec<RowOutput> {
+    let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
+    let mut outs = Vec::with_capacity(rows.len());
+    let mut off = 0;
+    for row in rows.iter() {
+        let t = row.tokens.len();
+        let n = row.logits.wanted(t).len();
+        outs.push(RowOutput {
+            logits: logit_rows.by_ref().take(n).collect(),
+            hidden: hidden[off * h..(off + t) * h].to_vec(),
+        });
+        off += t;
+    }
+    outs
 }
 
 /// Each row's outputs from the final-normed hidden states `normed` (one `h`-wide row per
@@ -293,18 +347,13 @@ pub(crate) fn head_outputs<B: Kernels>(
     h: usize,
     softcap: Option<f32>,
 ) -> Result<Vec<RowOutput>> {
-    let mut want: Vec<usize> = Vec::new();
-    let mut off = 0;
-    for row in rows.iter() {
-        let t = row.tokens.len();
-        want.extend(row.logits.wanted(t).map(|i| off + i));
-        off += t;
-    }
+    let want = wanted_tokens(rows);
+    let all = rows.iter().map(|r| r.tokens.len()).sum::<usize>();
     let mut logits = if want.is_empty() {
         Vec::new()
     } else {
         // Every token wanted (decode, verify): the rows are already in order.
-        let gathered = if want.len() == off { None } else { Some(be.gather(&normed, h, &want)?) };
+        let gathered = if want.len() == all { None } else { Some(be.gather(&normed, h, &want)?) };
         let mut logits = be.alloc(want.len() * vocab)?;
         be.linear(gathered.as_ref().unwrap_or(&normed), want.len(), lm_head, None, &mut logits, Out::Write)?;
         be.download(logits)?
@@ -313,19 +362,7 @@ pub(crate) fn head_outputs<B: Kernels>(
         logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
     }
     let hidden = be.download(normed)?;
-    let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
-    let mut outs = Vec::with_capacity(rows.len());
-    let mut off = 0;
-    for row in rows.iter() {
-        let t = row.tokens.len();
-        let n = row.logits.wanted(t).len();
-        outs.push(RowOutput {
-            logits: logit_rows.by_ref().take(n).collect(),
-            hidden: hidden[off * h..(off + t) * h].to_vec(),
-        });
-        off += t;
-    }
-    Ok(outs)
+    Ok(row_outputs(rows, &logits, &hidden, vocab, h))
 }
 
 /// A model on some backend, as the engine sees it.

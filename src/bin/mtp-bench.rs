@@ -77,9 +77,14 @@ struct Cli {
     /// Also write every number and per-request details here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Launch every CUDA kernel from the host each step instead of replaying decode and
+    /// verify forwards from CUDA graphs (the same bits; for comparing their speed).
+    #[arg(long)]
+    no_cuda_graphs: bool,
 }
 
 fn main() -> ExitCode {
+    mtp::keep_freed_memory();
     mtp::init_logging("warn");
     mtp::init_threads();
     match bench(Cli::parse()) {
@@ -100,6 +105,8 @@ fn bench(cli: Cli) -> Result<bool> {
     let target_dir = cli.target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
     let backend: Backend = cli.backend.parse()?;
     backend.check()?;
+    #[cfg(feature = "cuda")]
+    mtp::model::backend::cuda::Cuda::set_graphs(!cli.no_cuda_graphs);
     let model =
         Arc::new(Model::load_with(&target_dir, backend, mtp::kv_format(&cli.kv_dtype, cli.kv_bits)?)?);
     let tokenizer = Tokenizer::from_dir_if_present(&target_dir)?;

@@ -325,6 +325,7 @@ struct OutputLine<'a> {
 }
 
 fn main() -> ExitCode {
+    mtp::keep_freed_memory();
     mtp::init_logging("info");
     mtp::init_threads();
     match run(Cli::parse()) {

@@ -20,6 +20,7 @@ pub struct Cpu;
 /// One CPU forward: every token's slot, every row's slot map.
 pub struct CpuBatch {
     slots: Vec<Slot>,
+    tokens: Vec<u32>,
     maps: Vec<SlotMap>,
     /// Each row's ring map, for rows with sliding-window layers.
     ring_maps: Vec<Option<SlotMap>>,
@@ -53,6 +54,7 @@ impl Kernels for Cpu {
     type Vec = Vec<f32>;
     type Rope = RopeTable;
     type Batch = CpuBatch;
+    type Recordings = ();
 
     fn backend(&self) -> Backend {
         Backend::Cpu
@@ -106,9 +108,14 @@ impl Kernels for Cpu {
         Ok(x)
     }
 
-    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
         let maps = open_windows(slots, caches)?;
-        Ok(CpuBatch { slots: slots.to_vec(), maps, ring_maps: caches.iter().map(|c| c.ring_map()).collect() })
+        Ok(CpuBatch {
+            slots: slots.to_vec(),
+            tokens: tokens.to_vec(),
+            maps,
+            ring_maps: caches.iter().map(|c| c.ring_map()).collect(),
+        })
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
@@ -116,6 +123,10 @@ impl Kernels for Cpu {
             table.row_f32(t as usize, o);
         }
         Ok(())
+    }
+
+    fn embed_batch(&self, table: &Weight, batch: &CpuBatch, out: &mut Vec<f32>) -> Result<()> {
+        self.embed(table, &batch.tokens, out)
     }
 
     fn linear(

@@ -222,6 +222,9 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     type Rope: Send + Sync;
     /// One forward's token slots and row slot maps, prepared once for every layer.
     type Batch;
+    /// A model's recorded forwards, replayed by [`Kernels::run_recorded`] (CUDA graphs);
+    /// `()` where launching each kernel costs little.
+    type Recordings: Default + Send + Sync;
 
     fn backend(&self) -> Backend;
 
@@ -248,11 +251,34 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn download(&self, x: Self::Act) -> Result<Vec<f32>>;
 
     /// Lays out a forward: opens each row's window for `t_r` new positions and records
-    /// every token's slot. `slots` lists the tokens row by row.
-    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Self::Batch>;
+    /// every token's slot and id (`tokens[i]` is slot `i`'s). `slots` lists the tokens row
+    /// by row.
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<Self::Batch>;
 
     /// `out[i] = table[tokens[i]]`, widened to f32.
     fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
+    /// [`Kernels::embed`] of the batch's own tokens (read where the batch keeps them, so a
+    /// recorded forward reads each replay's tokens).
+    fn embed_batch(&self, table: &Self::Mat, batch: &Self::Batch, out: &mut Self::Act) -> Result<()>;
+
+    /// Runs `body`, a forward's device work over `batch` writing one activation of each
+    /// length in `out_lens`, and returns those outputs in host memory. The caller promises
+    /// that `body`'s launches and their arguments depend only on the batch's shape (its
+    /// token and row counts and the most keys a token reads) and that everything else it
+    /// reads comes from the batch's device tables; a backend may then record `body` once
+    /// per shape in `recordings` and replay it with each step's tables, the same launches
+    /// in the same order (so the same bits). By default it simply runs `body`.
+    fn run_recorded(
+        &self,
+        _recordings: &Self::Recordings,
+        batch: Self::Batch,
+        out_lens: &[usize],
+        body: &mut ForwardBody<'_, Self>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut outs = out_lens.iter().map(|&n| self.alloc(n)).collect::<Result<Vec<_>>>()?;
+        body(&batch, &mut outs)?;
+        outs.into_iter().map(|o| self.download(o)).collect()
+    }
     /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
     fn linear(
         &self,
@@ -308,6 +334,10 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
 }
+
+/// A forward's device work for [`Kernels::run_recorded`]: over a batch, into its outputs.
+pub type ForwardBody<'a, B> =
+    dyn FnMut(&<B as Kernels>::Batch, &mut [<B as Kernels>::Act]) -> Result<()> + 'a;
 
 /// Which K/V of a row a layer reads and writes: layer `l` of the row's main store (every
 /// position) or of its ring (sliding-window layers: the last positions only).

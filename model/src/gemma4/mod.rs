@@ -207,7 +207,7 @@ impl<B: GemmaKernels> Gemma4<B> {
             None => None,
         };
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
-        let batch = be.batch(&slots, &mut caches)?;
+        let batch = be.batch(&slots, &tokens, &mut caches)?;
         let n_layers = self.layers.len();
         for (li, layer) in self.layers.iter().enumerate() {
             let input = match &inputs {

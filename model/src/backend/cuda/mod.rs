@@ -29,6 +29,7 @@ macro_rules! launch {
     }};
 }
 
+mod graphs;
 mod kv;
 
 use std::sync::{Arc, OnceLock};
@@ -36,11 +37,12 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError};
 use mtp_cache::{KvStore, RowCache};
 
+pub use graphs::CudaGraphs;
 pub use kv::CudaKv;
 
 use super::{
-    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, GemmaKernels,
-    Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, ForwardBody,
+    GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
@@ -448,6 +450,13 @@ pub struct CudaBatch {
     rows: CudaSlice<i64>,
     /// The rows' sliding-window rings, when every row has one.
     ring_rows: Option<CudaSlice<i64>>,
+    /// Each token's id.
+    tokens: CudaSlice<u32>,
+    /// The host's copies of the four tables, for a recorded forward's replay.
+    host_toks: Vec<i32>,
+    host_rows: Vec<i64>,
+    host_ring_rows: Option<Vec<i64>>,
+    host_tokens: Vec<u32>,
     m: usize,
     /// The most keys a token reads (position + 1).
     most_keys: usize,
@@ -462,6 +471,7 @@ impl Kernels for Cuda {
     type Vec = CudaSlice<f32>;
     type Rope = CudaRope;
     type Batch = CudaBatch;
+    type Recordings = CudaGraphs;
 
     fn backend(&self) -> Backend {
         Backend::Cuda
@@ -529,7 +539,10 @@ impl Kernels for Cuda {
         self.stream.clone_dtoh(&x).map_err(driver("download"))
     }
 
-    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
+        if tokens.len() != slots.len() {
+            return Err(Error::Backend(format!("{} token ids for {} slots", tokens.len(), slots.len())));
+        }
         let maps = open_windows(slots, caches)?;
         let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
         let mut ring_rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
@@ -559,16 +572,18 @@ impl Kernels for Cuda {
         // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
         let toks: Vec<i32> =
             slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
-        let ring_rows = if !caches.is_empty() && ring_rows.len() == rows.len() {
-            Some(self.upload_as(&ring_rows, "batch layout")?)
-        } else {
-            None
-        };
+        let host_ring_rows = (!caches.is_empty() && ring_rows.len() == rows.len()).then_some(ring_rows);
+        let ring_rows = host_ring_rows.as_ref().map(|r| self.upload_as(r, "batch layout")).transpose()?;
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
         Ok(CudaBatch {
             toks: self.upload_as(&toks, "batch layout")?,
             rows: self.upload_as(&rows, "batch layout")?,
             ring_rows,
+            tokens: self.upload_as(tokens, "tokens")?,
+            host_toks: toks,
+            host_rows: rows,
+            host_ring_rows,
+            host_tokens: tokens.to_vec(),
             m: slots.len(),
             most_keys: slots.iter().map(|s| s.pos + 1).max().unwrap_or(0),
             kv: kv.unwrap_or(KvDtype::F32),
@@ -578,21 +593,21 @@ impl Kernels for Cuda {
 
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaSlice<f32>) -> Result<()> {
         let toks = self.upload_as(tokens, "tokens")?;
-        let s = &self.stream;
-        let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(&toks, s), table.cols as i32, ptr(out, s));
-        if let Some(q) = &table.quant {
-            let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
-            let f = &self.f.embed_q[bits_index(q.bits)];
-            return launch!(self, f, (tokens.len() as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
-        }
-        launch!(
-            self,
-            &self.f.embed[weight_index(table.dtype)],
-            (tokens.len() as u32, 1),
-            256,
-            "embed",
-            [t, tk, cols, o]
-        )
+        self.embed_ids(table, &toks, tokens.len(), out)
+    }
+
+    fn embed_batch(&self, table: &CudaMat, batch: &CudaBatch, out: &mut CudaSlice<f32>) -> Result<()> {
+        self.embed_ids(table, &batch.tokens, batch.m, out)
+    }
+
+    fn run_recorded(
+        &self,
+        recordings: &CudaGraphs,
+        batch: CudaBatch,
+        out_lens: &[usize],
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.run_recorded_forward(recordings, batch, out_lens, body)
     }
 
     fn linear(
@@ -807,6 +822,24 @@ impl Cuda {
             "attention merge",
             [pp, op, nh, hd, ms]
         )
+    }
+
+    /// `out[i] = table[toks[i]]` for `n` device token ids.
+    fn embed_ids(
+        &self,
+        table: &CudaMat,
+        toks: &CudaSlice<u32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(toks, s), table.cols as i32, ptr(out, s));
+        if let Some(q) = &table.quant {
+            let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
+            let f = &self.f.embed_q[bits_index(q.bits)];
+            return launch!(self, f, (n as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
+        }
+        launch!(self, &self.f.embed[weight_index(table.dtype)], (n as u32, 1), 256, "embed", [t, tk, cols, o])
     }
 
     /// The row layout of `plane` and the layer within it.

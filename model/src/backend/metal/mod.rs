@@ -191,6 +191,8 @@ pub struct MetalRope<D: Dispatch> {
 /// by row, and where each row's tokens start.
 pub struct MetalBatch<D: Dispatch> {
     toks: MetalBuf<D>,
+    /// Each slot's token id.
+    tokens: Vec<u32>,
     /// Row r's tokens are `[first_token[r], first_token[r + 1])`.
     first_token: Vec<usize>,
     kv: KvDtype,
@@ -241,6 +243,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
     type Vec = MetalBuf<D>;
     type Rope = MetalRope<D>;
     type Batch = MetalBatch<D>;
+    type Recordings = ();
 
     fn backend(&self) -> Backend {
         self.backend
@@ -307,7 +310,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
         Ok(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect())
     }
 
-    fn batch(&self, slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<MetalBatch<D>> {
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<MetalBatch<D>> {
         open_windows(slots, caches)?;
         let mut kv = None;
         for (r, c) in caches.iter().enumerate() {
@@ -327,10 +330,15 @@ impl<D: Dispatch> Kernels for Metal<D> {
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
         Ok(MetalBatch {
             toks: self.upload_as(&toks)?,
+            tokens: tokens.to_vec(),
             first_token,
             kv: kv.unwrap_or(KvDtype::F32),
             splits: splits as i32,
         })
+    }
+
+    fn embed_batch(&self, table: &MetalMat<D>, batch: &MetalBatch<D>, out: &mut MetalBuf<D>) -> Result<()> {
+        self.embed(table, &batch.tokens, out)
     }
 
     fn embed(&self, table: &MetalMat<D>, tokens: &[u32], out: &mut MetalBuf<D>) -> Result<()> {

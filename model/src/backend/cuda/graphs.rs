@@ -1,0 +1,207 @@
+//! Decode and verify forwards recorded as CUDA graphs. A B=1 decode step of a small model is
+//! ~340 short kernels: launching them one by one from the host costs more than running
+//! them. [`Cuda::run_recorded`](super::Cuda) records a forward's launches once per shape
+//! (token count, row count, attention segments, outputs) and replays them, after copying
+//! the step's tables (tokens, positions, K/V addresses) into the buffers the recording
+//! reads. The replay runs the recorded kernels with the recorded arguments in the
+//! recorded order, so every row gets the eager forward's bits.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
+
+use super::{driver, Cuda, CudaBatch, ATTENTION_SEGMENT};
+use crate::backend::{ForwardBody, Kernels};
+use crate::error::{Error, Result};
+use crate::negative_control;
+
+/// Forwards of more tokens than this run eagerly: past 32 tokens the matmul's tiles
+/// allocate scratch inside the forward (graph memory nodes), and replays of a B=8 k=4
+/// verify (40 tokens) measured no faster than launching it (docs/cuda-speed-notes.md, v8).
+const MOST_RECORDED_TOKENS: usize = 32;
+/// Recordings a model keeps (the least recently replayed goes first).
+const MOST_RECORDINGS: usize = 16;
+
+/// Whether forwards are recorded (process-wide; on unless [`Cuda::set_graphs`] turned
+/// them off).
+static GRAPHS_ON: AtomicBool = AtomicBool::new(true);
+
+/// What fixes a forward's launches and their arguments (the caller's promise in
+/// [`crate::backend::Kernels::run_recorded`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct Shape {
+    tokens: usize,
+    rows: usize,
+    /// Attention's 512-key segments for the most keys a token reads: the split launch's
+    /// grid follows it.
+    segments: usize,
+    ring: bool,
+    bf16_kv: bool,
+    out_lens: Vec<usize>,
+}
+
+struct Recording {
+    graph: CudaGraph,
+    /// The batch the graph was recorded with: its device tables are what the graph reads,
+    /// refreshed before each replay.
+    batch: CudaBatch,
+    outs: Vec<CudaSlice<f32>>,
+    last_used: u64,
+}
+
+/// One model's recorded forwards ([`crate::backend::Kernels::Recordings`] on CUDA).
+#[derive(Default)]
+pub struct CudaGraphs {
+    inner: Mutex<Recorded>,
+}
+
+#[derive(Default)]
+struct Recorded {
+    graphs: HashMap<Shape, Recording>,
+    /// Shapes seen but not recorded: a shape is recorded the second time it runs.
+    seen: HashMap<Shape, u32>,
+    /// Shapes whose recording failed: they run eagerly.
+    refused: Vec<Shape>,
+    clock: u64,
+    /// Graphs recorded and replays run (for the debug log).
+    recorded: u64,
+    replayed: u64,
+}
+
+// SAFETY: a recording's graph (raw driver handles) is only touched under the mutex, from
+// one thread at a time, on the stream it was recorded on.
+unsafe impl Send for Recording {}
+
+impl Cuda {
+    /// Turns recording and replay of decode and verify forwards on (the default) or off
+    /// (every kernel launched from the host each step: for comparisons).
+    pub fn set_graphs(on: bool) {
+        GRAPHS_ON.store(on, Ordering::Relaxed);
+    }
+
+    pub(super) fn run_recorded_forward(
+        &self,
+        recordings: &CudaGraphs,
+        batch: CudaBatch,
+        out_lens: &[usize],
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<Vec<Vec<f32>>> {
+        // The stock-matmul control uploads inside the forward; the split control sizes its
+        // grid from the batch: neither is a fixed recording.
+        let recordable = GRAPHS_ON.load(Ordering::Relaxed)
+            && batch.m <= MOST_RECORDED_TOKENS
+            && batch.splits == 1
+            && !negative_control::stock_matmul();
+        if !recordable {
+            return self.run_eagerly(batch, out_lens, body);
+        }
+        let shape = Shape {
+            tokens: batch.m,
+            rows: batch.host_rows.len() / 5,
+            segments: batch.most_keys.div_ceil(ATTENTION_SEGMENT),
+            ring: batch.ring_rows.is_some(),
+            bf16_kv: batch.kv == crate::backend::KvDtype::Bf16,
+            out_lens: out_lens.to_vec(),
+        };
+        let mut guard = recordings.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let rec = &mut *guard;
+        rec.clock += 1;
+        let clock = rec.clock;
+        if let Some(r) = rec.graphs.get_mut(&shape) {
+            r.last_used = clock;
+            rec.replayed += 1;
+            if !negative_control::stale_replay() {
+                self.refresh_tables(&mut r.batch, &batch)?;
+            }
+            r.graph.launch().map_err(driver("graph replay"))?;
+            return r.outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect();
+        }
+        if rec.refused.contains(&shape) {
+            drop(guard);
+            return self.run_eagerly(batch, out_lens, body);
+        }
+        if rec.seen.len() > 4096 {
+            rec.seen.clear();
+        }
+        let sightings = rec.seen.entry(shape.clone()).or_insert(0);
+        *sightings += 1;
+        if *sightings < 2 {
+            drop(guard);
+            return self.run_eagerly(batch, out_lens, body);
+        }
+        rec.seen.remove(&shape);
+        let outs = out_lens.iter().map(|&n| self.alloc(n)).collect::<Result<Vec<_>>>()?;
+        let started = std::time::Instant::now();
+        let (graph, outs) = match self.record(&batch, outs, body) {
+            Ok(recorded) => recorded,
+            Err(e) => {
+                tracing::warn!("CUDA graph of a {shape:?} forward not recorded ({e}); it runs eagerly");
+                rec.refused.push(shape);
+                drop(guard);
+                return self.run_eagerly(batch, out_lens, body);
+            }
+        };
+        // Recording only records: this launch runs the step.
+        graph.launch().map_err(driver("graph launch"))?;
+        rec.recorded += 1;
+        tracing::debug!(
+            "CUDA graph {} recorded for {shape:?} in {} us ({} replays so far)",
+            rec.recorded,
+            started.elapsed().as_micros(),
+            rec.replayed
+        );
+        let host = outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect();
+        if rec.graphs.len() >= MOST_RECORDINGS {
+            let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
+            if let Some(s) = oldest {
+                rec.graphs.remove(&s);
+            }
+        }
+        rec.graphs.insert(shape, Recording { graph, batch, outs, last_used: clock });
+        host
+    }
+
+    /// Captures `body` on the stream (nothing runs) into an instantiated graph.
+    fn record(
+        &self,
+        batch: &CudaBatch,
+        mut outs: Vec<CudaSlice<f32>>,
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<(CudaGraph, Vec<CudaSlice<f32>>)> {
+        let s = &self.stream;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("begin graph capture"))?;
+        let captured = body(batch, &mut outs);
+        // The capture must end whether or not the body failed.
+        let graph = s.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("end graph capture"));
+        captured?;
+        let graph = graph?.ok_or_else(|| Error::Backend("CUDA graph capture recorded nothing".into()))?;
+        Ok((graph, outs))
+    }
+
+    fn run_eagerly(
+        &self,
+        batch: CudaBatch,
+        out_lens: &[usize],
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut outs = out_lens.iter().map(|&n| self.alloc(n)).collect::<Result<Vec<_>>>()?;
+        body(&batch, &mut outs)?;
+        outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect()
+    }
+
+    /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape).
+    fn refresh_tables(&self, recorded: &mut CudaBatch, step: &CudaBatch) -> Result<()> {
+        let s = &self.stream;
+        s.memcpy_htod(&step.host_toks, &mut recorded.toks).map_err(driver("graph tables"))?;
+        s.memcpy_htod(&step.host_rows, &mut recorded.rows).map_err(driver("graph tables"))?;
+        s.memcpy_htod(&step.host_tokens, &mut recorded.tokens).map_err(driver("graph tables"))?;
+        if let (Some(dst), Some(src)) = (recorded.ring_rows.as_mut(), step.host_ring_rows.as_ref()) {
+            s.memcpy_htod(src, dst).map_err(driver("graph tables"))?;
+        }
+        Ok(())
+    }
+}
