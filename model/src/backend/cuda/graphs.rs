@@ -75,16 +75,12 @@ struct Recorded {
 // one thread at a time, on the stream it was recorded on.
 unsafe impl Send for Recording {}
 
-impl Cuda {
-    /// Turns recording and replay of decode and verify forwards on (the default) or off
-    /// (every kernel launched from the host each step: for comparisons).
-    pub fn set_graphs(on: bool) {
-        GRAPHS_ON.store(on, Ordering::Relaxed);
-    }
-
-    pub(super) fn run_recorded_forward(
+impl CudaGraphs {
+    /// [`crate::backend::Kernels::run_recorded`] on `cuda`: eagerly the first time a shape
+    /// runs, recorded the second, replayed after.
+    pub(super) fn run(
         &self,
-        recordings: &CudaGraphs,
+        cuda: &Cuda,
         batch: CudaBatch,
         out_lens: &[usize],
         body: &mut ForwardBody<'_, Cuda>,
@@ -96,7 +92,7 @@ impl Cuda {
             && batch.splits == 1
             && !negative_control::stock_matmul();
         if !recordable {
-            return self.run_eagerly(batch, out_lens, body);
+            return cuda.run_eagerly(batch, out_lens, body);
         }
         let shape = Shape {
             tokens: batch.m,
@@ -106,7 +102,7 @@ impl Cuda {
             bf16_kv: batch.kv == crate::backend::KvDtype::Bf16,
             out_lens: out_lens.to_vec(),
         };
-        let mut guard = recordings.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let rec = &mut *guard;
         rec.clock += 1;
         let clock = rec.clock;
@@ -114,14 +110,14 @@ impl Cuda {
             r.last_used = clock;
             rec.replayed += 1;
             if !negative_control::stale_replay() {
-                self.refresh_tables(&mut r.batch, &batch)?;
+                cuda.refresh_tables(&mut r.batch, &batch)?;
             }
             r.graph.launch().map_err(driver("graph replay"))?;
-            return r.outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect();
+            return r.outs.iter().map(|o| cuda.stream.clone_dtoh(o).map_err(driver("download"))).collect();
         }
         if rec.refused.contains(&shape) {
             drop(guard);
-            return self.run_eagerly(batch, out_lens, body);
+            return cuda.run_eagerly(batch, out_lens, body);
         }
         if rec.seen.len() > 4096 {
             rec.seen.clear();
@@ -130,18 +126,18 @@ impl Cuda {
         *sightings += 1;
         if *sightings < 2 {
             drop(guard);
-            return self.run_eagerly(batch, out_lens, body);
+            return cuda.run_eagerly(batch, out_lens, body);
         }
         rec.seen.remove(&shape);
-        let outs = out_lens.iter().map(|&n| self.alloc(n)).collect::<Result<Vec<_>>>()?;
+        let outs = out_lens.iter().map(|&n| cuda.alloc(n)).collect::<Result<Vec<_>>>()?;
         let started = std::time::Instant::now();
-        let (graph, outs) = match self.record(&batch, outs, body) {
+        let (graph, outs) = match cuda.record(&batch, outs, body) {
             Ok(recorded) => recorded,
             Err(e) => {
                 tracing::warn!("CUDA graph of a {shape:?} forward not recorded ({e}); it runs eagerly");
                 rec.refused.push(shape);
                 drop(guard);
-                return self.run_eagerly(batch, out_lens, body);
+                return cuda.run_eagerly(batch, out_lens, body);
             }
         };
         // Recording only records: this launch runs the step.
@@ -153,7 +149,7 @@ impl Cuda {
             started.elapsed().as_micros(),
             rec.replayed
         );
-        let host = outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect();
+        let host = outs.iter().map(|o| cuda.stream.clone_dtoh(o).map_err(driver("download"))).collect();
         if rec.graphs.len() >= MOST_RECORDINGS {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
             if let Some(s) = oldest {
@@ -162,6 +158,14 @@ impl Cuda {
         }
         rec.graphs.insert(shape, Recording { graph, batch, outs, last_used: clock });
         host
+    }
+}
+
+impl Cuda {
+    /// Turns recording and replay of decode and verify forwards on (the default) or off
+    /// (every kernel launched from the host each step: for comparisons).
+    pub fn set_graphs(on: bool) {
+        GRAPHS_ON.store(on, Ordering::Relaxed);
     }
 
     /// Captures `body` on the stream (nothing runs) into an instantiated graph.

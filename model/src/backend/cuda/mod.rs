@@ -607,7 +607,7 @@ impl Kernels for Cuda {
         out_lens: &[usize],
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
-        self.run_recorded_forward(recordings, batch, out_lens, body)
+        recordings.run(self, batch, out_lens, body)
     }
 
     fn linear(
