@@ -275,9 +275,7 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         out_lens: &[usize],
         body: &mut ForwardBody<'_, Self>,
     ) -> Result<Vec<Vec<f32>>> {
-        let mut outs = out_lens.iter().map(|&n| self.alloc(n)).collect::<Result<Vec<_>>>()?;
-        body(&batch, &mut outs)?;
-        outs.into_iter().map(|o| self.download(o)).collect()
+        run_body(self, batch, out_lens, body)
     }
     /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
     fn linear(
@@ -333,6 +331,18 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
+}
+
+/// [`Kernels::run_recorded`] without recording: `body` run once, its outputs downloaded.
+pub(crate) fn run_body<B: Kernels>(
+    be: &B,
+    batch: B::Batch,
+    out_lens: &[usize],
+    body: &mut ForwardBody<'_, B>,
+) -> Result<Vec<Vec<f32>>> {
+    let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
+    body(&batch, &mut outs)?;
+    outs.into_iter().map(|o| be.download(o)).collect()
 }
 
 /// A forward's device work for [`Kernels::run_recorded`]: over a batch, into its outputs.

@@ -1,6 +1,6 @@
 //! Decode and verify forwards recorded as CUDA graphs. A B=1 decode step of a small model is
 //! ~340 short kernels: launching them one by one from the host costs more than running
-//! them. [`Cuda::run_recorded`](super::Cuda) records a forward's launches once per shape
+//! them. [`CudaGraphs::run`] records a forward's launches once per shape
 //! (token count, row count, attention segments, outputs) and replays them, after copying
 //! the step's tables (tokens, positions, K/V addresses) into the buffers the recording
 //! reads. The replay runs the recorded kernels with the recorded arguments in the
@@ -14,7 +14,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::{driver, Cuda, CudaBatch, ATTENTION_SEGMENT};
-use crate::backend::{ForwardBody, Kernels};
+use crate::backend::{run_body, ForwardBody, Kernels};
 use crate::error::{Error, Result};
 use crate::negative_control;
 
@@ -92,11 +92,11 @@ impl CudaGraphs {
             && batch.splits == 1
             && !negative_control::stock_matmul();
         if !recordable {
-            return cuda.run_eagerly(batch, out_lens, body);
+            return run_body(cuda, batch, out_lens, body);
         }
         let shape = Shape {
             tokens: batch.m,
-            rows: batch.host_rows.len() / 5,
+            rows: batch.rows.len() / 5,
             segments: batch.most_keys.div_ceil(ATTENTION_SEGMENT),
             ring: batch.ring_rows.is_some(),
             bf16_kv: batch.kv == crate::backend::KvDtype::Bf16,
@@ -113,11 +113,11 @@ impl CudaGraphs {
                 cuda.refresh_tables(&mut r.batch, &batch)?;
             }
             r.graph.launch().map_err(driver("graph replay"))?;
-            return r.outs.iter().map(|o| cuda.stream.clone_dtoh(o).map_err(driver("download"))).collect();
+            return cuda.to_host(&r.outs);
         }
         if rec.refused.contains(&shape) {
             drop(guard);
-            return cuda.run_eagerly(batch, out_lens, body);
+            return run_body(cuda, batch, out_lens, body);
         }
         if rec.seen.len() > 4096 {
             rec.seen.clear();
@@ -126,7 +126,7 @@ impl CudaGraphs {
         *sightings += 1;
         if *sightings < 2 {
             drop(guard);
-            return cuda.run_eagerly(batch, out_lens, body);
+            return run_body(cuda, batch, out_lens, body);
         }
         rec.seen.remove(&shape);
         let outs = out_lens.iter().map(|&n| cuda.alloc(n)).collect::<Result<Vec<_>>>()?;
@@ -137,7 +137,7 @@ impl CudaGraphs {
                 tracing::warn!("CUDA graph of a {shape:?} forward not recorded ({e}); it runs eagerly");
                 rec.refused.push(shape);
                 drop(guard);
-                return cuda.run_eagerly(batch, out_lens, body);
+                return run_body(cuda, batch, out_lens, body);
             }
         };
         // Recording only records: this launch runs the step.
@@ -149,7 +149,7 @@ impl CudaGraphs {
             started.elapsed().as_micros(),
             rec.replayed
         );
-        let host = outs.iter().map(|o| cuda.stream.clone_dtoh(o).map_err(driver("download"))).collect();
+        let host = cuda.to_host(&outs);
         if rec.graphs.len() >= MOST_RECORDINGS {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
             if let Some(s) = oldest {
@@ -189,25 +189,20 @@ impl Cuda {
         Ok((graph, outs))
     }
 
-    fn run_eagerly(
-        &self,
-        batch: CudaBatch,
-        out_lens: &[usize],
-        body: &mut ForwardBody<'_, Cuda>,
-    ) -> Result<Vec<Vec<f32>>> {
-        let mut outs = out_lens.iter().map(|&n| self.alloc(n)).collect::<Result<Vec<_>>>()?;
-        body(&batch, &mut outs)?;
+    /// A recording's outputs, in host memory.
+    fn to_host(&self, outs: &[CudaSlice<f32>]) -> Result<Vec<Vec<f32>>> {
         outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect()
     }
 
-    /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape).
+    /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape),
+    /// on the stream, before the replay that reads them.
     fn refresh_tables(&self, recorded: &mut CudaBatch, step: &CudaBatch) -> Result<()> {
         let s = &self.stream;
-        s.memcpy_htod(&step.host_toks, &mut recorded.toks).map_err(driver("graph tables"))?;
-        s.memcpy_htod(&step.host_rows, &mut recorded.rows).map_err(driver("graph tables"))?;
-        s.memcpy_htod(&step.host_tokens, &mut recorded.tokens).map_err(driver("graph tables"))?;
-        if let (Some(dst), Some(src)) = (recorded.ring_rows.as_mut(), step.host_ring_rows.as_ref()) {
-            s.memcpy_htod(src, dst).map_err(driver("graph tables"))?;
+        s.memcpy_dtod(&step.toks, &mut recorded.toks).map_err(driver("graph tables"))?;
+        s.memcpy_dtod(&step.rows, &mut recorded.rows).map_err(driver("graph tables"))?;
+        s.memcpy_dtod(&step.tokens, &mut recorded.tokens).map_err(driver("graph tables"))?;
+        if let (Some(dst), Some(src)) = (recorded.ring_rows.as_mut(), step.ring_rows.as_ref()) {
+            s.memcpy_dtod(src, dst).map_err(driver("graph tables"))?;
         }
         Ok(())
     }

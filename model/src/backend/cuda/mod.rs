@@ -452,11 +452,6 @@ pub struct CudaBatch {
     ring_rows: Option<CudaSlice<i64>>,
     /// Each token's id.
     tokens: CudaSlice<u32>,
-    /// The host's copies of the four tables, for a recorded forward's replay.
-    host_toks: Vec<i32>,
-    host_rows: Vec<i64>,
-    host_ring_rows: Option<Vec<i64>>,
-    host_tokens: Vec<u32>,
     m: usize,
     /// The most keys a token reads (position + 1).
     most_keys: usize,
@@ -572,18 +567,17 @@ impl Kernels for Cuda {
         // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
         let toks: Vec<i32> =
             slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
-        let host_ring_rows = (!caches.is_empty() && ring_rows.len() == rows.len()).then_some(ring_rows);
-        let ring_rows = host_ring_rows.as_ref().map(|r| self.upload_as(r, "batch layout")).transpose()?;
+        let ring_rows = if !caches.is_empty() && ring_rows.len() == rows.len() {
+            Some(self.upload_as(&ring_rows, "batch layout")?)
+        } else {
+            None
+        };
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
         Ok(CudaBatch {
             toks: self.upload_as(&toks, "batch layout")?,
             rows: self.upload_as(&rows, "batch layout")?,
             ring_rows,
             tokens: self.upload_as(tokens, "tokens")?,
-            host_toks: toks,
-            host_rows: rows,
-            host_ring_rows,
-            host_tokens: tokens.to_vec(),
             m: slots.len(),
             most_keys: slots.iter().map(|s| s.pos + 1).max().unwrap_or(0),
             kv: kv.unwrap_or(KvDtype::F32),
