@@ -49,6 +49,11 @@ impl<B: Kernels> Proj<B> {
         Ok(y)
     }
 
+    /// The weight and bias, as [`Kernels::linear_parts`] takes them.
+    pub(crate) fn part(&self) -> (&B::Mat, Option<&B::Vec>) {
+        (&self.w, self.bias.as_ref())
+    }
+
     /// `acc += self(x)`: the residual add.
     pub(crate) fn add_to(&self, be: &B, x: &B::Act, m: usize, acc: &mut B::Act) -> Result<()> {
         be.linear(x, m, &self.w, self.bias.as_ref(), acc, Out::Add)
@@ -114,9 +119,10 @@ impl<B: Kernels> Block<B> {
             Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        let mut q = self.q.forward(be, &normed, m)?;
-        let mut k = self.k.forward(be, &normed, m)?;
-        let v = self.v.forward(be, &normed, m)?;
+        let (mut q, mut k, mut v) =
+            (be.alloc(m * self.q.out)?, be.alloc(m * self.k.out)?, be.alloc(m * self.v.out)?);
+        let qkv = [self.q.part(), self.k.part(), self.v.part()];
+        be.linear_parts(&normed, m, &qkv, &mut [&mut q, &mut k, &mut v])?;
         let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, c.rms_norm_eps));
         be.qk_rope_store(&mut q, Some((&mut k, &v)), norms, rope, batch, caches, Plane::Main(li), heads)?;
         let mut attn = be.alloc(m * heads.heads * heads.head_dim)?;
@@ -124,8 +130,9 @@ impl<B: Kernels> Block<B> {
         be.attention(&q, batch, caches, Plane::Main(li), heads, scale, None, &mut attn)?;
         self.o.add_to(be, &attn, m, x)?;
         be.rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        let mut g = self.gate.forward(be, &normed, m)?;
-        be.swiglu(&mut g, &self.up.forward(be, &normed, m)?)?;
+        let (mut g, mut u) = (be.alloc(m * self.gate.out)?, be.alloc(m * self.up.out)?);
+        be.linear_parts(&normed, m, &[self.gate.part(), self.up.part()], &mut [&mut g, &mut u])?;
+        be.swiglu(&mut g, &u)?;
         self.down.add_to(be, &g, m, x)
     }
 }

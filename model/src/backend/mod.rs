@@ -287,6 +287,18 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         out: &mut Self::Act,
         mode: Out,
     ) -> Result<()>;
+    /// `outs[i] = x . w_i^T + bias_i` for the weights `parts[i] = (w_i, bias_i)` over the
+    /// same `m` rows of `x` (q/k/v, gate/up), each output exactly as [`Kernels::linear`]
+    /// writes it; a backend may run them as one launch.
+    fn linear_parts(
+        &self,
+        x: &Self::Act,
+        m: usize,
+        parts: &[(&Self::Mat, Option<&Self::Vec>)],
+        outs: &mut [&mut Self::Act],
+    ) -> Result<()> {
+        linear_each(self, x, m, parts, outs)
+    }
     /// RMSNorm of each `w.len()`-wide row of `x`, written to columns `[col, col + n)` of
     /// the rows of `out` (rows `out_width` wide).
     fn rms_norm(
@@ -343,6 +355,23 @@ pub(crate) fn run_body<B: Kernels>(
     let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
     body(&batch, &mut outs)?;
     outs.into_iter().map(|o| be.download(o)).collect()
+}
+
+/// [`Kernels::linear_parts`] as one [`Kernels::linear`] per weight.
+pub(crate) fn linear_each<B: Kernels>(
+    be: &B,
+    x: &B::Act,
+    m: usize,
+    parts: &[(&B::Mat, Option<&B::Vec>)],
+    outs: &mut [&mut B::Act],
+) -> Result<()> {
+    if parts.len() != outs.len() {
+        return Err(Error::Backend(format!("{} weights for {} outputs", parts.len(), outs.len())));
+    }
+    for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
+        be.linear(x, m, w, *bias, out, Out::Write)?;
+    }
+    Ok(())
 }
 
 /// A forward's device work for [`Kernels::run_recorded`]: over a batch, into its outputs.

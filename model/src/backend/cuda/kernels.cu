@@ -264,13 +264,15 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
 }
 
 // MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
+// `block`: which 16 columns (blockIdx.x, or its place among a multi-weight launch's parts).
 template <int MT>
 __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const u16* __restrict__ w, int n,
-                               const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
+                               const float* __restrict__ bias, float* __restrict__ out, int accumulate,
+                               int block) {
     __shared__ float sum[TC_COLS][8 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int c0 = blockIdx.x * TC_COLS;
+    const int c0 = block * TC_COLS;
     // This lane's two weight rows (g, g + 8); rows past n read the last row (their outputs
     // are never stored).
     const u16* wr[2];
@@ -349,12 +351,36 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
 #define LINEAR_TC(NAME, MT)                                                                               \
     extern "C" __global__ void NAME(const float* x, int m, int k, const u16* w, int n, const float* bias,  \
                                     float* out, int accumulate) {                                         \
-        linear_tc_impl<MT>(x, m, k, w, n, bias, out, accumulate);                                         \
+        linear_tc_impl<MT>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);                             \
     }
 LINEAR_TC(linear_tc_bf16_8, 1)
 LINEAR_TC(linear_tc_bf16_16, 2)
 LINEAR_TC(linear_tc_bf16_32, 4)
 LINEAR_TC(linear_tc_bf16_64, 8)
+
+// Up to 3 weights over the same activations in one launch (q/k/v, gate/up): blocks
+// [first_block[i], first_block[i + 1]) compute part i's columns, each output exactly as its
+// own launch would (one wide grid instead of narrow ones that leave SMs idle).
+struct TcParts {
+    const u16* w[3];
+    const float* bias[3];
+    float* out[3];
+    int n[3];
+    int first_block[3];
+    int parts;
+};
+// Part i's field, chosen by conditionals (a dynamic index would copy the struct to the stack).
+#define TC_PART(p, field, i) ((i) == 0 ? (p).field[0] : (i) == 1 ? (p).field[1] : (p).field[2])
+#define LINEAR_TC_PARTS(NAME, MT)                                                                \
+    extern "C" __global__ void NAME(const float* x, int m, int k, TcParts p) {                  \
+        const int b = blockIdx.x;                                                               \
+        const int i = (p.parts > 2 && b >= p.first_block[2]) ? 2 : (p.parts > 1 && b >= p.first_block[1]) ? 1 : 0; \
+        linear_tc_impl<MT>(x, m, k, TC_PART(p, w, i), TC_PART(p, n, i), TC_PART(p, bias, i),    \
+                           TC_PART(p, out, i), 0, b - TC_PART(p, first_block, i));              \
+    }
+LINEAR_TC_PARTS(linear_tc_parts_bf16_8, 1)
+LINEAR_TC_PARTS(linear_tc_parts_bf16_16, 2)
+LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
 
 // ---------------------------------------------------------------------------------------
 // Tiled tensor-core matmul for many tokens: each output summed in linear_tc's order (so

@@ -41,8 +41,8 @@ pub use graphs::CudaGraphs;
 pub use kv::CudaKv;
 
 use super::{
-    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, ForwardBody,
-    GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    check_gpu_heads, device_kv_dtype, held_keys, linear_each, open_windows, AssistantKernels, Backend,
+    ForwardBody, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 use crate::error::{Error, Result};
 use crate::kernels::RopeTable;
@@ -117,6 +117,21 @@ impl TcKernel {
     }
 }
 
+/// `TcParts` in kernels.cu: up to 3 weights of one multi-weight matmul launch.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TcParts {
+    w: [u64; 3],
+    bias: [u64; 3],
+    out: [u64; 3],
+    n: [i32; 3],
+    first_block: [i32; 3],
+    parts: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
+unsafe impl cudarc::driver::DeviceRepr for TcParts {}
+
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
@@ -141,6 +156,8 @@ struct Functions {
     linear_q: [[CudaFunction; 3]; 3],
     /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64).
     linear_tc: [CudaFunction; 4],
+    /// The same, up to 3 weights in one launch, by tokens per pass (8, 16, 32).
+    linear_tc_parts: [CudaFunction; 3],
     /// The same, tiled in shared memory: 256x16, 128x32, 64x64, 128x64 (columns x tokens),
     /// on activations split by `split_activations`.
     linear_tt: [CudaFunction; 4],
@@ -228,6 +245,11 @@ impl Cuda {
                 get("linear_tc_bf16_16")?,
                 get("linear_tc_bf16_32")?,
                 get("linear_tc_bf16_64")?,
+            ],
+            linear_tc_parts: [
+                get("linear_tc_parts_bf16_8")?,
+                get("linear_tc_parts_bf16_16")?,
+                get("linear_tc_parts_bf16_32")?,
             ],
             linear_tt: [
                 get("linear_tt_bf16_256x16")?,
@@ -648,6 +670,51 @@ impl Kernels for Cuda {
         }
         let f = &self.f.linear[weight_index(w.dtype)][rows_per_pass];
         launch!(self, f, (grid, 1), LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc])
+    }
+
+    fn linear_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        // One launch where every part takes the same pass kernel (tensor cores, the same K,
+        // at most 32 tokens); otherwise a launch each.
+        let k = parts.first().map_or(0, |(w, _)| w.cols);
+        let one_launch = (1..=3).contains(&parts.len())
+            && parts.len() == outs.len()
+            && (1..=32).contains(&m)
+            && !negative_control::stock_matmul()
+            && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k && w.rows > 0);
+        if !one_launch {
+            return linear_each(self, x, m, parts, outs);
+        }
+        let s = &self.stream;
+        let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
+        let mut blocks = 0;
+        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter()).enumerate() {
+            p.w[i] = ptr(&w.buf, s);
+            p.bias[i] = bias.map_or(0, |b| ptr(b, s));
+            p.out[i] = ptr(&**out, s);
+            p.n[i] = w.rows as i32;
+            p.first_block[i] = blocks as i32;
+            blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
+        }
+        let pass = match TcKernel::for_shape(m, k) {
+            TcKernel::Pass8 => 0,
+            TcKernel::Pass16 => 1,
+            _ => 2,
+        };
+        let (xp, mi, ki) = (ptr(x, s), m as i32, k as i32);
+        launch!(
+            self,
+            &self.f.linear_tc_parts[pass],
+            (blocks as u32, 1),
+            LINEAR_THREADS,
+            "linear",
+            [xp, mi, ki, p]
+        )
     }
 
     fn rms_norm(
