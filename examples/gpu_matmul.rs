@@ -6,7 +6,9 @@
 //!
 //! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R] [--kernels]` narrows it (for a
 //! profiler: `scripts/gpu-run.sh profile-matmul`); `--kernels` times every tensor-core
-//! kernel at every M, not only the one the host picks (which `kernel` names).
+//! kernel at every M, not only the one the host picks (which `kernel` names); `--stacked`
+//! times the 8B layer's q/k/v and gate/up as a launch each against one `linear_parts`
+//! launch, at M = 1 and 8.
 
 use std::time::Instant;
 
@@ -44,6 +46,9 @@ fn main() -> anyhow::Result<()> {
     let reps = list(&args, "--reps", |s| s.parse().ok(), vec![20usize])?[0].max(1);
     let cuda = Cuda::shared()?;
     println!("device: {}", cuda.device_name());
+    if args.iter().any(|a| a == "--stacked") {
+        return stacked(&cuda, reps);
+    }
     let every_kernel = args.iter().any(|a| a == "--kernels");
     println!("| N x K | M | kernel | ms (median of {reps}) | weight GB/s |");
     println!("| --- | --- | --- | --- | --- |");
@@ -78,6 +83,58 @@ fn main() -> anyhow::Result<()> {
                     (n * k * 2) as f64 / t / 1e9
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// A bf16 weight of `n x k` with small varied values.
+fn bf16_weight(n: usize, k: usize) -> Weight {
+    let bytes: Vec<u8> = (0..n * k)
+        .flat_map(|i| half::bf16::from_f32(((i % 97) as f32 - 48.0) * 1e-3).to_le_bytes())
+        .collect();
+    Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k)
+}
+
+/// The 8B layer's projections over one input: a launch each, then one `linear_parts`
+/// launch, alternated in every repetition (each on another of 4 weight copies).
+fn stacked(cuda: &Cuda, reps: usize) -> anyhow::Result<()> {
+    println!("| projections | M | a launch each, ms | one launch, ms | ratio |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (name, widths) in [("q/k/v", vec![4096usize, 1024, 1024]), ("gate/up", vec![12288, 12288])] {
+        let k = 4096;
+        let weights: Vec<Weight> = widths.iter().map(|&n| bf16_weight(n, k)).collect();
+        let copies = (0..4)
+            .map(|_| weights.iter().map(|w| cuda.matrix(w)).collect::<Result<Vec<_>, _>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        for m in [1usize, 8] {
+            let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
+            let mut outs = widths.iter().map(|&n| cuda.alloc(m * n)).collect::<Result<Vec<_>, _>>()?;
+            let (mut apart, mut together) = (Vec::new(), Vec::new());
+            for rep in 0..reps + 3 {
+                let mats = &copies[rep % 4];
+                cuda.synchronize()?;
+                let t0 = Instant::now();
+                for (w, out) in mats.iter().zip(outs.iter_mut()) {
+                    cuda.linear(&x, m, w, None, out, Out::Write)?;
+                }
+                cuda.synchronize()?;
+                let t1 = Instant::now();
+                let parts: Vec<_> = mats.iter().map(|w| (w, None)).collect();
+                let mut refs: Vec<_> = outs.iter_mut().collect();
+                cuda.linear_parts(&x, m, &parts, &mut refs)?;
+                cuda.synchronize()?;
+                if rep >= 3 {
+                    apart.push((t1 - t0).as_secs_f64());
+                    together.push(t1.elapsed().as_secs_f64());
+                }
+            }
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(|a, b| a.total_cmp(b));
+                v[v.len() / 2]
+            };
+            let (a, t) = (median(&mut apart), median(&mut together));
+            println!("| {name} | {m} | {:.3} | {:.3} | {:.2}x |", a * 1e3, t * 1e3, a / t);
         }
     }
     Ok(())

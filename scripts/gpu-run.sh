@@ -114,6 +114,7 @@ if [ "$what" = ab ]; then
         "$m" 2>&1 | tee -a "$alog"
     done
     torch_matmul 2>&1 | tee -a "$alog"
+    "$bin/gpu_matmul" --stacked 2>&1 | tee -a "$alog"
     for shape in 0.6b 8b; do
         dir=/tmp/qwen3-$shape
         like=qwen3; [ $shape = 8b ] && like=qwen3-8b
@@ -211,6 +212,7 @@ fi
 
 if [ "$what" = kernels ]; then
     "$bin/gpu_matmul" --kernels --m 1,8,16,32,40,64,128,512 2>&1 | tee "$OUT/matmul-kernels.md"
+    "$bin/gpu_matmul" --stacked 2>&1 | tee -a "$OUT/matmul-kernels.md"
 fi
 
 if [ "$what" = profile-matmul ]; then
