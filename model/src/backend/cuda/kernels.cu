@@ -1049,11 +1049,22 @@ extern "C" __global__ void attention_merge(const float* partial, float* out, int
     const float* src = partial + ((long long)t * heads + head) * max_segs * (hd + 2);
     Online<512> tot;
     tot.clear();
-    for (int s = 0; s < max_segs; s++, src += hd + 2) {
-        float a[16];
+    // MERGE_AHEAD segments' states loaded before any of them is added (the adds stay in
+    // segment order): a 32k-key query's 64 segments in 16 rounds of loads, not 64.
+    constexpr int MERGE_AHEAD = 4;
+    for (int s0 = 0; s0 < max_segs; s0 += MERGE_AHEAD) {
+        float mm[MERGE_AHEAD], ll[MERGE_AHEAD], a[MERGE_AHEAD][16];
 #pragma unroll
-        for (int d = 0; d < 16; d++) a[d] = lane + 32 * d < hd ? src[2 + lane + 32 * d] : 0.0f;
-        tot.add(src[0], src[1], a);
+        for (int u = 0; u < MERGE_AHEAD; u++) {
+            const float* p = src + (long long)min(s0 + u, max_segs - 1) * (hd + 2);
+            mm[u] = p[0];
+            ll[u] = p[1];
+#pragma unroll
+            for (int d = 0; d < 16; d++) a[u][d] = lane + 32 * d < hd ? p[2 + lane + 32 * d] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_AHEAD; u++)
+            if (s0 + u < max_segs) tot.add(mm[u], ll[u], a[u]);
     }
     write_output(tot, out + ((long long)t * heads + head) * hd, hd, lane);
 }
