@@ -56,7 +56,8 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 const LINEAR_THREADS: u32 = 256;
 const LINEAR_COLS_PER_BLOCK: usize = 4;
 const LINEAR_TC_COLS_PER_BLOCK: usize = 16;
-/// Threads per block of attention: 8 warps per (token, head), key chunks dealt by position.
+/// Threads per block of attention: 8 warps per (token, head group), key chunks dealt by
+/// position.
 const ATTENTION_THREADS: u32 = 256;
 
 /// Whether a weight takes the tensor-core matmul: bf16, not quantized, K a multiple of
@@ -172,7 +173,8 @@ struct Functions {
     add_into: CudaFunction,
     qk_rope_store: [CudaFunction; 2],
     /// By K/V dtype, then head size: up to 128, 256, 512.
-    attention: [[CudaFunction; 3]; 2],
+    /// Per K/V dtype: head size 128 serving 1, 2 or 4 query heads a block, 256, 512.
+    attention: [[CudaFunction; 5]; 2],
     attention_merge: CudaFunction,
     kv_move: [CudaFunction; 2],
     kv_copy: [CudaFunction; 2],
@@ -268,8 +270,20 @@ impl Cuda {
             add_into: get("add_into")?,
             qk_rope_store: [get("qk_rope_store_f32")?, get("qk_rope_store_bf16")?],
             attention: [
-                [get("attention_f32_128")?, get("attention_f32_256")?, get("attention_f32_512")?],
-                [get("attention_bf16_128")?, get("attention_bf16_256")?, get("attention_bf16_512")?],
+                [
+                    get("attention_f32_128")?,
+                    get("attention_f32_128_g2")?,
+                    get("attention_f32_128_g4")?,
+                    get("attention_f32_256")?,
+                    get("attention_f32_512")?,
+                ],
+                [
+                    get("attention_bf16_128")?,
+                    get("attention_bf16_128_g2")?,
+                    get("attention_bf16_128_g4")?,
+                    get("attention_bf16_256")?,
+                    get("attention_bf16_512")?,
+                ],
             ],
             attention_merge: get("attention_merge")?,
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
@@ -813,6 +827,21 @@ struct AttentionKeys {
     window: i32,
 }
 
+/// The attention kernel for a head shape (its index in `Functions::attention`) and the query
+/// heads a block serves: up to head size 128, the most of 4, 2, 1 that divides the query
+/// heads per KV head (each key and value loaded once for them all); above it, one. Fixed by
+/// the model's shape, so every launch of a model computes each head the same way.
+fn attention_variant(h: Heads) -> (usize, usize) {
+    let per_kv = h.heads / h.kv_heads.max(1);
+    match h.head_dim {
+        0..=128 if per_kv.is_multiple_of(4) => (2, 4),
+        0..=128 if per_kv.is_multiple_of(2) => (1, 2),
+        0..=128 => (0, 1),
+        129..=256 => (3, 1),
+        _ => (4, 1),
+    }
+}
+
 /// Keys per attention segment (`ATT_SEG` in kernels.cu).
 const ATTENTION_SEGMENT: usize = 512;
 
@@ -849,11 +878,7 @@ impl Cuda {
         keys: AttentionKeys,
     ) -> Result<()> {
         let s = &self.stream;
-        let variant = match heads.head_dim {
-            0..=128 => 0,
-            129..=256 => 1,
-            _ => 2,
-        };
+        let (variant, group) = attention_variant(heads);
         let f = &self.f.attention[kv_index(kv)][variant];
         let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(toks, s), ptr(rows, s));
         let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
@@ -864,7 +889,7 @@ impl Cuda {
         let partial =
             segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
         let pp = partial.as_ref().map_or(0, |p| ptr(p, s));
-        let grid = (tokens, (heads.heads * segs.unwrap_or(1)) as u32);
+        let grid = (tokens, (heads.heads / group * segs.unwrap_or(1)) as u32);
         launch!(
             self,
             f,
