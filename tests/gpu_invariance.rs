@@ -139,24 +139,102 @@ fn long_context_attention_is_batch_and_block_invariant() {
     let vocab = model.config.vocab_size;
     let prompts: Vec<Vec<u32>> =
         [300usize, 530, 700].iter().map(|&n| (0..n).map(|_| rng.below(vocab) as u32).collect()).collect();
-    // (alone == batched, every decode step == the batched prefill's last token)
-    let check = || {
-        let batched = last_logits(&model, &prompts, true);
-        let decoded = prompts.iter().zip(&batched).all(|(p, want)| {
-            let (head, last) = p.split_at(p.len() - 1);
-            let mut cache = model.new_cache();
-            let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last }];
-            model.forward(&mut rows).unwrap();
-            cache.commit_window(head.len());
-            let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last }];
-            let logits = model.forward(&mut rows).unwrap().remove(0).logits.remove(0);
-            common::bits(&logits) == *want
-        });
-        (last_logits(&model, &prompts, false) == batched, decoded)
-    };
-    let (ours, control) = with_split_attention_control(check);
+    let (ours, control) = with_split_attention_control(|| alone_batched_decoded(&model, &prompts));
     assert_eq!(ours, (true, true), "(alone == batched, decode == prefill) at 300-700 keys");
     assert_eq!(control, (false, false), "batch-sized attention splits went unseen at 300-700 keys");
+}
+
+/// Whether `prompts` get the same last logits alone as batched, and whether decoding each
+/// prompt's last token after a prefill of the rest gives the batched prefill's bits.
+fn alone_batched_decoded(model: &Model, prompts: &[Vec<u32>]) -> (bool, bool) {
+    let batched = last_logits(model, prompts, true);
+    let decoded = prompts.iter().zip(&batched).all(|(p, want)| bits(&prefill_then_decode(model, p)) == *want);
+    (last_logits(model, prompts, false) == batched, decoded)
+}
+
+/// The logits of `prompt`'s last token, decoded alone after a prefill of the rest.
+fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
+    let (head, last) = prompt.split_at(prompt.len() - 1);
+    let mut cache = model.new_cache();
+    let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last }];
+    model.forward(&mut rows).unwrap();
+    cache.commit_window(head.len());
+    let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last }];
+    model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
+}
+
+/// Every attention kernel: head size up to 128 serving 4, 2 or 1 query heads a block (each
+/// key and value loaded once for the group), 256 and 512, each with whole-vector value
+/// loads and (head size not a multiple of the lane's dims) element loads, on a synthesized
+/// model of that head shape, at 37 to 600 keys (decode past 512 keys takes the split launch,
+/// the prefill the walking one). The decoded logits agree with the CPU's (f32 K/V within
+/// 1e-4 of their scale; bf16 K/V within 2e-2 of the CPU's f32: a wrong head or dim would
+/// be off by the logits' scale), and with bf16 K/V a query's bits are the same alone,
+/// batched and decoded after a prefill. Control: batch-sized splits must break the latter.
+#[test]
+fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
+    use mtp::model::backend::KvDtype;
+    use mtp::model::synth::SynthSpec;
+    let base = common::load(&fixture("qwen3-target")).config;
+    // (query heads, KV heads, head size): the kernel it takes.
+    let shapes = [
+        (8, 2, 32),  // 128, 4 heads a block
+        (8, 2, 6),   // 128, 4 heads a block, element loads
+        (4, 2, 16),  // 128, 2 heads a block
+        (3, 1, 12),  // 128, a head a block
+        (2, 1, 136), // 256
+        (2, 1, 132), // 256, element loads
+        (2, 1, 272), // 512
+        (2, 1, 264), // 512, element loads
+    ];
+    let mut rng = Lcg(41);
+    for (heads, kv_heads, head_dim) in shapes {
+        let spec = SynthSpec {
+            vocab_size: 256,
+            hidden_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            intermediate_size: 96,
+            seed: 7,
+            ..SynthSpec::from_config(&base)
+        };
+        let dir = std::env::temp_dir()
+            .join(format!("mtp-att-{heads}-{kv_heads}-{head_dim}-{}", std::process::id()));
+        spec.write(&dir).unwrap();
+        let prompts: Vec<Vec<u32>> = [600usize, 37, 530]
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.below(spec.vocab_size) as u32).collect())
+            .collect();
+        let cpu = Model::load_with(&dir, Backend::Cpu, KvDtype::F32).unwrap();
+        let want: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_then_decode(&cpu, p)).collect();
+        let shape = format!("{heads} heads, {kv_heads} KV heads, head size {head_dim}");
+        for (kv, tolerance) in [(KvDtype::F32, 1e-4), (KvDtype::Bf16, 2e-2)] {
+            let model = Model::load_with(&dir, Backend::Cuda, kv).unwrap();
+            for (p, want) in prompts.iter().zip(&want) {
+                let got = prefill_then_decode(&model, p);
+                let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
+                let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                println!(
+                    "{shape}, {kv:?} K/V, {} keys: within {worst:e} of the CPU (scale {scale})",
+                    p.len()
+                );
+                assert!(
+                    worst <= tolerance * scale,
+                    "{shape}, {kv:?} K/V, {} keys: off the CPU by {worst}",
+                    p.len()
+                );
+            }
+            if kv == KvDtype::Bf16 {
+                let (ours, control) =
+                    with_split_attention_control(|| alone_batched_decoded(&model, &prompts));
+                assert_eq!(ours, (true, true), "{shape}: (alone == batched, decode == prefill)");
+                assert_eq!(control, (false, false), "{shape}: batch-sized splits went unseen");
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
 
 /// Running out of device memory for K/V is an error naming the bytes, never a crash, and
