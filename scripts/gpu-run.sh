@@ -2,7 +2,10 @@
 # On the GPU machine, from the repository root (no Rust or network there): unpacks the
 # binaries `scripts/gpu-build.sh` packed, then
 #   tests: every GPU test with MTP_TEST_BACKEND=cuda (golden, parity gate, invariance,
-#          rollback, engine, kernel negative controls, prefix cache, the server);
+#          rollback, engine, kernel negative controls, prefix cache, the server); with
+#          GPU_TESTS set, those suites only: the ten no longer fit one call's 64 MiB, so
+#          build and run two halves, GPU_TESTS="gpu_invariance parity golden
+#          model_invariance rollback" and "engine prefix_cache server quantized gemma4";
 #   bench: the matmul against torch.matmul, and on synthesized Qwen3-0.6B / Qwen3-8B
 #          shapes (bf16, random weights) B=1 decode of transformers eager beside mtp-bench
 #          (plain, oracle:1.0 and oracle:0.7 at k=4 and adaptive k, batch 1 and 8);
@@ -24,7 +27,7 @@
 #          and the attention launches' GPU time under ncu) beside PyTorch's
 #          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
 #   kernels: every tensor-core matmul kernel (passes, tiles, phase splits) timed at M = 1 to
-#          512 on the three 8B shapes, the host's pick marked (a `tests` bundle suffices).
+#          512 on the three 8B shapes, the host's pick marked (an `ab` or `all` bundle).
 #   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B and 8B shapes, B=1 plain decode's wall time per token beside the GPU
@@ -68,7 +71,8 @@ PY
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
     : > "$log"
-    for t in golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4; do
+    # GPU_TESTS picks suites (a bundle split in two to fit the 64 MiB a call carries).
+    for t in ${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4}; do
         echo "== $t" >> "$log"
         start=$(date +%s)
         (cd /work/main && MTP_TEST_BACKEND=cuda "$bin/test-$t" --test-threads=1 --nocapture) >> "$log" 2>&1
@@ -217,7 +221,7 @@ fi
 
 if [ "$what" = profile-matmul ]; then
     # One launch of the matmul on the 12288 x 4096 shape at M = 1, 8, 40, 512 under Nsight
-    # Compute's throughput, memory, occupancy and stall sections (a `tests` bundle suffices).
+    # Compute's throughput, memory, occupancy and stall sections (an `ab` or `all` bundle).
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     for m in 1 8 40 512; do
         "$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
