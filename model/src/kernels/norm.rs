@@ -178,7 +178,11 @@ mod tests {
             for threads in [1, 3, 8] {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                 let (m, lse) = pool.install(|| log_softmax_parts(&logits));
-                assert_eq!((m.to_bits(), lse.to_bits()), (max.to_bits(), want.to_bits()), "n {n}, {threads} threads");
+                assert_eq!(
+                    (m.to_bits(), lse.to_bits()),
+                    (max.to_bits(), want.to_bits()),
+                    "n {n}, {threads} threads"
+                );
             }
             control_differs |= canonical_sum(&exps).ln().to_bits() != want.to_bits();
         }
