@@ -53,13 +53,10 @@ fn main() -> anyhow::Result<()> {
     println!("| N x K | M | kernel | ms (median of {reps}) | weight GB/s |");
     println!("| --- | --- | --- | --- | --- |");
     for (n, k) in shapes {
-        let bytes: Vec<u8> = (0..n * k)
-            .flat_map(|i| half::bf16::from_f32(((i % 97) as f32 - 48.0) * 1e-3).to_le_bytes())
-            .collect();
-        let weight = Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k);
+        let weight = bf16_weight(n, k);
         let copies = (0..4).map(|_| cuda.matrix(&weight)).collect::<Result<Vec<_>, _>>()?;
         for &m in &ms {
-            let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
+            let x = cuda.upload(&activations(m, k))?;
             let mut out = cuda.alloc(m * n)?;
             let picked = TcKernel::for_shape(m, n);
             let kernels = if every_kernel { TcKernel::ALL.to_vec() } else { vec![picked] };
@@ -74,8 +71,7 @@ fn main() -> anyhow::Result<()> {
                         times.push(t0.elapsed().as_secs_f64());
                     }
                 }
-                times.sort_by(|a, b| a.total_cmp(b));
-                let t = times[times.len() / 2];
+                let t = median(&mut times);
                 let mark = if kernel == picked && every_kernel { " (picked)" } else { "" };
                 println!(
                     "| {n} x {k} | {m} | {kernel:?}{mark} | {:.3} | {:.0} |",
@@ -96,6 +92,16 @@ fn bf16_weight(n: usize, k: usize) -> Weight {
     Weight::from_le_bytes(bytes, WeightDtype::Bf16, n, k)
 }
 
+/// `m x k` activations with small varied values.
+fn activations(m: usize, k: usize) -> Vec<f32> {
+    (0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
 /// The 8B layer's projections over one input: a launch each, then one `linear_parts`
 /// launch, alternated in every repetition (each on another of 4 weight copies).
 fn stacked(cuda: &Cuda, reps: usize) -> anyhow::Result<()> {
@@ -108,7 +114,7 @@ fn stacked(cuda: &Cuda, reps: usize) -> anyhow::Result<()> {
             .map(|_| weights.iter().map(|w| cuda.matrix(w)).collect::<Result<Vec<_>, _>>())
             .collect::<Result<Vec<_>, _>>()?;
         for m in [1usize, 8] {
-            let x = cuda.upload(&(0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect::<Vec<_>>())?;
+            let x = cuda.upload(&activations(m, k))?;
             let mut outs = widths.iter().map(|&n| cuda.alloc(m * n)).collect::<Result<Vec<_>, _>>()?;
             let (mut apart, mut together) = (Vec::new(), Vec::new());
             for rep in 0..reps + 3 {
@@ -129,10 +135,6 @@ fn stacked(cuda: &Cuda, reps: usize) -> anyhow::Result<()> {
                     together.push(t1.elapsed().as_secs_f64());
                 }
             }
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(|a, b| a.total_cmp(b));
-                v[v.len() / 2]
-            };
             let (a, t) = (median(&mut apart), median(&mut together));
             println!("| {name} | {m} | {:.3} | {:.3} | {:.2}x |", a * 1e3, t * 1e3, a / t);
         }

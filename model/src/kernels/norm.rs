@@ -70,20 +70,16 @@ fn canonical_sum_of(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 }
 
 /// Logits normalised a block at a time: each block's exponentials in the canonical 16-lane
-/// order, the blocks' sums added in block order. Blocks run in parallel (a 151,936-entry
-/// row's exponentials take ~0.25 ms on one core, on every decode step's critical path);
-/// the order, so the bits, depend on the row's length alone. Rows of one block are the
-/// plain `canonical_sum`.
+/// order, the blocks' sums added in block order (`0 + s` is `s`: a row of one block is the
+/// plain `canonical_sum`). Blocks run in parallel (a 151,936-entry row's exponentials take
+/// ~0.25 ms on one core, on every decode step's critical path); the order, so the bits,
+/// depend on the row's length alone.
 const SOFTMAX_BLOCK: usize = 16_384;
 
 /// Natural-log softmax normaliser of a logit row: returns `(max, ln(sum(exp(x - max))))`,
 /// so `logprob(t) = (x[t] - max) - lse` (the sum per [`SOFTMAX_BLOCK`]).
 pub fn log_softmax_parts(logits: &[f32]) -> (f32, f32) {
     use rayon::prelude::*;
-    if logits.len() <= SOFTMAX_BLOCK {
-        let max = max_of(logits);
-        return (max, canonical_sum_of(logits, |v| (v - max).exp()).ln());
-    }
     // max is exact in any order; the sums are added in block order.
     let max = logits.par_chunks(SOFTMAX_BLOCK).map(max_of).reduce(|| f32::NEG_INFINITY, f32::max);
     let sums: Vec<f32> =

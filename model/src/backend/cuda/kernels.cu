@@ -710,14 +710,12 @@ struct KvIo;
 template <>
 struct KvIo<float> {
     __device__ static float get(const float* p, long long i) { return p[i]; }
-    __device__ static float wide(float v) { return v; }
     __device__ static void get8(const float* p, long long i, float* o) { F32W{p}.get8(i, o); }
     __device__ static void put(float* p, long long i, float v) { p[i] = v; }
 };
 template <>
 struct KvIo<u16> {
     __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
-    __device__ static float wide(u16 v) { return bf16_to_f32(v); }
     __device__ static void get8(const u16* p, long long i, float* o) { widen8<bf16_to_f32>(p, i, o); }
     __device__ static void put(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 };

@@ -715,11 +715,8 @@ impl Kernels for Cuda {
             p.first_block[i] = blocks as i32;
             blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
         }
-        let pass = match TcKernel::for_shape(m, k) {
-            TcKernel::Pass8 => 0,
-            TcKernel::Pass16 => 1,
-            _ => 2,
-        };
+        // Pass8, Pass16 or Pass32 at m <= 32: the order of `linear_tc_parts`.
+        let pass = TcKernel::for_shape(m, parts[0].0.rows) as usize;
         let (xp, mi, ki) = (ptr(x, s), m as i32, k as i32);
         launch!(
             self,
