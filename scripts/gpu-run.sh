@@ -18,7 +18,7 @@
 #          built from REV, mtp-bench and gpu_matmul from the tree): the matmul of each beside
 #          torch.matmul, then mtp-bench alternated twice on the Qwen3-0.6B and Qwen3-8B
 #          shapes: plain and oracle:1.0 k=4 decode at batch 1 and 8 (the tree's also with
-#          --no-cuda-graphs).
+#          AB_FLAGS, by default --no-cuda-graphs).
 #   oracle: the speculative goals at partial acceptance on the Qwen3-8B shape: oracle:0.7 and
 #          oracle:0.8, k=4, batch 1 and 8, beside plain (a `cli` bundle suffices).
 #   long:  the prefill and long-context goals (a `cli` bundle suffices): mtp's prefill of a
@@ -30,8 +30,8 @@
 #          512 on the three 8B shapes, the host's pick marked (an `ab` or `all` bundle).
 #   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
-#   profile: on the Qwen3-0.6B and 8B shapes, B=1 plain decode's wall time per token beside the GPU
-#          time of each forward's kernels (ncu, one metric), split by kernel.
+#   profile: on the Qwen3-0.6B and 8B shapes, B=1 (and 8B B=8) plain decode's wall time per
+#          token beside the GPU time of each forward's kernels (ncu, one metric), by kernel.
 # Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
@@ -124,10 +124,11 @@ if [ "$what" = ab ]; then
         like=qwen3; [ $shape = 8b ] && like=qwen3-8b
         "$bin/mtp" synth --like $like --out $dir > /dev/null
         for round in 1 2; do
-            # base, new, and new launching every kernel from the host (no CUDA graphs).
+            # base, new, and new with AB_FLAGS (default: every kernel launched from the
+            # host, no CUDA graphs).
             for v in base new eager; do
                 b="$bin/mtp-bench"; [ $v = base ] && b="$bin/mtp-bench-base"
-                flags=(); [ $v = eager ] && flags=(--no-cuda-graphs)
+                flags=(); [ $v = eager ] && read -r -a flags <<< "${AB_FLAGS:---no-cuda-graphs}"
                 echo "== qwen3-$shape $v (round $round)" | tee -a "$alog"
                 "$b" --target $dir --backend cuda --drafters oracle:1.0 --k 4 --batch 1,8 --temperatures 0 \
                     --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
@@ -235,14 +236,16 @@ if [ "$what" = profile-matmul ]; then
 fi
 
 if [ "$what" = profile ]; then
-    # like=launches for 8 forwards of that shape (the ncu launch cap)
-    for shape in qwen3=2800 qwen3-8b=3600; do
-        like=${shape%=*}; launches=${shape#*=}
+    # like=launches (the ncu cap: 8 forwards at B=1, ~16 at B=8, prefills among them)=rows decoded together
+    for shape in qwen3=2800=1 qwen3-8b=3600=1 qwen3-8b=7200=8; do
+        like=${shape%%=*}; rest=${shape#*=}; launches=${rest%=*}; batch=${rest#*=}
         dir=/tmp/profile-$like
-        "$bin/mtp" synth --like $like --out $dir > /dev/null
-        echo "== $like" | tee -a "$OUT/profile.log"
-        python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': list(range(3, 35))}))" > /tmp/p.jsonl
-        gen=("$bin/mtp" generate --target $dir --backend cuda --drafter none --max-batch 1 --prompts /tmp/p.jsonl --ignore-eos)
+        [ -d $dir ] || "$bin/mtp" synth --like $like --out $dir > /dev/null
+        echo "== $like B=$batch" | tee -a "$OUT/profile.log"
+        python3 -c "
+import json
+for r in range($batch): print(json.dumps({'id': f'p{r}', 'prompt_ids': list(range(3 + r, 35 + r))}))" > /tmp/p.jsonl
+        gen=("$bin/mtp" generate --target $dir --backend cuda --drafter none --max-batch $batch --prompts /tmp/p.jsonl --ignore-eos)
         "${gen[@]}" --max-tokens 200 2>&1 >/dev/null | grep -E "tokens_per_second" | tee -a "$OUT/profile.log"
         ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
         # Real clocks and warm caches: each kernel's time as in a run (not ncu's flushed-cache
@@ -274,8 +277,8 @@ for k, v in agg.most_common(12):
     if k != "#launches":
         print(f"  {k}: {v / len(decode) / 1e3:.1f} us ({count[k] / len(forwards):.0f} launches a forward)")
 PY
-        rm -rf $dir
     done
+    rm -rf /tmp/profile-*
 fi
 
 if [[ "$what" == gemma4-* ]]; then

@@ -249,7 +249,8 @@ impl<B: Kernels> MtpNet for MtpBlock<B> {
         be.linear(&cat, m, &self.proj, None, &mut x, Out::Write)?;
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
         let batch = be.batch(&slots, &tokens, &mut caches)?;
-        self.block.forward(be, c, &self.rope, &mut x, m, &batch, &mut caches, 0)?;
+        let mut scratch = self.block.scratch(be, c, m)?;
+        self.block.forward(be, c, &self.rope, &mut x, m, &batch, &mut caches, 0, &mut scratch)?;
         drop(caches);
         // Each row's last pair predicts its next token.
         let mut last = Vec::with_capacity(rows.len());

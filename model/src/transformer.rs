@@ -60,6 +60,20 @@ impl<B: Kernels> Proj<B> {
     }
 }
 
+/// A layer's intermediate activations for `m` tokens, allocated once a forward and reused
+/// by every layer (each is written whole before it is read): no allocation between two
+/// layers' kernels, so on the GPU each kernel directly follows the one before it (a
+/// programmatic launch starts early only after a kernel, not after an allocation).
+pub(crate) struct Scratch<B: Kernels> {
+    normed: B::Act,
+    q: B::Act,
+    k: B::Act,
+    v: B::Act,
+    attn: B::Act,
+    gate: B::Act,
+    up: B::Act,
+}
+
 /// One decoder layer: attention and SwiGLU MLP, each pre-normed with a residual add.
 pub(crate) struct Block<B: Kernels> {
     input_norm: B::Vec,
@@ -100,8 +114,22 @@ impl<B: Kernels> Block<B> {
         })
     }
 
+    /// Activations for this layer (and every layer of its shape) over `m` tokens.
+    pub(crate) fn scratch(&self, be: &B, c: &Config, m: usize) -> Result<Scratch<B>> {
+        Ok(Scratch {
+            normed: be.alloc(m * c.hidden_size)?,
+            q: be.alloc(m * self.q.out)?,
+            k: be.alloc(m * self.k.out)?,
+            v: be.alloc(m * self.v.out)?,
+            attn: be.alloc(m * c.num_attention_heads * c.head_dim)?,
+            gate: be.alloc(m * self.gate.out)?,
+            up: be.alloc(m * self.up.out)?,
+        })
+    }
+
     /// Runs the layer over `x` (`m` tokens of `hidden_size`), writing each row's new K/V
-    /// into layer `li` of its cache window and attending over its own logical prefix.
+    /// into layer `li` of its cache window and attending over its own logical prefix;
+    /// `s` from [`Block::scratch`] for `m` tokens.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
@@ -113,27 +141,32 @@ impl<B: Kernels> Block<B> {
         batch: &B::Batch,
         caches: &mut [&mut RowCache],
         li: usize,
+        s: &mut Scratch<B>,
     ) -> Result<()> {
         let h = c.hidden_size;
         let heads =
             Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
-        let mut normed = be.alloc(m * h)?;
-        be.rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        let (mut q, mut k, mut v) =
-            (be.alloc(m * self.q.out)?, be.alloc(m * self.k.out)?, be.alloc(m * self.v.out)?);
+        be.rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut s.normed, h, 0)?;
         let qkv = [self.q.part(), self.k.part(), self.v.part()];
-        be.linear_parts(&normed, m, &qkv, &mut [&mut q, &mut k, &mut v])?;
+        be.linear_parts(&s.normed, m, &qkv, &mut [&mut s.q, &mut s.k, &mut s.v])?;
         let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, c.rms_norm_eps));
-        be.qk_rope_store(&mut q, Some((&mut k, &v)), norms, rope, batch, caches, Plane::Main(li), heads)?;
-        let mut attn = be.alloc(m * heads.heads * heads.head_dim)?;
+        be.qk_rope_store(
+            &mut s.q,
+            Some((&mut s.k, &s.v)),
+            norms,
+            rope,
+            batch,
+            caches,
+            Plane::Main(li),
+            heads,
+        )?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        be.attention(&q, batch, caches, Plane::Main(li), heads, scale, None, &mut attn)?;
-        self.o.add_to(be, &attn, m, x)?;
-        be.rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut normed, h, 0)?;
-        let (mut g, mut u) = (be.alloc(m * self.gate.out)?, be.alloc(m * self.up.out)?);
-        be.linear_parts(&normed, m, &[self.gate.part(), self.up.part()], &mut [&mut g, &mut u])?;
-        be.swiglu(&mut g, &u)?;
-        self.down.add_to(be, &g, m, x)
+        be.attention(&s.q, batch, caches, Plane::Main(li), heads, scale, None, &mut s.attn)?;
+        self.o.add_to(be, &s.attn, m, x)?;
+        be.rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut s.normed, h, 0)?;
+        be.linear_parts(&s.normed, m, &[self.gate.part(), self.up.part()], &mut [&mut s.gate, &mut s.up])?;
+        be.swiglu(&mut s.gate, &s.up)?;
+        self.down.add_to(be, &s.gate, m, x)
     }
 }
 
@@ -283,9 +316,13 @@ impl<B: Kernels> Decoder<B> {
         // The embedding, the layers and the final norm, into `normed`.
         let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
             let mut x = be.alloc(m * h)?;
+            // Every layer has the first's shape.
+            let mut scratch = self.layers.first().map(|l| l.scratch(be, c, m)).transpose()?;
             be.embed_batch(&self.embed, batch, &mut x)?;
             for (li, layer) in self.layers.iter().enumerate() {
-                layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li)?;
+                if let Some(s) = scratch.as_mut() {
+                    layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li, s)?;
+                }
             }
             be.rms_norm(&x, &self.norm, c.rms_norm_eps, normed, h, 0)
         };
@@ -327,7 +364,10 @@ fn wanted_tokens(rows: &[RowInput]) -> Vec<usize> {
 /// Each row's outputs from the wanted tokens' `logits` (`vocab` wide, in order) and every
 /// token's final-normed `hidden` state (`h` wide).
 fn row_outputs(rows: &[RowInput], logits: &[f32], hidden: &[f32], vocab: usize, h: usize) -> Vec<RowOutput> {
-    let mut logit_rows = logits.chunks(vocab).map(|l| l.to_vec());
+    use rayon::prelude::*;
+    // Copied on the host's threads: a verify's logits are tens of MB.
+    let logit_rows: Vec<Vec<f32>> = logits.par_chunks(vocab.max(1)).map(|l| l.to_vec()).collect();
+    let mut logit_rows = logit_rows.into_iter();
     let mut outs = Vec::with_capacity(rows.len());
     let mut off = 0;
     for row in rows.iter() {

@@ -113,7 +113,7 @@ impl CudaGraphs {
                 cuda.refresh_tables(&mut r.batch, &batch)?;
             }
             r.graph.launch().map_err(driver("graph replay"))?;
-            return cuda.to_host(&r.outs);
+            return cuda.outputs_to_host(&r.outs);
         }
         if rec.refused.contains(&shape) {
             drop(guard);
@@ -149,7 +149,7 @@ impl CudaGraphs {
             started.elapsed().as_micros(),
             rec.replayed
         );
-        let host = cuda.to_host(&outs);
+        let host = cuda.outputs_to_host(&outs);
         if rec.graphs.len() >= MOST_RECORDINGS {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
             if let Some(s) = oldest {
@@ -190,8 +190,8 @@ impl Cuda {
     }
 
     /// A recording's outputs, in host memory.
-    fn to_host(&self, outs: &[CudaSlice<f32>]) -> Result<Vec<Vec<f32>>> {
-        outs.iter().map(|o| self.stream.clone_dtoh(o).map_err(driver("download"))).collect()
+    fn outputs_to_host(&self, outs: &[CudaSlice<f32>]) -> Result<Vec<Vec<f32>>> {
+        outs.iter().map(|o| self.to_host(o)).collect()
     }
 
     /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape),

@@ -193,6 +193,9 @@ pub struct Cuda {
     device: String,
     /// cuBLAS, loaded only for the negative control.
     blas: OnceLock<std::result::Result<cudarc::cublas::CudaBlas, String>>,
+    /// Page-locked host memory every download lands in first ([`Cuda::to_host`]), grown to
+    /// the largest download so far.
+    staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
 
 // SAFETY: the cuBLAS handle is used only from the thread running a forward, behind &self,
@@ -296,7 +299,41 @@ impl Cuda {
         };
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
-        Ok(Cuda { stream, f, device, blas: OnceLock::new() })
+        Ok(Cuda { stream, f, device, blas: OnceLock::new(), staging: std::sync::Mutex::new(None) })
+    }
+
+    /// `x` in host memory: copied into page-locked staging memory (a pageable destination
+    /// makes the driver stage it in small pieces, at a fraction of the link's speed), then
+    /// out into a new vector on the host's threads. Waits for the stream.
+    fn to_host(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        use rayon::prelude::*;
+        const PIECE: usize = 1 << 16;
+        let n = x.len();
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if staging.as_ref().is_none_or(|b| b.len() < n) {
+            *staging = None; // the old buffer goes before a larger one comes
+                             // SAFETY: every element read below is written by the copy before it.
+            let buf = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1), 0) };
+            *staging = Some(buf.map_err(driver("page-locked host memory for downloads"))?);
+        }
+        let Some(buf) = staging.as_mut() else {
+            return Err(Error::Backend("CUDA download: no staging buffer".into()));
+        };
+        // Event tracking is off (one stream), so the buffer's own event says nothing: the
+        // copy takes exactly n elements and the stream is waited for by hand.
+        let host = &mut buf.as_mut_slice().map_err(driver("download"))?[..n];
+        self.stream.memcpy_dtoh(x, host).map_err(driver("download"))?;
+        self.stream.synchronize().map_err(driver("download"))?;
+        let host = &*host;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        out.spare_capacity_mut()[..n].par_chunks_mut(PIECE).zip(host.par_chunks(PIECE)).for_each(|(d, s)| {
+            d.iter_mut().zip(s).for_each(|(d, &v)| {
+                d.write(v);
+            })
+        });
+        // SAFETY: the loop above wrote all n elements.
+        unsafe { out.set_len(n) };
+        Ok(out)
     }
 
     /// The GPU's name, as the driver reports it.
@@ -567,7 +604,7 @@ impl Kernels for Cuda {
     }
 
     fn download(&self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
-        self.stream.clone_dtoh(&x).map_err(driver("download"))
+        self.to_host(&x)
     }
 
     fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
