@@ -311,8 +311,9 @@ impl Cuda {
         let n = x.len();
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         if staging.as_ref().is_none_or(|b| b.len() < n) {
-            *staging = None; // the old buffer goes before a larger one comes
-                             // SAFETY: every element read below is written by the copy before it.
+            // The old buffer goes before a larger one comes.
+            *staging = None;
+            // SAFETY: every element read below is written by the copy before it.
             let buf = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1), 0) };
             *staging = Some(buf.map_err(driver("page-locked host memory for downloads"))?);
         }
