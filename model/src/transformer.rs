@@ -145,27 +145,19 @@ impl<B: Kernels> Block<B> {
         let h = c.hidden_size;
         let heads =
             Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
-        be.rms_norm(x, &self.input_norm, c.rms_norm_eps, &mut s.normed, h, 0)?;
+        let Scratch { normed, q, k, v, attn, gate, up } = s;
+        be.rms_norm(x, &self.input_norm, c.rms_norm_eps, normed, h, 0)?;
         let qkv = [self.q.part(), self.k.part(), self.v.part()];
-        be.linear_parts(&s.normed, m, &qkv, &mut [&mut s.q, &mut s.k, &mut s.v])?;
+        be.linear_parts(normed, m, &qkv, &mut [q, k, v])?;
         let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, c.rms_norm_eps));
-        be.qk_rope_store(
-            &mut s.q,
-            Some((&mut s.k, &s.v)),
-            norms,
-            rope,
-            batch,
-            caches,
-            Plane::Main(li),
-            heads,
-        )?;
+        be.qk_rope_store(q, Some((k, v)), norms, rope, batch, caches, Plane::Main(li), heads)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        be.attention(&s.q, batch, caches, Plane::Main(li), heads, scale, None, &mut s.attn)?;
-        self.o.add_to(be, &s.attn, m, x)?;
-        be.rms_norm(x, &self.post_norm, c.rms_norm_eps, &mut s.normed, h, 0)?;
-        be.linear_parts(&s.normed, m, &[self.gate.part(), self.up.part()], &mut [&mut s.gate, &mut s.up])?;
-        be.swiglu(&mut s.gate, &s.up)?;
-        self.down.add_to(be, &s.gate, m, x)
+        be.attention(q, batch, caches, Plane::Main(li), heads, scale, None, attn)?;
+        self.o.add_to(be, attn, m, x)?;
+        be.rms_norm(x, &self.post_norm, c.rms_norm_eps, normed, h, 0)?;
+        be.linear_parts(normed, m, &[self.gate.part(), self.up.part()], &mut [gate, up])?;
+        be.swiglu(gate, up)?;
+        self.down.add_to(be, gate, m, x)
     }
 }
 
@@ -315,12 +307,12 @@ impl<B: Kernels> Decoder<B> {
         // The embedding, the layers and the final norm, into `normed`.
         let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
             let mut x = be.alloc(m * h)?;
-            // Every layer has the first's shape.
-            let mut scratch = self.layers.first().map(|l| l.scratch(be, c, m)).transpose()?;
             be.embed_batch(&self.embed, batch, &mut x)?;
-            for (li, layer) in self.layers.iter().enumerate() {
-                if let Some(s) = scratch.as_mut() {
-                    layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li, s)?;
+            if let Some(first) = self.layers.first() {
+                // Every layer has the first's shape.
+                let mut s = first.scratch(be, c, m)?;
+                for (li, layer) in self.layers.iter().enumerate() {
+                    layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li, &mut s)?;
                 }
             }
             be.rms_norm(&x, &self.norm, c.rms_norm_eps, normed, h, 0)

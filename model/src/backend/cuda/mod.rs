@@ -310,15 +310,15 @@ impl Cuda {
         const PIECE: usize = 1 << 16;
         let n = x.len();
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        if staging.as_ref().is_none_or(|b| b.len() < n) {
-            // The old buffer goes before a larger one comes.
-            *staging = None;
-            // SAFETY: every element read below is written by the copy before it.
-            let buf = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1), 0) };
-            *staging = Some(buf.map_err(driver("page-locked host memory for downloads"))?);
-        }
-        let Some(buf) = staging.as_mut() else {
-            return Err(Error::Backend("CUDA download: no staging buffer".into()));
+        let buf = match &mut *staging {
+            Some(buf) if buf.len() >= n => buf,
+            slot => {
+                // The old buffer goes before a larger one comes.
+                *slot = None;
+                // SAFETY: every element read below is written by the copy before it.
+                let buf = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1), 0) };
+                slot.insert(buf.map_err(driver("page-locked host memory for downloads"))?)
+            }
         };
         // Event tracking is off (one stream), so the buffer's own event says nothing: the
         // copy takes exactly n elements and the stream is waited for by hand.
