@@ -162,7 +162,7 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     let model = Model::load(dir)?;
     let prompt: Vec<u32> = (0..64u32).map(|i| 100 + i * 37).collect();
     let mut base = model.new_cache();
-    mtp::engine::prefill(&model, &mut base, &prompt, 64, false)?;
+    mtp::engine::prefill(&model, &mut base, &prompt, 64, false, true)?;
     println!("\n## Steps, B=1, 64 cached positions ({} threads)\n", rayon::current_num_threads());
     println!("| step | ms (median of {reps}) | per token vs decode |\n|---|---|---|");
     let time = |f: &mut dyn FnMut()| {
@@ -179,7 +179,7 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     };
     let decode = time(&mut || {
         let mut c = base.try_clone().unwrap();
-        let mut rows = [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last }];
+        let mut rows = [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last, full_logits: true }];
         model.forward(&mut rows).unwrap();
     });
     println!("| decode (1 token) | {:.1} | 1.00 |", decode * 1e3);
@@ -216,11 +216,13 @@ fn decode(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     let model = Model::load(dir)?;
     let ours = || {
         let mut cache = model.new_cache();
-        let (l, _) = mtp::engine::prefill(&model, &mut cache, &prompt, 64, false).unwrap();
+        let mtp::engine::Prefilled { logits: l, .. } =
+            mtp::engine::prefill(&model, &mut cache, &prompt, 64, false, true).unwrap();
         let mut t = mtp::model::kernels::argmax(&l);
         let start = Instant::now();
         for _ in 0..steps {
-            let mut rows = [RowInput { tokens: &[t], cache: &mut cache, logits: Logits::Last }];
+            let mut rows =
+                [RowInput { tokens: &[t], cache: &mut cache, logits: Logits::Last, full_logits: true }];
             let out = model.forward(&mut rows).unwrap();
             cache.commit_window(1);
             t = mtp::model::kernels::argmax(&out[0].logits[0]);

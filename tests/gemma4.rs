@@ -45,7 +45,8 @@ fn prefill_logits_match_transformers() {
             g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap())
         {
             let mut cache = model.new_cache();
-            let (got, _) = prefill(&model, &mut cache, &ids(p), 5, false).unwrap();
+            let mtp::engine::Prefilled { logits: got, .. } =
+                prefill(&model, &mut cache, &ids(p), 5, false, true).unwrap();
             let want: Vec<f32> =
                 want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
             let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
@@ -118,7 +119,8 @@ fn assistant_drafts_match_transformers_rounds() {
                 };
                 let e = (seq.len() - 1).min(s + l - 1);
                 let mut cache = target.new_cache();
-                let (_, hidden) = prefill(&target, &mut cache, &seq[..e + 1], 7, true).unwrap();
+                let mtp::engine::Prefilled { hidden, .. } =
+                    prefill(&target, &mut cache, &seq[..e + 1], 7, true, true).unwrap();
                 let hb = assistant.backbone_hidden();
                 let at = if prev.is_none() { 0 } else { l - 2 };
                 let mut hid = hidden[at * hb..(at + 1) * hb].to_vec();
@@ -302,9 +304,9 @@ fn gemma4_ring_bytes_equal_plain_decoding() {
         let seq: Vec<u32> = r.prompt.iter().chain(&reference.tokens).copied().collect();
         // One token at a time vs chunks of 5: the same bytes.
         let mut a = model.new_cache();
-        prefill(&model, &mut a, &seq, 1, false).unwrap();
+        prefill(&model, &mut a, &seq, 1, false, true).unwrap();
         let mut b = model.new_cache();
-        prefill(&model, &mut b, &seq, 5, false).unwrap();
+        prefill(&model, &mut b, &seq, 5, false, true).unwrap();
         for l in 0..a.ring_layers() {
             assert_eq!(a.ring_bytes(l).unwrap(), b.ring_bytes(l).unwrap(), "ring layer {l}");
         }
@@ -366,8 +368,8 @@ fn conditional_generation_checkpoint_loads_its_text_part() {
     let (a, b) = (common::load(&src), common::load(&dir));
     let prompt = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49];
     let (mut ca, mut cb) = (a.new_cache(), b.new_cache());
-    let (la, _) = prefill(&a, &mut ca, &prompt, 4, false).unwrap();
-    let (lb, _) = prefill(&b, &mut cb, &prompt, 4, false).unwrap();
+    let mtp::engine::Prefilled { logits: la, .. } = prefill(&a, &mut ca, &prompt, 4, false, true).unwrap();
+    let mtp::engine::Prefilled { logits: lb, .. } = prefill(&b, &mut cb, &prompt, 4, false, true).unwrap();
     assert_eq!(common::bits(&la), common::bits(&lb));
     assert_eq!(b.config.eos_token_ids, vec![1]);
     std::fs::remove_dir_all(&dir).ok();

@@ -61,7 +61,8 @@ fn check_prefill_logits(dir: &Path, kv: KvDtype) {
     assert!(!wants.is_empty());
     for (p, want) in g["prompts"].as_array().unwrap().iter().zip(wants) {
         let mut cache = model.new_cache();
-        let (got, _) = prefill(&model, &mut cache, &ids(p), 4, false).unwrap();
+        let mtp::engine::Prefilled { logits: got, .. } =
+            prefill(&model, &mut cache, &ids(p), 4, false, true).unwrap();
         let want: Vec<f32> = want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
         assert_eq!(got.len(), want.len());
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
@@ -131,7 +132,8 @@ fn trained_mtp_head_drafts_match_the_training_code() {
     for (i, p) in g["prompts"].as_array().unwrap().iter().enumerate() {
         let prompt = ids(p);
         let mut cache = model.new_cache();
-        let (logits, hidden) = prefill(&model, &mut cache, &prompt, 16, true).unwrap();
+        let mtp::engine::Prefilled { logits, hidden, .. } =
+            prefill(&model, &mut cache, &prompt, 16, true, true).unwrap();
         let next = argmax(&logits);
         if trusted_steps(&g["margins"][i], tolerance(&model)) == 0 {
             continue;

@@ -156,10 +156,10 @@ fn alone_batched_decoded(model: &Model, prompts: &[Vec<u32>]) -> (bool, bool) {
 fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let (head, last) = prompt.split_at(prompt.len() - 1);
     let mut cache = model.new_cache();
-    let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last }];
+    let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last, full_logits: true }];
     model.forward(&mut rows).unwrap();
     cache.commit_window(head.len());
-    let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last }];
+    let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last, full_logits: true }];
     model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
 }
 
@@ -237,6 +237,67 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
     }
 }
 
+/// The GPU's logit summaries: each row's argmax and max are the host's exactly (ties to the
+/// lowest id, NaN never wins, 0 when nothing beats -inf), its ln-sum-exp within 1e-6 of the
+/// host's, and a row's summary bits are the same alone as among 40 rows. Control: the host's
+/// ln-sum-exp, summed in another order, must differ from the GPU's in some row's bits (so
+/// the bit comparison can see an order change).
+#[test]
+fn logit_summaries_match_the_host_and_do_not_depend_on_the_batch() {
+    use mtp::model::LogitSummary;
+    let cuda = Cuda::shared().unwrap();
+    let mut rng = Lcg(17);
+    let summaries = |x: &[f32], rows: usize, vocab: usize| -> Vec<[u32; 3]> {
+        let logits = cuda.upload(x).unwrap();
+        let mut out = cuda.alloc(3 * rows).unwrap();
+        cuda.logit_summaries(&logits, rows, vocab, &mut out).unwrap();
+        cuda.download(out).unwrap().chunks(3).map(|v| [v[0] as u32, v[1].to_bits(), v[2].to_bits()]).collect()
+    };
+    let mut lse_differs = false;
+    for vocab in [151_936usize, 1000, 7] {
+        let mut rows: Vec<Vec<f32>> =
+            (0..40).map(|_| rng.vec(vocab).iter().map(|v| v * 8.0).collect()).collect();
+        let top = rows[1].iter().copied().fold(f32::NEG_INFINITY, f32::max) + 1.0;
+        rows[1][vocab / 2] = top; // a tie: the lower id wins
+        rows[1][vocab - 1] = top;
+        rows[2][0] = f32::NAN; // NaN never wins
+        rows[3].iter_mut().for_each(|v| *v = f32::NEG_INFINITY); // nothing beats -inf: id 0
+        rows[4][vocab - 1] = top; // the last id
+        let flat: Vec<f32> = rows.concat();
+        let batched = summaries(&flat, rows.len(), vocab);
+        for (r, row) in rows.iter().enumerate() {
+            let host = LogitSummary::of(row);
+            let [argmax, max, lse] = batched[r];
+            let lse = f32::from_bits(lse);
+            assert_eq!(
+                (argmax, max),
+                (host.argmax, host.max.to_bits()),
+                "vocab {vocab}, row {r}: argmax, max"
+            );
+            if r == 2 || r == 3 {
+                // A NaN logit, or nothing above -inf: no distribution, on both.
+                assert!(
+                    lse.is_nan() && host.lse.is_nan(),
+                    "vocab {vocab}, row {r}: lse {lse} vs {}",
+                    host.lse
+                );
+                continue;
+            }
+            assert!(
+                (lse - host.lse).abs() <= 1e-6 * host.lse.abs().max(1.0),
+                "vocab {vocab}, row {r}: {lse} vs {}",
+                host.lse
+            );
+            lse_differs |= lse.to_bits() != host.lse.to_bits();
+            assert_eq!(summaries(row, 1, vocab)[0], batched[r], "vocab {vocab}, row {r}: alone vs among 40");
+        }
+    }
+    assert!(
+        lse_differs,
+        "the host's sums matched the GPU's bits in every row: the check cannot see an order"
+    );
+}
+
 /// Running out of device memory for K/V is an error naming the bytes, never a crash, and
 /// the cache stays usable.
 #[test]
@@ -245,7 +306,8 @@ fn device_out_of_memory_is_a_clear_error() {
     let mut cache = model.new_cache();
     let err = cache.try_reserve_window(0, 1 << 40).unwrap_err();
     assert!(err.to_string().contains("out of GPU memory"), "{err}");
-    let mut rows = [RowInput { tokens: &[5, 6, 7], cache: &mut cache, logits: Logits::Last }];
+    let mut rows =
+        [RowInput { tokens: &[5, 6, 7], cache: &mut cache, logits: Logits::Last, full_logits: true }];
     assert_eq!(model.forward(&mut rows).unwrap()[0].logits.len(), 1);
 }
 
@@ -273,7 +335,7 @@ fn decode_and_verify_bits(graphs: bool, stale: bool) -> Vec<Vec<u32>> {
     let mut next = Vec::new();
     for (cache, n) in caches.iter_mut().zip([20, 40, 530]) {
         let prompt: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
-        let mut rows = [RowInput { tokens: &prompt, cache, logits: Logits::Last }];
+        let mut rows = [RowInput { tokens: &prompt, cache, logits: Logits::Last, full_logits: true }];
         next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
         cache.commit_window(n);
     }
@@ -284,11 +346,12 @@ fn decode_and_verify_bits(graphs: bool, stale: bool) -> Vec<Vec<u32>> {
         let mut rows: Vec<RowInput> = caches[..rows_now]
             .iter_mut()
             .zip(&tokens)
-            .map(|(cache, t)| RowInput { tokens: t, cache, logits: Logits::Last })
+            .map(|(cache, t)| RowInput { tokens: t, cache, logits: Logits::Last, full_logits: true })
             .collect();
         for (r, out) in model.forward(&mut rows).unwrap().into_iter().enumerate() {
             next[r] = argmax(&out.logits[0]);
             seen.push(common::bits(&out.logits[0]));
+            seen.extend(out.summaries.iter().map(summary_bits));
         }
         caches[..rows_now].iter_mut().for_each(|c| c.commit_window(1));
     }
@@ -298,16 +361,21 @@ fn decode_and_verify_bits(graphs: bool, stale: bool) -> Vec<Vec<u32>> {
         let mut rows: Vec<RowInput> = caches
             .iter_mut()
             .zip(&blocks)
-            .map(|(cache, b)| RowInput { tokens: b, cache, logits: Logits::All })
+            .map(|(cache, b)| RowInput { tokens: b, cache, logits: Logits::All, full_logits: true })
             .collect();
         for out in model.forward(&mut rows).unwrap() {
             seen.extend(out.logits.iter().map(|l| common::bits(l)));
+            seen.extend(out.summaries.iter().map(summary_bits));
         }
         caches.iter_mut().for_each(|c| c.commit_window(2));
     }
     mtp::model::negative_control::set_stale_replay(false);
     Cuda::set_graphs(true);
     seen
+}
+
+fn summary_bits(s: &mtp::model::LogitSummary) -> Vec<u32> {
+    vec![s.argmax, s.max.to_bits(), s.lse.to_bits()]
 }
 
 fn argmax(logits: &[f32]) -> u32 {
@@ -321,7 +389,7 @@ fn argmax(logits: &[f32]) -> u32 {
 #[test]
 fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
     let eager = decode_and_verify_bits(false, false);
-    assert_eq!(eager.len(), 6 * 3 + 4 + 3 * 3 * 5);
+    assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * 5));
     assert!(decode_and_verify_bits(true, false) == eager, "a replayed forward changed some row's bits");
     assert!(decode_and_verify_bits(true, true) != eager, "replays with stale tables went unnoticed");
 }

@@ -130,7 +130,7 @@ fn sharded_checkpoints_load() {
     let sharded = Model::load(&dir).unwrap();
     let run = |m: &Model| {
         let mut c = m.new_cache();
-        mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8, false).unwrap().0
+        mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8, false, true).unwrap().logits
     };
     assert_eq!(common::bits(&run(&single)), common::bits(&run(&sharded)));
     std::fs::remove_dir_all(dir).ok();
@@ -329,6 +329,6 @@ fn engine_options_that_cannot_mean_anything_are_refused() {
         assert!(err.to_string().contains("at least 1"), "{err}");
     }
     let mut cache = model.new_cache();
-    let err = mtp::engine::prefill(&model, &mut cache, &[1, 2], 0, false).unwrap_err();
+    let err = mtp::engine::prefill(&model, &mut cache, &[1, 2], 0, false, true).unwrap_err();
     assert!(err.to_string().contains("at least 1"), "{err}");
 }

@@ -21,7 +21,8 @@ fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, 
             break;
         }
         let piece = &seq[at..(at + c).min(seq.len())];
-        let mut rows = [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All }];
+        let mut rows =
+            [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All, full_logits: true }];
         let out = model.forward(&mut rows).unwrap();
         cache.commit_window(piece.len());
         logits.extend(out[0].logits.iter().map(|l| bits(l)));
@@ -88,7 +89,7 @@ fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
             let mut rows: Vec<RowInput> = caches
                 .iter_mut()
                 .zip(&windows)
-                .map(|(c, w)| RowInput { tokens: w, cache: c, logits: Logits::All })
+                .map(|(c, w)| RowInput { tokens: w, cache: c, logits: Logits::All, full_logits: true })
                 .collect();
             let out = model.forward(&mut rows).unwrap();
             drop(rows);

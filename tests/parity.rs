@@ -19,7 +19,6 @@ use mtp::engine::{
     prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
 };
 use mtp::model::backend::{Backend, KvDtype};
-use mtp::model::kernels::logprob;
 use mtp::model::synth::SynthSpec;
 use mtp::model::{Model, MtpLayout};
 
@@ -396,9 +395,9 @@ fn decode_equals_prefill() {
             for j in 0..c.tokens.len() {
                 let seq: Vec<u32> = r.prompt.iter().chain(&c.tokens[..j]).copied().collect();
                 let mut cache = model.new_cache();
-                let (logits, _) = prefill(&model, &mut cache, &seq, 7, false).unwrap();
+                let p = prefill(&model, &mut cache, &seq, 7, false, true).unwrap();
                 assert_eq!(
-                    logprob(&logits, c.tokens[j]).to_bits(),
+                    p.summary.logprob(p.logits[c.tokens[j] as usize]).to_bits(),
                     c.logprobs[j].to_bits(),
                     "{name} {}: token {j} logprob differs between decode and prefill",
                     r.id

@@ -48,7 +48,8 @@ fn prefill_logits_match_mlx_lm() {
             g["prompts"].as_array().unwrap().iter().zip(g["prefill_last_logits"].as_array().unwrap())
         {
             let mut cache = model.new_cache();
-            let (got, _) = prefill(&model, &mut cache, &ids(p), 3, false).unwrap();
+            let mtp::engine::Prefilled { logits: got, .. } =
+                prefill(&model, &mut cache, &ids(p), 3, false, true).unwrap();
             let want: Vec<f32> =
                 want.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
             assert_eq!(got.len(), want.len());

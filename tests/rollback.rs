@@ -57,7 +57,7 @@ fn rows_for(model: &Model) -> Vec<Row> {
         .zip(truth)
         .map(|(prompt, t)| {
             let mut cache = model.new_cache();
-            prefill(model, &mut cache, &prompt, 8, false).unwrap();
+            prefill(model, &mut cache, &prompt, 8, false, true).unwrap();
             Row { prompt, truth: t.unwrap().tokens, emitted: 1, cache }
         })
         .collect()
@@ -147,12 +147,16 @@ fn rows_as_if_alone(model: &Model, name: &str) {
         let mut c = model.new_cache();
         let seq: Vec<u32> = r.prompt.iter().chain(&r.truth[..20]).copied().collect();
         for t in &seq {
-            let mut rows =
-                [RowInput { tokens: std::slice::from_ref(t), cache: &mut c, logits: Logits::None }];
+            let mut rows = [RowInput {
+                tokens: std::slice::from_ref(t),
+                cache: &mut c,
+                logits: Logits::None,
+                full_logits: true,
+            }];
             model.forward(&mut rows).unwrap();
             c.commit_window(1);
         }
-        prefill(model, &mut r.cache, &r.truth[..20], 3, false).unwrap();
+        prefill(model, &mut r.cache, &r.truth[..20], 3, false, true).unwrap();
         assert_eq!(cache_bits(&c), cache_bits(&r.cache), "{name}: decode and prefill caches differ");
     }
 }
@@ -179,7 +183,7 @@ fn skipped_compaction_is_caught(model: &Model) {
 /// Target hidden states for `seq`, computed in one prefill forward.
 fn hidden_of(model: &Model, seq: &[u32]) -> Vec<f32> {
     let mut c = model.new_cache();
-    let mut rows = [RowInput { tokens: seq, cache: &mut c, logits: Logits::None }];
+    let mut rows = [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true }];
     model.forward(&mut rows).unwrap().remove(0).hidden
 }
 

@@ -48,7 +48,7 @@ fn setup() -> Setup {
     let sampling = SamplingParams { temperature: 0.6, top_k: 4, ..SamplingParams::default() };
     let mut cache = model.new_cache();
     let seq: Vec<u32> = prompt.iter().chain(&greedy[..1]).copied().collect();
-    let (logits, _) = prefill(&model, &mut cache, &seq, 64, false).unwrap();
+    let mtp::engine::Prefilled { logits, .. } = prefill(&model, &mut cache, &seq, 64, false, true).unwrap();
     let p1 = Filtered::new(&logits, &sampling).dist();
     Setup { model, prompt, sampling, greedy, p1 }
 }

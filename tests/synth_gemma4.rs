@@ -85,7 +85,8 @@ fn synth_and_run(like: &str, layers: &str) -> Gemma4Config {
     let model = Model::load(&dir).unwrap_or_else(|e| panic!("{like}: {e}"));
     assert_eq!(model.config.vocab_size, 512);
     let mut cache = model.new_cache();
-    let (logits, _) = prefill(&model, &mut cache, &[2, 17, 300, 42, 511], 3, false).unwrap();
+    let mtp::engine::Prefilled { logits, .. } =
+        prefill(&model, &mut cache, &[2, 17, 300, 42, 511], 3, false, true).unwrap();
     assert_eq!(logits.len(), 512);
     assert!(logits.iter().all(|l| l.is_finite() && l.abs() <= 30.0), "{like}: {logits:?}");
     std::fs::remove_dir_all(&dir).unwrap();

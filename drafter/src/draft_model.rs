@@ -141,7 +141,13 @@ impl Drafter for DraftModelDrafter {
             for &i in &active {
                 let r = caches.next().expect("one state per active row");
                 r.fed.extend_from_slice(&feed[i]);
-                inputs.push(RowInput { tokens: &feed[i], cache: &mut r.cache, logits: Logits::Last });
+                let full_logits = !asks[i].sampling.is_greedy();
+                inputs.push(RowInput {
+                    tokens: &feed[i],
+                    cache: &mut r.cache,
+                    logits: Logits::Last,
+                    full_logits,
+                });
             }
             let outs = self.model.forward(&mut inputs)?;
             for input in inputs.iter_mut() {
@@ -150,7 +156,11 @@ impl Drafter for DraftModelDrafter {
             }
             drop(inputs);
             for (&i, out) in active.iter().zip(outs) {
-                let (d, dist) = draw(&out.logits[0], &asks[i].sampling, first[i] + step);
+                let (d, dist) = match out.summaries.first() {
+                    // Greedy: the forward's summary has the argmax (the logits stayed put).
+                    Some(s) if asks[i].sampling.is_greedy() => (s.argmax, None),
+                    _ => draw(&out.logits[0], &asks[i].sampling, first[i] + step),
+                };
                 drafts[i].tokens.push(d);
                 drafts[i].dists.extend(dist);
                 feed[i] = vec![d];

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use mtp_cache::RowCache;
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
-use mtp_model::kernels::{logprob, top_logprobs};
-use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
+use mtp_model::kernels::top_logprobs;
+use mtp_model::{Error, LogitSummary, Logits, Model, RowInput, Tokenizer};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
 
@@ -276,17 +276,20 @@ impl<'a> Engine<'a> {
                 None => (0, Vec::new()),
             };
             let rest = &r.prompt[reused..];
-            let prefilled = prefill(self.model, &mut cache, rest, self.opts.prefill_chunk, want_hidden);
+            // A greedy row that reports no alternatives reads the summary alone.
+            let full_logits = !r.sampling.is_greedy() || r.top_logprobs > 0;
+            let prefilled =
+                prefill(self.model, &mut cache, rest, self.opts.prefill_chunk, want_hidden, full_logits);
             self.stats.prefill_time += t0.elapsed();
             self.stats.prompt_tokens += r.prompt.len() as u64;
             self.stats.prompt_tokens_cached += reused as u64;
-            let logits = match prefilled {
-                Ok((logits, rest_hidden)) => {
-                    hidden.extend_from_slice(&rest_hidden);
-                    if let Some(p) = self.prefix.as_mut() {
-                        p.insert(&r.prompt, &cache, &hidden, room);
+            let last = match prefilled {
+                Ok(p) => {
+                    hidden.extend_from_slice(&p.hidden);
+                    if let Some(prefix) = self.prefix.as_mut() {
+                        prefix.insert(&r.prompt, &cache, &hidden, room);
                     }
-                    logits
+                    p
                 }
                 Err(e) => {
                     events.push(Event::Failed { request: id, error: with_request(e, &r.id) });
@@ -309,9 +312,14 @@ impl<'a> Engine<'a> {
                 behind: r.prompt.len(),
             };
             self.reserved += need;
-            let first = pick(&logits, &r.sampling, r.prompt.len() as u64);
-            let top = vec![top_logprobs(&logits, row.top_logprobs)];
-            if let Some(reason) = self.emit(&mut row, &[first], &[logprob(&logits, first)], top, events) {
+            let (first, logprob) = if r.sampling.is_greedy() {
+                (last.summary.argmax, last.summary.argmax_logprob())
+            } else {
+                let first = pick(&last.logits, &r.sampling, r.prompt.len() as u64);
+                (first, last.summary.logprob(last.logits[first as usize]))
+            };
+            let top = vec![top_logprobs(&last.logits, &last.summary, row.top_logprobs)];
+            if let Some(reason) = self.emit(&mut row, &[first], &[logprob], top, events) {
                 events.push(Event::Finished { request: id, reason });
                 self.release(&row);
                 continue;
@@ -565,15 +573,29 @@ fn with_request(e: Error, name: &str) -> Error {
     }
 }
 
-/// Runs `prompt` through `cache` in chunks; returns the logits after its last token and,
-/// when asked, the final-normed hidden state of every prompt position.
+/// What a prompt run through a cache leaves: the LM head's reading after its last token.
+#[derive(Clone, Debug)]
+pub struct Prefilled {
+    /// The summary of the logits after the last token.
+    pub summary: LogitSummary,
+    /// Those logits, when asked for (empty otherwise).
+    pub logits: Vec<f32>,
+    /// The final-normed hidden state of every prompt position, when asked for.
+    pub hidden: Vec<f32>,
+}
+
+/// Runs `prompt` (not empty) through `cache` in chunks of `chunk` tokens.
 pub fn prefill(
     model: &Model,
     cache: &mut RowCache,
     prompt: &[u32],
     chunk: usize,
     want_hidden: bool,
-) -> Result<(Vec<f32>, Vec<f32>), Error> {
+    full_logits: bool,
+) -> Result<Prefilled, Error> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidOption("cannot prefill an empty prompt".into()));
+    }
     if let Err(e) = cache.try_reserve_window(cache.len(), prompt.len()) {
         return Err(Error::Request {
             request: String::new(),
@@ -586,11 +608,11 @@ pub fn prefill(
     if chunk == 0 {
         return Err(Error::InvalidOption("prefill chunk must be at least 1 token".into()));
     }
-    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+    let (mut last, mut hidden) = (None, Vec::new());
     let n_chunks = prompt.len().div_ceil(chunk);
     for (i, piece) in prompt.chunks(chunk).enumerate() {
         let want = if i + 1 == n_chunks { Logits::Last } else { Logits::None };
-        let mut rows = [RowInput { tokens: piece, cache: &mut *cache, logits: want }];
+        let mut rows = [RowInput { tokens: piece, cache: &mut *cache, logits: want, full_logits }];
         let out = model.forward(&mut rows);
         let committed = if out.is_ok() { piece.len() } else { 0 };
         cache.commit_window(committed);
@@ -599,9 +621,11 @@ pub fn prefill(
         if want_hidden {
             hidden.extend_from_slice(&o.hidden);
         }
-        if let Some(l) = o.logits.into_iter().next() {
-            logits = l;
+        if let Some(&summary) = o.summaries.first() {
+            last = Some((summary, o.logits.into_iter().next().unwrap_or_default()));
         }
     }
-    Ok((logits, hidden))
+    let (summary, logits) =
+        last.ok_or_else(|| Error::Backend("the prompt's last forward returned no logits".into()))?;
+    Ok(Prefilled { summary, logits, hidden })
 }

@@ -13,7 +13,7 @@ mod prefix_cache;
 mod request;
 
 pub use adaptive::DraftLen;
-pub use engine::{prefill, Engine, EngineOptions};
+pub use engine::{prefill, Engine, EngineOptions, Prefilled};
 pub use generate::generate;
 pub use metrics::SpecStats;
 pub use mtp_sampling::{SamplingMode, SamplingParams};

@@ -264,9 +264,14 @@ impl Config {
             Arch::Qwen2 => (true, false),
             _ => (attention_bias, attention_bias),
         };
+        let vocab_size = k.usize("vocab_size")?;
+        // A logit summary carries its argmax as an f32 (exact below 2^24).
+        if vocab_size >= 1 << 24 {
+            return Err(Error::config(path, "vocab_size", format!("{vocab_size} is over 2^24 tokens")));
+        }
         Ok(Config {
             arch,
-            vocab_size: k.usize("vocab_size")?,
+            vocab_size,
             hidden_size,
             intermediate_size: k.usize("intermediate_size")?,
             num_hidden_layers: k.usize("num_hidden_layers")?,

@@ -19,6 +19,7 @@ pub mod weights;
 pub use checkpoint::Checkpoint;
 pub use config::{Arch, Config};
 pub use error::{Error, Result};
+pub use kernels::LogitSummary;
 pub use mtp::{MtpHead, MtpInput, MtpLayout, MtpOutput};
 pub use tokenizer::Tokenizer;
 pub use transformer::{Logits, Model, RowInput, RowOutput};

@@ -9,11 +9,13 @@ use std::sync::Arc;
 
 use mtp_cache::RowCache;
 
-use crate::backend::{Backend, Heads, Kernels, KvDtype, Out, Plane, Slot};
+use crate::backend::{
+    host_summaries, summaries_from, Backend, Heads, Kernels, KvDtype, Out, Plane, Slot, SUMMARY_VALUES,
+};
 use crate::checkpoint::Checkpoint;
 use crate::config::{Arch, Config};
 use crate::error::{Error, Result};
-use crate::kernels::RopeTable;
+use crate::kernels::{LogitSummary, RopeTable};
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::negative_control;
 
@@ -225,13 +227,20 @@ impl Logits {
 pub struct RowInput<'a> {
     pub tokens: &'a [u32],
     pub cache: &'a mut RowCache,
+    /// Which tokens' logits the row wants.
     pub logits: Logits,
+    /// Whether it wants those logits whole, or their [`LogitSummary`] is enough (greedy
+    /// rows: the logits then stay where they were computed).
+    pub full_logits: bool,
 }
 
 #[derive(Debug, Default)]
 pub struct RowOutput {
-    /// One vocab-sized row per requested token.
+    /// One vocab-sized row per wanted token when the row asked for full logits; empty
+    /// otherwise.
     pub logits: Vec<Vec<f32>>,
+    /// One summary per wanted token, always.
+    pub summaries: Vec<LogitSummary>,
     /// The last layer's output after the final norm, one `hidden_size` row per input
     /// token: the hidden state MTP heads read.
     pub hidden: Vec<f32>,
@@ -302,6 +311,7 @@ impl<B: Kernels> Decoder<B> {
         let m = slots.len();
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let every_logit = wanted_tokens(rows).len() == m;
+        let fetch = if rows.iter().any(|r| r.full_logits) { 3 } else { 2 };
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
         let batch = be.batch(&slots, &tokens, &mut caches)?;
         // The embedding, the layers and the final norm, into `normed`.
@@ -320,24 +330,35 @@ impl<B: Kernels> Decoder<B> {
         if m > 0 && every_logit {
             // Decode and verify: with the LM head over every token, the whole forward's
             // launches follow the batch's shape, so the backend may record and replay it.
-            let outs =
-                be.run_recorded(&self.recordings, batch, &[m * h, m * vocab], &mut |batch, outs| {
-                    let [normed, logits] = outs else {
-                        return Err(Error::Backend("a recorded forward got the wrong outputs".into()));
-                    };
-                    hidden_states(batch, normed)?;
-                    be.linear(normed, m, &self.lm_head, None, logits, Out::Write)
-                })?;
+            // The logits come back only when some row wants them whole.
+            let lens = [m * h, SUMMARY_VALUES * m, m * vocab];
+            let mut outs = be.run_recorded(&self.recordings, batch, &lens, fetch, &mut |batch, outs| {
+                let [normed, summaries, logits] = outs else {
+                    return Err(Error::Backend("a recorded forward got the wrong outputs".into()));
+                };
+                hidden_states(batch, normed)?;
+                be.linear(normed, m, &self.lm_head, None, logits, Out::Write)?;
+                be.logit_summaries(logits, m, vocab, summaries)
+            })?;
             drop(caches);
-            let [hidden, logits]: [Vec<f32>; 2] =
+            let logits = if fetch == 3 { outs.pop() } else { None };
+            let [hidden, summaries]: [Vec<f32>; 2] =
                 outs.try_into().map_err(|_| Error::Backend("a recorded forward lost its outputs".into()))?;
-            return Ok(row_outputs(rows, &logits, &hidden, vocab, h));
+            let head = Head { summaries: summaries_from(&summaries), logits: logits.unwrap_or_default() };
+            return Ok(row_outputs(rows, &head, &hidden, vocab, h));
         }
         let mut normed = be.alloc(m * h)?;
         hidden_states(&batch, &mut normed)?;
         drop(caches);
         head_outputs(be, rows, normed, &self.lm_head, vocab, h, None)
     }
+}
+
+/// The LM head's results for a forward's wanted tokens, in order: every token's summary,
+/// and the logits (`vocab` wide) when some row wanted them whole (empty otherwise).
+struct Head {
+    summaries: Vec<LogitSummary>,
+    logits: Vec<f32>,
 }
 
 /// Indices (among all the rows' tokens, in order) of the tokens whose logits are wanted.
@@ -352,23 +373,28 @@ fn wanted_tokens(rows: &[RowInput]) -> Vec<usize> {
     want
 }
 
-/// Each row's outputs from the wanted tokens' `logits` (`vocab` wide, in order) and every
-/// token's final-normed `hidden` state (`h` wide).
-fn row_outputs(rows: &[RowInput], logits: &[f32], hidden: &[f32], vocab: usize, h: usize) -> Vec<RowOutput> {
+/// Each row's outputs from the wanted tokens' `head` results and every token's
+/// final-normed `hidden` state (`h` wide).
+fn row_outputs(rows: &[RowInput], head: &Head, hidden: &[f32], vocab: usize, h: usize) -> Vec<RowOutput> {
     use rayon::prelude::*;
-    // Copied on the host's threads: a verify's logits are tens of MB.
-    let logit_rows: Vec<Vec<f32>> = logits.par_chunks(vocab.max(1)).map(|l| l.to_vec()).collect();
-    let mut logit_rows = logit_rows.into_iter();
+    let vocab = vocab.max(1);
     let mut outs = Vec::with_capacity(rows.len());
-    let mut off = 0;
+    let (mut off, mut wanted) = (0, 0);
     for row in rows.iter() {
         let t = row.tokens.len();
         let n = row.logits.wanted(t).len();
+        let logits = match head.logits.get(wanted * vocab..(wanted + n) * vocab) {
+            // Copied on the host's threads: a verify's logits are tens of MB.
+            Some(l) if row.full_logits => l.par_chunks(vocab).map(|l| l.to_vec()).collect(),
+            _ => Vec::new(),
+        };
         outs.push(RowOutput {
-            logits: logit_rows.by_ref().take(n).collect(),
+            logits,
+            summaries: head.summaries[wanted..wanted + n].to_vec(),
             hidden: hidden[off * h..(off + t) * h].to_vec(),
         });
         off += t;
+        wanted += n;
     }
     outs
 }
@@ -387,20 +413,30 @@ pub(crate) fn head_outputs<B: Kernels>(
 ) -> Result<Vec<RowOutput>> {
     let want = wanted_tokens(rows);
     let all = rows.iter().map(|r| r.tokens.len()).sum::<usize>();
-    let mut logits = if want.is_empty() {
-        Vec::new()
-    } else {
+    let mut head = Head { summaries: Vec::new(), logits: Vec::new() };
+    if !want.is_empty() {
         // Every token wanted (decode, verify): the rows are already in order.
         let gathered = if want.len() == all { None } else { Some(be.gather(&normed, h, &want)?) };
         let mut logits = be.alloc(want.len() * vocab)?;
         be.linear(gathered.as_ref().unwrap_or(&normed), want.len(), lm_head, None, &mut logits, Out::Write)?;
-        be.download(logits)?
-    };
-    if let Some(cap) = softcap {
-        logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
+        if let Some(cap) = softcap {
+            // Capped on the host, so summarised there.
+            head.logits = be.download(logits)?;
+            head.logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
+            let mut values = vec![0.0; SUMMARY_VALUES * want.len()];
+            host_summaries(&head.logits, want.len(), vocab, &mut values)?;
+            head.summaries = summaries_from(&values);
+        } else {
+            let mut summaries = be.alloc(SUMMARY_VALUES * want.len())?;
+            be.logit_summaries(&logits, want.len(), vocab, &mut summaries)?;
+            head.summaries = summaries_from(&be.download(summaries)?);
+            if rows.iter().any(|r| r.full_logits) {
+                head.logits = be.download(logits)?;
+            }
+        }
     }
     let hidden = be.download(normed)?;
-    Ok(row_outputs(rows, &logits, &hidden, vocab, h))
+    Ok(row_outputs(rows, &head, &hidden, vocab, h))
 }
 
 /// A model on some backend, as the engine sees it.

@@ -61,7 +61,12 @@ pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<V
         let mut rows: Vec<RowInput> = idx
             .iter()
             .zip(caches.iter_mut())
-            .map(|(&i, c)| RowInput { tokens: &prompts[i], cache: c, logits: Logits::Last })
+            .map(|(&i, c)| RowInput {
+                tokens: &prompts[i],
+                cache: c,
+                logits: Logits::Last,
+                full_logits: true,
+            })
             .collect();
         model.forward(&mut rows).unwrap().into_iter().map(|o| bits(&o.logits[0])).collect::<Vec<_>>()
     };
@@ -119,7 +124,7 @@ pub fn logits_vs_cpu(backend: Backend) -> Vec<(WeightDtype, f32, f32)> {
         let logits = |backend: Backend| {
             let model = Model::load_with(&dir, backend, KvDtype::F32).unwrap();
             let mut cache = model.new_cache();
-            mtp::engine::prefill(&model, &mut cache, &prompt, 16, false).unwrap().0
+            mtp::engine::prefill(&model, &mut cache, &prompt, 16, false, true).unwrap().logits
         };
         let (cpu, other) = (logits(Backend::Cpu), logits(backend));
         let scale = cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));

@@ -15,6 +15,14 @@ pub fn accepted_len(draft: &[u32], target: &[u32]) -> usize {
     draft.iter().zip(target).take_while(|(d, t)| d == t).count()
 }
 
+/// Decides a greedy row's round from the target's choice after each window token
+/// (`target[j]`, the argmax of the logits there; `draft.len() + 1` of them): the accepted
+/// count and the emitted tokens, as [`decide`] makes them at temperature 0.
+pub fn decide_greedy(draft: &[u32], target: &[u32]) -> (usize, Vec<u32>) {
+    let a = accepted_len(draft, target);
+    (a, target[..=a].to_vec())
+}
+
 /// Decides a row's round: `logits[j]` follows window token `j` and picks the token at
 /// logical position `first_position + j`. Returns the accepted count and the emitted
 /// tokens (accepted drafts, then the target's bonus or replacement token).

@@ -5,5 +5,5 @@
 mod acceptance;
 mod verify;
 
-pub use acceptance::{accepted_len, decide};
+pub use acceptance::{accepted_len, decide, decide_greedy};
 pub use verify::{verify, Verified, VerifyRow, WindowLayout};

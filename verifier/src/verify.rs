@@ -8,12 +8,12 @@
 //! positions. Plain decoding is the same step with no drafts.
 
 use mtp_cache::RowCache;
-use mtp_model::kernels::{logprob, top_logprobs};
+use mtp_model::kernels::top_logprobs;
 use mtp_model::{Error, Logits, Model, RowInput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 use rayon::prelude::*;
 
-use crate::decide;
+use crate::{decide, decide_greedy};
 
 /// Where a verify forward writes each row's window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -110,16 +110,18 @@ pub fn verify(
     for (i, row) in rows.iter_mut().enumerate() {
         if live.contains(&i) {
             let tokens = window_of.next().expect("one window per live row");
-            inputs.push(RowInput { tokens, cache: &mut *row.cache, logits: Logits::All });
+            // A greedy row reads its logits' summaries alone, unless it reports alternatives.
+            let full_logits = !row.sampling.is_greedy() || row.top_logprobs > 0;
+            inputs.push(RowInput { tokens, cache: &mut *row.cache, logits: Logits::All, full_logits });
         }
     }
     let h = model.config.hidden_size;
     match model.forward(&mut inputs) {
         Ok(outs) => {
             drop(inputs);
-            // Rows decide in parallel (a sampled pick over a large vocabulary costs ms), and
-            // their tokens' log-probabilities (a log-softmax over the vocabulary each) too;
-            // test fault switches follow the work onto the pool's threads.
+            // Rows decide in parallel (a sampled pick over a large vocabulary costs ms); every
+            // log-probability comes from its token's summary (the forward's log-softmax
+            // normaliser); test fault switches follow the work onto the pool's threads.
             let faults = mtp_sampling::negative_control::current();
             type Decided = (usize, Vec<u32>, Vec<f32>, Vec<Vec<(u32, f32)>>);
             let decided: Vec<Decided> = live
@@ -128,13 +130,39 @@ pub fn verify(
                 .zip(&windows)
                 .map(|((&i, out), window)| {
                     let row = &rows[i];
-                    let (a, tokens) = faults.apply(|| {
-                        decide(&out.logits, &window[1..], row.draft_dists, &row.sampling, mode, starts[i] + 1)
-                    });
-                    let logprobs = tokens.par_iter().zip(&out.logits).map(|(&t, l)| logprob(l, t)).collect();
-                    let top = out.logits[..tokens.len()]
+                    let greedy = row.sampling.is_greedy();
+                    let (a, tokens) = if greedy {
+                        let target: Vec<u32> = out.summaries.iter().map(|s| s.argmax).collect();
+                        decide_greedy(&window[1..], &target)
+                    } else {
+                        faults.apply(|| {
+                            decide(
+                                &out.logits,
+                                &window[1..],
+                                row.draft_dists,
+                                &row.sampling,
+                                mode,
+                                starts[i] + 1,
+                            )
+                        })
+                    };
+                    let summaries = &out.summaries[..tokens.len()];
+                    let logprobs = if greedy {
+                        summaries.iter().map(|s| s.argmax_logprob()).collect()
+                    } else {
+                        tokens
+                            .iter()
+                            .zip(&out.logits)
+                            .zip(summaries)
+                            .map(|((&t, l), s)| s.logprob(l[t as usize]))
+                            .collect()
+                    };
+                    let top = summaries
                         .iter()
-                        .map(|l| top_logprobs(l, row.top_logprobs))
+                        .enumerate()
+                        .map(|(j, s)| {
+                            out.logits.get(j).map_or_else(Vec::new, |l| top_logprobs(l, s, row.top_logprobs))
+                        })
                         .collect();
                     (a, tokens, logprobs, top)
                 })

@@ -108,6 +108,16 @@ impl Kernels for Cpu {
         Ok(x)
     }
 
+    fn logit_summaries(
+        &self,
+        logits: &Vec<f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        super::host_summaries(logits, rows, vocab, out)
+    }
+
     fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
         let maps = open_windows(slots, caches)?;
         Ok(CpuBatch {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use mtp_cache::{KvStore, RowCache, SlotMap};
 
 use crate::error::{Error, Result};
-use crate::kernels::RopeTable;
+use crate::kernels::{LogitSummary, RopeTable};
 use crate::weights::{Weight, WeightDtype};
 
 /// Where a model runs.
@@ -249,6 +249,16 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn upload(&self, x: &[f32]) -> Result<Self::Act>;
     /// The values of `x` in host memory.
     fn download(&self, x: Self::Act) -> Result<Vec<f32>>;
+    /// The [`LogitSummary`] of each of the `rows` `vocab`-wide rows of `logits`, written to
+    /// `out` as three values a row ([`summaries_from`] reads them back): one
+    /// implementation a backend, its order fixed by `vocab` alone.
+    fn logit_summaries(
+        &self,
+        logits: &Self::Act,
+        rows: usize,
+        vocab: usize,
+        out: &mut Self::Act,
+    ) -> Result<()>;
 
     /// Lays out a forward: opens each row's window for `t_r` new positions and records
     /// every token's slot and id (`tokens[i]` is slot `i`'s). `slots` lists the tokens row
@@ -262,7 +272,8 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn embed_batch(&self, table: &Self::Mat, batch: &Self::Batch, out: &mut Self::Act) -> Result<()>;
 
     /// Runs `body`, a forward's device work over `batch` writing one activation of each
-    /// length in `out_lens`, and returns those outputs in host memory. The caller promises
+    /// length in `out_lens`, and returns the first `fetch` of those outputs in host memory
+    /// (the others are never read). The caller promises
     /// that `body`'s launches and their arguments depend only on the batch's shape (its
     /// token and row counts and the most keys a token reads) and that everything else it
     /// reads comes from the batch's device tables; a backend may then record `body` once
@@ -273,9 +284,10 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         _recordings: &Self::Recordings,
         batch: Self::Batch,
         out_lens: &[usize],
+        fetch: usize,
         body: &mut ForwardBody<'_, Self>,
     ) -> Result<Vec<Vec<f32>>> {
-        run_body(self, batch, out_lens, body)
+        run_body(self, batch, out_lens, fetch, body)
     }
     /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
     fn linear(
@@ -350,11 +362,40 @@ pub(crate) fn run_body<B: Kernels>(
     be: &B,
     batch: B::Batch,
     out_lens: &[usize],
+    fetch: usize,
     body: &mut ForwardBody<'_, B>,
 ) -> Result<Vec<Vec<f32>>> {
     let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
     body(&batch, &mut outs)?;
-    outs.into_iter().map(|o| be.download(o)).collect()
+    outs.into_iter().take(fetch).map(|o| be.download(o)).collect()
+}
+
+/// Values a [`LogitSummary`] takes in a backend's buffer: argmax (as f32), max, lse.
+pub(crate) const SUMMARY_VALUES: usize = 3;
+
+/// [`Kernels::logit_summaries`] computed on the host (`out` holds `3 * rows` values).
+pub(crate) fn host_summaries(logits: &[f32], rows: usize, vocab: usize, out: &mut [f32]) -> Result<()> {
+    use rayon::prelude::*;
+    if logits.len() < rows * vocab || out.len() < SUMMARY_VALUES * rows || vocab == 0 {
+        return Err(Error::Backend(format!(
+            "logit summaries of {rows} rows of {vocab}: {} logits, room for {} values",
+            logits.len(),
+            out.len()
+        )));
+    }
+    out.par_chunks_mut(SUMMARY_VALUES).zip(logits.par_chunks(vocab)).take(rows).for_each(|(o, l)| {
+        let s = LogitSummary::of(l);
+        o.copy_from_slice(&[s.argmax as f32, s.max, s.lse]);
+    });
+    Ok(())
+}
+
+/// The summaries [`Kernels::logit_summaries`] wrote, read back from host memory.
+pub(crate) fn summaries_from(values: &[f32]) -> Vec<LogitSummary> {
+    values
+        .chunks_exact(SUMMARY_VALUES)
+        .map(|v| LogitSummary { argmax: v[0] as u32, max: v[1], lse: v[2] })
+        .collect()
 }
 
 /// [`Kernels::linear_parts`] as one [`Kernels::linear`] per weight.

@@ -13,6 +13,6 @@ pub mod simd;
 pub use attention::{attend, attend_from};
 pub use matmul::linear;
 pub use norm::{
-    argmax, gelu_tanh_mul, log_softmax, logprob, rms_norm, rms_norm_inplace, swiglu, top_logprobs,
+    argmax, gelu_tanh_mul, log_softmax, rms_norm, rms_norm_inplace, swiglu, top_logprobs, LogitSummary,
 };
 pub use rope::RopeTable;

@@ -87,19 +87,45 @@ pub fn log_softmax_parts(logits: &[f32]) -> (f32, f32) {
     (max, sums.iter().fold(0.0f32, |a, &s| a + s).ln())
 }
 
-/// Log-probability of `token` under `logits` at temperature 1.
-pub fn logprob(logits: &[f32], token: u32) -> f32 {
-    let (max, lse) = log_softmax_parts(logits);
-    (logits[token as usize] - max) - lse
+/// What the engine reads from one token's logits when it needs no more than the greedy
+/// choice and log-probabilities: computed where the logits are (on a GPU, by one kernel a
+/// row), so a greedy step downloads three numbers a token instead of the vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitSummary {
+    /// [`argmax`]'s token: ties to the lowest id, NaN never wins, 0 when nothing beats -inf.
+    pub argmax: u32,
+    /// The largest logit (NaN ignored).
+    pub max: f32,
+    /// `ln(sum(exp(logit - max)))`.
+    pub lse: f32,
 }
 
-/// The `n` most likely tokens and their log-probabilities (temperature 1), most likely
-/// first; equal logits go to the lower id.
-pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+impl LogitSummary {
+    /// The host's summary of one row: [`argmax`] and [`log_softmax_parts`].
+    pub fn of(logits: &[f32]) -> LogitSummary {
+        let (max, lse) = log_softmax_parts(logits);
+        LogitSummary { argmax: argmax(logits), max, lse }
+    }
+
+    /// Log-probability at temperature 1 of a token whose logit is `logit`.
+    pub fn logprob(&self, logit: f32) -> f32 {
+        (logit - self.max) - self.lse
+    }
+
+    /// [`LogitSummary::logprob`] of the argmax, whose logit is `max` when any logit beats
+    /// -inf.
+    pub fn argmax_logprob(&self) -> f32 {
+        self.logprob(self.max)
+    }
+}
+
+/// The `n` most likely tokens and their log-probabilities (temperature 1) under `logits`,
+/// whose summary is `summary`, most likely first; equal logits go to the lower id.
+pub fn top_logprobs(logits: &[f32], summary: &LogitSummary, n: usize) -> Vec<(u32, f32)> {
     if n == 0 {
         return Vec::new();
     }
-    let (max, lse) = log_softmax_parts(logits);
+    let LogitSummary { max, lse, .. } = *summary;
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let n = n.min(ids.len());
     let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));

@@ -83,6 +83,7 @@ impl CudaGraphs {
         cuda: &Cuda,
         batch: CudaBatch,
         out_lens: &[usize],
+        fetch: usize,
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
         // The stock-matmul control uploads inside the forward; the split control sizes its
@@ -92,7 +93,7 @@ impl CudaGraphs {
             && batch.splits == 1
             && !negative_control::stock_matmul();
         if !recordable {
-            return run_body(cuda, batch, out_lens, body);
+            return run_body(cuda, batch, out_lens, fetch, body);
         }
         let shape = Shape {
             tokens: batch.m,
@@ -113,11 +114,11 @@ impl CudaGraphs {
                 cuda.refresh_tables(&mut r.batch, &batch)?;
             }
             r.graph.launch().map_err(driver("graph replay"))?;
-            return cuda.outputs_to_host(&r.outs);
+            return cuda.outputs_to_host(&r.outs[..fetch.min(r.outs.len())]);
         }
         if rec.refused.contains(&shape) {
             drop(guard);
-            return run_body(cuda, batch, out_lens, body);
+            return run_body(cuda, batch, out_lens, fetch, body);
         }
         if rec.seen.len() > 4096 {
             rec.seen.clear();
@@ -126,7 +127,7 @@ impl CudaGraphs {
         *sightings += 1;
         if *sightings < 2 {
             drop(guard);
-            return run_body(cuda, batch, out_lens, body);
+            return run_body(cuda, batch, out_lens, fetch, body);
         }
         rec.seen.remove(&shape);
         let outs = out_lens.iter().map(|&n| cuda.alloc(n)).collect::<Result<Vec<_>>>()?;
@@ -137,7 +138,7 @@ impl CudaGraphs {
                 tracing::warn!("CUDA graph of a {shape:?} forward not recorded ({e}); it runs eagerly");
                 rec.refused.push(shape);
                 drop(guard);
-                return run_body(cuda, batch, out_lens, body);
+                return run_body(cuda, batch, out_lens, fetch, body);
             }
         };
         // Recording only records: this launch runs the step.
@@ -149,7 +150,7 @@ impl CudaGraphs {
             started.elapsed().as_micros(),
             rec.replayed
         );
-        let host = cuda.outputs_to_host(&outs);
+        let host = cuda.outputs_to_host(&outs[..fetch.min(outs.len())]);
         if rec.graphs.len() >= MOST_RECORDINGS {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
             if let Some(s) = oldest {

@@ -183,6 +183,7 @@ struct Functions {
     add_to: CudaFunction,
     add_rows_scaled: CudaFunction,
     rope_rows: CudaFunction,
+    logit_summaries: CudaFunction,
 }
 
 /// GPU 0, its stream and the loaded kernels. One per process ([`Cuda::shared`]): every
@@ -296,6 +297,7 @@ impl Cuda {
             add_to: get("add_to")?,
             add_rows_scaled: get("add_rows_scaled")?,
             rope_rows: get("rope_rows")?,
+            logit_summaries: get("logit_summaries")?,
         };
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
@@ -608,6 +610,25 @@ impl Kernels for Cuda {
         self.to_host(&x)
     }
 
+    fn logit_summaries(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if logits.len() < rows * vocab || out.len() < crate::backend::SUMMARY_VALUES * rows {
+            return Err(Error::Backend(format!(
+                "logit summaries of {rows} rows of {vocab}: {} logits, room for {} values",
+                logits.len(),
+                out.len()
+            )));
+        }
+        let s = &self.stream;
+        let (lp, op, v) = (ptr(logits, s), ptr(out, s), vocab as i32);
+        launch!(self, &self.f.logit_summaries, (rows as u32, 1), 1024, "logit_summaries", [lp, v, op])
+    }
+
     fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
         if tokens.len() != slots.len() {
             return Err(Error::Backend(format!("{} token ids for {} slots", tokens.len(), slots.len())));
@@ -673,9 +694,10 @@ impl Kernels for Cuda {
         recordings: &CudaGraphs,
         batch: CudaBatch,
         out_lens: &[usize],
+        fetch: usize,
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
-        recordings.run(self, batch, out_lens, body)
+        recordings.run(self, batch, out_lens, fetch, body)
     }
 
     fn linear(

@@ -59,6 +59,13 @@ impl<D: Dispatch> Metal<D> {
         Ok(MetalBuf { buf, len: x.len() })
     }
 
+    /// The values of `x`, read back after every queued kernel ran.
+    fn read_f32(&self, x: &MetalBuf<D>) -> Result<Vec<f32>> {
+        let mut bytes = vec![0u8; 4 * x.len];
+        self.d.read(&x.buf, 0, &mut bytes)?;
+        Ok(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
+
     /// A weight's bytes on the device: wrapped in place when the platform allows and they
     /// sit at an address fit for 4-byte reads, copied otherwise.
     fn weight_bytes(&self, w: &Weight) -> Result<(D::Buffer, usize)> {
@@ -305,9 +312,29 @@ impl<D: Dispatch> Kernels for Metal<D> {
     }
 
     fn download(&self, x: MetalBuf<D>) -> Result<Vec<f32>> {
-        let mut bytes = vec![0u8; 4 * x.len];
-        self.d.read(&x.buf, 0, &mut bytes)?;
-        Ok(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect())
+        self.read_f32(&x)
+    }
+
+    // On the host: a decode step's logits are read back whole on Metal anyway (unified
+    // memory), and one implementation keeps the CPU's bits.
+    fn logit_summaries(
+        &self,
+        logits: &MetalBuf<D>,
+        rows: usize,
+        vocab: usize,
+        out: &mut MetalBuf<D>,
+    ) -> Result<()> {
+        let mut values = vec![0.0f32; super::SUMMARY_VALUES * rows];
+        super::host_summaries(&self.read_f32(logits)?, rows, vocab, &mut values)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        if out.len < values.len() {
+            return Err(Error::Backend(format!(
+                "logit summaries: {} values for room of {}",
+                values.len(),
+                out.len
+            )));
+        }
+        self.d.write(&out.buf, 0, &bytes)
     }
 
     fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<MetalBatch<D>> {
