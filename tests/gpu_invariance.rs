@@ -80,7 +80,8 @@ fn every_tensor_core_kernel_gives_the_same_bits() {
 /// Several weights over the same activations in one launch (q/k/v, gate/up:
 /// `linear_parts`) give each output the bits of its own `linear` launch: three weights of
 /// different widths (partial 16-column blocks), with and without a bias, at every pass size
-/// (1 to 32 tokens) and past it (64: a launch each). Control: the same comparison against
+/// (1 to 32 tokens) and past it (40, 64: a tile launch each over activations split once).
+/// Control: the same comparison against
 /// cuBLAS's products (the stock-matmul control) must differ at some M.
 #[test]
 fn stacked_projections_give_each_weight_its_own_bits() {
@@ -92,7 +93,7 @@ fn stacked_projections_give_each_weight_its_own_bits() {
     let bias = cuda.upload(&rng.vec(72)).unwrap();
     let biases = [None, Some(&bias), None];
     let mut control_differs = false;
-    for m in [1, 7, 16, 32, 64] {
+    for m in [1, 7, 16, 32, 40, 64] {
         let x = cuda.upload(&rng.vec(m * k)).unwrap();
         let apart = |stock: bool| -> Vec<Vec<u32>> {
             mtp::model::negative_control::set_stock_matmul(stock);
