@@ -80,43 +80,49 @@ fn every_tensor_core_kernel_gives_the_same_bits() {
 /// Several weights over the same activations in one launch (q/k/v, gate/up:
 /// `linear_parts`) give each output the bits of its own `linear` launch: three weights of
 /// different widths (partial 16-column blocks), with and without a bias, at every pass size
-/// (1 to 32 tokens) and past it (40, 64: a tile launch each over activations split once).
-/// Control: the same comparison against
-/// cuBLAS's products (the stock-matmul control) must differ at some M.
+/// (1 to 32 tokens) and past it (40, 64: one phase-split tile launch for all three, 128x32
+/// tiles for the narrow set and 128x64 for the wide one). Control: the same comparison
+/// against cuBLAS's products (the stock-matmul control) must differ at some M.
 #[test]
 fn stacked_projections_give_each_weight_its_own_bits() {
     let cuda = Cuda::shared().unwrap();
     let mut rng = Lcg(29);
     let k = 1056;
-    let ws: Vec<_> = [200, 72, 40].iter().map(|&n| weight(&mut rng, WeightDtype::Bf16, n, k)).collect();
-    let mats: Vec<_> = ws.iter().map(|w| cuda.matrix(w).unwrap()).collect();
-    let bias = cuda.upload(&rng.vec(72)).unwrap();
-    let biases = [None, Some(&bias), None];
     let mut control_differs = false;
-    for m in [1, 7, 16, 32, 40, 64] {
-        let x = cuda.upload(&rng.vec(m * k)).unwrap();
-        let apart = |stock: bool| -> Vec<Vec<u32>> {
-            mtp::model::negative_control::set_stock_matmul(stock);
-            let outs = mats
-                .iter()
-                .zip(&ws)
-                .zip(biases)
-                .map(|((mat, w), b)| {
-                    let mut out = cuda.alloc(m * w.rows).unwrap();
-                    cuda.linear(&x, m, mat, b, &mut out, Out::Write).unwrap();
-                    bits(&cuda.download(out).unwrap())
-                })
-                .collect();
-            mtp::model::negative_control::set_stock_matmul(false);
-            outs
-        };
-        let mut outs: Vec<_> = ws.iter().map(|w| cuda.alloc(m * w.rows).unwrap()).collect();
-        let parts: Vec<_> = mats.iter().zip(biases).collect();
-        let [a, b, c] = &mut outs[..] else { unreachable!() };
-        cuda.linear_parts(&x, m, &parts, &mut [a, b, c]).unwrap();
-        let together: Vec<Vec<u32>> = outs.into_iter().map(|o| bits(&cuda.download(o).unwrap())).collect();
-        assert!(together == apart(false), "M={m}: a stacked launch changed some output's bits");
-        control_differs |= together != apart(true);
+    for (widths, ms) in [([200, 72, 40], [1, 7, 16, 32, 40, 64]), ([4000, 72, 200], [1, 8, 32, 33, 40, 64])] {
+        let ws: Vec<_> = widths.iter().map(|&n| weight(&mut rng, WeightDtype::Bf16, n, k)).collect();
+        let mats: Vec<_> = ws.iter().map(|w| cuda.matrix(w).unwrap()).collect();
+        let bias = cuda.upload(&rng.vec(72)).unwrap();
+        let biases = [None, Some(&bias), None];
+        for m in ms {
+            let x = cuda.upload(&rng.vec(m * k)).unwrap();
+            let apart = |stock: bool| -> Vec<Vec<u32>> {
+                mtp::model::negative_control::set_stock_matmul(stock);
+                let outs = mats
+                    .iter()
+                    .zip(&ws)
+                    .zip(biases)
+                    .map(|((mat, w), b)| {
+                        let mut out = cuda.alloc(m * w.rows).unwrap();
+                        cuda.linear(&x, m, mat, b, &mut out, Out::Write).unwrap();
+                        bits(&cuda.download(out).unwrap())
+                    })
+                    .collect();
+                mtp::model::negative_control::set_stock_matmul(false);
+                outs
+            };
+            let mut outs: Vec<_> = ws.iter().map(|w| cuda.alloc(m * w.rows).unwrap()).collect();
+            let parts: Vec<_> = mats.iter().zip(biases).collect();
+            let [a, b, c] = &mut outs[..] else { unreachable!() };
+            cuda.linear_parts(&x, m, &parts, &mut [a, b, c]).unwrap();
+            let together: Vec<Vec<u32>> =
+                outs.into_iter().map(|o| bits(&cuda.download(o).unwrap())).collect();
+            assert!(
+                together == apart(false),
+                "{widths:?}, M={m}: a stacked launch changed some output's bits"
+            );
+            control_differs |= together != apart(true);
+        }
     }
     assert!(control_differs, "cuBLAS matched bit for bit at every M: the check cannot see a change");
 }

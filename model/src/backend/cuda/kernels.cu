@@ -445,14 +445,14 @@ struct TtPos {
 template <int WCOLS, int WN, int STAGES>
 __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
-                               float* __restrict__ part, int phased) {
+                               float* __restrict__ part, int phased, int col_block) {
     constexpr int COLS = 32 * WCOLS, TOKS = 8 * WN * (8 / WCOLS);
     __shared__ __align__(16) u16 ws[STAGES][COLS][32];
     __shared__ __align__(16) u16 xsh[STAGES][3][TOKS][32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wc = warp % WCOLS, wt = warp / WCOLS;
-    const int c0 = blockIdx.x * COLS, r0 = (phased ? blockIdx.y / 8 : blockIdx.y) * TOKS;
+    const int c0 = col_block * COLS, r0 = (phased ? blockIdx.y / 8 : blockIdx.y) * TOKS;
     const int phase = phased ? (int)(blockIdx.y % 8) : -1;
     const int nb = k / 32, nch = (nb + 3) / 4;
     const long long plane = (long long)m * k;
@@ -579,12 +579,33 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, const u16* w,     \
                                                            int n, const float* bias, float* out,         \
                                                            int accumulate, float* part, int phased) {    \
-        linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, w, n, bias, out, accumulate, part, phased);           \
+        linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, w, n, bias, out, accumulate, part, phased, blockIdx.x); \
     }
 LINEAR_TT(linear_tt_bf16_256x16, 8, 2, 2, 2)
 LINEAR_TT(linear_tt_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_64x64, 2, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_128x64, 4, 4, 2, 1)
+
+// Up to 3 weights over the same split activations, phase-split, in one launch (q/k/v,
+// gate/up past 32 tokens: the narrow k and v alone leave most SMs idle): blocks
+// [first_block[i], first_block[i + 1]) of the grid's x write part i's phase partials to
+// part[i] exactly as its own phased launch would, for linear_merge_phases.
+struct TtParts {
+    const u16* w[3];
+    float* part[3];
+    int n[3];
+    int first_block[3];
+    int parts;
+};
+#define LINEAR_TT_PARTS(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                              \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, TtParts p) { \
+        const int b = blockIdx.x;                                                                         \
+        const int i = (p.parts > 2 && b >= p.first_block[2]) ? 2 : (p.parts > 1 && b >= p.first_block[1]) ? 1 : 0; \
+        linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, TC_PART(p, w, i), TC_PART(p, n, i), nullptr, nullptr, 0,  \
+                                          TC_PART(p, part, i), 1, b - TC_PART(p, first_block, i));        \
+    }
+LINEAR_TT_PARTS(linear_tt_parts_bf16_128x32, 4, 2, 3, 2)
+LINEAR_TT_PARTS(linear_tt_parts_bf16_128x64, 4, 4, 2, 1)
 
 // out (+)= the 8 phase partials added in phase order (linear_tc's warp order), + bias.
 extern "C" __global__ void linear_merge_phases(const float* part, int m, int n, const float* bias, float* out,

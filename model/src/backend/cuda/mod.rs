@@ -141,6 +141,20 @@ struct TcParts {
 // SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
 unsafe impl cudarc::driver::DeviceRepr for TcParts {}
 
+/// `TtParts` in kernels.cu: up to 3 weights of one phase-split tile launch.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TtParts {
+    w: [u64; 3],
+    part: [u64; 3],
+    n: [i32; 3],
+    first_block: [i32; 3],
+    parts: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
+unsafe impl cudarc::driver::DeviceRepr for TtParts {}
+
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
@@ -170,6 +184,8 @@ struct Functions {
     /// The same, tiled in shared memory: 256x16, 128x32, 64x64, 128x64 (columns x tokens),
     /// on activations split by `split_activations`.
     linear_tt: [CudaFunction; 4],
+    /// Phase-split tiles over up to 3 weights: 128x32, 128x64.
+    linear_tt_parts: [CudaFunction; 2],
     split_activations: CudaFunction,
     linear_merge_phases: CudaFunction,
     embed: [CudaFunction; 3],
@@ -271,6 +287,7 @@ impl Cuda {
                 get("linear_tt_bf16_64x64")?,
                 get("linear_tt_bf16_128x64")?,
             ],
+            linear_tt_parts: [get("linear_tt_parts_bf16_128x32")?, get("linear_tt_parts_bf16_128x64")?],
             split_activations: get("split_activations")?,
             linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
@@ -401,6 +418,57 @@ impl Cuda {
         let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
         launch!(self, &self.f.split_activations, (blocks, 1), 256, "split", [xp, n, sp])?;
         Ok(split)
+    }
+
+    /// [`Kernels::linear_parts`] (1 to 3 parts, none empty) by one launch of a phase-split
+    /// tile over activations already split, then each part's merge: each output as its own
+    /// launch of `kernel` would write it.
+    fn linear_tile_parts(
+        &self,
+        kernel: TcKernel,
+        split: &CudaSlice<u16>,
+        m: usize,
+        parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        let (f, (cols, toks)) = match kernel {
+            TcKernel::Phases128x32 => (&self.f.linear_tt_parts[0], (128, 32)),
+            TcKernel::Phases128x64 => (&self.f.linear_tt_parts[1], (128, 64)),
+            _ => return Err(Error::Backend(format!("{kernel:?} has no launch over several weights"))),
+        };
+        let s = &self.stream;
+        let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
+        // SAFETY: every phase block writes its whole tile of partials before the merges.
+        let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
+        let base = ptr(&partials, s);
+        let mut p = TtParts { parts: parts.len() as i32, ..TtParts::default() };
+        let (mut blocks, mut offset) = (0, 0);
+        for (i, (w, _)) in parts.iter().enumerate() {
+            p.w[i] = ptr(&w.buf, s);
+            p.part[i] = base + 4 * offset as u64;
+            p.n[i] = w.rows as i32;
+            p.first_block[i] = blocks as i32;
+            blocks += w.rows.div_ceil(cols);
+            offset += 8 * m * w.rows;
+        }
+        let (sp, mi, k) = (ptr(split, s), m as i32, parts[0].0.cols as i32);
+        let grid = (blocks as u32, 8 * m.div_ceil(toks) as u32);
+        launch!(self, f, grid, LINEAR_THREADS, "linear", [sp, mi, k, p])?;
+        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
+            let (pp, op, bp, n, write) =
+                (p.part[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
+            let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
+            launch!(
+                self,
+                &self.f.linear_merge_phases,
+                (blocks, 1),
+                256,
+                "merge",
+                [pp, mi, n, bp, op, write]
+            )?;
+        }
+        drop(partials);
+        Ok(())
     }
 
     /// [`Cuda::linear_tc_with`] by a tile kernel, over activations already split.
@@ -805,8 +873,16 @@ impl Kernels for Cuda {
             if !tiles {
                 return linear_each(self, x, m, parts, outs);
             }
-            // Past 32 tokens every part takes a tile kernel: the activations split once.
+            // Past 32 tokens every part takes a tile kernel: the activations split once, and
+            // while the parts together take a phase-split tile, one launch for all of them.
             let split = self.split_activations(x, m * k)?;
+            let total = parts.iter().map(|(w, _)| w.rows).sum();
+            if let kernel @ (TcKernel::Phases128x32 | TcKernel::Phases128x64) = TcKernel::for_shape(m, total)
+            {
+                if (1..=3).contains(&parts.len()) && parts.iter().all(|(w, _)| w.rows > 0) {
+                    return self.linear_tile_parts(kernel, &split, m, parts, outs);
+                }
+            }
             for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
                 if w.rows > 0 {
                     self.linear_tile(TcKernel::for_shape(m, w.rows), &split, m, w, *bias, out, Out::Write)?;
