@@ -586,23 +586,16 @@ LINEAR_TT(linear_tt_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_64x64, 2, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_128x64, 4, 4, 2, 1)
 
-// Up to 3 weights over the same split activations, phase-split, in one launch (q/k/v,
-// gate/up past 32 tokens: the narrow k and v alone leave most SMs idle): blocks
+// Up to 3 weights over the same split activations, phase-split, in one launch (q/k/v
+// past 32 tokens: the narrow k and v alone leave most SMs idle): blocks
 // [first_block[i], first_block[i + 1]) of the grid's x write part i's phase partials to
-// part[i] exactly as its own phased launch would, for linear_merge_phases.
-struct TtParts {
-    const u16* w[3];
-    float* part[3];
-    int n[3];
-    int first_block[3];
-    int parts;
-};
+// out[i] exactly as its own phased launch would, for linear_merge_phases (bias unused).
 #define LINEAR_TT_PARTS(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                              \
-    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, TtParts p) { \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, TcParts p) { \
         const int b = blockIdx.x;                                                                         \
         const int i = (p.parts > 2 && b >= p.first_block[2]) ? 2 : (p.parts > 1 && b >= p.first_block[1]) ? 1 : 0; \
         linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, TC_PART(p, w, i), TC_PART(p, n, i), nullptr, nullptr, 0,  \
-                                          TC_PART(p, part, i), 1, b - TC_PART(p, first_block, i));        \
+                                          TC_PART(p, out, i), 1, b - TC_PART(p, first_block, i));         \
     }
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x64, 4, 4, 2, 1)

@@ -126,7 +126,8 @@ impl TcKernel {
     }
 }
 
-/// `TcParts` in kernels.cu: up to 3 weights of one multi-weight matmul launch.
+/// `TcParts` in kernels.cu: up to 3 weights of one multi-weight matmul launch (a
+/// phase-split tile launch writes each part's partials where `out` points, biases unused).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct TcParts {
@@ -140,20 +141,6 @@ struct TcParts {
 
 // SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
 unsafe impl cudarc::driver::DeviceRepr for TcParts {}
-
-/// `TtParts` in kernels.cu: up to 3 weights of one phase-split tile launch.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct TtParts {
-    w: [u64; 3],
-    part: [u64; 3],
-    n: [i32; 3],
-    first_block: [i32; 3],
-    parts: i32,
-}
-
-// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
-unsafe impl cudarc::driver::DeviceRepr for TtParts {}
 
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
@@ -441,11 +428,11 @@ impl Cuda {
         // SAFETY: every phase block writes its whole tile of partials before the merges.
         let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
         let base = ptr(&partials, s);
-        let mut p = TtParts { parts: parts.len() as i32, ..TtParts::default() };
+        let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
         let (mut blocks, mut offset) = (0, 0);
         for (i, (w, _)) in parts.iter().enumerate() {
             p.w[i] = ptr(&w.buf, s);
-            p.part[i] = base + 4 * offset as u64;
+            p.out[i] = base + 4 * offset as u64;
             p.n[i] = w.rows as i32;
             p.first_block[i] = blocks as i32;
             blocks += w.rows.div_ceil(cols);
@@ -456,7 +443,7 @@ impl Cuda {
         launch!(self, f, grid, LINEAR_THREADS, "linear", [sp, mi, k, p])?;
         for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
             let (pp, op, bp, n, write) =
-                (p.part[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
+                (p.out[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
             let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
             launch!(
                 self,
