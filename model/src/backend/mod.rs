@@ -376,17 +376,22 @@ pub(crate) const SUMMARY_VALUES: usize = 3;
 /// [`Kernels::logit_summaries`] computed on the host (`out` holds `3 * rows` values).
 pub(crate) fn host_summaries(logits: &[f32], rows: usize, vocab: usize, out: &mut [f32]) -> Result<()> {
     use rayon::prelude::*;
-    if logits.len() < rows * vocab || out.len() < SUMMARY_VALUES * rows || vocab == 0 {
-        return Err(Error::Backend(format!(
-            "logit summaries of {rows} rows of {vocab}: {} logits, room for {} values",
-            logits.len(),
-            out.len()
-        )));
-    }
+    check_summary_lens(logits.len(), out.len(), rows, vocab)?;
     out.par_chunks_mut(SUMMARY_VALUES).zip(logits.par_chunks(vocab)).take(rows).for_each(|(o, l)| {
         let s = LogitSummary::of(l);
         o.copy_from_slice(&[s.argmax as f32, s.max, s.lse]);
     });
+    Ok(())
+}
+
+/// [`Kernels::logit_summaries`]'s arguments: `rows` rows of `vocab` logits, room for their
+/// summaries.
+pub(crate) fn check_summary_lens(logits: usize, out: usize, rows: usize, vocab: usize) -> Result<()> {
+    if logits < rows * vocab || out < SUMMARY_VALUES * rows || vocab == 0 {
+        return Err(Error::Backend(format!(
+            "logit summaries of {rows} rows of {vocab}: {logits} logits, room for {out} values"
+        )));
+    }
     Ok(())
 }
 

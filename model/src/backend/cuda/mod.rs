@@ -708,13 +708,7 @@ impl Kernels for Cuda {
         vocab: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if logits.len() < rows * vocab || out.len() < crate::backend::SUMMARY_VALUES * rows {
-            return Err(Error::Backend(format!(
-                "logit summaries of {rows} rows of {vocab}: {} logits, room for {} values",
-                logits.len(),
-                out.len()
-            )));
-        }
+        crate::backend::check_summary_lens(logits.len(), out.len(), rows, vocab)?;
         let s = &self.stream;
         let (lp, op, v) = (ptr(logits, s), ptr(out, s), vocab as i32);
         launch!(self, &self.f.logit_summaries, (rows as u32, 1), 1024, "logit_summaries", [lp, v, op])

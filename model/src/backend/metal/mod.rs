@@ -324,16 +324,10 @@ impl<D: Dispatch> Kernels for Metal<D> {
         vocab: usize,
         out: &mut MetalBuf<D>,
     ) -> Result<()> {
+        super::check_summary_lens(logits.len, out.len, rows, vocab)?;
         let mut values = vec![0.0f32; super::SUMMARY_VALUES * rows];
         super::host_summaries(&self.read_f32(logits)?, rows, vocab, &mut values)?;
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
-        if out.len < values.len() {
-            return Err(Error::Backend(format!(
-                "logit summaries: {} values for room of {}",
-                values.len(),
-                out.len
-            )));
-        }
         self.d.write(&out.buf, 0, &bytes)
     }
 
