@@ -1,6 +1,6 @@
 //! The row-invariant CUDA matmul on Qwen3-8B's shapes (bf16 weights, f32 activations) at
-//! M in {1, 8, 40, 64, 512} (40: a verify of 8 rows x 5 tokens): median milliseconds and
-//! weight bandwidth. Each repetition reads another of 4 weight copies, so the 50 MB L2
+//! M in {1, 8, 40, 64, 512} (40: a verify of 8 rows x 5 tokens): median milliseconds of GPU
+//! time (events around the launches, as torch's numbers beside it) and weight bandwidth. Each repetition reads another of 4 weight copies, so the 50 MB L2
 //! never holds the weights being timed. `scripts/gpu-run.sh`
 //! prints torch.matmul (cuBLAS) on the same shapes beside it.
 //!
@@ -64,11 +64,11 @@ fn main() -> anyhow::Result<()> {
                 let mut times = Vec::new();
                 for rep in 0..reps + 3 {
                     cuda.synchronize()?;
-                    let t0 = Instant::now();
-                    cuda.linear_tc_with(kernel, &x, m, &copies[rep % 4], None, &mut out, Out::Write)?;
-                    cuda.synchronize()?;
+                    let ms = cuda.gpu_time_ms(|| {
+                        cuda.linear_tc_with(kernel, &x, m, &copies[rep % 4], None, &mut out, Out::Write)
+                    })?;
                     if rep >= 3 {
-                        times.push(t0.elapsed().as_secs_f64());
+                        times.push(ms / 1e3);
                     }
                 }
                 let t = median(&mut times);

@@ -18,7 +18,8 @@ args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
 cargo build --release --features cuda --bins --example gpu_matmul
 rm -rf gpu-bundle && mkdir -p gpu-bundle/bin
-[ "$what" = cli ] || [ "$what" = ab ] && tests=()
+# `ab` packs test suites only when GPU_TESTS names them (one call can then test and compare).
+[ "$what" = cli ] || { [ "$what" = ab ] && [ -z "${GPU_TESTS:-}" ]; } && tests=()
 base_rev=""
 [ "$what" = ab ] && base_rev="${2:?usage: scripts/gpu-build.sh ab REV}"
 json=$([ ${#tests[@]} -eq 0 ] || cargo test --release --features cuda --no-run --message-format=json "${args[@]}")

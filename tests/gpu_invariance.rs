@@ -11,7 +11,9 @@ use common::invariance::{
     attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
     with_split_attention_control,
 };
-use common::{bits, fixture, Lcg};
+use std::path::Path;
+
+use common::{bits, fixture, trained, Lcg};
 use mtp::model::backend::cuda::{Cuda, TcKernel};
 use mtp::model::backend::{Backend, Kernels, Out};
 use mtp::model::{Logits, Model, RowInput, WeightDtype};
@@ -80,8 +82,9 @@ fn every_tensor_core_kernel_gives_the_same_bits() {
 /// Several weights over the same activations in one launch (q/k/v, gate/up:
 /// `linear_parts`) give each output the bits of its own `linear` launch: three weights of
 /// different widths (partial 16-column blocks), with and without a bias, at every pass size
-/// (1 to 32 tokens) and past it (40, 64: one phase-split tile launch for all three, 128x32
-/// tiles for the narrow set and 128x64 for the wide one). Control: the same comparison
+/// (1 to 32 tokens) and past it (40, 64: one phase-split 128x32 tile launch for all three),
+/// and a set 4,272 wide together that takes one phase-split tile launch from 32 tokens on
+/// (128x32 at 32, 128x48 at 33 and 40, 128x64 at 64). Control: the same comparison
 /// against cuBLAS's products (the stock-matmul control) must differ at some M.
 #[test]
 fn stacked_projections_give_each_weight_its_own_bits() {
@@ -327,15 +330,15 @@ fn gpu_logits_agree_with_the_cpu_for_every_weight_dtype() {
     }
 }
 
-/// Every logit of a fixed run of decode and verify steps, as bits: three rows prefilled to
-/// 20, 40 and 530 tokens (the last past a 512-key segment, so its decode steps take the
-/// split attention launch), six greedy decode steps of all three, four of the first row
-/// alone, then three verify steps of five tokens a row keeping two (mixed accepts, the
-/// window rewritten). Each decode and verify shape runs at least three times: eagerly the
-/// first time, recorded the second, replayed after.
-fn decode_and_verify_bits(graphs: bool, stale: bool) -> Vec<Vec<u32>> {
+/// Every logit of a fixed run of decode and verify steps of the checkpoint at `dir`, as
+/// bits: three rows prefilled to 20, 40 and 530 tokens (the last past a 512-key segment, so
+/// its decode steps take the split attention launch), six greedy decode steps of all three,
+/// four of the first row alone, then three verify steps of `block` tokens a row keeping
+/// two (mixed accepts, the window rewritten). Each decode and verify shape runs at least
+/// three times: eagerly the first time, recorded the second, replayed after.
+fn decode_and_verify_bits(dir: &Path, block: usize, graphs: bool, stale: bool) -> Vec<Vec<u32>> {
     Cuda::set_graphs(graphs);
-    let model = Model::load_on(&fixture("qwen3-target"), Backend::Cuda).unwrap();
+    let model = Model::load_on(dir, Backend::Cuda).unwrap();
     let vocab = model.config.vocab_size;
     let mut rng = Lcg(41);
     let mut caches: Vec<_> = (0..3).map(|_| model.new_cache()).collect();
@@ -364,7 +367,7 @@ fn decode_and_verify_bits(graphs: bool, stale: bool) -> Vec<Vec<u32>> {
     }
     for _ in 0..3 {
         let blocks: Vec<Vec<u32>> =
-            (0..3).map(|_| (0..5).map(|_| rng.below(vocab) as u32).collect()).collect();
+            (0..3).map(|_| (0..block).map(|_| rng.below(vocab) as u32).collect()).collect();
         let mut rows: Vec<RowInput> = caches
             .iter_mut()
             .zip(&blocks)
@@ -391,12 +394,24 @@ fn argmax(logits: &[f32]) -> u32 {
 
 /// A decode or verify forward replayed from its CUDA graph gives every row the bits of the
 /// same forward launched kernel by kernel (decode of 3 rows and of 1, the split attention
-/// launch past 512 keys, verify blocks after mixed accepts). Control: replays that do not
-/// copy each step's tables into the recording recompute the recorded step, and must differ.
+/// launch past 512 keys, verify blocks after mixed accepts): on the f32 hf-tiny target
+/// (CUDA-core matmuls; 15-token verify steps) and on the trained bf16 target (tensor cores;
+/// 24-token verify steps, whose 8,192-wide LM head takes a phase-split tile, its scratch
+/// allocated inside the recording). Control: replays that do not copy each step's tables
+/// into the recording recompute the recorded step, and must differ.
 #[test]
 fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
-    let eager = decode_and_verify_bits(false, false);
-    assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * 5));
-    assert!(decode_and_verify_bits(true, false) == eager, "a replayed forward changed some row's bits");
-    assert!(decode_and_verify_bits(true, true) != eager, "replays with stale tables went unnoticed");
+    for (dir, block) in [(fixture("qwen3-target"), 5), (trained("target"), 8)] {
+        let eager = decode_and_verify_bits(&dir, block, false, false);
+        assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * block));
+        let name = dir.display();
+        assert!(
+            decode_and_verify_bits(&dir, block, true, false) == eager,
+            "{name}: a replayed forward changed some row's bits"
+        );
+        assert!(
+            decode_and_verify_bits(&dir, block, true, true) != eager,
+            "{name}: replays with stale tables went unnoticed"
+        );
+    }
 }

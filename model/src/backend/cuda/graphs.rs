@@ -18,9 +18,10 @@ use crate::backend::{run_body, ForwardBody, Kernels};
 use crate::error::{Error, Result};
 use crate::negative_control;
 
-/// Forwards of more tokens than this run eagerly: past 32 tokens the matmul's tiles
-/// allocate scratch inside the forward (graph memory nodes), and replays of a B=8 k=4
-/// verify (40 tokens) measured no faster than launching it (docs/cuda-speed-notes.md, v8).
+/// Forwards of more tokens than this run eagerly: replays of a B=8 k=4 verify (40 tokens)
+/// measured no faster than launching it (docs/cuda-speed-notes.md, v8). Below it, the
+/// phase-split tiles of 17-32 tokens allocate their scratch (split activations, partials)
+/// inside the recording, as graph memory nodes.
 const MOST_RECORDED_TOKENS: usize = 32;
 /// Recordings a model keeps (the least recently replayed goes first).
 const MOST_RECORDINGS: usize = 16;

@@ -438,26 +438,31 @@ struct TtPos {
     __device__ int kb() const { return 128 * c + 32 * u; }
 };
 
-// xs: split_activations of the m x k activations (planes h, m, l of m k each). phased: the
+// xs: split_activations of the m x k activations (planes h, m, l of m k each). PHASED: the
 // grid's y holds 8 blocks per token tile, block y walking phase y % 8 alone and writing its
-// partial to part[phase][m][n] (no bias), for linear_merge_phases to add in phase order:
-// 8 times the blocks, for grids too small to fill the GPU.
-template <int WCOLS, int WN, int STAGES>
+// partial to out[phase][m][n] (no bias), for linear_merge_phases to add in phase order:
+// 8 times the blocks, for grids too small to fill the GPU (and no running sum held).
+// The STAGES live in dynamic shared memory, weights [STAGES][COLS][32] then activations
+// [STAGES][3][TOKS][32]: (COLS + 3 TOKS) 64 STAGES bytes, which the host passes (and
+// raises the kernel's limit to, past 48 KB).
+
+template <int WCOLS, int WN, int STAGES, bool PHASED>
 __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
-                               float* __restrict__ part, int phased, int col_block) {
+                               int col_block) {
     constexpr int COLS = 32 * WCOLS, TOKS = 8 * WN * (8 / WCOLS);
-    __shared__ __align__(16) u16 ws[STAGES][COLS][32];
-    __shared__ __align__(16) u16 xsh[STAGES][3][TOKS][32];
+    extern __shared__ __align__(16) unsigned char tt_smem[];
+    auto ws = reinterpret_cast<u16 (*)[COLS][32]>(tt_smem);
+    auto xsh = reinterpret_cast<u16 (*)[3][TOKS][32]>(tt_smem + STAGES * COLS * 32 * 2);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wc = warp % WCOLS, wt = warp / WCOLS;
-    const int c0 = col_block * COLS, r0 = (phased ? blockIdx.y / 8 : blockIdx.y) * TOKS;
-    const int phase = phased ? (int)(blockIdx.y % 8) : -1;
+    const int c0 = col_block * COLS, r0 = (PHASED ? blockIdx.y / 8 : blockIdx.y) * TOKS;
+    const int phase = PHASED ? (int)(blockIdx.y % 8) : -1;
     const int nb = k / 32, nch = (nb + 3) / 4;
     const long long plane = (long long)m * k;
     int steps = nb;
-    if (phased) {
+    if (PHASED) {
         steps = 0;
         for (int c = phase; c < nch; c += 8) steps += min(4, nb - 4 * c);
     }
@@ -490,6 +495,7 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
         }
         cp_async_commit();
     }
+    // sum: the running sum over phases (the phased kernel writes each phase's acc alone).
     float acc[2][WN][4], sum[2][WN][4];
 #pragma unroll
     for (int a = 0; a < 2; a++)
@@ -533,7 +539,7 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
         // The end of a phase: its partial joins the running sum, as linear_tc's warp sums do.
         const int c = at.c;
         at.next(nch, nb);
-        if (!phased && at.u == 0 && c + 8 >= nch) {
+        if (!PHASED && at.u == 0 && c + 8 >= nch) {
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -547,7 +553,7 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
     }
     // Phases without chunks (K < 1024) add linear_tc's idle warps' zeros (a phase block
     // writes its own partial alone).
-    for (int p = phased ? 8 : nch; p < 8; p++)
+    for (int p = PHASED ? 8 : nch; p < 8; p++)
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
@@ -564,8 +570,8 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
                 const int col = c0 + 32 * wc + 16 * mt + g + 8 * (e >> 1);
                 const int r = r0 + 8 * (WN * wt + j) + 2 * t + (e & 1);
                 if (r >= m || col >= n) continue;
-                if (phased) {
-                    part[((long long)phase * m + r) * n + col] = acc[mt][j][e];
+                if (PHASED) {
+                    out[((long long)phase * m + r) * n + col] = acc[mt][j][e];
                     continue;
                 }
                 float y = sum[mt][j][e];
@@ -575,16 +581,28 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
             }
 }
 
+// Unphased tiles: out (+)= x w^T + bias. Phased: `out` holds the 8 phases' partials
+// (8 m n), for linear_merge_phases.
 #define LINEAR_TT(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                                    \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, const u16* w,     \
                                                            int n, const float* bias, float* out,         \
-                                                           int accumulate, float* part, int phased) {    \
-        linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, w, n, bias, out, accumulate, part, phased, blockIdx.x); \
+                                                           int accumulate) {                             \
+        linear_tt_impl<WCOLS, WN, STAGES, false>(xs, m, k, w, n, bias, out, accumulate, blockIdx.x);     \
+    }
+#define LINEAR_TT_PHASES(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                             \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, const u16* w,     \
+                                                           int n, float* part) {                         \
+        linear_tt_impl<WCOLS, WN, STAGES, true>(xs, m, k, w, n, nullptr, part, 0, blockIdx.x);           \
     }
 LINEAR_TT(linear_tt_bf16_256x16, 8, 2, 2, 2)
 LINEAR_TT(linear_tt_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_64x64, 2, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_128x64, 4, 4, 2, 1)
+LINEAR_TT_PHASES(linear_tt_phases_bf16_256x16, 8, 2, 2, 2)
+LINEAR_TT_PHASES(linear_tt_phases_bf16_128x32, 4, 2, 3, 2)
+LINEAR_TT_PHASES(linear_tt_phases_bf16_64x64, 2, 2, 3, 2)
+LINEAR_TT_PHASES(linear_tt_phases_bf16_128x64, 4, 4, 3, 2)
+LINEAR_TT_PHASES(linear_tt_phases_bf16_128x48, 4, 3, 3, 2)
 
 // Up to 3 weights over the same split activations, phase-split, in one launch (q/k/v
 // past 32 tokens: the narrow k and v alone leave most SMs idle): blocks
@@ -594,11 +612,12 @@ LINEAR_TT(linear_tt_bf16_128x64, 4, 4, 2, 1)
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, TcParts p) { \
         const int b = blockIdx.x;                                                                         \
         const int i = (p.parts > 2 && b >= p.first_block[2]) ? 2 : (p.parts > 1 && b >= p.first_block[1]) ? 1 : 0; \
-        linear_tt_impl<WCOLS, WN, STAGES>(xs, m, k, TC_PART(p, w, i), TC_PART(p, n, i), nullptr, nullptr, 0,  \
-                                          TC_PART(p, out, i), 1, b - TC_PART(p, first_block, i));         \
+        linear_tt_impl<WCOLS, WN, STAGES, true>(xs, m, k, TC_PART(p, w, i), TC_PART(p, n, i), nullptr,     \
+                                                TC_PART(p, out, i), 0, b - TC_PART(p, first_block, i));   \
     }
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x32, 4, 2, 3, 2)
-LINEAR_TT_PARTS(linear_tt_parts_bf16_128x64, 4, 4, 2, 1)
+LINEAR_TT_PARTS(linear_tt_parts_bf16_128x64, 4, 4, 3, 2)
+LINEAR_TT_PARTS(linear_tt_parts_bf16_128x48, 4, 3, 3, 2)
 
 // out (+)= the 8 phase partials added in phase order (linear_tc's warp order), + bias.
 extern "C" __global__ void linear_merge_phases(const float* part, int m, int n, const float* bias, float* out,

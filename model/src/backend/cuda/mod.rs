@@ -7,7 +7,10 @@
 /// Launches kernel `$f` on a `$grid` of blocks of `$block` threads with the named
 /// arguments (locals, so they outlive the launch builder).
 macro_rules! launch {
-    ($cuda:expr, $f:expr, $grid:expr, $block:expr, $what:expr, [$($arg:ident),*]) => {{
+    ($cuda:expr, $f:expr, $grid:expr, $block:expr, $what:expr, [$($arg:ident),*]) => {
+        launch!($cuda, $f, $grid, $block, 0, $what, [$($arg),*])
+    };
+    ($cuda:expr, $f:expr, $grid:expr, $block:expr, $smem:expr, $what:expr, [$($arg:ident),*]) => {{
         let (grid, block): ((u32, u32), u32) = ($grid, $block);
         if grid.0 == 0 || grid.1 == 0 {
             Ok(())
@@ -15,7 +18,7 @@ macro_rules! launch {
             let cfg = cudarc::driver::LaunchConfig {
                 grid_dim: (grid.0, grid.1, 1),
                 block_dim: (block, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: $smem,
             };
             let mut b = $cuda.stream.launch_builder($f);
             $( cudarc::driver::PushKernelArg::arg(&mut b, &$arg); )*
@@ -89,10 +92,31 @@ pub enum TcKernel {
     Phases128x32,
     Phases64x64,
     Phases128x64,
+    /// 48 tokens a tile: a verify of 33-48 tokens (8 rows x 5) stages and multiplies fewer
+    /// idle token rows than a 64-token tile.
+    Phases128x48,
+}
+
+/// A tile kernel's shape: output columns and tokens per block, stages of loads in
+/// flight (the shared memory it takes), and whether its K walk is phase-split.
+#[derive(Clone, Copy)]
+struct Tile {
+    cols: usize,
+    toks: usize,
+    stages: usize,
+    phased: bool,
+}
+
+impl Tile {
+    /// kernels.cu's linear_tt_impl: per stage, 32 k of COLS weight rows and of 3 TOKS split
+    /// activation rows, 2 bytes each.
+    fn smem_bytes(self) -> u32 {
+        (self.stages * (self.cols + 3 * self.toks) * 64) as u32
+    }
 }
 
 impl TcKernel {
-    pub const ALL: [TcKernel; 12] = [
+    pub const ALL: [TcKernel; 13] = [
         TcKernel::Pass8,
         TcKernel::Pass16,
         TcKernel::Pass32,
@@ -105,26 +129,58 @@ impl TcKernel {
         TcKernel::Phases128x32,
         TcKernel::Phases64x64,
         TcKernel::Phases128x64,
+        TcKernel::Phases128x48,
     ];
 
     /// The fastest kernel for M tokens and N output columns, as measured on an H100
-    /// (`gpu_matmul --kernels`; docs/cuda-speed-notes.md): passes up to 32 tokens; then up
-    /// to 128 tokens a phase-split tile while the plain tile's grid would give fewer than 2
-    /// blocks an SM (a block alone waits on its loads), its 64 tokens in one tile up to 64
-    /// tokens where N is at least 4,096 (each weight fetched once: 7-9% faster at 40 and 64
-    /// on the 8B's 12288-wide shapes; narrower N unmeasured); otherwise the tile.
+    /// (`gpu_matmul --kernels`; docs/cuda-speed-notes.md, v15 and v16): passes up to 16
+    /// tokens. Past that, while the plain tile's grid would give fewer than 2 blocks an SM
+    /// (a block alone waits on its loads), a phase-split tile: where N is at least 4,096
+    /// one token tile of 32, 48 or 64 tokens (17-32 tokens: 1.4-1.8x faster than Pass32 at
+    /// 32 on the 8B's shapes; 48 tokens for 33-48: a verify of 8 rows x 5 stages fewer idle
+    /// token rows), else 128x32 tiles up to 128 tokens (below 4,096 columns, passes up to
+    /// 32 tokens: narrower N unmeasured). Otherwise the plain 128x32 tile.
     pub fn for_shape(m: usize, n: usize) -> TcKernel {
         let phased = n.div_ceil(128) * m.div_ceil(32) < 264;
+        let wide = phased && n >= 4096;
         match m {
             0..=8 => TcKernel::Pass8,
             9..=16 => TcKernel::Pass16,
+            17..=32 if wide => TcKernel::Phases128x32,
             17..=32 => TcKernel::Pass32,
-            33..=64 if phased && n >= 4096 => TcKernel::Phases128x64,
+            33..=48 if wide => TcKernel::Phases128x48,
+            49..=64 if wide => TcKernel::Phases128x64,
             33..=128 if phased => TcKernel::Phases128x32,
             _ => TcKernel::Tile128x32,
         }
     }
+
+    /// The tile kernel's shape, and its function's index in `Functions::linear_tt`
+    /// (unphased) or `linear_tt_phases`; None for the pass kernels.
+    fn tile(self) -> Option<(usize, Tile)> {
+        let t = |cols, toks, stages, phased| Tile { cols, toks, stages, phased };
+        Some(match self {
+            TcKernel::Pass8 | TcKernel::Pass16 | TcKernel::Pass32 | TcKernel::Pass64 => return None,
+            TcKernel::Tile256x16 => (0, t(256, 16, 2, false)),
+            TcKernel::Tile128x32 => (1, t(128, 32, 3, false)),
+            TcKernel::Tile64x64 => (2, t(64, 64, 3, false)),
+            TcKernel::Tile128x64 => (3, t(128, 64, 2, false)),
+            TcKernel::Phases256x16 => (0, t(256, 16, 2, true)),
+            TcKernel::Phases128x32 => (1, t(128, 32, 3, true)),
+            TcKernel::Phases64x64 => (2, t(64, 64, 3, true)),
+            TcKernel::Phases128x64 => (3, t(128, 64, 3, true)),
+            TcKernel::Phases128x48 => (4, t(128, 48, 3, true)),
+        })
+    }
 }
+
+/// The phase-split tiles that also run over several weights (`linear_tt_parts_*`), in
+/// `Functions::linear_tt_parts`' order, each with its kernel's shape.
+const PARTS_TILES: [(TcKernel, Tile); 3] = [
+    (TcKernel::Phases128x32, Tile { cols: 128, toks: 32, stages: 3, phased: true }),
+    (TcKernel::Phases128x64, Tile { cols: 128, toks: 64, stages: 3, phased: true }),
+    (TcKernel::Phases128x48, Tile { cols: 128, toks: 48, stages: 3, phased: true }),
+];
 
 /// `TcParts` in kernels.cu: up to 3 weights of one multi-weight matmul launch (a
 /// phase-split tile launch writes each part's partials where `out` points, biases unused).
@@ -168,11 +224,12 @@ struct Functions {
     linear_tc: [CudaFunction; 4],
     /// The same, up to 3 weights in one launch, by tokens per pass (8, 16, 32).
     linear_tc_parts: [CudaFunction; 3],
-    /// The same, tiled in shared memory: 256x16, 128x32, 64x64, 128x64 (columns x tokens),
-    /// on activations split by `split_activations`.
+    /// The same, tiled in shared memory, on activations split by `split_activations`: by
+    /// [`TcKernel::tile`]'s index, unphased and phase-split.
     linear_tt: [CudaFunction; 4],
-    /// Phase-split tiles over up to 3 weights: 128x32, 128x64.
-    linear_tt_parts: [CudaFunction; 2],
+    linear_tt_phases: [CudaFunction; 5],
+    /// Phase-split tiles over up to 3 weights: 128x32, 128x64 (as `PARTS_TILES`).
+    linear_tt_parts: [CudaFunction; 3],
     split_activations: CudaFunction,
     linear_merge_phases: CudaFunction,
     embed: [CudaFunction; 3],
@@ -274,7 +331,18 @@ impl Cuda {
                 get("linear_tt_bf16_64x64")?,
                 get("linear_tt_bf16_128x64")?,
             ],
-            linear_tt_parts: [get("linear_tt_parts_bf16_128x32")?, get("linear_tt_parts_bf16_128x64")?],
+            linear_tt_phases: [
+                get("linear_tt_phases_bf16_256x16")?,
+                get("linear_tt_phases_bf16_128x32")?,
+                get("linear_tt_phases_bf16_64x64")?,
+                get("linear_tt_phases_bf16_128x64")?,
+                get("linear_tt_phases_bf16_128x48")?,
+            ],
+            linear_tt_parts: [
+                get("linear_tt_parts_bf16_128x32")?,
+                get("linear_tt_parts_bf16_128x64")?,
+                get("linear_tt_parts_bf16_128x48")?,
+            ],
             split_activations: get("split_activations")?,
             linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
@@ -311,6 +379,18 @@ impl Cuda {
             rope_rows: get("rope_rows")?,
             logit_summaries: get("logit_summaries")?,
         };
+        // The tiles take their stages as dynamic shared memory, past 48 KB only when allowed.
+        let tiles = TcKernel::ALL.iter().filter_map(|k| Some((k.tile()?, *k)));
+        let parts = PARTS_TILES.iter().zip(&f.linear_tt_parts).map(|((_, t), f)| (f, *t));
+        for (func, tile) in tiles
+            .map(|((i, t), _)| (if t.phased { &f.linear_tt_phases[i] } else { &f.linear_tt[i] }, t))
+            .chain(parts)
+        {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+            func.set_attribute(MAX, tile.smem_bytes() as i32).map_err(|e| {
+                format!("shared memory for a matmul tile ({} bytes): {e:?}", tile.smem_bytes())
+            })?;
+        }
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
         Ok(Cuda { stream, f, device, blas: OnceLock::new(), staging: std::sync::Mutex::new(None) })
@@ -418,11 +498,11 @@ impl Cuda {
         parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
         outs: &mut [&mut CudaSlice<f32>],
     ) -> Result<()> {
-        let (f, (cols, toks)) = match kernel {
-            TcKernel::Phases128x32 => (&self.f.linear_tt_parts[0], (128, 32)),
-            TcKernel::Phases128x64 => (&self.f.linear_tt_parts[1], (128, 64)),
-            _ => return Err(Error::Backend(format!("{kernel:?} has no launch over several weights"))),
+        let Some(i) = PARTS_TILES.iter().position(|(k, _)| *k == kernel) else {
+            return Err(Error::Backend(format!("{kernel:?} has no launch over several weights")));
         };
+        let (f, tile) = (&self.f.linear_tt_parts[i], PARTS_TILES[i].1);
+        let (cols, toks) = (tile.cols, tile.toks);
         let s = &self.stream;
         let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
         // SAFETY: every phase block writes its whole tile of partials before the merges.
@@ -440,7 +520,7 @@ impl Cuda {
         }
         let (sp, mi, k) = (ptr(split, s), m as i32, parts[0].0.cols as i32);
         let grid = (blocks as u32, 8 * m.div_ceil(toks) as u32);
-        launch!(self, f, grid, LINEAR_THREADS, "linear", [sp, mi, k, p])?;
+        launch!(self, f, grid, LINEAR_THREADS, tile.smem_bytes(), "linear", [sp, mi, k, p])?;
         for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
             let (pp, op, bp, n, write) =
                 (p.out[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
@@ -473,40 +553,36 @@ impl Cuda {
         let s = &self.stream;
         let (sp, wp, op, bp) = (ptr(split, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
-        let cols_grid = |cols: usize| w.rows.div_ceil(cols) as u32;
-        let (tile, (cols, toks), phased) = match kernel {
-            TcKernel::Pass8 | TcKernel::Pass16 | TcKernel::Pass32 | TcKernel::Pass64 => {
-                return Err(Error::Backend(format!("{kernel:?} is not a tile kernel")));
-            }
-            TcKernel::Tile256x16 => (0, (256, 16), false),
-            TcKernel::Tile128x32 => (1, (128, 32), false),
-            TcKernel::Tile64x64 => (2, (64, 64), false),
-            TcKernel::Tile128x64 => (3, (128, 64), false),
-            TcKernel::Phases256x16 => (0, (256, 16), true),
-            TcKernel::Phases128x32 => (1, (128, 32), true),
-            TcKernel::Phases64x64 => (2, (64, 64), true),
-            TcKernel::Phases128x64 => (3, (128, 64), true),
+        let Some((i, tile)) = kernel.tile() else {
+            return Err(Error::Backend(format!("{kernel:?} is not a tile kernel")));
         };
-        let f = &self.f.linear_tt[tile];
-        let token_tiles = m.div_ceil(toks) as u32;
-        if !phased {
-            let (none, zero) = (0u64, 0i32);
-            let grid = (cols_grid(cols), token_tiles);
+        let (smem, cols_grid, token_tiles) =
+            (tile.smem_bytes(), w.rows.div_ceil(tile.cols) as u32, m.div_ceil(tile.toks) as u32);
+        if !tile.phased {
+            let f = &self.f.linear_tt[i];
             return launch!(
                 self,
                 f,
-                grid,
+                (cols_grid, token_tiles),
                 LINEAR_THREADS,
+                smem,
                 "linear",
-                [sp, mi, k, wp, n, bp, op, acc, none, zero]
+                [sp, mi, k, wp, n, bp, op, acc]
             );
         }
         // SAFETY: every phase block writes its whole tile of partials before the merge.
         let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
-        let (pp, one, write) = (ptr(&part, s), 1i32, 0i32);
-        let grid = (cols_grid(cols), 8 * token_tiles);
-        let no_bias = 0u64;
-        launch!(self, f, grid, LINEAR_THREADS, "linear", [sp, mi, k, wp, n, no_bias, op, write, pp, one])?;
+        let pp = ptr(&part, s);
+        let f = &self.f.linear_tt_phases[i];
+        launch!(
+            self,
+            f,
+            (cols_grid, 8 * token_tiles),
+            LINEAR_THREADS,
+            smem,
+            "linear",
+            [sp, mi, k, wp, n, pp]
+        )?;
         let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
         launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [pp, mi, n, bp, op, acc])
     }
@@ -514,6 +590,16 @@ impl Cuda {
     /// Waits for every queued kernel (for timing).
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    /// The GPU time, in milliseconds, of the work `queue` puts on the stream (events
+    /// recorded around it; the host's launch time left out). Waits for the stream.
+    pub fn gpu_time_ms(&self, queue: impl FnOnce() -> Result<()>) -> Result<f64> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let start = self.stream.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver("event"))?;
+        queue()?;
+        let end = self.stream.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver("event"))?;
+        Ok(start.elapsed_ms(&end).map_err(driver("event"))? as f64)
     }
 
     fn upload_as<T: cudarc::driver::DeviceRepr>(&self, x: &[T], what: &str) -> Result<CudaSlice<T>> {
@@ -838,34 +924,28 @@ impl Kernels for Cuda {
         parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
         outs: &mut [&mut CudaSlice<f32>],
     ) -> Result<()> {
-        // One launch where every part takes the same pass kernel (tensor cores, the same K,
-        // at most 32 tokens); otherwise a launch each.
+        // Tensor cores over the same K: one launch for up to 3 parts (a phase-split tile
+        // where they together take one, else up to 32 tokens the pass kernel); past 32
+        // tokens otherwise a tile launch each over activations split once. Else a launch each.
         let k = parts.first().map_or(0, |(w, _)| w.cols);
-        let one_launch = (1..=3).contains(&parts.len())
-            && parts.len() == outs.len()
-            && (1..=32).contains(&m)
+        let tensor_cores = parts.len() == outs.len()
             && !negative_control::stock_matmul()
-            && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k && w.rows > 0);
-        if !one_launch {
-            let tiles = m > 32
-                && parts.len() == outs.len()
-                && !negative_control::stock_matmul()
-                && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k);
-            if !tiles {
-                return linear_each(self, x, m, parts, outs);
-            }
-            // Past 32 tokens every part takes a tile kernel: the activations split once, and
-            // while the parts together take a phase-split tile, one launch for all of them.
+            && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k);
+        let stackable =
+            tensor_cores && (1..=3).contains(&parts.len()) && parts.iter().all(|(w, _)| w.rows > 0);
+        if m == 0 || !tensor_cores || (m <= 32 && !stackable) {
+            return linear_each(self, x, m, parts, outs);
+        }
+        let kernel = TcKernel::for_shape(m, parts.iter().map(|(w, _)| w.rows).sum());
+        let tile_parts = stackable && PARTS_TILES.iter().any(|(k, _)| *k == kernel);
+        if tile_parts || m > 32 {
             let split = self.split_activations(x, m * k)?;
-            let total = parts.iter().map(|(w, _)| w.rows).sum();
-            if let kernel @ (TcKernel::Phases128x32 | TcKernel::Phases128x64) = TcKernel::for_shape(m, total)
-            {
-                if (1..=3).contains(&parts.len()) && parts.iter().all(|(w, _)| w.rows > 0) {
-                    return self.linear_tile_parts(kernel, &split, m, parts, outs);
-                }
+            if tile_parts {
+                return self.linear_tile_parts(kernel, &split, m, parts, outs);
             }
             for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
                 if w.rows > 0 {
+                    // Past 32 tokens every width takes a tile kernel.
                     self.linear_tile(TcKernel::for_shape(m, w.rows), &split, m, w, *bias, out, Out::Write)?;
                 }
             }
@@ -882,8 +962,8 @@ impl Kernels for Cuda {
             p.first_block[i] = blocks as i32;
             blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
         }
-        // Pass8, Pass16 or Pass32 at m <= 32: the order of `linear_tc_parts`.
-        let pass = TcKernel::for_shape(m, parts[0].0.rows) as usize;
+        // Pass8, Pass16 or Pass32 by m (at most 32): `linear_tc_parts`' order.
+        let pass = (m > 8) as usize + (m > 16) as usize;
         let (xp, mi, ki) = (ptr(x, s), m as i32, k as i32);
         launch!(
             self,
