@@ -445,7 +445,6 @@ struct TtPos {
 // The STAGES live in dynamic shared memory, weights [STAGES][COLS][32] then activations
 // [STAGES][3][TOKS][32]: (COLS + 3 TOKS) 64 STAGES bytes, which the host passes (and
 // raises the kernel's limit to, past 48 KB).
-
 template <int WCOLS, int WN, int STAGES, bool PHASED>
 __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
@@ -607,7 +606,8 @@ LINEAR_TT_PHASES(linear_tt_phases_bf16_128x48, 4, 3, 3, 2)
 // Up to 3 weights over the same split activations, phase-split, in one launch (q/k/v
 // past 32 tokens: the narrow k and v alone leave most SMs idle): blocks
 // [first_block[i], first_block[i + 1]) of the grid's x write part i's phase partials to
-// out[i] exactly as its own phased launch would, for linear_merge_phases (bias unused).
+// out[i] exactly as its own phased launch would, for linear_merge_phases (bias unused). Each
+// takes its single-weight phased kernel's shape and stages (the host sizes both alike).
 #define LINEAR_TT_PARTS(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                              \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, TcParts p) { \
         const int b = blockIdx.x;                                                                         \

@@ -174,13 +174,9 @@ impl TcKernel {
     }
 }
 
-/// The phase-split tiles that also run over several weights (`linear_tt_parts_*`), in
-/// `Functions::linear_tt_parts`' order, each with its kernel's shape.
-const PARTS_TILES: [(TcKernel, Tile); 3] = [
-    (TcKernel::Phases128x32, Tile { cols: 128, toks: 32, stages: 3, phased: true }),
-    (TcKernel::Phases128x64, Tile { cols: 128, toks: 64, stages: 3, phased: true }),
-    (TcKernel::Phases128x48, Tile { cols: 128, toks: 48, stages: 3, phased: true }),
-];
+/// The phase-split tiles that also run over several weights (`linear_tt_parts_*`, each of
+/// its single-weight kernel's shape), in `Functions::linear_tt_parts`' order.
+const PARTS_TILES: [TcKernel; 3] = [TcKernel::Phases128x32, TcKernel::Phases128x64, TcKernel::Phases128x48];
 
 /// `TcParts` in kernels.cu: up to 3 weights of one multi-weight matmul launch (a
 /// phase-split tile launch writes each part's partials where `out` points, biases unused).
@@ -228,7 +224,7 @@ struct Functions {
     /// [`TcKernel::tile`]'s index, unphased and phase-split.
     linear_tt: [CudaFunction; 4],
     linear_tt_phases: [CudaFunction; 5],
-    /// Phase-split tiles over up to 3 weights: 128x32, 128x64 (as `PARTS_TILES`).
+    /// Phase-split tiles over up to 3 weights, as `PARTS_TILES`.
     linear_tt_parts: [CudaFunction; 3],
     split_activations: CudaFunction,
     linear_merge_phases: CudaFunction,
@@ -380,16 +376,16 @@ impl Cuda {
             logit_summaries: get("logit_summaries")?,
         };
         // The tiles take their stages as dynamic shared memory, past 48 KB only when allowed.
-        let tiles = TcKernel::ALL.iter().filter_map(|k| Some((k.tile()?, *k)));
-        let parts = PARTS_TILES.iter().zip(&f.linear_tt_parts).map(|((_, t), f)| (f, *t));
-        for (func, tile) in tiles
-            .map(|((i, t), _)| (if t.phased { &f.linear_tt_phases[i] } else { &f.linear_tt[i] }, t))
-            .chain(parts)
-        {
-            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
-            func.set_attribute(MAX, tile.smem_bytes() as i32).map_err(|e| {
-                format!("shared memory for a matmul tile ({} bytes): {e:?}", tile.smem_bytes())
-            })?;
+        for kernel in TcKernel::ALL {
+            let Some((i, tile)) = kernel.tile() else { continue };
+            let single = if tile.phased { &f.linear_tt_phases[i] } else { &f.linear_tt[i] };
+            let parts = PARTS_TILES.iter().position(|k| *k == kernel).map(|p| &f.linear_tt_parts[p]);
+            for func in std::iter::once(single).chain(parts) {
+                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+                func.set_attribute(MAX, tile.smem_bytes() as i32).map_err(|e| {
+                    format!("shared memory for {kernel:?} ({} bytes): {e:?}", tile.smem_bytes())
+                })?;
+            }
         }
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
@@ -498,11 +494,11 @@ impl Cuda {
         parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
         outs: &mut [&mut CudaSlice<f32>],
     ) -> Result<()> {
-        let Some(i) = PARTS_TILES.iter().position(|(k, _)| *k == kernel) else {
+        let (Some(i), Some((_, tile))) = (PARTS_TILES.iter().position(|k| *k == kernel), kernel.tile())
+        else {
             return Err(Error::Backend(format!("{kernel:?} has no launch over several weights")));
         };
-        let (f, tile) = (&self.f.linear_tt_parts[i], PARTS_TILES[i].1);
-        let (cols, toks) = (tile.cols, tile.toks);
+        let (f, cols, toks) = (&self.f.linear_tt_parts[i], tile.cols, tile.toks);
         let s = &self.stream;
         let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
         // SAFETY: every phase block writes its whole tile of partials before the merges.
@@ -937,7 +933,7 @@ impl Kernels for Cuda {
             return linear_each(self, x, m, parts, outs);
         }
         let kernel = TcKernel::for_shape(m, parts.iter().map(|(w, _)| w.rows).sum());
-        let tile_parts = stackable && PARTS_TILES.iter().any(|(k, _)| *k == kernel);
+        let tile_parts = stackable && PARTS_TILES.contains(&kernel);
         if tile_parts || m > 32 {
             let split = self.split_activations(x, m * k)?;
             if tile_parts {
