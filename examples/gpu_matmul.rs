@@ -1,8 +1,9 @@
 //! The row-invariant CUDA matmul on Qwen3-8B's shapes (bf16 weights, f32 activations) at
 //! M in {1, 8, 40, 64, 512} (40: a verify of 8 rows x 5 tokens): median milliseconds of GPU
-//! time (events around the launches, as torch's numbers beside it) and weight bandwidth. Each repetition reads another of 4 weight copies, so the 50 MB L2
-//! never holds the weights being timed. `scripts/gpu-run.sh`
-//! prints torch.matmul (cuBLAS) on the same shapes beside it.
+//! time (events around the launches, as torch's numbers beside it) and weight bandwidth.
+//! Each repetition reads another of 4 weight copies, so the 50 MB L2 never holds the
+//! weights being timed. `scripts/gpu-run.sh` prints torch.matmul (cuBLAS) on the same
+//! shapes beside it.
 //!
 //! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R] [--kernels]` narrows it (for a
 //! profiler: `scripts/gpu-run.sh profile-matmul`); `--kernels` times every tensor-core

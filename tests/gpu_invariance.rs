@@ -7,12 +7,12 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::invariance::{
     attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
     with_split_attention_control,
 };
-use std::path::Path;
-
 use common::{bits, fixture, trained, Lcg};
 use mtp::model::backend::cuda::{Cuda, TcKernel};
 use mtp::model::backend::{Backend, Kernels, Out};

@@ -460,7 +460,7 @@ impl Cuda {
         if m == 0 || w.rows == 0 {
             return Ok(());
         }
-        if let TcKernel::Pass8 | TcKernel::Pass16 | TcKernel::Pass32 | TcKernel::Pass64 = kernel {
+        if kernel.tile().is_none() {
             let s = &self.stream;
             let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
             let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
