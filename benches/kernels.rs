@@ -11,9 +11,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use mtp::model::kernels::linear;
-use mtp::model::synth::SynthSpec;
-use mtp::model::{Checkpoint, Logits, Model, RowInput};
+use mtp::base::Checkpoint;
+use mtp::kernels::ops::linear;
+use mtp::model::{Logits, Model, RowInput};
+use mtp::synth::SynthSpec;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -52,7 +53,7 @@ fn main() -> anyhow::Result<()> {
             d
         }
     };
-    let cfg = mtp::model::Config::from_dir(&dir)?;
+    let cfg = mtp::base::Config::from_dir(&dir)?;
     let ck = Checkpoint::open(&dir)?;
     let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
     let qd = cfg.num_attention_heads * cfg.head_dim;
@@ -113,9 +114,9 @@ fn main() -> anyhow::Result<()> {
 
 /// One query row, all heads, against `ctx` cached keys: ours vs candle's stock
 /// `softmax(q k^T / sqrt(d)) v`.
-fn attention(cfg: &mtp::model::Config, reps: usize) -> anyhow::Result<()> {
+fn attention(cfg: &mtp::base::Config, reps: usize) -> anyhow::Result<()> {
     use mtp::cache::KvView;
-    use mtp::model::kernels::attend;
+    use mtp::kernels::ops::attend;
     let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     println!("\n## Attention, one query, {nh} heads / {nkv} KV heads x {hd}\n");
     println!("| context | row-invariant µs | candle stock µs | ratio |\n|---|---|---|---|");
@@ -218,14 +219,14 @@ fn decode(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
         let mut cache = model.new_cache();
         let mtp::engine::Prefilled { logits: l, .. } =
             mtp::engine::prefill(&model, &mut cache, &prompt, 64, false, true).unwrap();
-        let mut t = mtp::model::kernels::argmax(&l);
+        let mut t = mtp::base::logits::argmax(&l);
         let start = Instant::now();
         for _ in 0..steps {
             let mut rows =
                 [RowInput { tokens: &[t], cache: &mut cache, logits: Logits::Last, full_logits: true }];
             let out = model.forward(&mut rows).unwrap();
             cache.commit_window(1);
-            t = mtp::model::kernels::argmax(&out[0].logits[0]);
+            t = mtp::base::logits::argmax(&out[0].logits[0]);
         }
         steps as f64 / start.elapsed().as_secs_f64()
     };

@@ -13,9 +13,9 @@
 
 use std::time::Instant;
 
-use mtp::model::backend::cuda::{Cuda, TcKernel};
-use mtp::model::backend::{Kernels, Out};
-use mtp::model::{Weight, WeightDtype};
+use mtp::base::{Weight, WeightDtype};
+use mtp::cuda::{Cuda, TcKernel};
+use mtp::kernels::{Kernels, Out};
 
 /// The comma-separated list after `name`, each item parsed by `parse`, or `default`.
 fn list<T>(

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use mtp_base::Tokenizer;
 use mtp_drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
 use mtp_engine::{generate, Completion, DraftLen, Engine, EngineOptions, Request, SamplingMode, SpecStats};
-use mtp_model::{Model, Tokenizer};
+use mtp_model::Model;
 use serde::Serialize;
 
 /// One `--drafters` entry.

@@ -1,16 +1,25 @@
 //! `mtp`: lossless speculative generation with row-invariant numerics.
 //!
-//! This facade re-exports the workspace crates; the binaries live in `src/bin`.
+//! This facade re-exports the workspace crates (docs/architecture.md draws their map); the
+//! binaries live in `src/bin`, and [`synth`] writes random-weight checkpoints for tests and
+//! benchmarks.
 
+pub use mtp_base as base;
 pub use mtp_cache as cache;
+#[cfg(feature = "cuda")]
+pub use mtp_cuda as cuda;
 pub use mtp_drafter as drafter;
 pub use mtp_engine as engine;
+pub use mtp_kernels as kernels;
+#[cfg(any(feature = "metal", feature = "metal-emulator"))]
+pub use mtp_metal as metal;
 pub use mtp_model as model;
 pub use mtp_sampling as sampling;
 pub use mtp_server as server;
 pub use mtp_verifier as verifier;
 
 pub mod bench;
+pub mod synth;
 
 /// Logs to stderr; `RUST_LOG` overrides `default_level`. Colour only when stderr is a
 /// terminal and `NO_COLOR` is unset or empty (no escape codes in files or supervisors' logs).
@@ -62,8 +71,8 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
 }
 
 /// The K/V format from `--kv-dtype` and `--kv-bits` (which cannot both be given).
-pub fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<model::backend::KvDtype> {
-    use model::backend::KvDtype;
+pub fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<kernels::KvDtype> {
+    use kernels::KvDtype;
     Ok(match (kv_bits, kv_dtype) {
         (None, d) => d.parse::<KvDtype>()?,
         (Some(8), "auto") => KvDtype::Q8,

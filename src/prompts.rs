@@ -9,8 +9,8 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
+use mtp_base::Tokenizer;
 use mtp_engine::{Request, SamplingParams};
-use mtp_model::Tokenizer;
 use serde::Deserialize;
 
 #[derive(Deserialize)]

@@ -340,7 +340,8 @@ fn gemma4_assistant_prints_what_plain_decoding_prints() {
 
 /// `--backend metal-emulated`: the Metal kernels on the emulator print the same lines alone
 /// and batched; `--backend metal` off macOS is a one-line error that names the emulator.
-#[cfg(not(target_os = "macos"))]
+/// (A build with `--features metal-emulator`: `.ci/run` runs it.)
+#[cfg(all(feature = "metal-emulator", not(target_os = "macos")))]
 #[test]
 fn metal_emulated_backend_is_identical_alone_and_batched() {
     let prompts = write_prompts(

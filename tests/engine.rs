@@ -4,9 +4,9 @@
 mod common;
 
 use common::{bits, fixture, plain, request};
+use mtp::base::Tokenizer;
 use mtp::drafter::{NgramDrafter, OracleDrafter};
 use mtp::engine::{generate, DraftLen, Engine, EngineOptions, Event, FinishReason, Request};
-use mtp::model::Tokenizer;
 
 /// The tokens streamed for `id`, in order.
 fn tokens_of(events: &[Event], id: u64) -> Vec<u32> {

@@ -97,8 +97,8 @@ const ASSISTANTS: [&str; 4] = [
 /// committed prefix (`Gemma4Assistant::key_ranges`); the step math is the same.
 #[test]
 fn assistant_drafts_match_transformers_rounds() {
-    use mtp::model::gemma4::assistant::{AssistantRow, Gemma4Assistant};
-    use mtp::model::kernels::argmax;
+    use mtp::base::logits::argmax;
+    use mtp::model::models::gemma4::assistant::{AssistantRow, Gemma4Assistant};
     use std::sync::Arc;
     for name in ASSISTANTS {
         let dir = gemma(name);
@@ -298,7 +298,7 @@ fn gemma4_ring_bytes_equal_plain_decoding() {
     let model = common::load(&gemma("gemma4-dense-target"));
     let (requests, _) = window_workload(false);
     // 16 values of f32 or bf16 (CUDA's K/V for 16-bit checkpoints) per KV head.
-    let slot = 2 * 16 * if model.kv_dtype() == mtp::model::backend::KvDtype::Bf16 { 2 } else { 4 };
+    let slot = 2 * 16 * if model.kv_dtype() == mtp::kernels::KvDtype::Bf16 { 2 } else { 4 };
     for r in requests.iter().take(8) {
         let reference = common::plain(&model, std::slice::from_ref(r), 1).pop().unwrap().unwrap();
         let seq: Vec<u32> = r.prompt.iter().chain(&reference.tokens).copied().collect();

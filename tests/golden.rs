@@ -7,10 +7,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{fixture, trained, FAMILIES};
+use mtp::base::logits::argmax;
 use mtp::drafter::{Commit, DraftAsk, Drafter, MtpDrafter};
 use mtp::engine::{prefill, EngineOptions, Request};
-use mtp::model::backend::{Backend, KvDtype};
-use mtp::model::kernels::argmax;
+use mtp::kernels::{Backend, KvDtype};
 use mtp::model::Model;
 use serde_json::Value;
 

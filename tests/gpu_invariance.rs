@@ -14,9 +14,10 @@ use common::invariance::{
     with_split_attention_control,
 };
 use common::{bits, fixture, trained, Lcg};
-use mtp::model::backend::cuda::{Cuda, TcKernel};
-use mtp::model::backend::{Backend, Kernels, Out};
-use mtp::model::{Logits, Model, RowInput, WeightDtype};
+use mtp::base::WeightDtype;
+use mtp::cuda::{Cuda, TcKernel};
+use mtp::kernels::{Backend, Kernels, Out};
+use mtp::model::{Logits, Model, RowInput};
 
 #[test]
 fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
@@ -65,10 +66,10 @@ fn every_tensor_core_kernel_gives_the_same_bits() {
                 assert!(run(kernel) == reference, "{n}x{k}, M={m}: {kernel:?} differs from Pass8");
             }
             if m == 64 {
-                mtp::model::negative_control::set_stock_matmul(true);
+                mtp::kernels::negative_control::set_stock_matmul(true);
                 let mut out = cuda.upload(&start).unwrap();
                 cuda.linear(&x, m, &mat, Some(&bias), &mut out, Out::Add).unwrap();
-                mtp::model::negative_control::set_stock_matmul(false);
+                mtp::kernels::negative_control::set_stock_matmul(false);
                 let stock = bits(&cuda.download(out).unwrap());
                 assert!(
                     stock != reference,
@@ -100,7 +101,7 @@ fn stacked_projections_give_each_weight_its_own_bits() {
         for m in ms {
             let x = cuda.upload(&rng.vec(m * k)).unwrap();
             let apart = |stock: bool| -> Vec<Vec<u32>> {
-                mtp::model::negative_control::set_stock_matmul(stock);
+                mtp::kernels::negative_control::set_stock_matmul(stock);
                 let outs = mats
                     .iter()
                     .zip(&ws)
@@ -111,7 +112,7 @@ fn stacked_projections_give_each_weight_its_own_bits() {
                         bits(&cuda.download(out).unwrap())
                     })
                     .collect();
-                mtp::model::negative_control::set_stock_matmul(false);
+                mtp::kernels::negative_control::set_stock_matmul(false);
                 outs
             };
             let mut outs: Vec<_> = ws.iter().map(|w| cuda.alloc(m * w.rows).unwrap()).collect();
@@ -183,8 +184,8 @@ fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
 /// batched and decoded after a prefill. Control: batch-sized splits must break the latter.
 #[test]
 fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
-    use mtp::model::backend::KvDtype;
-    use mtp::model::synth::SynthSpec;
+    use mtp::kernels::KvDtype;
+    use mtp::synth::SynthSpec;
     let base = common::load(&fixture("qwen3-target")).config;
     // (query heads, KV heads, head size): the kernel it takes.
     let shapes = [
@@ -254,7 +255,7 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
 /// the bit comparison can see an order change).
 #[test]
 fn logit_summaries_match_the_host_and_do_not_depend_on_the_batch() {
-    use mtp::model::LogitSummary;
+    use mtp::base::LogitSummary;
     let cuda = Cuda::shared().unwrap();
     let mut rng = Lcg(17);
     let summaries = |x: &[f32], rows: usize, vocab: usize| -> Vec<[u32; 3]> {
@@ -349,7 +350,7 @@ fn decode_and_verify_bits(dir: &Path, block: usize, graphs: bool, stale: bool) -
         next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
         cache.commit_window(n);
     }
-    mtp::model::negative_control::set_stale_replay(stale);
+    mtp::kernels::negative_control::set_stale_replay(stale);
     let mut seen = Vec::new();
     for rows_now in [3, 3, 3, 3, 3, 3, 1, 1, 1, 1] {
         let tokens: Vec<[u32; 1]> = next[..rows_now].iter().map(|&t| [t]).collect();
@@ -379,12 +380,12 @@ fn decode_and_verify_bits(dir: &Path, block: usize, graphs: bool, stale: bool) -
         }
         caches.iter_mut().for_each(|c| c.commit_window(2));
     }
-    mtp::model::negative_control::set_stale_replay(false);
+    mtp::kernels::negative_control::set_stale_replay(false);
     Cuda::set_graphs(true);
     seen
 }
 
-fn summary_bits(s: &mtp::model::LogitSummary) -> Vec<u32> {
+fn summary_bits(s: &mtp::base::LogitSummary) -> Vec<u32> {
     vec![s.argmax, s.max.to_bits(), s.lse.to_bits()]
 }
 

@@ -5,9 +5,9 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::{bits, Lcg};
+use mtp::base::{Weight, WeightDtype};
 use mtp::cache::KvView;
-use mtp::model::kernels::{attend, linear, simd};
-use mtp::model::{Weight, WeightDtype};
+use mtp::kernels::ops::{attend, linear, simd};
 
 fn weight(rng: &mut Lcg, n: usize, k: usize, dtype: WeightDtype) -> Weight {
     let v = rng.vec(n * k);

@@ -5,8 +5,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::fixture;
+use mtp::base::{Config, Error, Tokenizer};
 use mtp::drafter::DraftAsk;
-use mtp::model::{Config, Error, Model, Tokenizer};
+use mtp::model::Model;
 
 /// A writable copy of a fixture checkpoint.
 fn copy_fixture(name: &str, tag: &str) -> PathBuf {
@@ -224,7 +225,8 @@ fn mtp_err(dir: &Path, target: &std::sync::Arc<Model>) -> String {
 #[test]
 fn mtp_heads_load_in_both_layouts_and_inside_the_target() {
     use mtp::drafter::{Commit, Drafter, MtpDrafter};
-    use mtp::model::{synth::SynthSpec, MtpLayout};
+    use mtp::model::MtpLayout;
+    use mtp::synth::SynthSpec;
     let target_dir = fixture("qwen2-target");
     let target = std::sync::Arc::new(Model::load(&target_dir).unwrap());
     let mut proposals = Vec::new();
@@ -292,9 +294,9 @@ fn draft_model_with_another_vocabulary_is_refused() {
     let target_dir = fixture("llama-target");
     let target = Model::load(&target_dir).unwrap();
     let dir = copy_fixture("llama-draft", "vocab");
-    let spec = mtp::model::synth::SynthSpec {
+    let spec = mtp::synth::SynthSpec {
         vocab_size: 256,
-        ..mtp::model::synth::SynthSpec::from_config(&Model::load(&dir).unwrap().config)
+        ..mtp::synth::SynthSpec::from_config(&Model::load(&dir).unwrap().config)
     };
     spec.write(&dir).unwrap();
     let e = match mtp::drafter::DraftModelDrafter::load(&dir, &target_dir, &target) {
@@ -308,13 +310,13 @@ fn draft_model_with_another_vocabulary_is_refused() {
 #[test]
 fn a_tokenizer_json_that_does_not_parse_is_an_error_naming_it() {
     let dir = copy_fixture("qwen3-draft", "badtok");
-    assert!(mtp::model::Tokenizer::from_dir_if_present(&dir).unwrap().is_some());
+    assert!(mtp::base::Tokenizer::from_dir_if_present(&dir).unwrap().is_some());
     std::fs::write(dir.join("tokenizer.json"), "{ not json").unwrap();
     let err =
-        mtp::model::Tokenizer::from_dir_if_present(&dir).err().expect("a broken tokenizer.json is refused");
+        mtp::base::Tokenizer::from_dir_if_present(&dir).err().expect("a broken tokenizer.json is refused");
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
-    assert!(mtp::model::Tokenizer::from_dir_if_present(&dir).unwrap().is_none(), "absent is not an error");
+    assert!(mtp::base::Tokenizer::from_dir_if_present(&dir).unwrap().is_none(), "absent is not an error");
 }
 
 #[test]

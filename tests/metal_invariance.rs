@@ -6,8 +6,11 @@
 //! its splits from M does not), a query's attention is the same alone as in a batch (a
 //! batch-sized split does not), and the kernels compute the CPU's function within 1e-4 of
 //! the logits' scale. The parity gate, golden and invariance suites run on Metal too:
-//! `.ci/run` runs them with `MTP_TEST_BACKEND=metal-emulated`.
-#![cfg(any(not(target_os = "macos"), feature = "metal"))]
+//! `.ci/run` runs them with `--features metal-emulator` and `MTP_TEST_BACKEND=metal-emulated`.
+#![cfg(any(
+    all(target_os = "macos", feature = "metal"),
+    all(not(target_os = "macos"), feature = "metal-emulator")
+))]
 
 mod common;
 
@@ -17,19 +20,19 @@ use common::invariance::{
     attention_batch_invariant_and_control, logits_vs_cpu, rows_invariant_and_control, weight,
 };
 use common::Lcg;
-use mtp::model::backend::cpu::Cpu;
-use mtp::model::backend::metal::Metal;
-use mtp::model::backend::{Backend, GemmaKernels, Kernels};
-use mtp::model::WeightDtype;
+use mtp::base::WeightDtype;
+use mtp::kernels::cpu::Cpu;
+use mtp::kernels::{Backend, GemmaKernels, Kernels};
+use mtp::metal::Metal;
 
 #[cfg(target_os = "macos")]
-fn metal() -> (Arc<Metal<mtp::model::backend::metal::apple::Apple>>, Backend) {
-    (mtp::model::backend::metal::apple::Apple::shared().unwrap(), Backend::Metal)
+fn metal() -> (Arc<Metal<mtp::metal::apple::Apple>>, Backend) {
+    (mtp::metal::apple::Apple::shared().unwrap(), Backend::Metal)
 }
 
 #[cfg(not(target_os = "macos"))]
-fn metal() -> (Arc<Metal<mtp::model::backend::metal::emulated::Emulator>>, Backend) {
-    (mtp::model::backend::metal::emulated::Emulator::shared(), Backend::MetalEmulated)
+fn metal() -> (Arc<Metal<mtp::metal::emulated::Emulator>>, Backend) {
+    (mtp::metal::emulated::Emulator::shared(), Backend::MetalEmulated)
 }
 
 #[test]
@@ -94,8 +97,8 @@ fn metal_kernels_agree_with_the_cpu() {
 /// The emulator itself (not built on macOS).
 #[cfg(not(target_os = "macos"))]
 mod emulator {
-    use mtp::model::backend::metal::emulated::Emulator;
-    use mtp::model::backend::metal::{Arg, Dispatch};
+    use mtp::metal::emulated::Emulator;
+    use mtp::metal::{Arg, Dispatch};
 
     fn floats(d: &Emulator, buf: &<Emulator as Dispatch>::Buffer, n: usize) -> Vec<f32> {
         let mut bytes = vec![0u8; 4 * n];

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 fn source(name: &str) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("model/src/backend/metal").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("metal/src").join(name);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 

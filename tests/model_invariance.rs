@@ -6,9 +6,10 @@
 mod common;
 
 use common::{bits, fixture, Lcg};
-use mtp::model::negative_control;
-use mtp::model::synth::SynthSpec;
-use mtp::model::{Logits, Model, RowInput, WeightDtype};
+use mtp::base::WeightDtype;
+use mtp::kernels::negative_control;
+use mtp::model::{Logits, Model, RowInput};
+use mtp::synth::SynthSpec;
 
 /// Runs `seq` through a fresh cache in pieces of the given sizes and returns the logits
 /// after every token plus the final cache.

@@ -18,9 +18,9 @@ use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
 };
-use mtp::model::backend::{Backend, KvDtype};
-use mtp::model::synth::SynthSpec;
+use mtp::kernels::{Backend, KvDtype};
 use mtp::model::{Model, MtpLayout};
+use mtp::synth::SynthSpec;
 
 const TARGETS: [(&str, &str); 3] =
     [("llama-target", "llama-draft"), ("qwen2-target", "qwen2-draft"), ("qwen3-target", "qwen3-draft")];
@@ -420,9 +420,9 @@ fn negative_controls_break_the_gate() {
     mtp::cache::negative_control::set_skip_compaction(false);
     assert!(no_compaction.is_some(), "the gate missed a rollback that leaves holes uncompacted");
 
-    mtp::model::negative_control::set_physical_rope(true);
+    mtp::kernels::negative_control::set_physical_rope(true);
     let (physical, _) = t.check(Some("oracle"), shared);
-    mtp::model::negative_control::set_physical_rope(false);
+    mtp::kernels::negative_control::set_physical_rope(false);
     assert!(physical.is_some(), "the gate missed RoPE at physical slots");
     eprintln!("no compaction: {}\nphysical rope: {}", no_compaction.unwrap(), physical.unwrap());
     t.clean_up();

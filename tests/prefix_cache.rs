@@ -7,7 +7,8 @@ mod common;
 use common::{bits, trained};
 use mtp::drafter::MtpDrafter;
 use mtp::engine::{generate, Completion, Engine, EngineOptions, Request, SamplingParams, BLOCK_TOKENS};
-use mtp::model::{negative_control, Model};
+use mtp::kernels::negative_control;
+use mtp::model::Model;
 use std::sync::Arc;
 
 /// Requests sharing a 40-token prefix (two full blocks and a partial one), with suffixes

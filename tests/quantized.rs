@@ -7,9 +7,11 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{bits, Lcg};
+use mtp::base::Checkpoint;
 use mtp::engine::{prefill, EngineOptions, Request};
-use mtp::model::kernels::linear;
-use mtp::model::{negative_control, Checkpoint, Model};
+use mtp::kernels::negative_control;
+use mtp::kernels::ops::linear;
+use mtp::model::Model;
 use serde_json::Value;
 
 const FIXTURES: [&str; 7] = [

@@ -11,10 +11,10 @@ use common::{fixture, plain, request, Lcg};
 use mtp::cache::RowCache;
 use mtp::drafter::{Commit, DraftAsk, DraftModelDrafter, Drafter, MtpDrafter};
 use mtp::engine::prefill;
-use mtp::model::backend::{Backend, KvDtype};
-use mtp::model::synth::SynthSpec;
+use mtp::kernels::{Backend, KvDtype};
 use mtp::model::{Logits, Model, MtpLayout, RowInput};
 use mtp::sampling::SamplingMode;
+use mtp::synth::SynthSpec;
 use mtp::verifier::{verify, Verified, VerifyRow, WindowLayout};
 
 fn cache_bits(c: &RowCache) -> Vec<u8> {

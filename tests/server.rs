@@ -13,9 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{bits, trained};
+use mtp::base::Tokenizer;
 use mtp::drafter::{Drafter, MtpDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingParams};
-use mtp::model::{negative_control, Model, Tokenizer};
+use mtp::kernels::negative_control;
+use mtp::model::Model;
 use mtp::server::chat::ChatTemplate;
 use mtp::server::{Server, ServerOptions};
 use serde_json::{json, Value};

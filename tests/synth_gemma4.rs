@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use mtp::engine::prefill;
-use mtp::model::gemma4::synth::Gemma4Spec;
-use mtp::model::gemma4::{Gemma4Config, LayerKind};
+use mtp::model::models::gemma4::{Gemma4Config, LayerKind};
 use mtp::model::Model;
+use mtp::synth::gemma4::Gemma4Spec;
 
 fn mtp(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_mtp")).args(args).output().unwrap();

@@ -10,9 +10,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use mtp_base::Error;
 use mtp_cache::RowCache;
-use mtp_model::gemma4::assistant::{AssistantRow, Gemma4Assistant};
-use mtp_model::{Error, Model};
+use mtp_model::models::gemma4::assistant::{AssistantRow, Gemma4Assistant};
+use mtp_model::Model;
 
 use crate::{check_distinct, draw, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 

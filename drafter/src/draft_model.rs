@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use mtp_base::{Error, Tokenizer};
 use mtp_cache::RowCache;
-use mtp_model::{Error, Logits, Model, RowInput, Tokenizer};
+use mtp_model::{Logits, Model, RowInput};
 
 use crate::sequences::Sequences;
 use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};

@@ -22,9 +22,9 @@ pub use mtp::MtpDrafter;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
 
+use mtp_base::logits::argmax;
+use mtp_base::Error;
 use mtp_cache::RowCache;
-use mtp_model::kernels::argmax;
-use mtp_model::Error;
 use mtp_sampling::{Filtered, SamplingParams};
 
 /// The engine's handle for a row (unique for the engine's lifetime).

@@ -10,8 +10,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use mtp_base::Error;
 use mtp_cache::RowCache;
-use mtp_model::{Error, Model, MtpHead, MtpInput};
+use mtp_model::{Model, MtpHead, MtpInput};
 
 use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 

@@ -1,6 +1,6 @@
 //! N-gram prompt lookup: no weights, only the row's own tokens.
 
-use mtp_model::Error;
+use mtp_base::Error;
 
 use crate::sequences::Sequences;
 use crate::{unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};

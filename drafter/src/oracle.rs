@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use mtp_model::Error;
+use mtp_base::Error;
 
 use crate::sequences::Sequences;
 use crate::{unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};

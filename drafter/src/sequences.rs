@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use mtp_model::Error;
+use mtp_base::Error;
 
 use crate::{Commit, RowId};
 

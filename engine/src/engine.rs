@@ -6,10 +6,11 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use mtp_base::logits::top_logprobs;
+use mtp_base::{Error, LogitSummary, Tokenizer};
 use mtp_cache::RowCache;
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
-use mtp_model::kernels::top_logprobs;
-use mtp_model::{Error, LogitSummary, Logits, Model, RowInput, Tokenizer};
+use mtp_model::{Logits, Model, RowInput};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
 

@@ -1,6 +1,6 @@
 //! Run a list of requests to completion (the CLI's and the tests' entry point).
 
-use mtp_model::Error;
+use mtp_base::Error;
 
 use crate::engine::Engine;
 use crate::request::{Completion, Event, FinishReason, Request};

@@ -1,6 +1,6 @@
 //! What goes in (requests) and what comes out (events, completions).
 
-use mtp_model::Error;
+use mtp_base::Error;
 use mtp_sampling::SamplingParams;
 
 /// The engine's handle for a submitted request.

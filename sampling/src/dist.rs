@@ -10,7 +10,7 @@
 
 use std::cmp::Ordering;
 
-use mtp_model::kernels::argmax;
+use mtp_base::logits::argmax;
 
 use crate::negative_control::position_for;
 use crate::rng::{uniform_pair, Purpose};

@@ -24,8 +24,9 @@ use anyhow::{Context, Result};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use mtp_base::Tokenizer;
 use mtp_engine::EngineOptions;
-use mtp_model::{Model, Tokenizer};
+use mtp_model::Model;
 
 use crate::api::ApiError;
 use crate::chat::ChatTemplate;

@@ -88,7 +88,7 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: &[u8]) -> Result<Respons
     }
 }
 
-fn tokenizer(app: &AppState, what: &str) -> Result<Arc<mtp_model::Tokenizer>, ApiError> {
+fn tokenizer(app: &AppState, what: &str) -> Result<Arc<mtp_base::Tokenizer>, ApiError> {
     app.tokenizer.clone().ok_or_else(|| {
         ApiError::bad(what, format!("`{what}` needs a tokenizer and the target has no tokenizer.json"))
     })

@@ -2,7 +2,7 @@
 //! the start of a stop string that may still complete) and the final text, cut before the
 //! first stop string as OpenAI's API returns it.
 
-use mtp_model::Tokenizer;
+use mtp_base::Tokenizer;
 
 pub struct TextState {
     stops: Vec<String>,

@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, Result};
+use mtp_base::Tokenizer;
 use mtp_drafter::Drafter;
 use mtp_engine::{Engine, EngineOptions, Event, FinishReason, Request, RequestId, SpecStats};
-use mtp_model::{Model, Tokenizer};
+use mtp_model::Model;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// What a request's stream receives, in order.

@@ -9,12 +9,13 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use mtp::base::Tokenizer;
 use mtp::bench::{
     markdown, median_tps, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Run, Setting,
 };
 use mtp::engine::{Completion, DraftLen, Request, SamplingMode, SamplingParams};
-use mtp::model::backend::Backend;
-use mtp::model::{Model, Tokenizer};
+use mtp::kernels::Backend;
+use mtp::model::Model;
 
 #[derive(Parser)]
 #[command(
@@ -104,9 +105,9 @@ fn bench(cli: Cli) -> Result<bool> {
     let default_target = cli.target.is_none();
     let target_dir = cli.target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
     let backend: Backend = cli.backend.parse()?;
-    backend.check()?;
+    mtp::model::registry::check(backend)?;
     #[cfg(feature = "cuda")]
-    mtp::model::backend::cuda::Cuda::set_graphs(!cli.no_cuda_graphs);
+    mtp::cuda::Cuda::set_graphs(!cli.no_cuda_graphs);
     let model =
         Arc::new(Model::load_with(&target_dir, backend, mtp::kv_format(&cli.kv_dtype, cli.kv_bits)?)?);
     let tokenizer = Tokenizer::from_dir_if_present(&target_dir)?;

@@ -9,14 +9,15 @@ use clap::{Args, Parser, Subcommand};
 use std::path::Path;
 use std::sync::Arc;
 
+use mtp::base::{Tokenizer, WeightDtype};
 use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
-use mtp::model::backend::Backend;
-use mtp::model::gemma4::synth::{Gemma4Spec, PRESETS as GEMMA4_PRESETS};
-use mtp::model::synth::SynthSpec;
-use mtp::model::{Model, MtpLayout, Tokenizer, WeightDtype};
+use mtp::kernels::Backend;
+use mtp::model::{Model, MtpLayout};
 use mtp::server::worker::MakeDrafter;
 use mtp::server::{Server, ServerOptions};
+use mtp::synth::gemma4::{Gemma4Spec, PRESETS as GEMMA4_PRESETS};
+use mtp::synth::SynthSpec;
 use serde_json::json;
 use std::net::ToSocketAddrs;
 
@@ -176,7 +177,7 @@ impl ModelArgs {
     /// tokenizer when it has one.
     fn load(&self) -> Result<(PathBuf, Arc<Model>, Option<Tokenizer>)> {
         let backend = self.backend.parse::<Backend>()?;
-        backend.check()?;
+        mtp::model::registry::check(backend)?;
         let target = self.target.clone().unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
         let model =
             Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);

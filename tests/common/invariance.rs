@@ -1,8 +1,9 @@
 //! Kernel-level invariance checks shared by the GPU and Metal-emulator tests: the same
 //! property, asserted on each backend's kernels.
 
-use mtp::model::backend::{Backend, Kernels, KvDtype, Out};
-use mtp::model::{Logits, Model, RowInput, Weight, WeightDtype};
+use mtp::base::{Weight, WeightDtype};
+use mtp::kernels::{Backend, Kernels, KvDtype, Out};
+use mtp::model::{Logits, Model, RowInput};
 
 use super::{bits, fixture, Lcg};
 
@@ -48,9 +49,9 @@ pub fn rows_invariant_and_control<K: Kernels>(
     ms: &[usize],
 ) -> (bool, bool) {
     let ours = rows_invariant(kernels, w, x, ms);
-    mtp::model::negative_control::set_stock_matmul(true);
+    mtp::kernels::negative_control::set_stock_matmul(true);
     let stock = rows_invariant(kernels, w, x, ms);
-    mtp::model::negative_control::set_stock_matmul(false);
+    mtp::kernels::negative_control::set_stock_matmul(false);
     (ours, stock)
 }
 
@@ -82,9 +83,9 @@ pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<V
 /// switched on: (ours, the control's).
 pub fn with_split_attention_control<T>(check: impl Fn() -> T) -> (T, T) {
     let ours = check();
-    mtp::model::negative_control::set_split_attention(true);
+    mtp::kernels::negative_control::set_split_attention(true);
     let control = check();
-    mtp::model::negative_control::set_split_attention(false);
+    mtp::kernels::negative_control::set_split_attention(false);
     (ours, control)
 }
 
@@ -109,7 +110,7 @@ pub fn prompts(model: &Model, seed: u64) -> Vec<Vec<u32>> {
 /// largest difference between `backend`'s logits after a prompt and the CPU's, with the
 /// logits' scale: (dtype, worst, scale).
 pub fn logits_vs_cpu(backend: Backend) -> Vec<(WeightDtype, f32, f32)> {
-    use mtp::model::synth::SynthSpec;
+    use mtp::synth::SynthSpec;
     let base = super::load(&fixture("qwen3-target")).config;
     let prompt: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % base.vocab_size as u32).collect();
     let mut out = Vec::new();

@@ -5,10 +5,11 @@ pub mod invariance;
 
 use std::path::{Path, PathBuf};
 
+use mtp::base::Error;
 use mtp::drafter::Drafter;
 use mtp::engine::{generate, Completion, Engine, EngineOptions, Request};
-use mtp::model::backend::Backend;
-use mtp::model::{Error, Model};
+use mtp::kernels::Backend;
+use mtp::model::Model;
 
 /// The backend the model-level tests run on: the CPU, or what `MTP_TEST_BACKEND` names
 /// (`scripts/gpu-run.sh tests` sets `cuda`). The same test proves the same property on each.

@@ -7,9 +7,10 @@
 //! drafts, then the target's bonus or replacement token) and keeps `a + 1` window
 //! positions. Plain decoding is the same step with no drafts.
 
+use mtp_base::logits::top_logprobs;
+use mtp_base::Error;
 use mtp_cache::RowCache;
-use mtp_model::kernels::top_logprobs;
-use mtp_model::{Error, Logits, Model, RowInput};
+use mtp_model::{Logits, Model, RowInput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 use rayon::prelude::*;
 

@@ -1,0 +1,320 @@
+//! `config.json` and `generation_config.json`, as written by older and current
+//! transformers (`rope_theta` or `rope_parameters`, `eos_token_id` number or list).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// The dense decoder families this crate runs; they differ only in a few switches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// `LlamaForCausalLM`, also Mistral-style dense models.
+    Llama,
+    /// `Qwen2ForCausalLM`: q/k/v biases.
+    Qwen2,
+    /// `Qwen3ForCausalLM`: per-head RMSNorm on q and k.
+    Qwen3,
+    /// `Gemma4ForCausalLM`, or the text part of `Gemma4ForConditionalGeneration`: its own
+    /// forward (`mtp_model::models::gemma4`).
+    Gemma4,
+}
+
+impl Arch {
+    pub fn from_hf(name: &str) -> Option<Arch> {
+        match name {
+            "LlamaForCausalLM" | "MistralForCausalLM" => Some(Arch::Llama),
+            // MiMo is a Qwen2 decoder plus MTP layers (`model.mtp_layers.*`).
+            "Qwen2ForCausalLM" | "MiMoForCausalLM" => Some(Arch::Qwen2),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            "Gemma4ForCausalLM" | "Gemma4ForConditionalGeneration" => Some(Arch::Gemma4),
+            _ => None,
+        }
+    }
+
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Gemma4 => "Gemma4ForCausalLM",
+        }
+    }
+}
+
+/// Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeScaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: f32,
+}
+
+impl RopeScaling {
+    /// Scales one inverse frequency the way transformers' `_compute_llama3_parameters` does.
+    pub fn adjust(&self, inv_freq: f32) -> f32 {
+        let low_wavelen = self.original_max_position_embeddings / self.low_freq_factor;
+        let high_wavelen = self.original_max_position_embeddings / self.high_freq_factor;
+        let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+        if wavelen < high_wavelen {
+            inv_freq
+        } else if wavelen > low_wavelen {
+            inv_freq / self.factor
+        } else {
+            let smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    /// Bias on q, k, v (and o for Llama/Qwen3 `attention_bias`).
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub tie_word_embeddings: bool,
+    /// Every id that ends a generation: config.json's plus generation_config.json's.
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    /// MTP modules shipped with the checkpoint (DeepSeek-V3 / MiMo); 0 when none.
+    pub num_nextn_predict_layers: usize,
+}
+
+struct Keys<'a> {
+    path: &'a Path,
+    v: &'a Value,
+}
+
+impl Keys<'_> {
+    fn opt(&self, key: &str) -> Option<&Value> {
+        self.v.get(key).filter(|v| !v.is_null())
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        match self.opt(key) {
+            Some(v) => self.as_usize(key, v),
+            None => Err(Error::config(self.path, key, "missing")),
+        }
+    }
+    fn as_usize(&self, key: &str, v: &Value) -> Result<usize> {
+        v.as_u64()
+            .filter(|&n| n > 0)
+            .map(|n| n as usize)
+            .ok_or_else(|| Error::config(self.path, key, format!("expected a positive integer, got {v}")))
+    }
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        self.opt(key).map_or(Ok(default), |v| self.as_usize(key, v))
+    }
+    fn f32_or(&self, key: &str, default: f32) -> Result<f32> {
+        match self.opt(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .map(|f| f as f32)
+                .ok_or_else(|| Error::config(self.path, key, format!("expected a number, got {v}"))),
+        }
+    }
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.opt(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| Error::config(self.path, key, format!("expected true or false, got {v}"))),
+        }
+    }
+}
+
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })
+}
+
+/// `eos_token_id` as a number or a list of numbers.
+fn token_ids(path: &Path, key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
+    let bad = || Error::config(path, key, "expected a token id or a list of token ids");
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Number(n)) => Ok(vec![n.as_u64().ok_or_else(bad)? as u32]),
+        Some(Value::Array(a)) => a.iter().map(|x| x.as_u64().map(|n| n as u32).ok_or_else(bad)).collect(),
+        Some(_) => Err(bad()),
+    }
+}
+
+impl Config {
+    /// Weights one decoder layer multiplies per token (attention and MLP projections).
+    pub fn layer_params(&self) -> usize {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let attention = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads);
+        attention + 3 * h * self.intermediate_size
+    }
+
+    /// Weights a forward multiplies per token, LM head included: what a decode step costs
+    /// relative to another model's on the same machine, roughly.
+    pub fn params_per_token(&self) -> usize {
+        self.num_hidden_layers * self.layer_params() + self.hidden_size * self.vocab_size
+    }
+
+    /// Reads `dir/config.json` and, if present, `dir/generation_config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Config> {
+        let path = dir.join("config.json");
+        let v = read_json(&path)?;
+        let mut cfg = Config::from_value(&path, &v)?;
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            let g = read_json(&gen_path)?;
+            for id in token_ids(&gen_path, "eos_token_id", g.get("eos_token_id"))? {
+                if !cfg.eos_token_ids.contains(&id) {
+                    cfg.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(cfg)
+    }
+
+    pub fn from_value(path: &Path, v: &Value) -> Result<Config> {
+        let k = Keys { path, v };
+        if !v.is_object() {
+            return Err(Error::config(path, "", "expected a JSON object"));
+        }
+        let arch_name = k
+            .opt("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .ok_or_else(|| Error::config(path, "architectures", "missing or not a list of names"))?;
+        let arch = Arch::from_hf(arch_name).ok_or_else(|| Error::UnknownArchitecture {
+            path: PathBuf::from(path),
+            arch: arch_name.to_string(),
+        })?;
+        // A multimodal Gemma 4 keeps its decoder's settings under `text_config`.
+        let wrapped = arch_name == "Gemma4ForConditionalGeneration";
+        let text = if wrapped {
+            v.get("text_config")
+                .filter(|t| t.is_object())
+                .ok_or_else(|| Error::config(path, "text_config", "missing or not an object"))?
+        } else {
+            v
+        };
+        let k = Keys { path, v: text };
+        // MLX quantization (weights found by their `.scales`): the affine and mxfp4 modes.
+        if let Some(mode) = k.opt("quantization").and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
+            if mode != "affine" && mode != "mxfp4" {
+                return Err(Error::config(
+                    path,
+                    "quantization.mode",
+                    format!("`{mode}` is not supported (affine and mxfp4, as `mlx_lm.convert -q` writes them, are)"),
+                ));
+            }
+        }
+        let hidden_size = k.usize("hidden_size")?;
+        let heads = k.usize("num_attention_heads")?;
+        if hidden_size % heads != 0 && k.opt("head_dim").is_none() {
+            return Err(Error::config(
+                path,
+                "num_attention_heads",
+                "does not divide hidden_size and no head_dim",
+            ));
+        }
+        let kv_heads = k.usize_or("num_key_value_heads", heads)?;
+        if heads % kv_heads != 0 {
+            return Err(Error::config(
+                path,
+                "num_key_value_heads",
+                format!("{kv_heads} does not divide {heads} heads"),
+            ));
+        }
+        let head_dim = k.usize_or("head_dim", hidden_size / heads)?;
+        if head_dim % 2 != 0 {
+            return Err(Error::config(path, "head_dim", "must be even for RoPE"));
+        }
+        // transformers 5 moved rope settings into `rope_parameters`; older files use
+        // `rope_theta` + `rope_scaling`.
+        // Gemma 4 keeps RoPE per layer type (read by `gemma4::Gemma4Config`).
+        let rope_params = if arch == Arch::Gemma4 {
+            None
+        } else {
+            k.opt("rope_parameters").or_else(|| k.opt("rope_scaling"))
+        };
+        let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
+            Some(t) => {
+                t.as_f64().ok_or_else(|| Error::config(path, "rope_parameters.rope_theta", "not a number"))?
+                    as f32
+            }
+            None => k.f32_or("rope_theta", 10000.0)?,
+        };
+        let rope_scaling = match rope_params {
+            Some(p) => rope_scaling(path, p)?,
+            None => None,
+        };
+        let attention_bias = k.bool_or("attention_bias", false)?;
+        let (qkv_bias, o_bias) = match arch {
+            Arch::Qwen2 => (true, false),
+            _ => (attention_bias, attention_bias),
+        };
+        let vocab_size = k.usize("vocab_size")?;
+        // A logit summary carries its argmax as an f32 (exact below 2^24).
+        if vocab_size >= 1 << 24 {
+            return Err(Error::config(path, "vocab_size", format!("{vocab_size} is over 2^24 tokens")));
+        }
+        Ok(Config {
+            arch,
+            vocab_size,
+            hidden_size,
+            intermediate_size: k.usize("intermediate_size")?,
+            num_hidden_layers: k.usize("num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: k.f32_or("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: k.usize_or("max_position_embeddings", 4096)?,
+            qkv_bias,
+            o_bias,
+            tie_word_embeddings: k.bool_or("tie_word_embeddings", arch == Arch::Gemma4)?,
+            eos_token_ids: token_ids(path, "eos_token_id", k.opt("eos_token_id").or(v.get("eos_token_id")))?,
+            bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id").or(v.get("bos_token_id")))?
+                .first()
+                .copied(),
+            num_nextn_predict_layers: k.usize_or("num_nextn_predict_layers", 0)?,
+        })
+    }
+}
+
+fn rope_scaling(path: &Path, p: &Value) -> Result<Option<RopeScaling>> {
+    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    match kind {
+        "default" => Ok(None),
+        "llama3" => {
+            let num = |key: &str| {
+                p.get(key).and_then(|v| v.as_f64()).map(|f| f as f32).ok_or_else(|| {
+                    Error::config(path, &format!("rope_scaling.{key}"), "missing or not a number")
+                })
+            };
+            Ok(Some(RopeScaling {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            }))
+        }
+        other => Err(Error::config(
+            path,
+            "rope_scaling.rope_type",
+            format!("`{other}` is not supported (default, llama3)"),
+        )),
+    }
+}

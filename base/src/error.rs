@@ -1,0 +1,43 @@
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running a model. Each variant names the file,
+/// key, tensor or request involved.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: invalid JSON: {source}")]
+    Json { path: PathBuf, source: serde_json::Error },
+    #[error("{path}: key `{key}`: {msg}")]
+    Config { path: PathBuf, key: String, msg: String },
+    #[error("{path}: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]
+    UnknownArchitecture { path: PathBuf, arch: String },
+    #[error("{path}: invalid safetensors file: {msg}")]
+    Safetensors { path: PathBuf, msg: String },
+    #[error("{dir}: missing tensor `{name}`")]
+    MissingTensor { dir: PathBuf, name: String },
+    #[error("{path}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    TensorShape { path: PathBuf, name: String, got: Vec<usize>, expected: Vec<usize> },
+    #[error("{path}: tensor `{name}` has dtype {dtype}, supported: F32, BF16, F16")]
+    TensorDtype { path: PathBuf, name: String, dtype: String },
+    #[error("{path}: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+    #[error("request {request}: {msg}")]
+    Request { request: String, msg: String },
+    #[error("backend: {0}")]
+    Backend(String),
+    /// An option or argument outside what it can mean (a batch of zero rows, say).
+    #[error("{0}")]
+    InvalidOption(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+    pub fn config(path: impl Into<PathBuf>, key: &str, msg: impl Into<String>) -> Self {
+        Error::Config { path: path.into(), key: key.to_string(), msg: msg.into() }
+    }
+}

@@ -1,0 +1,186 @@
+//! Weights read in place from memory-mapped safetensors files, in their on-disk dtype.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+/// On-disk dtypes the kernels widen to f32 on the fly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl WeightDtype {
+    pub fn size(self) -> usize {
+        match self {
+            WeightDtype::F32 => 4,
+            WeightDtype::Bf16 | WeightDtype::F16 => 2,
+        }
+    }
+
+    /// Reads element `i` of an array of this dtype starting at `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` must point to at least `(i + 1) * self.size()` readable bytes.
+    #[inline(always)]
+    pub unsafe fn read(self, p: *const u8, i: usize) -> f32 {
+        match self {
+            WeightDtype::F32 => std::ptr::read_unaligned(p.add(i * 4) as *const f32),
+            WeightDtype::Bf16 => {
+                let b = std::ptr::read_unaligned(p.add(i * 2) as *const u16);
+                f32::from_bits((b as u32) << 16)
+            }
+            WeightDtype::F16 => {
+                half::f16::from_bits(std::ptr::read_unaligned(p.add(i * 2) as *const u16)).to_f32()
+            }
+        }
+    }
+
+    /// `x` rounded to this dtype and widened back (what `tensor.to(dtype)` of a scalar
+    /// gives), round to nearest even.
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            WeightDtype::F32 => x,
+            WeightDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+            WeightDtype::F16 => half::f16::from_f32(x).to_f32(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "F32",
+            WeightDtype::Bf16 => "BF16",
+            WeightDtype::F16 => "F16",
+        }
+    }
+}
+
+/// Where a tensor's bytes live: a range of a shared memory map, or an owned buffer
+/// (synthesized or converted tensors).
+#[derive(Clone)]
+enum Bytes {
+    Mapped(Arc<Mmap>, Range<usize>),
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A 1-D or 2-D tensor of weights (row-major, `rows x cols`).
+#[derive(Clone)]
+pub struct Weight {
+    bytes: Bytes,
+    /// The element dtype (of the scales, for a quantized weight).
+    pub dtype: WeightDtype,
+    pub rows: usize,
+    pub cols: usize,
+    /// Set for an MLX-quantized weight, whose bytes are then the packed values.
+    quant: Option<Arc<Quant>>,
+}
+
+/// MLX quantization ("mlx_lm.convert -q"): each row is cut into groups of `group`
+/// consecutive values that share a scale (and, affine, a bias), and the `bits`-bit codes
+/// are packed `32 / bits` to a little-endian u32 (value j of a word in bits
+/// `[j * bits, (j + 1) * bits)`). Affine: `w = scale * q + bias`. mxfp4: `w = scale *
+/// e2m1(q)` with a power-of-two scale per 32 values (stored as f32 here).
+#[derive(Clone)]
+pub struct Quant {
+    pub bits: usize,
+    pub group: usize,
+    /// `rows x cols / group` each.
+    pub scales: Weight,
+    /// Affine mode's biases; `None` for mxfp4.
+    pub biases: Option<Weight>,
+}
+
+/// The 16 FP4 (E2M1) values: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+pub const E2M1: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+impl Weight {
+    pub(crate) fn mapped(
+        map: Arc<Mmap>,
+        range: Range<usize>,
+        dtype: WeightDtype,
+        rows: usize,
+        cols: usize,
+    ) -> Self {
+        debug_assert_eq!(range.len(), rows * cols * dtype.size());
+        Weight { bytes: Bytes::Mapped(map, range), dtype, rows, cols, quant: None }
+    }
+
+    /// A quantized `rows x cols` weight: `packed` holds the u32 words (as raw bytes,
+    /// `rows x cols * bits / 32` words), `quant` the group layout, scales and biases.
+    pub(crate) fn quantized(packed: Weight, rows: usize, cols: usize, quant: Quant) -> Self {
+        debug_assert_eq!(packed.bytes().len(), rows * cols * quant.bits / 8);
+        let dtype = quant.scales.dtype;
+        Weight { bytes: packed.bytes, dtype, rows, cols, quant: Some(Arc::new(quant)) }
+    }
+
+    /// The quantization, for a quantized weight.
+    pub fn quant(&self) -> Option<&Quant> {
+        self.quant.as_deref()
+    }
+
+    /// An owned weight from little-endian bytes of `dtype` (as a checkpoint stores them).
+    pub fn from_le_bytes(bytes: Vec<u8>, dtype: WeightDtype, rows: usize, cols: usize) -> Self {
+        assert_eq!(bytes.len(), rows * cols * dtype.size(), "from_le_bytes: {rows} x {cols} {dtype:?}");
+        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype, rows, cols, quant: None }
+    }
+
+    /// An owned f32 weight (used by tests and for small converted tensors).
+    pub fn from_f32(values: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(values.len(), rows * cols, "Weight::from_f32: shape mismatch");
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Weight { bytes: Bytes::Owned(Arc::new(bytes)), dtype: WeightDtype::F32, rows, cols, quant: None }
+    }
+
+    /// Whether the bytes are a memory-mapped checkpoint's (not an owned copy).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.bytes, Bytes::Mapped(..))
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        match &self.bytes {
+            Bytes::Mapped(m, r) => &m[r.clone()],
+            Bytes::Owned(v) => v,
+        }
+    }
+
+    /// Row `r` widened (or dequantized) to f32.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows && out.len() == self.cols);
+        if let Some(q) = &self.quant {
+            return self.dequantize_row(q, r, out);
+        }
+        let row = &self.bytes()[r * self.cols * self.dtype.size()..][..self.cols * self.dtype.size()];
+        for (i, o) in out.iter_mut().enumerate() {
+            // SAFETY: `row` holds `cols` elements of `dtype`.
+            *o = unsafe { self.dtype.read(row.as_ptr(), i) };
+        }
+    }
+
+    /// Row `r` of a quantized weight: `scale * q + bias` per element, in f32.
+    fn dequantize_row(&self, q: &Quant, r: usize, out: &mut [f32]) {
+        let row_bytes = self.cols * q.bits / 8;
+        let row = &self.bytes()[r * row_bytes..][..row_bytes];
+        crate::quant::dequantize_row(q, row, r * (self.cols / q.group), out);
+    }
+
+    /// The whole tensor widened to f32 (for small tensors: norms, biases).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        if self.quant.is_some() {
+            for (r, row) in out.chunks_mut(self.cols).enumerate() {
+                self.row_f32(r, row);
+            }
+            return out;
+        }
+        let b = self.bytes();
+        for (i, o) in out.iter_mut().enumerate() {
+            // SAFETY: `b` holds rows * cols elements of `dtype`.
+            *o = unsafe { self.dtype.read(b.as_ptr(), i) };
+        }
+        out
+    }
+}

@@ -1,0 +1,43 @@
+//! With the `cuda` feature, compiles `src/kernels.cu` to PTX with nvcc (PTX for compute
+//! capability 8.0, which the driver compiles for the GPU it finds: A100, H100 and later).
+//! nvcc comes from `NVCC`, `CUDA_HOME`/`CUDA_PATH`, or `PATH`; `scripts/install-nvcc.sh`
+//! installs the pinned one from PyPI. No GPU is needed to build.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        cuda();
+    }
+}
+
+fn cuda() {
+    println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    let src = "src/kernels.cu";
+    println!("cargo:rerun-if-changed={src}");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.ptx");
+    let nvcc = std::env::var_os("NVCC")
+        .map(PathBuf::from)
+        .or_else(|| {
+            ["CUDA_HOME", "CUDA_PATH"]
+                .iter()
+                .filter_map(std::env::var_os)
+                .map(|h| PathBuf::from(h).join("bin/nvcc"))
+                .find(|p| p.exists())
+        })
+        .unwrap_or_else(|| PathBuf::from("nvcc"));
+    let status =
+        Command::new(&nvcc).args(["--ptx", "-arch=compute_80", "-O3", "-o"]).arg(&out).arg(src).status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => panic!("{} failed on {src} ({s})", nvcc.display()),
+        Err(e) => panic!(
+            "the cuda feature needs nvcc to compile {src}: cannot run `{}`: {e}. \
+             Run scripts/install-nvcc.sh and set NVCC to the path it prints (or put a CUDA 13 \
+             nvcc on PATH).",
+            nvcc.display()
+        ),
+    }
+}

@@ -1,0 +1,211 @@
+//! Decode and verify forwards recorded as CUDA graphs. A B=1 decode step of a small model is
+//! ~340 short kernels: launching them one by one from the host costs more than running
+//! them. [`CudaGraphs::run`] records a forward's launches once per shape
+//! (token count, row count, attention segments, outputs) and replays them, after copying
+//! the step's tables (tokens, positions, K/V addresses) into the buffers the recording
+//! reads. The replay runs the recorded kernels with the recorded arguments in the
+//! recorded order, so every row gets the eager forward's bits.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
+
+use super::{driver, Cuda, CudaBatch, ATTENTION_SEGMENT};
+use mtp_base::error::{Error, Result};
+use mtp_kernels::negative_control;
+use mtp_kernels::{run_body, ForwardBody, Kernels};
+
+/// Forwards of more tokens than this run eagerly: replays of a B=8 k=4 verify (40 tokens)
+/// measured no faster than launching it (docs/cuda-speed-notes.md, v8). Below it, the
+/// phase-split tiles of 17-32 tokens allocate their scratch (split activations, partials)
+/// inside the recording, as graph memory nodes.
+const MOST_RECORDED_TOKENS: usize = 32;
+/// Recordings a model keeps (the least recently replayed goes first).
+const MOST_RECORDINGS: usize = 16;
+
+/// Whether forwards are recorded (process-wide; on unless [`Cuda::set_graphs`] turned
+/// them off).
+static GRAPHS_ON: AtomicBool = AtomicBool::new(true);
+
+/// What fixes a forward's launches and their arguments (the caller's promise in
+/// [`Kernels::run_recorded`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct Shape {
+    tokens: usize,
+    rows: usize,
+    /// Attention's 512-key segments for the most keys a token reads: the split launch's
+    /// grid follows it.
+    segments: usize,
+    ring: bool,
+    bf16_kv: bool,
+    out_lens: Vec<usize>,
+}
+
+struct Recording {
+    graph: CudaGraph,
+    /// The batch the graph was recorded with: its device tables are what the graph reads,
+    /// refreshed before each replay.
+    batch: CudaBatch,
+    outs: Vec<CudaSlice<f32>>,
+    last_used: u64,
+}
+
+/// One model's recorded forwards ([`Kernels::Recordings`] on CUDA).
+#[derive(Default)]
+pub struct CudaGraphs {
+    inner: Mutex<Recorded>,
+}
+
+#[derive(Default)]
+struct Recorded {
+    graphs: HashMap<Shape, Recording>,
+    /// Shapes seen but not recorded: a shape is recorded the second time it runs.
+    seen: HashMap<Shape, u32>,
+    /// Shapes whose recording failed: they run eagerly.
+    refused: Vec<Shape>,
+    clock: u64,
+    /// Graphs recorded and replays run (for the debug log).
+    recorded: u64,
+    replayed: u64,
+}
+
+// SAFETY: a recording's graph (raw driver handles) is only touched under the mutex, from
+// one thread at a time, on the stream it was recorded on.
+unsafe impl Send for Recording {}
+
+impl CudaGraphs {
+    /// [`Kernels::run_recorded`] on `cuda`: eagerly the first time a shape
+    /// runs, recorded the second, replayed after.
+    pub(super) fn run(
+        &self,
+        cuda: &Cuda,
+        batch: CudaBatch,
+        out_lens: &[usize],
+        fetch: usize,
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<Vec<Vec<f32>>> {
+        // The stock-matmul control uploads inside the forward; the split control sizes its
+        // grid from the batch: neither is a fixed recording.
+        let recordable = GRAPHS_ON.load(Ordering::Relaxed)
+            && batch.m <= MOST_RECORDED_TOKENS
+            && batch.splits == 1
+            && !negative_control::stock_matmul();
+        if !recordable {
+            return run_body(cuda, batch, out_lens, fetch, body);
+        }
+        let shape = Shape {
+            tokens: batch.m,
+            rows: batch.rows.len() / 5,
+            segments: batch.most_keys.div_ceil(ATTENTION_SEGMENT),
+            ring: batch.ring_rows.is_some(),
+            bf16_kv: batch.kv == mtp_kernels::KvDtype::Bf16,
+            out_lens: out_lens.to_vec(),
+        };
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let rec = &mut *guard;
+        rec.clock += 1;
+        let clock = rec.clock;
+        if let Some(r) = rec.graphs.get_mut(&shape) {
+            r.last_used = clock;
+            rec.replayed += 1;
+            if !negative_control::stale_replay() {
+                cuda.refresh_tables(&mut r.batch, &batch)?;
+            }
+            r.graph.launch().map_err(driver("graph replay"))?;
+            return cuda.outputs_to_host(&r.outs[..fetch.min(r.outs.len())]);
+        }
+        if rec.refused.contains(&shape) {
+            drop(guard);
+            return run_body(cuda, batch, out_lens, fetch, body);
+        }
+        if rec.seen.len() > 4096 {
+            rec.seen.clear();
+        }
+        let sightings = rec.seen.entry(shape.clone()).or_insert(0);
+        *sightings += 1;
+        if *sightings < 2 {
+            drop(guard);
+            return run_body(cuda, batch, out_lens, fetch, body);
+        }
+        rec.seen.remove(&shape);
+        let outs = out_lens.iter().map(|&n| cuda.alloc(n)).collect::<Result<Vec<_>>>()?;
+        let started = std::time::Instant::now();
+        let (graph, outs) = match cuda.record(&batch, outs, body) {
+            Ok(recorded) => recorded,
+            Err(e) => {
+                tracing::warn!("CUDA graph of a {shape:?} forward not recorded ({e}); it runs eagerly");
+                rec.refused.push(shape);
+                drop(guard);
+                return run_body(cuda, batch, out_lens, fetch, body);
+            }
+        };
+        // Recording only records: this launch runs the step.
+        graph.launch().map_err(driver("graph launch"))?;
+        rec.recorded += 1;
+        tracing::debug!(
+            "CUDA graph {} recorded for {shape:?} in {} us ({} replays so far)",
+            rec.recorded,
+            started.elapsed().as_micros(),
+            rec.replayed
+        );
+        let host = cuda.outputs_to_host(&outs[..fetch.min(outs.len())]);
+        if rec.graphs.len() >= MOST_RECORDINGS {
+            let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
+            if let Some(s) = oldest {
+                rec.graphs.remove(&s);
+            }
+        }
+        rec.graphs.insert(shape, Recording { graph, batch, outs, last_used: clock });
+        host
+    }
+}
+
+impl Cuda {
+    /// Turns recording and replay of decode and verify forwards on (the default) or off
+    /// (every kernel launched from the host each step: for comparisons). A recording
+    /// captures the one stream every model shares, so while graphs are on, forwards must
+    /// come from one thread at a time (as in the CLI and the server's engine thread); a
+    /// program running models on several threads at once turns them off.
+    pub fn set_graphs(on: bool) {
+        GRAPHS_ON.store(on, Ordering::Relaxed);
+    }
+
+    /// Captures `body` on the stream (nothing runs) into an instantiated graph.
+    fn record(
+        &self,
+        batch: &CudaBatch,
+        mut outs: Vec<CudaSlice<f32>>,
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<(CudaGraph, Vec<CudaSlice<f32>>)> {
+        let s = &self.stream;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("begin graph capture"))?;
+        let captured = body(batch, &mut outs);
+        // The capture must end whether or not the body failed.
+        let graph = s.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("end graph capture"));
+        captured?;
+        let graph = graph?.ok_or_else(|| Error::Backend("CUDA graph capture recorded nothing".into()))?;
+        Ok((graph, outs))
+    }
+
+    /// A recording's outputs, in host memory.
+    fn outputs_to_host(&self, outs: &[CudaSlice<f32>]) -> Result<Vec<Vec<f32>>> {
+        outs.iter().map(|o| self.to_host(o)).collect()
+    }
+
+    /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape),
+    /// on the stream, before the replay that reads them.
+    fn refresh_tables(&self, recorded: &mut CudaBatch, step: &CudaBatch) -> Result<()> {
+        let s = &self.stream;
+        s.memcpy_dtod(&step.toks, &mut recorded.toks).map_err(driver("graph tables"))?;
+        s.memcpy_dtod(&step.rows, &mut recorded.rows).map_err(driver("graph tables"))?;
+        s.memcpy_dtod(&step.tokens, &mut recorded.tokens).map_err(driver("graph tables"))?;
+        if let (Some(dst), Some(src)) = (recorded.ring_rows.as_mut(), step.ring_rows.as_ref()) {
+            s.memcpy_dtod(src, dst).map_err(driver("graph tables"))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,1296 @@
+//! The CUDA backend: the kernels of `kernels.cu` (compiled to PTX by `build.rs`), launched
+//! through cudarc on one stream of GPU 0. Activations are f32 device buffers, weights stay
+//! in their checkpoint dtype on the device, K/V live in a [`CudaKv`] per row (bf16 for
+//! 16-bit checkpoints, f32 for f32 ones). The driver is loaded at run time, so a binary
+//! built with `--features cuda` starts (and reports a clear error) on a machine without one.
+//!
+//! The crate compiles to nothing without its `cuda` feature, so `cargo test --workspace`
+//! needs no nvcc; `mtp`'s `--features cuda` turns it on.
+#![cfg(feature = "cuda")]
+
+/// Launches kernel `$f` on a `$grid` of blocks of `$block` threads with the named
+/// arguments (locals, so they outlive the launch builder).
+macro_rules! launch {
+    ($cuda:expr, $f:expr, $grid:expr, $block:expr, $what:expr, [$($arg:ident),*]) => {
+        launch!($cuda, $f, $grid, $block, 0, $what, [$($arg),*])
+    };
+    ($cuda:expr, $f:expr, $grid:expr, $block:expr, $smem:expr, $what:expr, [$($arg:ident),*]) => {{
+        let (grid, block): ((u32, u32), u32) = ($grid, $block);
+        if grid.0 == 0 || grid.1 == 0 {
+            Ok(())
+        } else {
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (grid.0, grid.1, 1),
+                block_dim: (block, 1, 1),
+                shared_mem_bytes: $smem,
+            };
+            let mut b = $cuda.stream.launch_builder($f);
+            $( cudarc::driver::PushKernelArg::arg(&mut b, &$arg); )*
+            // SAFETY: every kernel checks its bounds against the sizes passed with it, and
+            // the buffers behind the pointers outlive the launch (freed later on the same
+            // stream).
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(|e| mtp_base::error::Error::Backend(format!("CUDA {}: {e:?}", $what)))
+        }
+    }};
+}
+
+mod graphs;
+mod kv;
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError};
+use mtp_cache::{KvStore, RowCache};
+
+pub use graphs::CudaGraphs;
+pub use kv::CudaKv;
+
+use mtp_base::error::{Error, Result};
+use mtp_base::weights::{Weight, WeightDtype};
+use mtp_kernels::negative_control;
+use mtp_kernels::ops::RopeTable;
+use mtp_kernels::{
+    check_gpu_heads, device_kv_dtype, held_keys, linear_each, open_windows, AssistantKernels, Backend,
+    ForwardBody, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+
+/// Threads per block of the matmul (8 warps sharing 4 columns, or 16 on tensor cores: see
+/// kernels.cu).
+const LINEAR_THREADS: u32 = 256;
+const LINEAR_COLS_PER_BLOCK: usize = 4;
+const LINEAR_TC_COLS_PER_BLOCK: usize = 16;
+/// Threads per block of attention: 8 warps per (token, head group), key chunks dealt by
+/// position.
+const ATTENTION_THREADS: u32 = 256;
+
+/// Whether a weight takes the tensor-core matmul: bf16, not quantized, K a multiple of
+/// 32. Decided by the weight alone, so every M takes the same path.
+fn tensor_core_path(w: &CudaMat) -> bool {
+    w.quant.is_none() && w.dtype == WeightDtype::Bf16 && w.cols.is_multiple_of(32)
+}
+
+/// The tensor-core matmul's kernels. Every one sums each output in the same order, so they
+/// give the same bits, and the host's choice by shape ([`TcKernel::for_shape`]) only
+/// changes the speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcKernel {
+    /// Stream the weights once per pass of 8, 16, 32 or 64 tokens, each warp splitting its
+    /// own activations: the fastest for a few tokens.
+    Pass8,
+    Pass16,
+    Pass32,
+    Pass64,
+    /// Stage (columns x tokens) tiles in shared memory: a fetched weight or activation
+    /// serves the whole tile.
+    Tile256x16,
+    Tile128x32,
+    Tile64x64,
+    Tile128x64,
+    /// A tile's K walk cut into its 8 phases, a block each, then added in phase order by a
+    /// second launch: 8 times the blocks, for grids too small to fill the GPU.
+    Phases256x16,
+    Phases128x32,
+    Phases64x64,
+    Phases128x64,
+    /// 48 tokens a tile: a verify of 33-48 tokens (8 rows x 5) stages and multiplies fewer
+    /// idle token rows than a 64-token tile.
+    Phases128x48,
+}
+
+/// A tile kernel's shape: output columns and tokens per block, stages of loads in
+/// flight (the shared memory it takes), and whether its K walk is phase-split.
+#[derive(Clone, Copy)]
+struct Tile {
+    cols: usize,
+    toks: usize,
+    stages: usize,
+    phased: bool,
+}
+
+impl Tile {
+    /// kernels.cu's linear_tt_impl: per stage, 32 k of COLS weight rows and of 3 TOKS split
+    /// activation rows, 2 bytes each.
+    fn smem_bytes(self) -> u32 {
+        (self.stages * (self.cols + 3 * self.toks) * 64) as u32
+    }
+}
+
+impl TcKernel {
+    pub const ALL: [TcKernel; 13] = [
+        TcKernel::Pass8,
+        TcKernel::Pass16,
+        TcKernel::Pass32,
+        TcKernel::Pass64,
+        TcKernel::Tile256x16,
+        TcKernel::Tile128x32,
+        TcKernel::Tile64x64,
+        TcKernel::Tile128x64,
+        TcKernel::Phases256x16,
+        TcKernel::Phases128x32,
+        TcKernel::Phases64x64,
+        TcKernel::Phases128x64,
+        TcKernel::Phases128x48,
+    ];
+
+    /// The fastest kernel for M tokens and N output columns, as measured on an H100
+    /// (`gpu_matmul --kernels`; docs/cuda-speed-notes.md, v15 and v16): passes up to 16
+    /// tokens. Past that, while the plain tile's grid would give fewer than 2 blocks an SM
+    /// (a block alone waits on its loads), a phase-split tile: where N is at least 4,096
+    /// one token tile of 32, 48 or 64 tokens (17-32 tokens: 1.4-1.8x faster than Pass32 at
+    /// 32 on the 8B's shapes; 48 tokens for 33-48: a verify of 8 rows x 5 stages fewer idle
+    /// token rows), else 128x32 tiles up to 128 tokens (below 4,096 columns, passes up to
+    /// 32 tokens: narrower N unmeasured). Otherwise the plain 128x32 tile.
+    pub fn for_shape(m: usize, n: usize) -> TcKernel {
+        let phased = n.div_ceil(128) * m.div_ceil(32) < 264;
+        let wide = phased && n >= 4096;
+        match m {
+            0..=8 => TcKernel::Pass8,
+            9..=16 => TcKernel::Pass16,
+            17..=32 if wide => TcKernel::Phases128x32,
+            17..=32 => TcKernel::Pass32,
+            33..=48 if wide => TcKernel::Phases128x48,
+            49..=64 if wide => TcKernel::Phases128x64,
+            33..=128 if phased => TcKernel::Phases128x32,
+            _ => TcKernel::Tile128x32,
+        }
+    }
+
+    /// The tile kernel's shape, and its function's index in `Functions::linear_tt`
+    /// (unphased) or `linear_tt_phases`; None for the pass kernels.
+    fn tile(self) -> Option<(usize, Tile)> {
+        let t = |cols, toks, stages, phased| Tile { cols, toks, stages, phased };
+        Some(match self {
+            TcKernel::Pass8 | TcKernel::Pass16 | TcKernel::Pass32 | TcKernel::Pass64 => return None,
+            TcKernel::Tile256x16 => (0, t(256, 16, 2, false)),
+            TcKernel::Tile128x32 => (1, t(128, 32, 3, false)),
+            TcKernel::Tile64x64 => (2, t(64, 64, 3, false)),
+            TcKernel::Tile128x64 => (3, t(128, 64, 2, false)),
+            TcKernel::Phases256x16 => (0, t(256, 16, 2, true)),
+            TcKernel::Phases128x32 => (1, t(128, 32, 3, true)),
+            TcKernel::Phases64x64 => (2, t(64, 64, 3, true)),
+            TcKernel::Phases128x64 => (3, t(128, 64, 3, true)),
+            TcKernel::Phases128x48 => (4, t(128, 48, 3, true)),
+        })
+    }
+}
+
+/// The phase-split tiles that also run over several weights (`linear_tt_parts_*`, each of
+/// its single-weight kernel's shape), in `Functions::linear_tt_parts`' order.
+const PARTS_TILES: [TcKernel; 3] = [TcKernel::Phases128x32, TcKernel::Phases128x64, TcKernel::Phases128x48];
+
+/// `TcParts` in kernels.cu: up to 3 weights of one multi-weight matmul launch (a
+/// phase-split tile launch writes each part's partials where `out` points, biases unused).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TcParts {
+    w: [u64; 3],
+    bias: [u64; 3],
+    out: [u64; 3],
+    n: [i32; 3],
+    first_block: [i32; 3],
+    parts: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
+unsafe impl cudarc::driver::DeviceRepr for TcParts {}
+
+fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
+}
+
+/// Kernel variant for a K/V dtype: f32, bf16.
+fn kv_index(kv: KvDtype) -> usize {
+    (kv == KvDtype::Bf16) as usize
+}
+
+fn weight_index(d: WeightDtype) -> usize {
+    match d {
+        WeightDtype::F32 => 0,
+        WeightDtype::Bf16 => 1,
+        WeightDtype::F16 => 2,
+    }
+}
+
+struct Functions {
+    /// By weight dtype (f32, bf16, f16), then rows per pass (4, 8, 16).
+    linear: [[CudaFunction; 3]; 3],
+    /// MLX-quantized weights by bits (2, 4, 8), then rows per pass.
+    linear_q: [[CudaFunction; 3]; 3],
+    /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64).
+    linear_tc: [CudaFunction; 4],
+    /// The same, up to 3 weights in one launch, by tokens per pass (8, 16, 32).
+    linear_tc_parts: [CudaFunction; 3],
+    /// The same, tiled in shared memory, on activations split by `split_activations`: by
+    /// [`TcKernel::tile`]'s index, unphased and phase-split.
+    linear_tt: [CudaFunction; 4],
+    linear_tt_phases: [CudaFunction; 5],
+    /// Phase-split tiles over up to 3 weights, as `PARTS_TILES`.
+    linear_tt_parts: [CudaFunction; 3],
+    split_activations: CudaFunction,
+    linear_merge_phases: CudaFunction,
+    embed: [CudaFunction; 3],
+    embed_q: [CudaFunction; 3],
+    widen: [CudaFunction; 2],
+    rms_norm: CudaFunction,
+    swiglu: CudaFunction,
+    gather: CudaFunction,
+    add_into: CudaFunction,
+    qk_rope_store: [CudaFunction; 2],
+    /// By K/V dtype, then head size: up to 128, 256, 512.
+    /// Per K/V dtype: head size 128 serving 1, 2 or 4 query heads a block, 256, 512.
+    attention: [[CudaFunction; 5]; 2],
+    attention_merge: CudaFunction,
+    kv_move: [CudaFunction; 2],
+    kv_copy: [CudaFunction; 2],
+    gelu_tanh_mul: CudaFunction,
+    scale_by: CudaFunction,
+    add_to: CudaFunction,
+    add_rows_scaled: CudaFunction,
+    rope_rows: CudaFunction,
+    logit_summaries: CudaFunction,
+}
+
+/// GPU 0, its stream and the loaded kernels. One per process ([`Cuda::shared`]): every
+/// model and cache uses the same stream, so their work is ordered without events.
+pub struct Cuda {
+    stream: Arc<CudaStream>,
+    f: Functions,
+    device: String,
+    /// cuBLAS, loaded only for the negative control.
+    blas: OnceLock<std::result::Result<cudarc::cublas::CudaBlas, String>>,
+    /// Page-locked host memory every download lands in first ([`Cuda::to_host`]), grown to
+    /// the largest download so far.
+    staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+}
+
+// SAFETY: the cuBLAS handle is used only from the thread running a forward, behind &self,
+// and cuBLAS handles may be shared between host threads that do not call it concurrently
+// on the same stream; every other field is Send + Sync.
+unsafe impl Sync for Cuda {}
+unsafe impl Send for Cuda {}
+
+/// One device pointer as a kernel argument.
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+impl Cuda {
+    /// The process's CUDA backend on GPU 0, started on first use. Fails with a clear
+    /// message when there is no driver, no GPU, or the kernels cannot be loaded.
+    pub fn shared() -> Result<Arc<Cuda>> {
+        static SHARED: OnceLock<std::result::Result<Arc<Cuda>, String>> = OnceLock::new();
+        SHARED.get_or_init(|| Cuda::start(0).map(Arc::new)).clone().map_err(Error::Backend)
+    }
+
+    fn start(ordinal: usize) -> std::result::Result<Cuda, String> {
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("no NVIDIA driver found (libcuda.so could not be loaded): \
+                        this machine has no GPU driver, or LD_LIBRARY_PATH does not reach it"
+                .into());
+        }
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(|e| format!("cannot open GPU {ordinal}: {e:?}"))?;
+        // One stream for everything: no cross-stream events needed.
+        // SAFETY: every buffer is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream: {e:?}"))?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(PTX))
+            .map_err(|e| format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}"))?;
+        let get = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
+        let f = Functions {
+            linear: [
+                [get("linear_f32_4")?, get("linear_f32_8")?, get("linear_f32_16")?],
+                [get("linear_bf16_4")?, get("linear_bf16_8")?, get("linear_bf16_16")?],
+                [get("linear_f16_4")?, get("linear_f16_8")?, get("linear_f16_16")?],
+            ],
+            linear_q: [
+                [get("linear_q2_4")?, get("linear_q2_8")?, get("linear_q2_16")?],
+                [get("linear_q4_4")?, get("linear_q4_8")?, get("linear_q4_16")?],
+                [get("linear_q8_4")?, get("linear_q8_8")?, get("linear_q8_16")?],
+            ],
+            linear_tc: [
+                get("linear_tc_bf16_8")?,
+                get("linear_tc_bf16_16")?,
+                get("linear_tc_bf16_32")?,
+                get("linear_tc_bf16_64")?,
+            ],
+            linear_tc_parts: [
+                get("linear_tc_parts_bf16_8")?,
+                get("linear_tc_parts_bf16_16")?,
+                get("linear_tc_parts_bf16_32")?,
+            ],
+            linear_tt: [
+                get("linear_tt_bf16_256x16")?,
+                get("linear_tt_bf16_128x32")?,
+                get("linear_tt_bf16_64x64")?,
+                get("linear_tt_bf16_128x64")?,
+            ],
+            linear_tt_phases: [
+                get("linear_tt_phases_bf16_256x16")?,
+                get("linear_tt_phases_bf16_128x32")?,
+                get("linear_tt_phases_bf16_64x64")?,
+                get("linear_tt_phases_bf16_128x64")?,
+                get("linear_tt_phases_bf16_128x48")?,
+            ],
+            linear_tt_parts: [
+                get("linear_tt_parts_bf16_128x32")?,
+                get("linear_tt_parts_bf16_128x64")?,
+                get("linear_tt_parts_bf16_128x48")?,
+            ],
+            split_activations: get("split_activations")?,
+            linear_merge_phases: get("linear_merge_phases")?,
+            embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
+            embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
+            widen: [get("widen_bf16")?, get("widen_f16")?],
+            rms_norm: get("rms_norm")?,
+            swiglu: get("swiglu")?,
+            gather: get("gather_rows")?,
+            add_into: get("add_into")?,
+            qk_rope_store: [get("qk_rope_store_f32")?, get("qk_rope_store_bf16")?],
+            attention: [
+                [
+                    get("attention_f32_128")?,
+                    get("attention_f32_128_g2")?,
+                    get("attention_f32_128_g4")?,
+                    get("attention_f32_256")?,
+                    get("attention_f32_512")?,
+                ],
+                [
+                    get("attention_bf16_128")?,
+                    get("attention_bf16_128_g2")?,
+                    get("attention_bf16_128_g4")?,
+                    get("attention_bf16_256")?,
+                    get("attention_bf16_512")?,
+                ],
+            ],
+            attention_merge: get("attention_merge")?,
+            kv_move: [get("kv_move_4")?, get("kv_move_2")?],
+            kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
+            gelu_tanh_mul: get("gelu_tanh_mul")?,
+            scale_by: get("scale_by")?,
+            add_to: get("add_to")?,
+            add_rows_scaled: get("add_rows_scaled")?,
+            rope_rows: get("rope_rows")?,
+            logit_summaries: get("logit_summaries")?,
+        };
+        // The tiles take their stages as dynamic shared memory, past 48 KB only when allowed.
+        for kernel in TcKernel::ALL {
+            let Some((i, tile)) = kernel.tile() else { continue };
+            let single = if tile.phased { &f.linear_tt_phases[i] } else { &f.linear_tt[i] };
+            let parts = PARTS_TILES.iter().position(|k| *k == kernel).map(|p| &f.linear_tt_parts[p]);
+            for func in std::iter::once(single).chain(parts) {
+                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+                func.set_attribute(MAX, tile.smem_bytes() as i32).map_err(|e| {
+                    format!("shared memory for {kernel:?} ({} bytes): {e:?}", tile.smem_bytes())
+                })?;
+            }
+        }
+        let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
+        tracing::info!("CUDA backend on {device}");
+        Ok(Cuda { stream, f, device, blas: OnceLock::new(), staging: std::sync::Mutex::new(None) })
+    }
+
+    /// `x` in host memory: copied into page-locked staging memory (a pageable destination
+    /// makes the driver stage it in small pieces, at a fraction of the link's speed), then
+    /// out into a new vector on the host's threads. Waits for the stream.
+    fn to_host(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        use rayon::prelude::*;
+        const PIECE: usize = 1 << 16;
+        let n = x.len();
+        let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let buf = match &mut *staging {
+            Some(buf) if buf.len() >= n => buf,
+            slot => {
+                // The old buffer goes before a larger one comes.
+                *slot = None;
+                // SAFETY: every element read below is written by the copy before it.
+                let buf = unsafe { self.stream.context().alloc_pinned_with_flags::<f32>(n.max(1), 0) };
+                slot.insert(buf.map_err(driver("page-locked host memory for downloads"))?)
+            }
+        };
+        // Event tracking is off (one stream), so the buffer's own event says nothing: the
+        // copy takes exactly n elements and the stream is waited for by hand.
+        let host = &mut buf.as_mut_slice().map_err(driver("download"))?[..n];
+        self.stream.memcpy_dtoh(x, host).map_err(driver("download"))?;
+        self.stream.synchronize().map_err(driver("download"))?;
+        let host = &*host;
+        let mut out: Vec<f32> = Vec::with_capacity(n);
+        out.spare_capacity_mut()[..n].par_chunks_mut(PIECE).zip(host.par_chunks(PIECE)).for_each(|(d, s)| {
+            d.iter_mut().zip(s).for_each(|(d, &v)| {
+                d.write(v);
+            })
+        });
+        // SAFETY: the loop above wrote all n elements.
+        unsafe { out.set_len(n) };
+        Ok(out)
+    }
+
+    /// The GPU's name, as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// `out` (+)= `x` (M rows) times `w`'s transpose by one tensor-core kernel: what
+    /// [`Kernels::linear`] does for a bf16 weight with K % 32 == 0 (it picks the kernel by
+    /// [`TcKernel::for_shape`]), open to benchmarks and tests of each kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_tc_with(
+        &self,
+        kernel: TcKernel,
+        x: &CudaSlice<f32>,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        if !tensor_core_path(w) {
+            return Err(Error::Backend(format!(
+                "{kernel:?}: the tensor-core matmul takes unquantized bf16 weights with K % 32 == 0, \
+                 not {:?} {}x{}",
+                w.dtype, w.rows, w.cols
+            )));
+        }
+        if m == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if kernel.tile().is_none() {
+            let s = &self.stream;
+            let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+            let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
+            let f = &self.f.linear_tc[kernel as usize]; // declared first, in this order
+            let grid = (w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK) as u32, 1);
+            return launch!(self, f, grid, LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
+        }
+        let split = self.split_activations(x, m * w.cols)?;
+        self.linear_tile(kernel, &split, m, w, bias, out, mode)
+    }
+
+    /// `len` f32 activations split exactly into the three bf16 planes the tiles read.
+    fn split_activations(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
+        let s = &self.stream;
+        // SAFETY: split_activations writes all 3 len elements before the matmul reads them.
+        let split = unsafe { s.alloc::<u16>(3 * len) }.map_err(driver("split activations"))?;
+        let (xp, sp, n) = (ptr(x, s), ptr(&split, s), len as i64);
+        let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
+        launch!(self, &self.f.split_activations, (blocks, 1), 256, "split", [xp, n, sp])?;
+        Ok(split)
+    }
+
+    /// [`Kernels::linear_parts`] (1 to 3 parts, none empty) by one launch of a phase-split
+    /// tile over activations already split, then each part's merge: each output as its own
+    /// launch of `kernel` would write it.
+    fn linear_tile_parts(
+        &self,
+        kernel: TcKernel,
+        split: &CudaSlice<u16>,
+        m: usize,
+        parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        let (Some(i), Some((_, tile))) = (PARTS_TILES.iter().position(|k| *k == kernel), kernel.tile())
+        else {
+            return Err(Error::Backend(format!("{kernel:?} has no launch over several weights")));
+        };
+        let (f, cols, toks) = (&self.f.linear_tt_parts[i], tile.cols, tile.toks);
+        let s = &self.stream;
+        let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
+        // SAFETY: every phase block writes its whole tile of partials before the merges.
+        let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
+        let base = ptr(&partials, s);
+        let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
+        let (mut blocks, mut offset) = (0, 0);
+        for (i, (w, _)) in parts.iter().enumerate() {
+            p.w[i] = ptr(&w.buf, s);
+            p.out[i] = base + 4 * offset as u64;
+            p.n[i] = w.rows as i32;
+            p.first_block[i] = blocks as i32;
+            blocks += w.rows.div_ceil(cols);
+            offset += 8 * m * w.rows;
+        }
+        let (sp, mi, k) = (ptr(split, s), m as i32, parts[0].0.cols as i32);
+        let grid = (blocks as u32, 8 * m.div_ceil(toks) as u32);
+        launch!(self, f, grid, LINEAR_THREADS, tile.smem_bytes(), "linear", [sp, mi, k, p])?;
+        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
+            let (pp, op, bp, n, write) =
+                (p.out[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
+            let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
+            launch!(
+                self,
+                &self.f.linear_merge_phases,
+                (blocks, 1),
+                256,
+                "merge",
+                [pp, mi, n, bp, op, write]
+            )?;
+        }
+        drop(partials);
+        Ok(())
+    }
+
+    /// [`Cuda::linear_tc_with`] by a tile kernel, over activations already split.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_tile(
+        &self,
+        kernel: TcKernel,
+        split: &CudaSlice<u16>,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (sp, wp, op, bp) = (ptr(split, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+        let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
+        let Some((i, tile)) = kernel.tile() else {
+            return Err(Error::Backend(format!("{kernel:?} is not a tile kernel")));
+        };
+        let (smem, cols_grid, token_tiles) =
+            (tile.smem_bytes(), w.rows.div_ceil(tile.cols) as u32, m.div_ceil(tile.toks) as u32);
+        if !tile.phased {
+            let f = &self.f.linear_tt[i];
+            return launch!(
+                self,
+                f,
+                (cols_grid, token_tiles),
+                LINEAR_THREADS,
+                smem,
+                "linear",
+                [sp, mi, k, wp, n, bp, op, acc]
+            );
+        }
+        // SAFETY: every phase block writes its whole tile of partials before the merge.
+        let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
+        let pp = ptr(&part, s);
+        let f = &self.f.linear_tt_phases[i];
+        launch!(
+            self,
+            f,
+            (cols_grid, 8 * token_tiles),
+            LINEAR_THREADS,
+            smem,
+            "linear",
+            [sp, mi, k, wp, n, pp]
+        )?;
+        let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
+        launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [pp, mi, n, bp, op, acc])
+    }
+
+    /// Waits for every queued kernel (for timing).
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver("synchronize"))
+    }
+
+    /// The GPU time, in milliseconds, of the work `queue` puts on the stream (events
+    /// recorded around it; the host's launch time left out). Waits for the stream.
+    pub fn gpu_time_ms(&self, queue: impl FnOnce() -> Result<()>) -> Result<f64> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let start = self.stream.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver("event"))?;
+        queue()?;
+        let end = self.stream.record_event(Some(CU_EVENT_DEFAULT)).map_err(driver("event"))?;
+        Ok(start.elapsed_ms(&end).map_err(driver("event"))? as f64)
+    }
+
+    fn upload_as<T: cudarc::driver::DeviceRepr>(&self, x: &[T], what: &str) -> Result<CudaSlice<T>> {
+        if x.is_empty() {
+            // SAFETY: one element, never read.
+            return unsafe { self.stream.alloc::<T>(1) }.map_err(driver(what));
+        }
+        self.stream.clone_htod(x).map_err(driver(what))
+    }
+
+    /// The negative control's matmul: cuBLAS SGEMM on an f32 copy of the weights, whose
+    /// kernel choice (and reduction order) depends on M.
+    fn stock_linear(&self, x: &CudaSlice<f32>, m: usize, w: &CudaMat, y: &mut CudaSlice<f32>) -> Result<()> {
+        use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+        let blas = self
+            .blas
+            .get_or_init(|| {
+                // SAFETY: only probes whether libcublas can be loaded.
+                if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                    return Err("libcublas not found".into());
+                }
+                CudaBlas::new(self.stream.clone()).map_err(|e| format!("{e:?}"))
+            })
+            .as_ref()
+            .map_err(|e| Error::Backend(format!("cuBLAS: {e}")))?;
+        let n_el = w.rows * w.cols;
+        let wf: CudaSlice<f32> = match (&w.quant, w.dtype) {
+            // The control only needs the same values: dequantized on the host.
+            (Some(q), _) => self.upload_as(&q.host.to_f32(), "dequantized weight")?,
+            (None, WeightDtype::F32) => {
+                // SAFETY: the bytes of an f32 matrix, reinterpreted.
+                let v = unsafe { w.buf.transmute::<f32>(n_el) }.expect("f32 matrix bytes");
+                self.stream.clone_dtod(&v).map_err(driver("widen"))?
+            }
+            (None, d) => {
+                // SAFETY: written in full by the widening kernel below.
+                let out = unsafe { self.stream.alloc::<f32>(n_el) }.map_err(driver("widen"))?;
+                let (src, dst, n) = (ptr(&w.buf, &self.stream), ptr(&out, &self.stream), n_el as i64);
+                let f = &self.f.widen[weight_index(d) - 1];
+                launch!(self, f, (n_el.div_ceil(256) as u32, 1), 256, "widen", [src, dst, n])?;
+                out
+            }
+        };
+        let (n, k) = (w.rows as i32, w.cols as i32);
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: n,
+            n: m as i32,
+            k,
+            alpha: 1.0f32,
+            lda: k,
+            ldb: k,
+            beta: 0.0f32,
+            ldc: n,
+        };
+        // SAFETY: shapes as above; y holds m x n.
+        unsafe { blas.gemm(cfg, &wf, x, y) }.map_err(|e| Error::Backend(format!("cuBLAS: {e:?}")))
+    }
+}
+
+/// A weight matrix on the device, in its checkpoint dtype.
+pub struct CudaMat {
+    buf: CudaSlice<u8>,
+    dtype: WeightDtype,
+    rows: usize,
+    cols: usize,
+    /// For an MLX-quantized weight (`buf` then holds the packed values).
+    quant: Option<CudaQuant>,
+}
+
+/// Scales and biases of a quantized matrix, widened to f32, and its layout.
+struct CudaQuant {
+    scales: CudaSlice<f32>,
+    /// Affine mode's biases (`None`: mxfp4).
+    biases: Option<CudaSlice<f32>>,
+    bits: usize,
+    group: usize,
+    /// The weight as loaded (host, memory-mapped), for the stock-matmul negative control.
+    host: Weight,
+}
+
+/// Kernel variant for quantized bits: 2, 4, 8.
+fn bits_index(bits: usize) -> usize {
+    match bits {
+        2 => 0,
+        4 => 1,
+        _ => 2,
+    }
+}
+
+/// The RoPE table on the device.
+pub struct CudaRope {
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
+/// One forward's layout on the device (see `Tok` and `RowKv` in kernels.cu).
+pub struct CudaBatch {
+    toks: CudaSlice<i32>,
+    rows: CudaSlice<i64>,
+    /// The rows' sliding-window rings, when every row has one.
+    ring_rows: Option<CudaSlice<i64>>,
+    /// Each token's id.
+    tokens: CudaSlice<u32>,
+    m: usize,
+    /// The most keys a token reads (position + 1).
+    most_keys: usize,
+    kv: KvDtype,
+    /// Key segments per query: 1, except under the split-attention negative control.
+    splits: i32,
+}
+
+impl Kernels for Cuda {
+    type Act = CudaSlice<f32>;
+    type Mat = CudaMat;
+    type Vec = CudaSlice<f32>;
+    type Rope = CudaRope;
+    type Batch = CudaBatch;
+    type Recordings = CudaGraphs;
+
+    fn backend(&self) -> Backend {
+        Backend::Cuda
+    }
+
+    fn matrix(&self, w: &Weight) -> Result<CudaMat> {
+        let quant = match w.quant() {
+            Some(q) => Some(CudaQuant {
+                scales: self.upload_as(&q.scales.to_f32(), "quantization scales")?,
+                biases: match &q.biases {
+                    Some(b) => Some(self.upload_as(&b.to_f32(), "quantization biases")?),
+                    None => None,
+                },
+                bits: q.bits,
+                group: q.group,
+                host: w.clone(),
+            }),
+            None => None,
+        };
+        let buf = self.stream.clone_htod(w.bytes()).map_err(|e| {
+            Error::Backend(format!(
+                "cannot copy a {} x {} {} weight to the GPU: {e:?}",
+                w.rows,
+                w.cols,
+                w.dtype.name()
+            ))
+        })?;
+        Ok(CudaMat { buf, dtype: w.dtype, rows: w.rows, cols: w.cols, quant })
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
+        self.upload_as(v, "vector upload")
+    }
+
+    fn rope_table(&self, table: RopeTable) -> Result<CudaRope> {
+        let (cos, sin) = table.cos_sin();
+        Ok(CudaRope { cos: self.upload_as(cos, "RoPE table")?, sin: self.upload_as(sin, "RoPE table")? })
+    }
+
+    fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+        device_kv_dtype(kv, weights)
+    }
+
+    fn kv_store(
+        self: &Arc<Self>,
+        n_layers: usize,
+        heads: usize,
+        head_dim: usize,
+        kv: KvDtype,
+    ) -> Box<dyn KvStore> {
+        let stride = heads * head_dim;
+        Box::new(CudaKv::new(self.clone(), n_layers, stride, kv))
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: every op writes its whole output before anything reads it.
+        unsafe { self.stream.alloc::<f32>(len.max(1)) }.map_err(driver("out of GPU memory for activations"))
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<CudaSlice<f32>> {
+        self.upload_as(x, "upload")
+    }
+
+    fn download(&self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
+        self.to_host(&x)
+    }
+
+    fn logit_summaries(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        mtp_kernels::check_summary_lens(logits.len(), out.len(), rows, vocab)?;
+        let s = &self.stream;
+        let (lp, op, v) = (ptr(logits, s), ptr(out, s), vocab as i32);
+        launch!(self, &self.f.logit_summaries, (rows as u32, 1), 1024, "logit_summaries", [lp, v, op])
+    }
+
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CudaBatch> {
+        if tokens.len() != slots.len() {
+            return Err(Error::Backend(format!("{} token ids for {} slots", tokens.len(), slots.len())));
+        }
+        let maps = open_windows(slots, caches)?;
+        let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
+        let mut ring_rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
+        let mut kv = None;
+        let foreign = |r: usize| Error::Request {
+            request: format!("row {r}"),
+            msg: "its KV cache is not on the GPU (made by a model on another backend)".into(),
+        };
+        for (r, c) in caches.iter().enumerate() {
+            let store = c.store().as_any().downcast_ref::<CudaKv>().ok_or_else(|| foreign(r))?;
+            if *kv.get_or_insert(store.dtype()) != store.dtype() {
+                return Err(Error::Backend("rows of one forward hold K/V in different dtypes".into()));
+            }
+            rows.extend([
+                store.base(),
+                store.plane() as i64,
+                maps[r].committed as i64,
+                maps[r].base as i64,
+                0,
+            ]);
+            if let (Some(ring), Some(map)) = (c.ring_store(), c.ring_map()) {
+                let ring = ring.as_any().downcast_ref::<CudaKv>().ok_or_else(|| foreign(r))?;
+                ring_rows.extend([ring.base(), ring.plane() as i64, map.committed as i64, map.base as i64]);
+                ring_rows.push(map.ring as i64);
+            }
+        }
+        // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
+        let toks: Vec<i32> =
+            slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
+        let ring_rows = if !caches.is_empty() && ring_rows.len() == rows.len() {
+            Some(self.upload_as(&ring_rows, "batch layout")?)
+        } else {
+            None
+        };
+        let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
+        Ok(CudaBatch {
+            toks: self.upload_as(&toks, "batch layout")?,
+            rows: self.upload_as(&rows, "batch layout")?,
+            ring_rows,
+            tokens: self.upload_as(tokens, "tokens")?,
+            m: slots.len(),
+            most_keys: slots.iter().map(|s| s.pos + 1).max().unwrap_or(0),
+            kv: kv.unwrap_or(KvDtype::F32),
+            splits: splits as i32,
+        })
+    }
+
+    fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaSlice<f32>) -> Result<()> {
+        let toks = self.upload_as(tokens, "tokens")?;
+        self.embed_ids(table, &toks, tokens.len(), out)
+    }
+
+    fn embed_batch(&self, table: &CudaMat, batch: &CudaBatch, out: &mut CudaSlice<f32>) -> Result<()> {
+        self.embed_ids(table, &batch.tokens, batch.m, out)
+    }
+
+    fn run_recorded(
+        &self,
+        recordings: &CudaGraphs,
+        batch: CudaBatch,
+        out_lens: &[usize],
+        fetch: usize,
+        body: &mut ForwardBody<'_, Cuda>,
+    ) -> Result<Vec<Vec<f32>>> {
+        recordings.run(self, batch, out_lens, fetch, body)
+    }
+
+    fn linear(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let acc = (mode == Out::Add) as i32;
+        let bp = bias.map_or(0, |b| ptr(b, s));
+        if negative_control::stock_matmul() {
+            let mut y = self.alloc(m * w.rows)?;
+            self.stock_linear(x, m, w, &mut y)?;
+            let (yp, op, n, mi) = (ptr(&y, s), ptr(out, s), w.rows as i32, m as i32);
+            return launch!(self, &self.f.add_into, (m as u32, 1), 256, "add", [op, yp, bp, mi, n, acc]);
+        }
+        if tensor_core_path(w) {
+            return self.linear_tc_with(TcKernel::for_shape(m, w.rows), x, m, w, bias, out, mode);
+        }
+        let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
+        let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
+        let grid = w.rows.div_ceil(LINEAR_COLS_PER_BLOCK) as u32;
+        // Rows per pass over the weights; every variant sums each output in the same order.
+        let rows_per_pass = match m {
+            0..=4 => 0,
+            5..=8 => 1,
+            _ => 2,
+        };
+        if let Some(q) = &w.quant {
+            let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
+            let f = &self.f.linear_q[bits_index(q.bits)][rows_per_pass];
+            return launch!(
+                self,
+                f,
+                (grid, 1),
+                LINEAR_THREADS,
+                "linear",
+                [xp, mi, k, wp, sc, bi, g, n, bp, op, acc]
+            );
+        }
+        let f = &self.f.linear[weight_index(w.dtype)][rows_per_pass];
+        launch!(self, f, (grid, 1), LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc])
+    }
+
+    fn linear_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        // Tensor cores over the same K: one launch for up to 3 parts (a phase-split tile
+        // where they together take one, else up to 32 tokens the pass kernel); past 32
+        // tokens otherwise a tile launch each over activations split once. Else a launch each.
+        let k = parts.first().map_or(0, |(w, _)| w.cols);
+        let tensor_cores = parts.len() == outs.len()
+            && !negative_control::stock_matmul()
+            && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k);
+        let stackable =
+            tensor_cores && (1..=3).contains(&parts.len()) && parts.iter().all(|(w, _)| w.rows > 0);
+        if m == 0 || !tensor_cores || (m <= 32 && !stackable) {
+            return linear_each(self, x, m, parts, outs);
+        }
+        let kernel = TcKernel::for_shape(m, parts.iter().map(|(w, _)| w.rows).sum());
+        let tile_parts = stackable && PARTS_TILES.contains(&kernel);
+        if tile_parts || m > 32 {
+            let split = self.split_activations(x, m * k)?;
+            if tile_parts {
+                return self.linear_tile_parts(kernel, &split, m, parts, outs);
+            }
+            for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
+                if w.rows > 0 {
+                    // Past 32 tokens every width takes a tile kernel.
+                    self.linear_tile(TcKernel::for_shape(m, w.rows), &split, m, w, *bias, out, Out::Write)?;
+                }
+            }
+            return Ok(());
+        }
+        let s = &self.stream;
+        let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
+        let mut blocks = 0;
+        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter()).enumerate() {
+            p.w[i] = ptr(&w.buf, s);
+            p.bias[i] = bias.map_or(0, |b| ptr(b, s));
+            p.out[i] = ptr(&**out, s);
+            p.n[i] = w.rows as i32;
+            p.first_block[i] = blocks as i32;
+            blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
+        }
+        // Pass8, Pass16 or Pass32 by m (at most 32): `linear_tc_parts`' order.
+        let pass = (m > 8) as usize + (m > 16) as usize;
+        let (xp, mi, ki) = (ptr(x, s), m as i32, k as i32);
+        launch!(
+            self,
+            &self.f.linear_tc_parts[pass],
+            (blocks as u32, 1),
+            LINEAR_THREADS,
+            "linear",
+            [xp, mi, ki, p]
+        )
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+        out_width: usize,
+        col: usize,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let n = w.len();
+        let rows = (x.len() / n) as u32;
+        let (xp, wp, op, ni, ow, c) =
+            (ptr(x, s), ptr(w, s), ptr(out, s), n as i32, out_width as i32, col as i32);
+        launch!(self, &self.f.rms_norm, (rows, 1), 256, "rms_norm", [xp, wp, ni, eps, op, ow, c])
+    }
+
+    fn swiglu(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
+        let s = &self.stream;
+        let n = gate.len().min(up.len()) as i64;
+        let (g, u) = (ptr(gate, s), ptr(up, s));
+        launch!(self, &self.f.swiglu, ((n as usize).div_ceil(256) as u32, 1), 256, "swiglu", [g, u, n])
+    }
+
+    fn qk_rope_store(
+        &self,
+        q: &mut CudaSlice<f32>,
+        kv: Option<(&mut CudaSlice<f32>, &CudaSlice<f32>)>,
+        norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>, f32)>,
+        rope: &CudaRope,
+        batch: &CudaBatch,
+        _caches: &mut [&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let s = &self.stream;
+        let (rows, li) = self.plane_rows(batch, plane)?;
+        let (qn, kn, eps) = norms.map_or((0, 0, 0.0), |(a, b, e)| (ptr(a, s), ptr(b, s), e));
+        let blocks = if kv.is_some() { heads.heads + 2 * heads.kv_heads } else { heads.heads };
+        let (kp, vp) = kv.map_or((0, 0), |(k, v)| (ptr(k, s), ptr(v, s)));
+        let qp = ptr(q, s);
+        let (cp, sp, tp, rp) = (ptr(&rope.cos, s), ptr(&rope.sin, s), ptr(&batch.toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let grid = (batch.m as u32, blocks as u32);
+        launch!(
+            self,
+            &self.f.qk_rope_store[kv_index(batch.kv)],
+            grid,
+            128,
+            "qk_rope_store",
+            [qp, kp, vp, qn, kn, eps, cp, sp, tp, rp, li, nh, nkv, hd]
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        batch: &CudaBatch,
+        _caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let (rows, li) = self.plane_rows(batch, plane)?;
+        let win = window.map_or(0, |w| w as i32);
+        let keys =
+            AttentionKeys { tokens: batch.m, most: batch.most_keys, splits: batch.splits, window: win };
+        self.launch_attention(q, out, &batch.toks, rows, li, heads, scale, batch.kv, keys)
+    }
+
+    fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idx = self.upload_as(&idx, "row selection")?;
+        let out = self.alloc(rows.len() * width)?;
+        let s = &self.stream;
+        let (xp, ip, w, op) = (ptr(x, s), ptr(&idx, s), width as i32, ptr(&out, s));
+        launch!(self, &self.f.gather, (rows.len() as u32, 1), 256, "gather", [xp, ip, w, op])?;
+        Ok(out)
+    }
+}
+
+/// One attention launch's queries and keys.
+struct AttentionKeys {
+    tokens: usize,
+    /// The most keys any token reads (its position + 1).
+    most: usize,
+    /// Key segments per query under the split-attention negative control (else 1).
+    splits: i32,
+    /// Sliding window (0: none).
+    window: i32,
+}
+
+/// The attention kernel for a head shape (its index in `Functions::attention`) and the query
+/// heads a block serves: up to head size 128, the most of 4, 2, 1 that divides the query
+/// heads per KV head (each key and value loaded once for them all); above it, one. Fixed by
+/// the model's shape, so every launch of a model computes each head the same way.
+fn attention_variant(h: Heads) -> (usize, usize) {
+    let per_kv = h.heads / h.kv_heads.max(1);
+    match h.head_dim {
+        0..=128 if per_kv.is_multiple_of(4) => (2, 4),
+        0..=128 if per_kv.is_multiple_of(2) => (1, 2),
+        0..=128 => (0, 1),
+        129..=256 => (3, 1),
+        _ => (4, 1),
+    }
+}
+
+/// Keys per attention segment (`ATT_SEG` in kernels.cu).
+const ATTENTION_SEGMENT: usize = 512;
+
+/// The segments a block per (token, head, segment) launch would cover, when that launch
+/// pays: few tokens over more than one segment (one block per (token, head) would leave
+/// most of the GPU idle), with its scratch under 256 MiB. Either launch gives the same
+/// bits, so this choice may follow the batch.
+fn split_segments(keys: &AttentionKeys, heads: Heads) -> Option<usize> {
+    let segs = keys.most.div_ceil(ATTENTION_SEGMENT);
+    let scratch = keys.tokens * heads.heads * segs * (heads.head_dim + 2) * 4;
+    (keys.splits == 1
+        && segs >= 2
+        && keys.tokens <= 64
+        && heads.heads * segs <= 65_535
+        && scratch <= 256 << 20)
+        .then_some(segs)
+}
+
+impl Cuda {
+    /// Attention of `keys.tokens` queries over their rows' K/V (`toks`, `rows`: the
+    /// kernels' layout), by one block per (token, head) or, per [`split_segments`], a block
+    /// per (token, head, segment) and the merge.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        toks: &CudaSlice<i32>,
+        rows: &CudaSlice<i64>,
+        li: i32,
+        heads: Heads,
+        scale: f32,
+        kv: KvDtype,
+        keys: AttentionKeys,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (variant, group) = attention_variant(heads);
+        let f = &self.f.attention[kv_index(kv)][variant];
+        let (qp, op, tp, rp) = (ptr(q, s), ptr(out, s), ptr(toks, s), ptr(rows, s));
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let (splits, win) = (keys.splits, keys.window);
+        let tokens = keys.tokens as u32;
+        // Split: a block per segment, its state in `partial` for the merge launch.
+        let segs = split_segments(&keys, heads);
+        let partial =
+            segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
+        let pp = partial.as_ref().map_or(0, |p| ptr(p, s));
+        let grid = (tokens, (heads.heads / group * segs.unwrap_or(1)) as u32);
+        launch!(
+            self,
+            f,
+            grid,
+            ATTENTION_THREADS,
+            "attention",
+            [qp, op, pp, tp, rp, li, nh, nkv, hd, scale, splits, win]
+        )?;
+        let Some(segs) = segs else { return Ok(()) };
+        let ms = segs as i32;
+        launch!(
+            self,
+            &self.f.attention_merge,
+            (tokens, heads.heads as u32),
+            32,
+            "attention merge",
+            [pp, op, nh, hd, ms]
+        )
+    }
+
+    /// `out[i] = table[toks[i]]` for `n` device token ids.
+    fn embed_ids(
+        &self,
+        table: &CudaMat,
+        toks: &CudaSlice<u32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(toks, s), table.cols as i32, ptr(out, s));
+        if let Some(q) = &table.quant {
+            let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
+            let f = &self.f.embed_q[bits_index(q.bits)];
+            return launch!(self, f, (n as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
+        }
+        launch!(self, &self.f.embed[weight_index(table.dtype)], (n as u32, 1), 256, "embed", [t, tk, cols, o])
+    }
+
+    /// The row layout of `plane` and the layer within it.
+    fn plane_rows<'a>(&self, batch: &'a CudaBatch, plane: Plane) -> Result<(&'a CudaSlice<i64>, i32)> {
+        match plane {
+            Plane::Main(l) => Ok((&batch.rows, l as i32)),
+            Plane::Ring(l) => match &batch.ring_rows {
+                Some(rows) => Ok((rows, l as i32)),
+                None => Err(Error::Backend("a sliding-window layer ran over rows without a ring".into())),
+            },
+        }
+    }
+}
+
+/// Blocks of 256 threads covering `n` values.
+fn grid256(n: usize) -> (u32, u32) {
+    (n.div_ceil(256) as u32, 1)
+}
+
+impl GemmaKernels for Cuda {
+    fn gelu_tanh_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
+        let n = gate.len().min(up.len());
+        let (g, u, n64) = (ptr(gate, &self.stream), ptr(up, &self.stream), n as i64);
+        launch!(self, &self.f.gelu_tanh_mul, grid256(n), 256, "gelu", [g, u, n64])
+    }
+
+    fn scale(&self, x: &mut CudaSlice<f32>, by: f32) -> Result<()> {
+        let (xp, n64) = (ptr(x, &self.stream), x.len() as i64);
+        launch!(self, &self.f.scale_by, grid256(x.len()), 256, "scale", [xp, by, n64])
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        let n = x.len().min(y.len());
+        let (xp, yp, n64) = (ptr(x, &self.stream), ptr(y, &self.stream), n as i64);
+        launch!(self, &self.f.add_to, grid256(n), 256, "add", [xp, yp, n64])
+    }
+
+    fn add_rows_scaled(
+        &self,
+        out: &mut CudaSlice<f32>,
+        width: usize,
+        src: &CudaSlice<f32>,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let (idx, w) = (self.upload_as(&idx, "expert rows")?, self.upload_as(weights, "expert weights")?);
+        let s = &self.stream;
+        let (op, sp, ip, wp, wd) = (ptr(out, s), ptr(src, s), ptr(&idx, s), ptr(&w, s), width as i32);
+        launch!(
+            self,
+            &self.f.add_rows_scaled,
+            (rows.len() as u32, 1),
+            256,
+            "add_rows_scaled",
+            [op, sp, ip, wp, wd]
+        )
+    }
+}
+
+impl AssistantKernels for Cuda {
+    fn rope_at(
+        &self,
+        x: &mut CudaSlice<f32>,
+        width: usize,
+        head_dim: usize,
+        positions: &[usize],
+        rope: &CudaRope,
+    ) -> Result<()> {
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let pos = self.upload_as(&pos, "positions")?;
+        let s = &self.stream;
+        let (xp, w, hd, pp, cp, sp) =
+            (ptr(x, s), width as i32, head_dim as i32, ptr(&pos, s), ptr(&rope.cos, s), ptr(&rope.sin, s));
+        let grid = (positions.len() as u32, (width / head_dim.max(1)) as u32);
+        launch!(self, &self.f.rope_rows, grid, 128, "rope_rows", [xp, w, hd, pp, cp, sp])
+    }
+
+    fn attention_over(
+        &self,
+        q: &CudaSlice<f32>,
+        keys: &[KeyRange],
+        caches: &[&RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        check_heads(heads)?;
+        let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
+        let mut toks: Vec<i32> = Vec::with_capacity(4 * caches.len());
+        let mut kv = None;
+        for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
+            let map = held_keys(c, r, plane, *k)?;
+            let store =
+                plane.store(c).and_then(|s| s.as_any().downcast_ref::<CudaKv>()).ok_or_else(|| {
+                    Error::Request {
+                        request: format!("row {r}"),
+                        msg: "its target K/V are not on the GPU".into(),
+                    }
+                })?;
+            if *kv.get_or_insert(store.dtype()) != store.dtype() {
+                return Err(Error::Backend("rows of one step hold K/V in different dtypes".into()));
+            }
+            rows.extend([
+                store.base(),
+                store.plane() as i64,
+                map.committed as i64,
+                map.base as i64,
+                map.ring as i64,
+            ]);
+            toks.extend([r as i32, k.end as i32 - 1, 0, k.first as i32]);
+        }
+        let most = keys.iter().map(|k| k.end).max().unwrap_or(0);
+        let (toks, rows) = (self.upload_as(&toks, "key ranges")?, self.upload_as(&rows, "key ranges")?);
+        let keys = AttentionKeys { tokens: caches.len(), most, splits: 1, window: 0 };
+        let kv = kv.unwrap_or(KvDtype::F32);
+        self.launch_attention(q, out, &toks, &rows, plane.layer() as i32, heads, scale, kv, keys)
+    }
+}
+
+fn check_heads(h: Heads) -> Result<()> {
+    check_gpu_heads(h, "CUDA")
+}

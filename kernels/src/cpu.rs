@@ -1,0 +1,335 @@
+//! The reference backend: the row-invariant CPU kernels of [`crate::ops`] over f32
+//! host buffers, K/V in a [`HostKv`] per row.
+
+use std::sync::Arc;
+
+use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
+use rayon::prelude::*;
+
+use mtp_base::error::{Error, Result};
+use mtp_base::weights::{Weight, WeightDtype};
+
+use crate::ops::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
+use crate::{
+    held_keys, open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out,
+    Plane, Slot,
+};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+/// One CPU forward: every token's slot, every row's slot map.
+pub struct CpuBatch {
+    slots: Vec<Slot>,
+    tokens: Vec<u32>,
+    maps: Vec<SlotMap>,
+    /// Each row's ring map, for rows with sliding-window layers.
+    ring_maps: Vec<Option<SlotMap>>,
+}
+
+impl CpuBatch {
+    /// Where `plane` of row `r` holds its positions and window.
+    fn map(&self, r: usize, plane: Plane) -> Result<SlotMap> {
+        match plane {
+            Plane::Main(_) => Ok(self.maps[r]),
+            Plane::Ring(_) => self.ring_maps[r].ok_or_else(|| Error::Request {
+                request: format!("row {r}"),
+                msg: "its cache has no sliding-window ring".into(),
+            }),
+        }
+    }
+}
+
+/// Layer `plane` of row `r`'s host store, read through `map`.
+fn view<'a>(cache: &'a RowCache, r: usize, plane: Plane, map: SlotMap) -> Result<KvView<'a>> {
+    plane.store(cache).and_then(|s| KvView::of_store(s, plane.layer(), map)).ok_or_else(|| foreign(r))
+}
+
+fn foreign(row: usize) -> Error {
+    Error::Request { request: format!("row {row}"), msg: "its KV cache belongs to another backend".into() }
+}
+
+impl Kernels for Cpu {
+    type Act = Vec<f32>;
+    type Mat = Weight;
+    type Vec = Vec<f32>;
+    type Rope = RopeTable;
+    type Batch = CpuBatch;
+    type Recordings = ();
+
+    fn backend(&self) -> Backend {
+        Backend::Cpu
+    }
+
+    fn matrix(&self, w: &Weight) -> Result<Weight> {
+        Ok(w.clone())
+    }
+
+    fn vector(&self, v: &[f32]) -> Result<Vec<f32>> {
+        Ok(v.to_vec())
+    }
+
+    fn rope_table(&self, table: RopeTable) -> Result<RopeTable> {
+        Ok(table)
+    }
+
+    fn kv_dtype(&self, kv: KvDtype, _weights: WeightDtype) -> Result<KvDtype> {
+        match kv {
+            KvDtype::Auto | KvDtype::F32 => Ok(KvDtype::F32),
+            KvDtype::Q8 | KvDtype::Q4 => Ok(kv),
+            KvDtype::Bf16 => Err(Error::Backend(
+                "the CPU backend keeps K/V in f32 or quantized (--kv-dtype f32 or auto, --kv-bits 8 or 4)"
+                    .into(),
+            )),
+        }
+    }
+
+    fn kv_store(
+        self: &Arc<Self>,
+        n_layers: usize,
+        heads: usize,
+        head_dim: usize,
+        kv: KvDtype,
+    ) -> Box<dyn KvStore> {
+        match kv.bits() {
+            Some(bits) => Box::new(QuantKv::new(n_layers, heads, head_dim, bits)),
+            None => Box::new(HostKv::new(n_layers, heads * head_dim)),
+        }
+    }
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<Vec<f32>> {
+        Ok(x.to_vec())
+    }
+
+    fn download(&self, x: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(x)
+    }
+
+    fn logit_summaries(
+        &self,
+        logits: &Vec<f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        super::host_summaries(logits, rows, vocab, out)
+    }
+
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<CpuBatch> {
+        let maps = open_windows(slots, caches)?;
+        Ok(CpuBatch {
+            slots: slots.to_vec(),
+            tokens: tokens.to_vec(),
+            maps,
+            ring_maps: caches.iter().map(|c| c.ring_map()).collect(),
+        })
+    }
+
+    fn embed(&self, table: &Weight, tokens: &[u32], out: &mut Vec<f32>) -> Result<()> {
+        for (o, &t) in out.chunks_mut(table.cols).zip(tokens) {
+            table.row_f32(t as usize, o);
+        }
+        Ok(())
+    }
+
+    fn embed_batch(&self, table: &Weight, batch: &CpuBatch, out: &mut Vec<f32>) -> Result<()> {
+        self.embed(table, &batch.tokens, out)
+    }
+
+    fn linear(
+        &self,
+        x: &Vec<f32>,
+        m: usize,
+        w: &Weight,
+        bias: Option<&Vec<f32>>,
+        out: &mut Vec<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        match mode {
+            Out::Write => linear(x, m, w, bias.map(|b| b.as_slice()), out),
+            Out::Add => {
+                let mut y = vec![0.0f32; m * w.rows];
+                linear(x, m, w, bias.map(|b| b.as_slice()), &mut y);
+                for (a, b) in out.iter_mut().zip(&y) {
+                    *a += b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        out: &mut Vec<f32>,
+        out_width: usize,
+        col: usize,
+    ) -> Result<()> {
+        let n = w.len();
+        if out_width == n {
+            rms_norm(x, w, eps, out);
+        } else {
+            for (xr, or) in x.chunks(n).zip(out.chunks_mut(out_width)) {
+                rms_norm(xr, w, eps, &mut or[col..col + n]);
+            }
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
+        swiglu(gate, up);
+        Ok(())
+    }
+
+    fn qk_rope_store(
+        &self,
+        q: &mut Vec<f32>,
+        kv: Option<(&mut Vec<f32>, &Vec<f32>)>,
+        norms: Option<(&Vec<f32>, &Vec<f32>, f32)>,
+        rope: &RopeTable,
+        batch: &CpuBatch,
+        caches: &mut [&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()> {
+        let mut kv = kv;
+        if let Some((qn, kn, eps)) = norms {
+            rms_norm_inplace(q, qn, eps);
+            if let Some((k, _)) = kv.as_mut() {
+                rms_norm_inplace(k, kn, eps);
+            }
+        }
+        let (qd, kvd) = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim);
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut q[i * qd..(i + 1) * qd], s.rope_pos);
+        }
+        let Some((k, v)) = kv else { return Ok(()) };
+        for (i, s) in batch.slots.iter().enumerate() {
+            rope.apply(&mut k[i * kvd..(i + 1) * kvd], s.rope_pos);
+        }
+        let mut off = 0;
+        for (r, cache) in caches.iter_mut().enumerate() {
+            let (t, base) = (cache.window_len(), batch.map(r, plane)?.base);
+            let (kw, vw) = (&k[off * kvd..(off + t) * kvd], &v[off * kvd..(off + t) * kvd]);
+            let layer = plane.layer();
+            let store = plane.store_mut(cache).ok_or_else(|| foreign(r))?.as_any_mut();
+            if let Some(host) = store.downcast_mut::<HostKv>() {
+                host.write(layer, base, kw, vw);
+            } else {
+                let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
+                quant.write(layer, base, kw, vw);
+            }
+            off += t;
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        batch: &CpuBatch,
+        caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
+        let views = caches
+            .iter()
+            .enumerate()
+            .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
+            .collect::<Result<Vec<KvView>>>()?;
+        let slots = &batch.slots;
+        // One task per (token, head): a single decode token still uses every core.
+        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (s, head) = (&slots[i / nh], i % nh);
+            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
+            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
+        });
+        Ok(())
+    }
+
+    fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
+        Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
+    }
+}
+
+impl GemmaKernels for Cpu {
+    fn gelu_tanh_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
+        gelu_tanh_mul(gate, up);
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<()> {
+        x.iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn add_rows_scaled(
+        &self,
+        out: &mut Vec<f32>,
+        width: usize,
+        src: &Vec<f32>,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        for ((&r, &w), s) in rows.iter().zip(weights).zip(src.chunks(width)) {
+            for (o, &v) in out[r * width..(r + 1) * width].iter_mut().zip(s) {
+                *o += v * w;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AssistantKernels for Cpu {
+    fn rope_at(
+        &self,
+        x: &mut Vec<f32>,
+        width: usize,
+        _head_dim: usize,
+        positions: &[usize],
+        rope: &RopeTable,
+    ) -> Result<()> {
+        for (row, &p) in x.chunks_mut(width).zip(positions) {
+            rope.apply(row, p);
+        }
+        Ok(())
+    }
+
+    fn attention_over(
+        &self,
+        q: &Vec<f32>,
+        keys: &[KeyRange],
+        caches: &[&RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (heads.heads, heads.kv_heads, heads.head_dim);
+        let mut views = Vec::with_capacity(caches.len());
+        for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
+            let map = held_keys(c, r, plane, *k)?;
+            views.push(view(c, r, plane, map)?);
+        }
+        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
+            let (r, head) = (i / nh, i % nh);
+            attend_from(qh, &views[r], keys[r].first, keys[r].end, (head / (nh / nkv)) * hd, scale, o);
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,517 @@
+//! The backend seam. The model, the MTP head, the verifier, rollback and the engine exist
+//! once; a backend is the set of kernels behind [`Kernels`] and the place where its
+//! buffers live. [`cpu::Cpu`] is the reference (f32 activations and KV in host memory, over
+//! the row-invariant kernels of [`ops`]); `mtp_cuda::Cuda` runs the same forward on an
+//! NVIDIA GPU, `mtp_metal::Metal` on an Apple GPU or on its CPU emulator. Each GPU backend
+//! is its own crate over this one; `mtp_model::registry` lists the backends a build has.
+//!
+//! Why a trait over buffers rather than candle tensors with custom ops: every op of the
+//! forward must be a row-invariant kernel of ours, the KV cache has its own window and
+//! compaction contract, and the forward needs no autograd, broadcasting or layout logic.
+//! A handful of associated types (activations, weights, vectors, the RoPE table, one
+//! forward's batch layout) keeps each backend's buffers its own and the forward generic.
+
+pub mod cpu;
+pub mod negative_control;
+pub mod ops;
+
+use std::sync::Arc;
+
+use mtp_cache::{KvStore, RowCache, SlotMap};
+
+use mtp_base::error::{Error, Result};
+use mtp_base::logits::LogitSummary;
+use mtp_base::weights::{Weight, WeightDtype};
+
+use crate::ops::RopeTable;
+
+/// Where a model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    Cuda,
+    Metal,
+    /// The Metal kernels on the CPU, through the emulator that runs them in CI.
+    MetalEmulated,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "cuda" => Ok(Backend::Cuda),
+            "metal" => Ok(Backend::Metal),
+            "metal-emulated" => Ok(Backend::MetalEmulated),
+            other => {
+                Err(Error::Backend(format!("unknown backend `{other}` (cpu, cuda, metal, metal-emulated)")))
+            }
+        }
+    }
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+            Backend::MetalEmulated => "metal-emulated",
+        }
+    }
+}
+
+/// How K/V are stored. `Auto` is each backend's default: f32 on the CPU; on CUDA, bf16 for
+/// 16-bit checkpoints (half the memory; logits move by about 1e-2) and f32 for f32 ones.
+/// `Q8` / `Q4` (`--kv-bits 8|4`, CPU): each position's K or V of one KV head quantized as
+/// one group with an f32 scale and bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+    Q8,
+    Q4,
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<KvDtype> {
+        match s {
+            "auto" => Ok(KvDtype::Auto),
+            "f32" => Ok(KvDtype::F32),
+            "bf16" => Ok(KvDtype::Bf16),
+            "q8" => Ok(KvDtype::Q8),
+            "q4" => Ok(KvDtype::Q4),
+            other => Err(Error::Backend(format!("unknown KV dtype `{other}` (auto, f32, bf16, q8, q4)"))),
+        }
+    }
+}
+
+impl KvDtype {
+    /// Bytes per stored value of a dense dtype (`Auto` counts as f32; quantized dtypes have
+    /// no per-value size: see [`KvDtype::slot_bytes`]).
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::Bf16 => 2,
+            KvDtype::Auto | KvDtype::F32 | KvDtype::Q8 | KvDtype::Q4 => 4,
+        }
+    }
+
+    /// Bits per value of a quantized dtype.
+    pub fn bits(self) -> Option<usize> {
+        match self {
+            KvDtype::Q8 => Some(8),
+            KvDtype::Q4 => Some(4),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one position's K (or V) for one layer.
+    pub fn slot_bytes(self, kv_heads: usize, head_dim: usize) -> usize {
+        match self.bits() {
+            Some(bits) => mtp_cache::QuantLayout { heads: kv_heads, head_dim, bits }.slot_bytes(),
+            None => kv_heads * head_dim * self.size(),
+        }
+    }
+}
+
+/// Where each token of a batched forward sits: its row and logical position.
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    pub row: usize,
+    pub pos: usize,
+    /// Position used for RoPE: `pos`, unless a test turns on the physical-slot fault.
+    pub rope_pos: usize,
+}
+
+/// Attention shape of a layer.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Whether a matmul overwrites its output or adds to it (a residual connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Out {
+    Write,
+    Add,
+}
+
+/// A row-invariant kernel set and the buffers it works on. Every op treats each token
+/// (row of an activation matrix) on its own, with a reduction order that depends only on
+/// the reduced length, never on how many tokens or rows share the call.
+pub trait Kernels: Send + Sync + Sized + 'static {
+    /// A row-major f32 activation matrix.
+    type Act: Send + Sync;
+    /// A weight matrix (`rows x cols`, HF `Linear` layout) in its checkpoint dtype.
+    type Mat: Send + Sync;
+    /// A small f32 vector: norm weights, biases.
+    type Vec: Send + Sync;
+    /// The RoPE cos/sin table.
+    type Rope: Send + Sync;
+    /// One forward's token slots and row slot maps, prepared once for every layer.
+    type Batch;
+    /// A model's recorded forwards, replayed by [`Kernels::run_recorded`] (CUDA graphs);
+    /// `()` where launching each kernel costs little.
+    type Recordings: Default + Send + Sync;
+
+    fn backend(&self) -> Backend;
+
+    fn matrix(&self, w: &Weight) -> Result<Self::Mat>;
+    fn vector(&self, v: &[f32]) -> Result<Self::Vec>;
+    fn rope_table(&self, table: RopeTable) -> Result<Self::Rope>;
+    /// The K/V dtype this backend uses for `kv` with weights of dtype `weights` (never
+    /// `Auto`), or an error when it cannot store that dtype.
+    fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype>;
+    /// An empty KV store for one row of `n_layers` layers of `heads` KV heads of `head_dim`
+    /// values per position, holding `kv` (as [`Kernels::kv_dtype`] resolved it).
+    fn kv_store(
+        self: &Arc<Self>,
+        n_layers: usize,
+        heads: usize,
+        head_dim: usize,
+        kv: KvDtype,
+    ) -> Box<dyn KvStore>;
+
+    /// An activation of `len` values, each to be written before it is read.
+    fn alloc(&self, len: usize) -> Result<Self::Act>;
+    fn upload(&self, x: &[f32]) -> Result<Self::Act>;
+    /// The values of `x` in host memory.
+    fn download(&self, x: Self::Act) -> Result<Vec<f32>>;
+    /// The [`LogitSummary`] of each of the `rows` `vocab`-wide rows of `logits`, written to
+    /// `out` as three values a row ([`summaries_from`] reads them back): one
+    /// implementation a backend, its order fixed by `vocab` alone.
+    fn logit_summaries(
+        &self,
+        logits: &Self::Act,
+        rows: usize,
+        vocab: usize,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+
+    /// Lays out a forward: opens each row's window for `t_r` new positions and records
+    /// every token's slot and id (`tokens[i]` is slot `i`'s). `slots` lists the tokens row
+    /// by row.
+    fn batch(&self, slots: &[Slot], tokens: &[u32], caches: &mut [&mut RowCache]) -> Result<Self::Batch>;
+
+    /// `out[i] = table[tokens[i]]`, widened to f32.
+    fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
+    /// [`Kernels::embed`] of the batch's own tokens (read where the batch keeps them, so a
+    /// recorded forward reads each replay's tokens).
+    fn embed_batch(&self, table: &Self::Mat, batch: &Self::Batch, out: &mut Self::Act) -> Result<()>;
+
+    /// Runs `body`, a forward's device work over `batch` writing one activation of each
+    /// length in `out_lens`, and returns the first `fetch` of those outputs in host memory
+    /// (the others are never read). The caller promises
+    /// that `body`'s launches and their arguments depend only on the batch's shape (its
+    /// token and row counts and the most keys a token reads) and that everything else it
+    /// reads comes from the batch's device tables; a backend may then record `body` once
+    /// per shape in `recordings` and replay it with each step's tables, the same launches
+    /// in the same order (so the same bits). By default it simply runs `body`.
+    fn run_recorded(
+        &self,
+        _recordings: &Self::Recordings,
+        batch: Self::Batch,
+        out_lens: &[usize],
+        fetch: usize,
+        body: &mut ForwardBody<'_, Self>,
+    ) -> Result<Vec<Vec<f32>>> {
+        run_body(self, batch, out_lens, fetch, body)
+    }
+    /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
+    fn linear(
+        &self,
+        x: &Self::Act,
+        m: usize,
+        w: &Self::Mat,
+        bias: Option<&Self::Vec>,
+        out: &mut Self::Act,
+        mode: Out,
+    ) -> Result<()>;
+    /// `outs[i] = x . w_i^T + bias_i` for the weights `parts[i] = (w_i, bias_i)` over the
+    /// same `m` rows of `x` (q/k/v, gate/up), each output exactly as [`Kernels::linear`]
+    /// writes it; a backend may run them as one launch.
+    fn linear_parts(
+        &self,
+        x: &Self::Act,
+        m: usize,
+        parts: &[(&Self::Mat, Option<&Self::Vec>)],
+        outs: &mut [&mut Self::Act],
+    ) -> Result<()> {
+        linear_each(self, x, m, parts, outs)
+    }
+    /// RMSNorm of each `w.len()`-wide row of `x`, written to columns `[col, col + n)` of
+    /// the rows of `out` (rows `out_width` wide).
+    fn rms_norm(
+        &self,
+        x: &Self::Act,
+        w: &Self::Vec,
+        eps: f32,
+        out: &mut Self::Act,
+        out_width: usize,
+        col: usize,
+    ) -> Result<()>;
+    /// `gate <- silu(gate) * up`.
+    fn swiglu(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// Per-head RMSNorm of q and k (when `norms` is given), RoPE at each token's position,
+    /// and the window's K and V stored into `plane` of each row's cache (q alone, no
+    /// store, without `kv`: a layer that reads another layer's K/V).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_rope_store(
+        &self,
+        q: &mut Self::Act,
+        kv: Option<(&mut Self::Act, &Self::Act)>,
+        norms: Option<(&Self::Vec, &Self::Vec, f32)>,
+        rope: &Self::Rope,
+        batch: &Self::Batch,
+        caches: &mut [&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+    ) -> Result<()>;
+    /// Causal attention of every query over its own row's keys in `plane`: `[0, pos]`, or
+    /// `(pos - window, pos]` on a sliding-window layer.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Act,
+        batch: &Self::Batch,
+        caches: &[&mut RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+    /// Rows `rows` of `x` (each `width` wide), in that order.
+    fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
+}
+
+/// [`Kernels::run_recorded`] without recording: `body` run once, its outputs downloaded.
+pub fn run_body<B: Kernels>(
+    be: &B,
+    batch: B::Batch,
+    out_lens: &[usize],
+    fetch: usize,
+    body: &mut ForwardBody<'_, B>,
+) -> Result<Vec<Vec<f32>>> {
+    let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
+    body(&batch, &mut outs)?;
+    outs.into_iter().take(fetch).map(|o| be.download(o)).collect()
+}
+
+/// Values a [`LogitSummary`] takes in a backend's buffer: argmax (as f32), max, lse.
+pub const SUMMARY_VALUES: usize = 3;
+
+/// [`Kernels::logit_summaries`] computed on the host (`out` holds `3 * rows` values).
+pub fn host_summaries(logits: &[f32], rows: usize, vocab: usize, out: &mut [f32]) -> Result<()> {
+    use rayon::prelude::*;
+    check_summary_lens(logits.len(), out.len(), rows, vocab)?;
+    out.par_chunks_mut(SUMMARY_VALUES).zip(logits.par_chunks(vocab)).take(rows).for_each(|(o, l)| {
+        let s = LogitSummary::of(l);
+        o.copy_from_slice(&[s.argmax as f32, s.max, s.lse]);
+    });
+    Ok(())
+}
+
+/// [`Kernels::logit_summaries`]'s arguments: `rows` rows of `vocab` logits, room for their
+/// summaries.
+pub fn check_summary_lens(logits: usize, out: usize, rows: usize, vocab: usize) -> Result<()> {
+    if logits < rows * vocab || out < SUMMARY_VALUES * rows || vocab == 0 {
+        return Err(Error::Backend(format!(
+            "logit summaries of {rows} rows of {vocab}: {logits} logits, room for {out} values"
+        )));
+    }
+    Ok(())
+}
+
+/// The summaries [`Kernels::logit_summaries`] wrote, read back from host memory.
+pub fn summaries_from(values: &[f32]) -> Vec<LogitSummary> {
+    values
+        .chunks_exact(SUMMARY_VALUES)
+        .map(|v| LogitSummary { argmax: v[0] as u32, max: v[1], lse: v[2] })
+        .collect()
+}
+
+/// [`Kernels::linear_parts`] as one [`Kernels::linear`] per weight.
+pub fn linear_each<B: Kernels>(
+    be: &B,
+    x: &B::Act,
+    m: usize,
+    parts: &[(&B::Mat, Option<&B::Vec>)],
+    outs: &mut [&mut B::Act],
+) -> Result<()> {
+    if parts.len() != outs.len() {
+        return Err(Error::Backend(format!("{} weights for {} outputs", parts.len(), outs.len())));
+    }
+    for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
+        be.linear(x, m, w, *bias, out, Out::Write)?;
+    }
+    Ok(())
+}
+
+/// A forward's device work for [`Kernels::run_recorded`]: over a batch, into its outputs.
+pub type ForwardBody<'a, B> =
+    dyn FnMut(&<B as Kernels>::Batch, &mut [<B as Kernels>::Act]) -> Result<()> + 'a;
+
+/// Which K/V of a row a layer reads and writes: layer `l` of the row's main store (every
+/// position) or of its ring (sliding-window layers: the last positions only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plane {
+    Main(usize),
+    Ring(usize),
+}
+
+impl Plane {
+    /// The layer within its store.
+    pub fn layer(self) -> usize {
+        match self {
+            Plane::Main(l) | Plane::Ring(l) => l,
+        }
+    }
+
+    /// The store of `cache` this plane lives in (`None`: the row has no ring).
+    pub fn store(self, cache: &RowCache) -> Option<&dyn KvStore> {
+        match self {
+            Plane::Main(_) => Some(cache.store()),
+            Plane::Ring(_) => cache.ring_store(),
+        }
+    }
+
+    pub fn store_mut(self, cache: &mut RowCache) -> Option<&mut dyn KvStore> {
+        match self {
+            Plane::Main(_) => Some(cache.store_mut()),
+            Plane::Ring(_) => cache.ring_store_mut(),
+        }
+    }
+
+    /// Where this plane of `cache` holds its committed positions and open window.
+    pub fn map(self, cache: &RowCache) -> Option<SlotMap> {
+        match self {
+            Plane::Main(_) => Some(cache.slot_map()),
+            Plane::Ring(_) => cache.ring_map(),
+        }
+    }
+}
+
+/// The ops Gemma 4 adds to [`Kernels`]; a backend runs Gemma 4 once it implements them.
+/// Every op is per token (or per element) like the rest of the seam.
+pub trait GemmaKernels: Kernels {
+    /// `gate <- gelu_tanh(gate) * up`.
+    fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// `x <- x * s`.
+    fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;
+    /// `x <- x + y`.
+    fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// `out[rows[i]] += weights[i] * src[i]` for each `width`-wide row `i` of `src`, in
+    /// order (the rows of one call are distinct).
+    fn add_rows_scaled(
+        &self,
+        out: &mut Self::Act,
+        width: usize,
+        src: &Self::Act,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()>;
+}
+
+/// What Gemma 4's assistant adds: reading another model's K/V without writing any.
+pub trait AssistantKernels: GemmaKernels {
+    /// RoPE of every `head_dim`-wide head of each `width`-wide row `i` of `x` at
+    /// `positions[i]`.
+    fn rope_at(
+        &self,
+        x: &mut Self::Act,
+        width: usize,
+        head_dim: usize,
+        positions: &[usize],
+        rope: &Self::Rope,
+    ) -> Result<()>;
+    /// Attention of query `i` (one token) over keys `keys[i]` of `plane` in `caches[i]`,
+    /// which are read, not written: how an assistant reads its target's K/V.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_over(
+        &self,
+        q: &Self::Act,
+        keys: &[KeyRange],
+        caches: &[&RowCache],
+        plane: Plane,
+        heads: Heads,
+        scale: f32,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+}
+
+/// Keys `[first, end)` (logical positions, committed) that query `i` of
+/// [`AssistantKernels::attention_over`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyRange {
+    pub first: usize,
+    pub end: usize,
+}
+
+/// Where `plane` of row `r`'s cache holds its committed positions, once checked that they
+/// include `keys` (an assistant reads only what is held).
+pub fn held_keys(cache: &RowCache, r: usize, plane: Plane, keys: KeyRange) -> Result<SlotMap> {
+    match plane.map(cache) {
+        Some(m) if keys.first < keys.end && keys.first >= m.first_held() && keys.end <= m.committed => Ok(m),
+        _ => Err(Error::Request {
+            request: format!("row {r}"),
+            msg: format!("keys [{}, {}) are not held in its {plane:?} K/V", keys.first, keys.end),
+        }),
+    }
+}
+
+/// The GPU backends' K/V dtype: f32 for f32 weights and bf16 for 16-bit ones by default (half
+/// the memory), or as chosen; quantized K/V are the CPU's only (so far).
+pub fn device_kv_dtype(kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+    if kv.bits().is_some() {
+        return Err(Error::Backend("quantized K/V (--kv-bits) runs on the CPU backend only (so far)".into()));
+    }
+    Ok(match (kv, weights) {
+        (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
+        (KvDtype::Auto, _) => KvDtype::Bf16,
+        (chosen, _) => chosen,
+    })
+}
+
+/// Largest head dimension the GPU attention kernels hold in registers.
+pub const GPU_MAX_HEAD_DIM: usize = 512;
+
+/// Whether the GPU attention kernels of `backend` take this attention shape.
+pub fn check_gpu_heads(h: Heads, backend: &str) -> Result<()> {
+    if h.head_dim > GPU_MAX_HEAD_DIM || h.kv_heads == 0 || !h.heads.is_multiple_of(h.kv_heads) {
+        return Err(Error::Backend(format!(
+            "{backend} attention supports head_dim up to {GPU_MAX_HEAD_DIM} and heads divisible by KV heads \
+             (got head_dim {}, {} heads, {} KV heads)",
+            h.head_dim, h.heads, h.kv_heads
+        )));
+    }
+    Ok(())
+}
+
+/// The capacity a device K/V store grows to when a window needs `slots`: by half again, at
+/// least 64 slots (so decoding does not reallocate every token), at least `slots`.
+pub fn grown_capacity(capacity: usize, slots: usize) -> usize {
+    slots.max((capacity + capacity / 2).max(capacity + 64))
+}
+
+/// The slot map of every row, after [`Kernels::batch`] opened their windows.
+pub fn open_windows(slots: &[Slot], caches: &mut [&mut RowCache]) -> Result<Vec<SlotMap>> {
+    let mut tokens = vec![0usize; caches.len()];
+    for s in slots {
+        tokens[s.row] += 1;
+    }
+    let mut maps = Vec::with_capacity(caches.len());
+    for (r, (cache, &t)) in caches.iter_mut().zip(&tokens).enumerate() {
+        maps.push(cache.open_window(t).map_err(|e| Error::Request {
+            request: format!("row {r}"),
+            msg: format!("out of memory for the KV window: {e}"),
+        })?);
+    }
+    Ok(maps)
+}

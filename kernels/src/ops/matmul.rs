@@ -1,0 +1,281 @@
+//! Row-invariant matmul: `out[m, n] = dot(x[m, :], w[n, :])` (HF `Linear` layout,
+//! weight `N x K`). No split-K: every output is one canonical dot product, so row `m`
+//! of the result does not depend on M, on the other rows, or on the thread count.
+
+use rayon::prelude::*;
+
+use super::simd::{isa, split_pairs, tile, tile_pairs, Portable, Simd16};
+use mtp_base::weights::{Weight, WeightDtype};
+
+/// Columns of the output one task computes; a task covers every row for its columns so
+/// each weight tile is read from memory once.
+const COLS_PER_TASK: usize = 64;
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint columns of the output.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// `out (m x n) = x (m x k) . w^T`, plus `bias` (length n) if given.
+pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), m * k, "linear: input is not m x k");
+    assert_eq!(out.len(), m * n, "linear: output is not m x n");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), n, "linear: bias length");
+    }
+    if m == 0 {
+        return;
+    }
+    if crate::negative_control::stock_matmul() {
+        stock_linear(x, m, w, out);
+    } else if w.quant().is_some() {
+        quantized(x, m, w, out);
+    } else {
+        row_invariant(x, m, w, out);
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_mut(n) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
+            }
+        }
+    }
+}
+
+fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let wb = w.bytes();
+    let d = w.dtype;
+    // bf16 weights take the bf16 order, which reads x pair-split (see `simd`).
+    let split;
+    let x = if d == WeightDtype::Bf16 {
+        split = split_pairs(x, m, k);
+        &split[..]
+    } else {
+        x
+    };
+    let optr = SendPtr(out.as_mut_ptr());
+    let tasks = n.div_ceil(COLS_PER_TASK);
+    let run = |t: usize| {
+        let n0 = t * COLS_PER_TASK;
+        let n1 = (n0 + COLS_PER_TASK).min(n);
+        let o = optr;
+        // SAFETY: shapes checked above; each task owns columns n0..n1.
+        unsafe { columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o.0, n) };
+    };
+    for_each_task(tasks, m * n * k, run);
+}
+
+/// Output columns one quantized task dequantizes at a time.
+const QUANT_COLS_PER_TASK: usize = 16;
+
+/// A quantized weight: each task dequantizes its weight rows to f32 (the same values
+/// whatever M) and runs the f32 tiles over them, so the order per output is the f32
+/// order for every M.
+fn quantized(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let optr = SendPtr(out.as_mut_ptr());
+    let run = |t: usize| {
+        let n0 = t * QUANT_COLS_PER_TASK;
+        let rows = QUANT_COLS_PER_TASK.min(n - n0);
+        let mut scratch = vec![0f32; rows * k];
+        for (j, row) in scratch.chunks_mut(k).enumerate() {
+            w.row_f32(n0 + j, row);
+        }
+        let o = optr;
+        // SAFETY: `scratch` holds `rows` f32 rows of k; this task owns columns n0..n0+rows.
+        unsafe {
+            columns(
+                x.as_ptr(),
+                m,
+                k,
+                scratch.as_ptr() as *const u8,
+                WeightDtype::F32,
+                0,
+                rows,
+                o.0.add(n0),
+                n,
+            )
+        };
+    };
+    let tasks = n.div_ceil(QUANT_COLS_PER_TASK);
+    for_each_task(tasks, m * n * k, run);
+}
+
+/// Runs `run(0..tasks)`: on the calling thread for small products (`work` multiply-adds),
+/// where waking the pool costs more than it saves, else across the pool.
+fn for_each_task(tasks: usize, work: usize, run: impl Fn(usize) + Sync + Send) {
+    if work < 1 << 16 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+/// candle's stock matmul, whose kernel choice depends on M: the path the invariance
+/// tests switch on (`negative_control::set_stock_matmul`) to prove they can fail.
+fn stock_linear(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    use candle_core::{Device, Tensor};
+    let run = || -> candle_core::Result<Vec<f32>> {
+        let xt = Tensor::from_slice(x, (m, w.cols), &Device::Cpu)?;
+        let wt = Tensor::from_vec(w.to_f32(), (w.rows, w.cols), &Device::Cpu)?;
+        xt.matmul(&wt.t()?)?.flatten_all()?.to_vec1::<f32>()
+    };
+    out.copy_from_slice(&run().expect("stock matmul on valid shapes"));
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn columns(
+    x: *const f32,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        super::simd::Isa::Avx512 => columns_avx512(x, m, k, w, d, n0, n1, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        super::simd::Isa::Avx2 => columns_avx2(x, m, k, w, d, n0, n1, out, ldo),
+        _ => columns_generic::<Portable, 2, 2>(x, m, k, w, d, n0, n1, out, ldo),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn columns_avx512(
+    x: *const f32,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    if m == 1 {
+        // One row: more columns per pass, so enough independent sums hide the FMA latency.
+        columns_generic::<super::simd::Avx512, 1, 8>(x, m, k, w, d, n0, n1, out, ldo)
+    } else {
+        columns_generic::<super::simd::Avx512, 4, 4>(x, m, k, w, d, n0, n1, out, ldo)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn columns_avx2(
+    x: *const f32,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    columns_generic::<super::simd::Avx2, 2, 2>(x, m, k, w, d, n0, n1, out, ldo)
+}
+
+/// Tiles columns `n0..n1` for all `m` rows: `NR` weight rows stay hot in L1 while the
+/// `MR`-row blocks of `x` stream past them.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn columns_generic<S: Simd16, const MR: usize, const NR: usize>(
+    x: *const f32,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let ws = k * d.size();
+    let mut n = n0;
+    while n < n1 {
+        let nr = NR.min(n1 - n);
+        let wp = w.add(n * ws);
+        let mut r = 0;
+        while r < m {
+            let mr = MR.min(m - r);
+            let xp = x.add(r * k);
+            let op = out.add(r * ldo + n);
+            if mr == MR && nr == NR {
+                block::<S, MR, NR>(xp, k, wp, d, ws, op, ldo);
+            } else if nr == NR && mr < MR {
+                // Fewer rows than a full tile (a verify window of 2 or 3 tokens): still
+                // one pass over the weights for all of them.
+                match mr {
+                    1 => block::<S, 1, NR>(xp, k, wp, d, ws, op, ldo),
+                    2 => block::<S, 2, NR>(xp, k, wp, d, ws, op, ldo),
+                    3 => block::<S, 3, NR>(xp, k, wp, d, ws, op, ldo),
+                    _ => edge::<S>(mr, nr, xp, k, wp, d, ws, op, ldo),
+                }
+            } else {
+                edge::<S>(mr, nr, xp, k, wp, d, ws, op, ldo);
+            }
+            r += mr;
+        }
+        n += nr;
+    }
+}
+
+/// Partial tiles at the bottom/right edge, one output row at a time.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn edge<S: Simd16>(
+    mr: usize,
+    nr: usize,
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    ws: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    for r in 0..mr {
+        let xp = x.add(r * k);
+        let op = out.add(r * ldo);
+        match nr {
+            4 => block::<S, 1, 4>(xp, k, w, d, ws, op, ldo),
+            3 => block::<S, 1, 3>(xp, k, w, d, ws, op, ldo),
+            2 => block::<S, 1, 2>(xp, k, w, d, ws, op, ldo),
+            _ => {
+                for j in 0..nr {
+                    block::<S, 1, 1>(xp, k, w.add(j * ws), d, ws, op.add(j), ldo)
+                }
+            }
+        }
+    }
+}
+
+/// One tile in the order of the weights' dtype.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn block<S: Simd16, const MR: usize, const NR: usize>(
+    x: *const f32,
+    k: usize,
+    w: *const u8,
+    d: WeightDtype,
+    ws: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    if d == WeightDtype::Bf16 {
+        tile_pairs::<S, MR, NR>(x, k, w, ws, out, ldo)
+    } else {
+        tile::<S, MR, NR>(x, k, w, d, ws, out, ldo)
+    }
+}

@@ -1,0 +1,15 @@
+//! Row-invariant CPU kernels (see docs/design.md, "Rules for every kernel").
+//!
+//! Every reduction uses the canonical 16-lane order of [`simd`], which depends only on
+//! the reduced length; no kernel looks at M, batch size, padding or thread count.
+
+pub mod attention;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+pub mod simd;
+
+pub use attention::{attend, attend_from};
+pub use matmul::linear;
+pub use norm::{gelu_tanh_mul, rms_norm, rms_norm_inplace, swiglu};
+pub use rope::RopeTable;

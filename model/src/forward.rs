@@ -1,0 +1,302 @@
+//! The forward plumbing every family shares: projections ([`Proj`]), each token's slot at
+//! its row's logical position ([`slots_for`]), the LM head's outputs per row
+//! ([`head_outputs`]), the [`Net`] a family implements, and [`Model`], the handle the
+//! engine holds. Nothing here knows a family; `crate::registry` picks one.
+
+use mtp_base::config::Config;
+use mtp_base::error::{Error, Result};
+use mtp_base::logits::LogitSummary;
+use mtp_base::Checkpoint;
+use mtp_cache::RowCache;
+use mtp_kernels::negative_control;
+use mtp_kernels::{host_summaries, summaries_from, Backend, Kernels, KvDtype, Out, Slot, SUMMARY_VALUES};
+
+use crate::mtp::{MtpLayout, MtpNet};
+
+pub(crate) struct Proj<B: Kernels> {
+    pub(crate) w: B::Mat,
+    bias: Option<B::Vec>,
+    pub(crate) out: usize,
+}
+
+impl<B: Kernels> Proj<B> {
+    /// A projection of `out` outputs over an already loaded weight (no bias).
+    pub(crate) fn from_weight(be: &B, w: &mtp_base::weights::Weight) -> Result<Proj<B>> {
+        Ok(Proj { w: be.matrix(w)?, bias: None, out: w.rows })
+    }
+}
+
+impl<B: Kernels> Proj<B> {
+    pub(crate) fn load(
+        be: &B,
+        ck: &Checkpoint,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Proj<B>> {
+        let bias = if bias { Some(be.vector(&ck.get_f32(&format!("{name}.bias"), out)?)?) } else { None };
+        Ok(Proj { w: be.matrix(&ck.get(&format!("{name}.weight"), &[out, inp])?)?, bias, out })
+    }
+
+    pub(crate) fn forward(&self, be: &B, x: &B::Act, m: usize) -> Result<B::Act> {
+        let mut y = be.alloc(m * self.out)?;
+        be.linear(x, m, &self.w, self.bias.as_ref(), &mut y, Out::Write)?;
+        Ok(y)
+    }
+
+    /// The weight and bias, as [`Kernels::linear_parts`] takes them.
+    pub(crate) fn part(&self) -> (&B::Mat, Option<&B::Vec>) {
+        (&self.w, self.bias.as_ref())
+    }
+
+    /// `acc += self(x)`: the residual add.
+    pub(crate) fn add_to(&self, be: &B, x: &B::Act, m: usize, acc: &mut B::Act) -> Result<()> {
+        be.linear(x, m, &self.w, self.bias.as_ref(), acc, Out::Add)
+    }
+}
+
+/// Token slots of a batched forward over rows of `t` new tokens each, at logical
+/// positions `[len, len + t)` of their caches. Refuses a row that would pass `context`.
+pub(crate) fn slots_for(rows: &[(&RowCache, usize)], context: usize) -> Result<Vec<Slot>> {
+    let physical = negative_control::physical_rope();
+    let mut slots = Vec::new();
+    for (r, &(cache, t)) in rows.iter().enumerate() {
+        let (start, base) = (cache.len(), cache.window_base());
+        if start + t > context || base + t > context {
+            return Err(Error::Request {
+                request: format!("row {r}"),
+                msg: format!("{} positions exceed the model's context of {context}", start + t),
+            });
+        }
+        slots.extend((0..t).map(|i| Slot {
+            row: r,
+            pos: start + i,
+            rope_pos: if physical { base + i } else { start + i },
+        }));
+    }
+    Ok(slots)
+}
+
+/// Refuses a token outside the vocabulary, naming the row.
+pub(crate) fn check_tokens<'a>(
+    rows: impl Iterator<Item = &'a [u32]>,
+    vocab: usize,
+    what: &str,
+) -> Result<()> {
+    for (r, tokens) in rows.enumerate() {
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Request {
+                request: format!("{what} {r}"),
+                msg: format!("token id {bad} is outside the vocabulary of {vocab}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Which logits a row wants back from a forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    /// Only after the row's last token (prefill).
+    Last,
+    /// After every token (verification).
+    All,
+}
+
+impl Logits {
+    /// Indices, within a window of `t` tokens, of the tokens whose logits are wanted.
+    pub(crate) fn wanted(self, t: usize) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => t..t,
+            Logits::Last => t.saturating_sub(1)..t,
+            Logits::All => 0..t,
+        }
+    }
+}
+
+/// One row of a batched forward: new tokens appended after the row's cache.
+pub struct RowInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut RowCache,
+    /// Which tokens' logits the row wants.
+    pub logits: Logits,
+    /// Whether it wants those logits whole, or their [`LogitSummary`] is enough (greedy
+    /// rows: the logits then stay where they were computed).
+    pub full_logits: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct RowOutput {
+    /// One vocab-sized row per wanted token when the row asked for full logits; empty
+    /// otherwise.
+    pub logits: Vec<Vec<f32>>,
+    /// One summary per wanted token, always.
+    pub summaries: Vec<LogitSummary>,
+    /// The last layer's output after the final norm, one `hidden_size` row per input
+    /// token: the hidden state MTP heads read.
+    pub hidden: Vec<f32>,
+}
+
+/// The LM head's results for a forward's wanted tokens, in order: every token's summary,
+/// and the logits (`vocab` wide) when some row wanted them whole (empty otherwise).
+pub(crate) struct Head {
+    pub(crate) summaries: Vec<LogitSummary>,
+    pub(crate) logits: Vec<f32>,
+}
+
+/// Indices (among all the rows' tokens, in order) of the tokens whose logits are wanted.
+pub(crate) fn wanted_tokens(rows: &[RowInput]) -> Vec<usize> {
+    let mut want: Vec<usize> = Vec::new();
+    let mut off = 0;
+    for row in rows.iter() {
+        let t = row.tokens.len();
+        want.extend(row.logits.wanted(t).map(|i| off + i));
+        off += t;
+    }
+    want
+}
+
+/// Each row's outputs from the wanted tokens' `head` results and every token's
+/// final-normed `hidden` state (`h` wide).
+pub(crate) fn row_outputs(
+    rows: &[RowInput],
+    head: &Head,
+    hidden: &[f32],
+    vocab: usize,
+    h: usize,
+) -> Vec<RowOutput> {
+    use rayon::prelude::*;
+    let vocab = vocab.max(1);
+    let mut outs = Vec::with_capacity(rows.len());
+    let (mut off, mut wanted) = (0, 0);
+    for row in rows.iter() {
+        let t = row.tokens.len();
+        let n = row.logits.wanted(t).len();
+        let logits = match head.logits.get(wanted * vocab..(wanted + n) * vocab) {
+            // Copied on the host's threads: a verify's logits are tens of MB.
+            Some(l) if row.full_logits => l.par_chunks(vocab).map(|l| l.to_vec()).collect(),
+            _ => Vec::new(),
+        };
+        outs.push(RowOutput {
+            logits,
+            summaries: head.summaries[wanted..wanted + n].to_vec(),
+            hidden: hidden[off * h..(off + t) * h].to_vec(),
+        });
+        off += t;
+        wanted += n;
+    }
+    outs
+}
+
+/// Each row's outputs from the final-normed hidden states `normed` (one `h`-wide row per
+/// token): `lm_head` only for the tokens whose logits were asked for, soft-capped
+/// (`cap * tanh(l / cap)`, on the host) when `softcap` is given.
+pub(crate) fn head_outputs<B: Kernels>(
+    be: &B,
+    rows: &[RowInput],
+    normed: B::Act,
+    lm_head: &B::Mat,
+    vocab: usize,
+    h: usize,
+    softcap: Option<f32>,
+) -> Result<Vec<RowOutput>> {
+    let want = wanted_tokens(rows);
+    let all = rows.iter().map(|r| r.tokens.len()).sum::<usize>();
+    let mut head = Head { summaries: Vec::new(), logits: Vec::new() };
+    if !want.is_empty() {
+        // Every token wanted (decode, verify): the rows are already in order.
+        let gathered = if want.len() == all { None } else { Some(be.gather(&normed, h, &want)?) };
+        let mut logits = be.alloc(want.len() * vocab)?;
+        be.linear(gathered.as_ref().unwrap_or(&normed), want.len(), lm_head, None, &mut logits, Out::Write)?;
+        if let Some(cap) = softcap {
+            // Capped on the host, so summarised there.
+            head.logits = be.download(logits)?;
+            head.logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
+            let mut values = vec![0.0; SUMMARY_VALUES * want.len()];
+            host_summaries(&head.logits, want.len(), vocab, &mut values)?;
+            head.summaries = summaries_from(&values);
+        } else {
+            let mut summaries = be.alloc(SUMMARY_VALUES * want.len())?;
+            be.logit_summaries(&logits, want.len(), vocab, &mut summaries)?;
+            head.summaries = summaries_from(&be.download(summaries)?);
+            if rows.iter().any(|r| r.full_logits) {
+                head.logits = be.download(logits)?;
+            }
+        }
+    }
+    let hidden = be.download(normed)?;
+    Ok(row_outputs(rows, &head, &hidden, vocab, h))
+}
+
+/// A model on some backend, as the engine sees it.
+pub(crate) trait Net: Send + Sync {
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>>;
+    fn new_cache(&self) -> RowCache;
+    fn kv_bytes_per_token(&self) -> usize;
+    /// K/V bytes a row holds whatever its length (a sliding-window ring).
+    fn kv_bytes_per_row(&self) -> usize {
+        0
+    }
+    fn backend(&self) -> Backend;
+    fn kv_dtype(&self) -> KvDtype;
+    fn max_positions(&self) -> usize;
+    /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
+    fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
+    /// The concrete net, for drafters that share a family's internals (Gemma 4's assistant).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A model on some backend, as the engine holds it (loaded by `crate::registry`).
+pub struct Model {
+    pub config: Config,
+    pub(crate) net: Box<dyn Net>,
+}
+
+impl Model {
+    /// Where this model runs.
+    pub fn backend(&self) -> Backend {
+        self.net.backend()
+    }
+
+    /// How this model stores K/V (resolved: `F32` or `Bf16`).
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.net.kv_dtype()
+    }
+
+    /// An empty cache for one row of this model, on its backend.
+    pub fn new_cache(&self) -> RowCache {
+        self.net.new_cache()
+    }
+
+    /// KV bytes one position costs (device bytes on a GPU backend).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.net.kv_bytes_per_token()
+    }
+
+    /// K/V bytes a row holds whatever its length, besides [`Model::kv_bytes_per_token`]
+    /// per position: Gemma 4's sliding-window rings (0 for other models).
+    pub fn kv_bytes_per_row(&self) -> usize {
+        self.net.kv_bytes_per_row()
+    }
+
+    /// The longest sequence (prompt + output) a row may reach.
+    pub fn max_positions(&self) -> usize {
+        self.net.max_positions()
+    }
+
+    /// Runs every row's tokens at its own logical positions `[len, len + t)` and returns
+    /// the requested logits and the final-normed hidden state of every token. The new
+    /// K/V are left in each row's open window (at the slot the caller chose with
+    /// `RowCache::begin_window`, the row's tail by default); the caller commits what it
+    /// keeps with `RowCache::commit_window`. Every value a row gets back is a function of
+    /// its own prefix only: batch composition and chunking change no bit.
+    pub fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        self.net.forward(rows)
+    }
+
+    pub(crate) fn net(&self) -> &dyn Net {
+        &*self.net
+    }
+}

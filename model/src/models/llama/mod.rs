@@ -1,0 +1,279 @@
+//! The dense decoder shared by Llama/Mistral, Qwen2 and Qwen3:
+//! `x += o(attn(rope(norm_qk(q(n(x)))), rope(norm_qk(k(n(x)))), v(n(x))))`,
+//! `x += down(silu(gate(n(x))) * up(n(x)))`, logits = `lm_head(norm(x))`.
+//! The three families differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+//! Written once over [`Kernels`]: every backend runs this forward. Its MTP head ([`mtp`])
+//! is one more of these layers.
+
+mod mtp;
+
+use std::sync::Arc;
+
+use mtp_base::config::{Arch, Config};
+use mtp_base::error::{Error, Result};
+use mtp_base::Checkpoint;
+use mtp_cache::RowCache;
+use mtp_kernels::ops::RopeTable;
+use mtp_kernels::{summaries_from, Backend, Heads, Kernels, KvDtype, Out, Plane, SUMMARY_VALUES};
+
+use crate::forward::{
+    check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Head, Net, Proj, RowInput, RowOutput,
+};
+use crate::mtp::{MtpLayout, MtpNet};
+
+/// Loads a Llama, Mistral, Qwen2 or Qwen3 checkpoint's decoder onto `be`.
+pub(crate) fn load<B: Kernels>(
+    be: Arc<B>,
+    config: Config,
+    ck: &Checkpoint,
+    kv: KvDtype,
+) -> Result<Box<dyn Net>> {
+    Ok(Box::new(Decoder::load(be, config, ck, kv)?))
+}
+
+/// A layer's intermediate activations for `m` tokens, allocated once a forward and reused
+/// by every layer (each is written whole before it is read): 7 allocations a forward, not
+/// 7 a layer, and on the GPU no memory nodes between a recorded forward's kernels.
+pub(crate) struct Scratch<B: Kernels> {
+    normed: B::Act,
+    q: B::Act,
+    k: B::Act,
+    v: B::Act,
+    attn: B::Act,
+    gate: B::Act,
+    up: B::Act,
+}
+
+/// One decoder layer: attention and SwiGLU MLP, each pre-normed with a residual add.
+pub(crate) struct Block<B: Kernels> {
+    input_norm: B::Vec,
+    post_norm: B::Vec,
+    q: Proj<B>,
+    k: Proj<B>,
+    v: Proj<B>,
+    o: Proj<B>,
+    qk_norm: Option<(B::Vec, B::Vec)>,
+    gate: Proj<B>,
+    up: Proj<B>,
+    down: Proj<B>,
+}
+
+impl<B: Kernels> Block<B> {
+    /// Loads the layer whose tensors start with `p` (e.g. `model.layers.3`).
+    pub(crate) fn load(be: &B, ck: &Checkpoint, p: &str, c: &Config) -> Result<Block<B>> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let a = format!("{p}.self_attn");
+        let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
+        let qk_norm = if c.arch == Arch::Qwen3 {
+            Some((norm(format!("{a}.q_norm.weight"), hd)?, norm(format!("{a}.k_norm.weight"), hd)?))
+        } else {
+            None
+        };
+        Ok(Block {
+            input_norm: norm(format!("{p}.input_layernorm.weight"), h)?,
+            post_norm: norm(format!("{p}.post_attention_layernorm.weight"), h)?,
+            q: Proj::load(be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
+            k: Proj::load(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
+            v: Proj::load(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?,
+            o: Proj::load(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
+            qk_norm,
+            gate: Proj::load(be, ck, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
+            up: Proj::load(be, ck, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
+            down: Proj::load(be, ck, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
+        })
+    }
+
+    /// Activations for this layer (and every layer of its shape) over `m` tokens.
+    pub(crate) fn scratch(&self, be: &B, c: &Config, m: usize) -> Result<Scratch<B>> {
+        Ok(Scratch {
+            normed: be.alloc(m * c.hidden_size)?,
+            q: be.alloc(m * self.q.out)?,
+            k: be.alloc(m * self.k.out)?,
+            v: be.alloc(m * self.v.out)?,
+            attn: be.alloc(m * c.num_attention_heads * c.head_dim)?,
+            gate: be.alloc(m * self.gate.out)?,
+            up: be.alloc(m * self.up.out)?,
+        })
+    }
+
+    /// Runs the layer over `x` (`m` tokens of `hidden_size`), writing each row's new K/V
+    /// into layer `li` of its cache window and attending over its own logical prefix;
+    /// `s` from [`Block::scratch`] for `m` tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
+        &self,
+        be: &B,
+        c: &Config,
+        rope: &B::Rope,
+        x: &mut B::Act,
+        m: usize,
+        batch: &B::Batch,
+        caches: &mut [&mut RowCache],
+        li: usize,
+        s: &mut Scratch<B>,
+    ) -> Result<()> {
+        let h = c.hidden_size;
+        let heads =
+            Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        let Scratch { normed, q, k, v, attn, gate, up } = s;
+        be.rms_norm(x, &self.input_norm, c.rms_norm_eps, normed, h, 0)?;
+        let qkv = [self.q.part(), self.k.part(), self.v.part()];
+        be.linear_parts(normed, m, &qkv, &mut [q, k, v])?;
+        let norms = self.qk_norm.as_ref().map(|(qn, kn)| (qn, kn, c.rms_norm_eps));
+        be.qk_rope_store(q, Some((k, v)), norms, rope, batch, caches, Plane::Main(li), heads)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        be.attention(q, batch, caches, Plane::Main(li), heads, scale, None, attn)?;
+        self.o.add_to(be, attn, m, x)?;
+        be.rms_norm(x, &self.post_norm, c.rms_norm_eps, normed, h, 0)?;
+        be.linear_parts(normed, m, &[self.gate.part(), self.up.part()], &mut [gate, up])?;
+        be.swiglu(gate, up)?;
+        self.down.add_to(be, gate, m, x)
+    }
+}
+
+/// The weights of one model on one backend; the MTP head shares the embedding, the LM
+/// head and the RoPE table.
+pub(crate) struct Decoder<B: Kernels> {
+    pub(crate) be: Arc<B>,
+    pub(crate) config: Config,
+    pub(crate) embed: Arc<B::Mat>,
+    layers: Vec<Block<B>>,
+    norm: B::Vec,
+    pub(crate) lm_head: Arc<B::Mat>,
+    pub(crate) rope: Arc<B::Rope>,
+    pub(crate) max_positions: usize,
+    /// How this model's K/V are stored (resolved, never `Auto`).
+    pub(crate) kv: KvDtype,
+    /// Decode and verify forwards recorded by the backend (CUDA graphs), one per shape.
+    recordings: B::Recordings,
+}
+
+impl<B: Kernels> Decoder<B> {
+    pub(crate) fn load(be: Arc<B>, config: Config, ck: &Checkpoint, kv: KvDtype) -> Result<Decoder<B>> {
+        let c = &config;
+        let h = c.hidden_size;
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| Block::load(&*be, ck, &format!("model.layers.{i}"), c))
+            .collect::<Result<Vec<_>>>()?;
+        let embed_w = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let kv = be.kv_dtype(kv, embed_w.dtype)?;
+        if kv == KvDtype::Q4 && c.head_dim % 2 == 1 {
+            return Err(Error::Backend(format!(
+                "4-bit K/V packs two values a byte: head_dim {} is odd",
+                c.head_dim
+            )));
+        }
+        let embed = Arc::new(be.matrix(&embed_w)?);
+        // Some tied checkpoints still ship lm_head.weight; prefer it when present.
+        let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
+            Arc::new(be.matrix(&ck.get("lm_head.weight", &[c.vocab_size, h])?)?)
+        } else {
+            embed.clone()
+        };
+        let table =
+            RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
+        let max_positions = table.max_positions();
+        Ok(Decoder {
+            norm: be.vector(&ck.get_f32("model.norm.weight", h)?)?,
+            rope: Arc::new(be.rope_table(table)?),
+            be,
+            config,
+            embed,
+            layers,
+            lm_head,
+            max_positions,
+            kv,
+            recordings: B::Recordings::default(),
+        })
+    }
+
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        let (be, c) = (&*self.be, &self.config);
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
+        let slots = slots_for(&sizes, self.max_positions)?;
+        check_tokens(rows.iter().map(|r| r.tokens), vocab, "row")?;
+        let m = slots.len();
+        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let every_logit = wanted_tokens(rows).len() == m;
+        let fetch = if rows.iter().any(|r| r.full_logits) { 3 } else { 2 };
+        let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
+        let batch = be.batch(&slots, &tokens, &mut caches)?;
+        // The embedding, the layers and the final norm, into `normed`.
+        let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
+            let mut x = be.alloc(m * h)?;
+            be.embed_batch(&self.embed, batch, &mut x)?;
+            if let Some(first) = self.layers.first() {
+                // Every layer has the first's shape.
+                let mut s = first.scratch(be, c, m)?;
+                for (li, layer) in self.layers.iter().enumerate() {
+                    layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li, &mut s)?;
+                }
+            }
+            be.rms_norm(&x, &self.norm, c.rms_norm_eps, normed, h, 0)
+        };
+        if m > 0 && every_logit {
+            // Decode and verify: with the LM head over every token, the whole forward's
+            // launches follow the batch's shape, so the backend may record and replay it.
+            // The logits come back only when some row wants them whole.
+            let lens = [m * h, SUMMARY_VALUES * m, m * vocab];
+            let mut outs = be.run_recorded(&self.recordings, batch, &lens, fetch, &mut |batch, outs| {
+                let [normed, summaries, logits] = outs else {
+                    return Err(Error::Backend("a recorded forward got the wrong outputs".into()));
+                };
+                hidden_states(batch, normed)?;
+                be.linear(normed, m, &self.lm_head, None, logits, Out::Write)?;
+                be.logit_summaries(logits, m, vocab, summaries)
+            })?;
+            drop(caches);
+            let logits = if fetch == 3 { outs.pop() } else { None };
+            let [hidden, summaries]: [Vec<f32>; 2] =
+                outs.try_into().map_err(|_| Error::Backend("a recorded forward lost its outputs".into()))?;
+            let head = Head { summaries: summaries_from(&summaries), logits: logits.unwrap_or_default() };
+            return Ok(row_outputs(rows, &head, &hidden, vocab, h));
+        }
+        let mut normed = be.alloc(m * h)?;
+        hidden_states(&batch, &mut normed)?;
+        drop(caches);
+        head_outputs(be, rows, normed, &self.lm_head, vocab, h, None)
+    }
+}
+
+impl<B: Kernels> Net for Decoder<B> {
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        Decoder::forward(self, rows)
+    }
+
+    fn new_cache(&self) -> RowCache {
+        let c = &self.config;
+        let stride = c.num_key_value_heads * c.head_dim;
+        let store = self.be.kv_store(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.kv);
+        RowCache::with_store(store, c.num_hidden_layers, stride)
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        let c = &self.config;
+        2 * c.num_hidden_layers * self.kv.slot_bytes(c.num_key_value_heads, c.head_dim)
+    }
+
+    fn backend(&self) -> Backend {
+        self.be.backend()
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        self.kv
+    }
+
+    fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>> {
+        Ok(Box::new(mtp::MtpBlock::load(self, ck, layout, prefix)?))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}

@@ -1,0 +1,178 @@
+//! What loads a model, an MTP head or Gemma 4's assistant onto a backend: the one `match`
+//! from an architecture to its family (`crate::models`), and the one list of the backends
+//! this build has ([`on_backend!`]). Adding a family is a folder under `models/` and an arm
+//! here; adding a backend is a crate behind `mtp_kernels::Kernels`, a feature and an arm in
+//! [`on_backend!`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use mtp_base::config::{read_json, Arch, Config};
+use mtp_base::error::{Error, Result};
+use mtp_base::Checkpoint;
+use mtp_kernels::{Backend, KvDtype};
+
+use crate::forward::Model;
+use crate::models::gemma4::assistant::Gemma4Assistant;
+use crate::models::{gemma4, llama};
+use crate::mtp::{MtpHead, MtpLayout};
+
+/// Runs `$body` with `$be` bound to the `Arc` of `$backend`'s kernel set (each backend this
+/// build has), or returns an error naming what is missing.
+macro_rules! on_backend {
+    ($backend:expr, $be:ident => $body:expr) => {{
+        match $backend {
+            Backend::Cpu => {
+                let $be = Arc::new(mtp_kernels::cpu::Cpu);
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => {
+                let $be = mtp_cuda::Cuda::shared()?;
+                $body
+            }
+            #[cfg(all(feature = "metal", target_os = "macos"))]
+            Backend::Metal => {
+                let $be = mtp_metal::apple::Apple::shared()?;
+                $body
+            }
+            #[cfg(all(feature = "metal-emulator", not(target_os = "macos")))]
+            Backend::MetalEmulated => {
+                let $be = mtp_metal::emulated::Emulator::shared();
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            other => {
+                check(other)?;
+                Err(Error::Backend(format!("no {} kernels in this build", other.name())))
+            }
+        }
+    }};
+}
+
+/// Checks that this build can run `backend`, with a clear error when it cannot (not
+/// compiled in, no GPU, no driver).
+pub fn check(backend: Backend) -> Result<()> {
+    match backend {
+        Backend::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => mtp_cuda::Cuda::shared().map(|_| ()),
+        #[cfg(all(feature = "metal", target_os = "macos"))]
+        Backend::Metal => mtp_metal::apple::Apple::shared().map(|_| ()),
+        #[cfg(not(target_os = "macos"))]
+        Backend::Metal => Err(Error::Backend(
+            "the Metal backend runs on macOS (Apple GPUs); here `--backend metal-emulated` runs the same \
+             kernels on the CPU emulator (slow: for testing; a build with --features metal-emulator)"
+                .into(),
+        )),
+        #[cfg(all(feature = "metal-emulator", not(target_os = "macos")))]
+        Backend::MetalEmulated => Ok(()),
+        #[cfg(target_os = "macos")]
+        Backend::MetalEmulated => Err(Error::Backend(
+            "the Metal emulator is built everywhere but macOS, where the real device runs".into(),
+        )),
+        #[allow(unreachable_patterns)]
+        other => Err(Error::Backend(format!(
+            "this binary was not built with the {other:?} backend (rebuild with --features {})",
+            feature_of(other)
+        ))),
+    }
+}
+
+/// The `mtp` feature that builds `backend` in.
+fn feature_of(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Cpu => "",
+        Backend::Cuda => "cuda",
+        Backend::Metal => "metal",
+        Backend::MetalEmulated => "metal-emulator",
+    }
+}
+
+impl Model {
+    /// Loads `config.json` (+ `generation_config.json`) and the safetensors weights of
+    /// `dir` for the CPU.
+    pub fn load(dir: &Path) -> Result<Model> {
+        Model::load_on(dir, Backend::Cpu)
+    }
+
+    /// Loads `dir` onto `backend` (weights copied to the device for a GPU backend), K/V
+    /// in the backend's default dtype.
+    pub fn load_on(dir: &Path, backend: Backend) -> Result<Model> {
+        Model::load_with(dir, backend, KvDtype::Auto)
+    }
+
+    /// Loads `dir` onto `backend` with K/V stored as `kv`.
+    pub fn load_with(dir: &Path, backend: Backend, kv: KvDtype) -> Result<Model> {
+        let config = Config::from_dir(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        Model::from_checkpoint(config, &ck, backend, kv)
+    }
+
+    /// Loads `ck` (whose `config.json` gave `config`) onto `backend`: the one place that
+    /// maps an architecture to its family.
+    pub fn from_checkpoint(config: Config, ck: &Checkpoint, backend: Backend, kv: KvDtype) -> Result<Model> {
+        let c = config.clone();
+        let net = match config.arch {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => on_backend!(backend, be => llama::load(be, c, ck, kv)),
+            Arch::Gemma4 => on_backend!(backend, be => gemma4::load(be, c, ck, kv)),
+        }?;
+        Ok(Model { config, net })
+    }
+}
+
+impl MtpHead {
+    /// Loads module 0 from `dir` (a separate MTP checkpoint, or the target's own
+    /// directory when the weights ship inside it), shaped like `target` and on its backend.
+    pub fn load(dir: &Path, target: &Model) -> Result<MtpHead> {
+        let cfg_path = dir.join("config.json");
+        let raw = read_json(&cfg_path)?;
+        let tc = &target.config;
+        let get = |key: &str| raw.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let n_mtp = get("num_nextn_predict_layers").unwrap_or(0);
+        if n_mtp == 0 {
+            return Err(Error::config(
+                &cfg_path,
+                "num_nextn_predict_layers",
+                "missing or 0: this checkpoint declares no MTP head",
+            ));
+        }
+        for (key, want) in [("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size)] {
+            if let Some(have) = get(key) {
+                if have != want {
+                    return Err(Error::config(
+                        &cfg_path,
+                        key,
+                        format!("{have} differs from the target's {want}"),
+                    ));
+                }
+            }
+        }
+        let n_layers = get("num_hidden_layers").unwrap_or(tc.num_hidden_layers);
+        let ck = Checkpoint::open(dir)?;
+        let layout = [MtpLayout::MiMo, MtpLayout::DeepSeek]
+            .into_iter()
+            .find(|l| ck.contains(&l.names(&l.prefix(n_layers, 0))[2]))
+            .ok_or_else(|| Error::MissingTensor {
+                dir: dir.to_path_buf(),
+                name: format!(
+                    "{} (MiMo) or {} (DeepSeek-V3)",
+                    MtpLayout::MiMo.names(&MtpLayout::MiMo.prefix(n_layers, 0))[2],
+                    MtpLayout::DeepSeek.names(&MtpLayout::DeepSeek.prefix(n_layers, 0))[2]
+                ),
+            })?;
+        if n_mtp > 1 {
+            tracing::info!("{n_mtp} MTP modules in {}; drafting uses module 0 recursively", dir.display());
+        }
+        let net = target.net().load_mtp(&ck, layout, &layout.prefix(n_layers, 0))?;
+        Ok(MtpHead { layout, net })
+    }
+}
+
+impl Gemma4Assistant {
+    /// Loads the assistant in `dir` to draft for `target` (a Gemma 4 model), on the
+    /// target's backend.
+    pub fn load(dir: &Path, target: Arc<Model>) -> Result<Gemma4Assistant> {
+        on_backend!(target.backend(), be => Gemma4Assistant::load_on(dir, target, be))
+    }
+}

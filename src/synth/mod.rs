@@ -1,0 +1,296 @@
+//! Writes HF-layout checkpoints with random weights, so speed can be measured on real
+//! model shapes without downloads (`mtp synth`).
+
+pub mod gemma4;
+
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use serde_json::json;
+
+use mtp_base::config::{Arch, Config};
+use mtp_base::error::{Error, Result};
+use mtp_base::weights::WeightDtype;
+use mtp_model::MtpLayout;
+
+/// The shape of a synthetic checkpoint.
+#[derive(Clone, Debug)]
+pub struct SynthSpec {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub intermediate_size: usize,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f32,
+    pub tie_word_embeddings: bool,
+    pub dtype: WeightDtype,
+    pub seed: u64,
+}
+
+impl SynthSpec {
+    /// Presets named like the models whose shapes they copy.
+    pub fn preset(name: &str) -> Option<SynthSpec> {
+        let base = SynthSpec {
+            arch: Arch::Qwen3,
+            vocab_size: 151936,
+            hidden_size: 1024,
+            num_hidden_layers: 28,
+            num_attention_heads: 16,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            intermediate_size: 3072,
+            max_position_embeddings: 40960,
+            rope_theta: 1_000_000.0,
+            tie_word_embeddings: true,
+            dtype: WeightDtype::Bf16,
+            seed: 0,
+        };
+        match name {
+            "qwen3" | "qwen3-0.6b" => Some(base),
+            "qwen3-8b" => Some(SynthSpec {
+                hidden_size: 4096,
+                num_hidden_layers: 36,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                intermediate_size: 12288,
+                tie_word_embeddings: false,
+                ..base
+            }),
+            "qwen2" | "qwen2.5-0.5b" => Some(SynthSpec {
+                arch: Arch::Qwen2,
+                hidden_size: 896,
+                num_hidden_layers: 24,
+                num_attention_heads: 14,
+                num_key_value_heads: 2,
+                head_dim: 64,
+                intermediate_size: 4864,
+                max_position_embeddings: 32768,
+                ..base
+            }),
+            "llama" | "llama-3.2-1b" => Some(SynthSpec {
+                arch: Arch::Llama,
+                vocab_size: 128256,
+                hidden_size: 2048,
+                num_hidden_layers: 16,
+                num_attention_heads: 32,
+                num_key_value_heads: 8,
+                head_dim: 64,
+                intermediate_size: 8192,
+                max_position_embeddings: 131072,
+                rope_theta: 500_000.0,
+                ..base
+            }),
+            _ => None,
+        }
+    }
+
+    /// The spec of an existing checkpoint's config (random weights, same shapes).
+    pub fn from_config(c: &Config) -> SynthSpec {
+        SynthSpec {
+            arch: c.arch,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            num_hidden_layers: c.num_hidden_layers,
+            num_attention_heads: c.num_attention_heads,
+            num_key_value_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            intermediate_size: c.intermediate_size,
+            max_position_embeddings: c.max_position_embeddings,
+            rope_theta: c.rope_theta,
+            tie_word_embeddings: c.tie_word_embeddings,
+            dtype: WeightDtype::F32,
+            seed: 0,
+        }
+    }
+
+    /// Tensors of one decoder layer whose names start with `p`.
+    fn layer_tensors(&self, p: &str) -> Vec<(String, Vec<usize>)> {
+        let (h, hd) = (self.hidden_size, self.head_dim);
+        let (qd, kvd, f) =
+            (self.num_attention_heads * hd, self.num_key_value_heads * hd, self.intermediate_size);
+        let mut t = vec![
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+        ];
+        for (n, o, inp) in [("q_proj", qd, h), ("k_proj", kvd, h), ("v_proj", kvd, h), ("o_proj", h, qd)] {
+            t.push((format!("{p}.self_attn.{n}.weight"), vec![o, inp]));
+        }
+        if self.arch == Arch::Qwen2 {
+            t.push((format!("{p}.self_attn.q_proj.bias"), vec![qd]));
+            t.push((format!("{p}.self_attn.k_proj.bias"), vec![kvd]));
+            t.push((format!("{p}.self_attn.v_proj.bias"), vec![kvd]));
+        }
+        if self.arch == Arch::Qwen3 {
+            t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![f, h]));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![f, h]));
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, f]));
+        t
+    }
+
+    fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let h = self.hidden_size;
+        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
+        for i in 0..self.num_hidden_layers {
+            t.extend(self.layer_tensors(&format!("model.layers.{i}")));
+        }
+        t.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            t.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
+        }
+        t
+    }
+
+    /// Tensors of one MTP module in `layout` (DeepSeek: with its own `shared_head.head`,
+    /// sharing the target's embedding).
+    fn mtp_tensors(&self, layout: MtpLayout) -> Vec<(String, Vec<usize>)> {
+        let h = self.hidden_size;
+        let p = layout.prefix(self.num_hidden_layers, 0);
+        let [tn, hn, proj, fnorm] = layout.names(&p);
+        let mut t = vec![(tn, vec![h]), (hn, vec![h]), (proj, vec![h, 2 * h]), (fnorm, vec![h])];
+        if layout == MtpLayout::DeepSeek {
+            t.push((format!("{p}.shared_head.head.weight"), vec![self.vocab_size, h]));
+        }
+        t.extend(self.layer_tensors(&p));
+        t
+    }
+
+    /// Writes a random MTP head for the checkpoint in `target` into `out`: config.json
+    /// (the target's, plus `num_nextn_predict_layers: 1`), model.safetensors with only the
+    /// head's tensors in `layout`, and the target's tokenizer.json when it has one.
+    pub fn write_mtp_head(target: &Path, layout: MtpLayout, out: &Path, seed: u64) -> Result<()> {
+        let cfg_path = target.join("config.json");
+        let spec = SynthSpec { seed, ..SynthSpec::from_config(&Config::from_dir(target)?) };
+        let mut cfg = mtp_base::config::read_json(&cfg_path)?;
+        cfg["num_nextn_predict_layers"] = json!(1);
+        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+        let p = out.join("config.json");
+        std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json"))
+            .map_err(|e| Error::io(&p, e))?;
+        let tok = target.join("tokenizer.json");
+        if tok.exists() {
+            std::fs::copy(&tok, out.join("tokenizer.json")).map_err(|e| Error::io(&tok, e))?;
+        }
+        write_random_safetensors(&out.join("model.safetensors"), &spec.mtp_tensors(layout), spec.dtype, seed)
+    }
+
+    fn config_json(&self) -> serde_json::Value {
+        json!({
+            "architectures": [self.arch.hf_name()],
+            "model_type": match self.arch {
+                Arch::Llama => "llama",
+                Arch::Qwen2 => "qwen2",
+                Arch::Qwen3 => "qwen3",
+                Arch::Gemma4 => "gemma4_text",
+            },
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "sliding_window": null,
+            "use_sliding_window": false,
+            "max_window_layers": self.num_hidden_layers,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": 1,
+            "eos_token_id": 0,
+            "torch_dtype": match self.dtype { WeightDtype::F32 => "float32", WeightDtype::Bf16 => "bfloat16", WeightDtype::F16 => "float16" },
+        })
+    }
+
+    /// Writes config.json, generation_config.json, model.safetensors and tokenizer.json.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let write_json = |name: &str, v: serde_json::Value| {
+            let p = dir.join(name);
+            std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).map_err(|e| Error::io(&p, e))
+        };
+        write_json("config.json", self.config_json())?;
+        write_json("generation_config.json", json!({"bos_token_id": 1, "eos_token_id": [0, 2]}))?;
+        if self.vocab_size >= 512 {
+            let p = dir.join("tokenizer.json");
+            std::fs::write(&p, BYTE_BPE_512).map_err(|e| Error::io(&p, e))?;
+        }
+        write_random_safetensors(&dir.join("model.safetensors"), &self.tensors(), self.dtype, self.seed)
+    }
+}
+
+/// The 512-token byte-level BPE tokenizer synthetic checkpoints ship.
+pub(crate) const BYTE_BPE_512: &str = include_str!("assets/byte-bpe-512.tokenizer.json");
+
+/// Streams `tensors` with uniform random values (norm weights 1.0) into `path`.
+pub(crate) fn write_random_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    dtype: WeightDtype,
+    seed: u64,
+) -> Result<()> {
+    let ds = dtype.size();
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), json!({"format": "pt"}));
+    let mut off = 0usize;
+    for (name, shape) in tensors {
+        let n: usize = shape.iter().product::<usize>() * ds;
+        header.insert(
+            name.clone(),
+            json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + n]}),
+        );
+        off += n;
+    }
+    let mut h = serde_json::to_string(&header).expect("json");
+    while !h.len().is_multiple_of(8) {
+        h.push(' ');
+    }
+    let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    let io = |e| Error::io(path, e);
+    w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
+    w.write_all(h.as_bytes()).map_err(io)?;
+    for (i, (name, shape)) in tensors.iter().enumerate() {
+        let mut rng = SplitMix(seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64));
+        let fan_in = *shape.last().unwrap_or(&1) as f32;
+        let is_norm = shape.len() == 1 && !name.ends_with(".bias");
+        let scale = if is_norm { 0.0 } else { (3.0 / fan_in).sqrt() };
+        let mut buf = Vec::with_capacity(1 << 16);
+        let count: usize = shape.iter().product();
+        for j in 0..count {
+            let v = if is_norm { 1.0 } else { scale * (2.0 * rng.next_f32() - 1.0) };
+            match dtype {
+                WeightDtype::F32 => buf.extend_from_slice(&v.to_le_bytes()),
+                WeightDtype::Bf16 => buf.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+                WeightDtype::F16 => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            }
+            if buf.len() >= 1 << 16 || j + 1 == count {
+                w.write_all(&buf).map_err(io)?;
+                buf.clear();
+            }
+        }
+    }
+    w.flush().map_err(io)
+}
+/// SplitMix64: a tiny, seedable generator (no dependency needed for weights).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_f32(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
