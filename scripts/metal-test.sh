@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(uname -s)" != Darwin ]; then
-    echo "scripts/metal-test.sh runs on macOS; elsewhere: MTP_TEST_BACKEND=metal-emulated cargo test --release" >&2
+    echo "scripts/metal-test.sh runs on macOS; elsewhere: MTP_TEST_BACKEND=metal-emulated cargo test --release --features metal-emulator" >&2
     exit 1
 fi
 export MTP_TEST_BACKEND=metal

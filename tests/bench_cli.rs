@@ -94,8 +94,8 @@ fn default_run_covers_every_drafter_and_is_identical() {
 }
 
 /// Fixed k on the default workload: the trained family must show real drafting (the
-/// README's quality bars), and acceptance depends only on each row's tokens, never on the
-/// batch size.
+/// quality bars of docs/trained-family.md), and acceptance depends only on each row's
+/// tokens, never on the batch size.
 #[test]
 fn fixed_k_shows_real_drafting() {
     let json = tmp("fixed.json");

@@ -22,7 +22,7 @@ use common::invariance::{
 use common::Lcg;
 use mtp::base::WeightDtype;
 use mtp::kernels::cpu::Cpu;
-use mtp::kernels::{Backend, GemmaKernels, Kernels};
+use mtp::kernels::{Backend, Kernels};
 use mtp::metal::Metal;
 
 #[cfg(target_os = "macos")]

@@ -1,5 +1,5 @@
 """The three trained models: target and draft (transformers' own Qwen3ForCausalLM) and
-the MTP head, whose forward is written here to match model/src/mtp.rs exactly:
+the MTP head, whose forward is written here to match model/src/models/llama/mtp.rs exactly:
 
     x   = input_proj([hidden_layernorm(h_i); token_layernorm(embed(t_{i+1}))])   (MiMo order)
     x'  = DecoderLayer(x)  at logical position i, causal over the head's own entries
@@ -111,7 +111,7 @@ def step2_mask(T, device):
 
 @torch.no_grad()
 def mtp_drafts(target, head, prompt, k):
-    """What the MTP drafter proposes after `prompt` (list of ids), as model/src/mtp.rs and
+    """What the MTP drafter proposes after `prompt` (list of ids), as model/src/models/llama/mtp.rs and
     drafter/src/mtp.rs compute it: k greedy drafts and each step's top-2 logit margin."""
     dev = next(target.parameters()).device
     ids = torch.tensor([prompt], device=dev)

@@ -19,7 +19,7 @@ use mtp_kernels::negative_control;
 use mtp_kernels::{run_body, ForwardBody, Kernels};
 
 /// Forwards of more tokens than this run eagerly: replays of a B=8 k=4 verify (40 tokens)
-/// measured no faster than launching it (docs/cuda-speed-notes.md, v8). Below it, the
+/// measured no faster than launching it (docs/notes/cuda-speed-notes.md, v8). Below it, the
 /// phase-split tiles of 17-32 tokens allocate their scratch (split activations, partials)
 /// inside the recording, as graph memory nodes.
 const MOST_RECORDED_TOKENS: usize = 32;

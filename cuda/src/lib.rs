@@ -53,7 +53,7 @@ use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
     check_gpu_heads, device_kv_dtype, held_keys, linear_each, open_windows, AssistantKernels, Backend,
-    ForwardBody, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    ForwardBody, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
@@ -137,7 +137,7 @@ impl TcKernel {
     ];
 
     /// The fastest kernel for M tokens and N output columns, as measured on an H100
-    /// (`gpu_matmul --kernels`; docs/cuda-speed-notes.md, v15 and v16): passes up to 16
+    /// (`gpu_matmul --kernels`; docs/notes/cuda-speed-notes.md, v15 and v16): passes up to 16
     /// tokens. Past that, while the plain tile's grid would give fewer than 2 blocks an SM
     /// (a block alone waits on its loads), a phase-split tile: where N is at least 4,096
     /// one token tile of 32, 48 or 64 tokens (17-32 tokens: 1.4-1.8x faster than Pass32 at
@@ -1058,6 +1058,45 @@ impl Kernels for Cuda {
         launch!(self, &self.f.gather, (rows.len() as u32, 1), 256, "gather", [xp, ip, w, op])?;
         Ok(out)
     }
+
+    fn gelu_tanh_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
+        let n = gate.len().min(up.len());
+        let (g, u, n64) = (ptr(gate, &self.stream), ptr(up, &self.stream), n as i64);
+        launch!(self, &self.f.gelu_tanh_mul, grid256(n), 256, "gelu", [g, u, n64])
+    }
+
+    fn scale(&self, x: &mut CudaSlice<f32>, by: f32) -> Result<()> {
+        let (xp, n64) = (ptr(x, &self.stream), x.len() as i64);
+        launch!(self, &self.f.scale_by, grid256(x.len()), 256, "scale", [xp, by, n64])
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        let n = x.len().min(y.len());
+        let (xp, yp, n64) = (ptr(x, &self.stream), ptr(y, &self.stream), n as i64);
+        launch!(self, &self.f.add_to, grid256(n), 256, "add", [xp, yp, n64])
+    }
+
+    fn add_rows_scaled(
+        &self,
+        out: &mut CudaSlice<f32>,
+        width: usize,
+        src: &CudaSlice<f32>,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let (idx, w) = (self.upload_as(&idx, "expert rows")?, self.upload_as(weights, "expert weights")?);
+        let s = &self.stream;
+        let (op, sp, ip, wp, wd) = (ptr(out, s), ptr(src, s), ptr(&idx, s), ptr(&w, s), width as i32);
+        launch!(
+            self,
+            &self.f.add_rows_scaled,
+            (rows.len() as u32, 1),
+            256,
+            "add_rows_scaled",
+            [op, sp, ip, wp, wd]
+        )
+    }
 }
 
 /// One attention launch's queries and keys.
@@ -1187,47 +1226,6 @@ impl Cuda {
 /// Blocks of 256 threads covering `n` values.
 fn grid256(n: usize) -> (u32, u32) {
     (n.div_ceil(256) as u32, 1)
-}
-
-impl GemmaKernels for Cuda {
-    fn gelu_tanh_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {
-        let n = gate.len().min(up.len());
-        let (g, u, n64) = (ptr(gate, &self.stream), ptr(up, &self.stream), n as i64);
-        launch!(self, &self.f.gelu_tanh_mul, grid256(n), 256, "gelu", [g, u, n64])
-    }
-
-    fn scale(&self, x: &mut CudaSlice<f32>, by: f32) -> Result<()> {
-        let (xp, n64) = (ptr(x, &self.stream), x.len() as i64);
-        launch!(self, &self.f.scale_by, grid256(x.len()), 256, "scale", [xp, by, n64])
-    }
-
-    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
-        let n = x.len().min(y.len());
-        let (xp, yp, n64) = (ptr(x, &self.stream), ptr(y, &self.stream), n as i64);
-        launch!(self, &self.f.add_to, grid256(n), 256, "add", [xp, yp, n64])
-    }
-
-    fn add_rows_scaled(
-        &self,
-        out: &mut CudaSlice<f32>,
-        width: usize,
-        src: &CudaSlice<f32>,
-        rows: &[usize],
-        weights: &[f32],
-    ) -> Result<()> {
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let (idx, w) = (self.upload_as(&idx, "expert rows")?, self.upload_as(weights, "expert weights")?);
-        let s = &self.stream;
-        let (op, sp, ip, wp, wd) = (ptr(out, s), ptr(src, s), ptr(&idx, s), ptr(&w, s), width as i32);
-        launch!(
-            self,
-            &self.f.add_rows_scaled,
-            (rows.len() as u32, 1),
-            256,
-            "add_rows_scaled",
-            [op, sp, ip, wp, wd]
-        )
-    }
 }
 
 impl AssistantKernels for Cuda {

@@ -1,4 +1,4 @@
-//! The round loop (see design.md, "One round of the engine"):
+//! The round loop (see docs/design.md, "One round of the engine"):
 //! admit and prefill newcomers -> propose drafts -> verify all rows in one forward ->
 //! roll back target cache and drafter state -> emit tokens, retire finished rows.
 //! Plain decoding is the same loop without a drafter (k = 0).
@@ -388,7 +388,7 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// One round (see design.md): choose each row's k, draft, verify every row in one
+    /// One round (see docs/design.md): choose each row's k, draft, verify every row in one
     /// forward (which also rolls caches back), then emit, commit and learn.
     fn round(&mut self, events: &mut Vec<Event>) {
         let t0 = Instant::now();

@@ -1,6 +1,6 @@
 //! Exact prefix cache: the K/V (and, for drafters that read them, the final hidden states)
 //! of prompt prefixes, in blocks of [`BLOCK_TOKENS`] tokens, each keyed by the whole token
-//! prefix it ends. A K/V entry is a pure function of its prefix (design.md), so a row that
+//! prefix it ends. A K/V entry is a pure function of its prefix (docs/design.md), so a row that
 //! loads a cached prefix and prefills only the rest holds the very bytes it would have
 //! computed: the cache changes time to first token, never an output bit.
 //!

@@ -11,8 +11,7 @@ use mtp_base::weights::{Weight, WeightDtype};
 
 use crate::ops::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
 use crate::{
-    held_keys, open_windows, AssistantKernels, Backend, GemmaKernels, Heads, Kernels, KeyRange, KvDtype, Out,
-    Plane, Slot,
+    held_keys, open_windows, AssistantKernels, Backend, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -260,9 +259,7 @@ impl Kernels for Cpu {
     fn gather(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>> {
         Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
     }
-}
 
-impl GemmaKernels for Cpu {
     fn gelu_tanh_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
         gelu_tanh_mul(gate, up);
         Ok(())

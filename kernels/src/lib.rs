@@ -289,6 +289,22 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
+    /// `gate <- gelu_tanh(gate) * up`.
+    fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// `x <- x * s`.
+    fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;
+    /// `x <- x + y`.
+    fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// `out[rows[i]] += weights[i] * src[i]` for each `width`-wide row `i` of `src`, in
+    /// order (the rows of one call are distinct).
+    fn add_rows_scaled(
+        &self,
+        out: &mut Self::Act,
+        width: usize,
+        src: &Self::Act,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()>;
 }
 
 /// [`Kernels::run_recorded`] without recording: `body` run once, its outputs downloaded.
@@ -398,29 +414,8 @@ impl Plane {
     }
 }
 
-/// The ops Gemma 4 adds to [`Kernels`]; a backend runs Gemma 4 once it implements them.
-/// Every op is per token (or per element) like the rest of the seam.
-pub trait GemmaKernels: Kernels {
-    /// `gate <- gelu_tanh(gate) * up`.
-    fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
-    /// `x <- x * s`.
-    fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;
-    /// `x <- x + y`.
-    fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
-    /// `out[rows[i]] += weights[i] * src[i]` for each `width`-wide row `i` of `src`, in
-    /// order (the rows of one call are distinct).
-    fn add_rows_scaled(
-        &self,
-        out: &mut Self::Act,
-        width: usize,
-        src: &Self::Act,
-        rows: &[usize],
-        weights: &[f32],
-    ) -> Result<()>;
-}
-
 /// What Gemma 4's assistant adds: reading another model's K/V without writing any.
-pub trait AssistantKernels: GemmaKernels {
+pub trait AssistantKernels: Kernels {
     /// RoPE of every `head_dim`-wide head of each `width`-wide row `i` of `x` at
     /// `positions[i]`.
     fn rope_at(

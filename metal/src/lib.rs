@@ -30,8 +30,8 @@ use mtp_base::weights::{Weight, WeightDtype};
 use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, GemmaKernels,
-    Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, Heads, Kernels,
+    KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 /// Output columns per matmul threadgroup (4 SIMD-groups of 4: see kernels.metal).
@@ -601,6 +601,54 @@ impl<D: Dispatch> Kernels for Metal<D> {
         )?;
         Ok(out)
     }
+
+    fn gelu_tanh_mul(&self, gate: &mut MetalBuf<D>, up: &MetalBuf<D>) -> Result<()> {
+        let n = gate.len.min(up.len);
+        self.run(
+            "gelu_tanh_mul",
+            grid256(n),
+            256,
+            &[Arg::Out(&gate.buf, 0), Arg::In(&up.buf, 0), Arg::I64(n as i64)],
+        )
+    }
+
+    fn scale(&self, x: &mut MetalBuf<D>, by: f32) -> Result<()> {
+        self.run(
+            "scale_by",
+            grid256(x.len),
+            256,
+            &[Arg::Out(&x.buf, 0), Arg::F32(by), Arg::I64(x.len as i64)],
+        )
+    }
+
+    fn add(&self, x: &mut MetalBuf<D>, y: &MetalBuf<D>) -> Result<()> {
+        let n = x.len.min(y.len);
+        self.run("add_to", grid256(n), 256, &[Arg::Out(&x.buf, 0), Arg::In(&y.buf, 0), Arg::I64(n as i64)])
+    }
+
+    fn add_rows_scaled(
+        &self,
+        out: &mut MetalBuf<D>,
+        width: usize,
+        src: &MetalBuf<D>,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let (idx, w) = (self.upload_as(&idx)?, self.upload_as(weights)?);
+        self.run(
+            "add_rows_scaled",
+            (rows.len() as u32, 1),
+            256,
+            &[
+                Arg::Out(&out.buf, 0),
+                Arg::In(&src.buf, 0),
+                Arg::In(&idx.buf, 0),
+                Arg::In(&w.buf, 0),
+                Arg::I32(width as i32),
+            ],
+        )
+    }
 }
 
 impl<D: Dispatch> Metal<D> {
@@ -672,56 +720,6 @@ fn linear_q_name(bits: usize, rows_per_pass: usize) -> &'static str {
         (_, 4) => "linear_q8_4",
         (_, 8) => "linear_q8_8",
         (_, _) => "linear_q8_16",
-    }
-}
-
-impl<D: Dispatch> GemmaKernels for Metal<D> {
-    fn gelu_tanh_mul(&self, gate: &mut MetalBuf<D>, up: &MetalBuf<D>) -> Result<()> {
-        let n = gate.len.min(up.len);
-        self.run(
-            "gelu_tanh_mul",
-            grid256(n),
-            256,
-            &[Arg::Out(&gate.buf, 0), Arg::In(&up.buf, 0), Arg::I64(n as i64)],
-        )
-    }
-
-    fn scale(&self, x: &mut MetalBuf<D>, by: f32) -> Result<()> {
-        self.run(
-            "scale_by",
-            grid256(x.len),
-            256,
-            &[Arg::Out(&x.buf, 0), Arg::F32(by), Arg::I64(x.len as i64)],
-        )
-    }
-
-    fn add(&self, x: &mut MetalBuf<D>, y: &MetalBuf<D>) -> Result<()> {
-        let n = x.len.min(y.len);
-        self.run("add_to", grid256(n), 256, &[Arg::Out(&x.buf, 0), Arg::In(&y.buf, 0), Arg::I64(n as i64)])
-    }
-
-    fn add_rows_scaled(
-        &self,
-        out: &mut MetalBuf<D>,
-        width: usize,
-        src: &MetalBuf<D>,
-        rows: &[usize],
-        weights: &[f32],
-    ) -> Result<()> {
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let (idx, w) = (self.upload_as(&idx)?, self.upload_as(weights)?);
-        self.run(
-            "add_rows_scaled",
-            (rows.len() as u32, 1),
-            256,
-            &[
-                Arg::Out(&out.buf, 0),
-                Arg::In(&src.buf, 0),
-                Arg::In(&idx.buf, 0),
-                Arg::In(&w.buf, 0),
-                Arg::I32(width as i32),
-            ],
-        )
     }
 }
 

@@ -5,7 +5,7 @@
 use mtp_base::config::Config;
 use mtp_base::error::Result;
 use mtp_base::Checkpoint;
-use mtp_kernels::{GemmaKernels, Heads, Plane};
+use mtp_kernels::{Heads, Kernels, Plane};
 
 use crate::forward::Proj;
 
@@ -13,20 +13,20 @@ use super::config::{Gemma4Config, LayerSpec};
 use super::moe::MoeBlock;
 
 /// The per-layer input path of a layer (E models).
-struct LayerInput<B: GemmaKernels> {
+struct LayerInput<B: Kernels> {
     gate: Proj<B>,
     proj: Proj<B>,
     post_norm: B::Vec,
 }
 
 /// `k_proj`, `v_proj` (absent with K = V: V is K's projection) and `k_norm`.
-struct OwnKv<B: GemmaKernels> {
+struct OwnKv<B: Kernels> {
     k: Proj<B>,
     v: Option<Proj<B>>,
     k_norm: B::Vec,
 }
 
-pub(crate) struct Layer<B: GemmaKernels> {
+pub(crate) struct Layer<B: Kernels> {
     pub(crate) spec: LayerSpec,
     pub(crate) plane: Plane,
     input_norm: B::Vec,
@@ -48,7 +48,7 @@ pub(crate) struct Layer<B: GemmaKernels> {
     scalar: f32,
 }
 
-impl<B: GemmaKernels> Layer<B> {
+impl<B: Kernels> Layer<B> {
     /// Loads layer `p` (e.g. `model.layers.3`) whose K/V live in `plane`.
     pub(crate) fn load(
         be: &B,

@@ -1,5 +1,5 @@
 //! Gemma 4 text decoders (`Gemma4ForCausalLM`, and the text part of
-//! `Gemma4ForConditionalGeneration`), written once over [`GemmaKernels`]:
+//! `Gemma4ForConditionalGeneration`), written once over [`Kernels`]:
 //!
 //! ```text
 //! x = embed(t) * sqrt(hidden)                       (+ per-layer inputs, E models)
@@ -29,7 +29,7 @@ use mtp_cache::RowCache;
 use mtp_base::config::{read_json, Config};
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
-use mtp_kernels::{Backend, GemmaKernels, KvDtype, Plane};
+use mtp_kernels::{Backend, Kernels, KvDtype, Plane};
 
 use crate::forward::{check_tokens, head_outputs, slots_for, Net, Proj, RowInput, RowOutput};
 use crate::mtp::{MtpLayout, MtpNet};
@@ -38,7 +38,7 @@ pub use config::{Gemma4Config, LayerKind, LayerSpec};
 use layer::Layer;
 
 /// The model-level half of the per-layer inputs (E models).
-struct PerLayerInputs<B: GemmaKernels> {
+struct PerLayerInputs<B: Kernels> {
     embed: B::Mat,
     embed_scale: f32,
     projection: Proj<B>,
@@ -56,7 +56,7 @@ struct Layout {
     ring: (usize, usize),
 }
 
-pub(crate) struct Gemma4<B: GemmaKernels> {
+pub(crate) struct Gemma4<B: Kernels> {
     be: Arc<B>,
     config: Config,
     g: Gemma4Config,
@@ -87,7 +87,7 @@ fn kind_shape(g: &Gemma4Config, kind: LayerKind, path: &std::path::Path) -> Resu
     Ok(first)
 }
 
-impl<B: GemmaKernels> Gemma4<B> {
+impl<B: Kernels> Gemma4<B> {
     fn load(
         be: Arc<B>,
         config: Config,
@@ -255,7 +255,7 @@ impl<B: GemmaKernels> Gemma4<B> {
     }
 }
 
-impl<B: GemmaKernels> Net for Gemma4<B> {
+impl<B: Kernels> Net for Gemma4<B> {
     fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
         Gemma4::forward(self, rows)
     }
@@ -312,7 +312,7 @@ impl<B: GemmaKernels> Net for Gemma4<B> {
 }
 
 /// Loads a Gemma 4 checkpoint's decoder onto `be`.
-pub(crate) fn load<B: GemmaKernels>(
+pub(crate) fn load<B: Kernels>(
     be: Arc<B>,
     config: Config,
     ck: &Checkpoint,

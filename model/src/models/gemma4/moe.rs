@@ -8,19 +8,19 @@
 
 use mtp_base::error::Result;
 use mtp_base::Checkpoint;
-use mtp_kernels::{GemmaKernels, Out};
+use mtp_kernels::{Kernels, Out};
 
 use crate::forward::Proj;
 
 use super::config::Moe;
 
-struct Expert<B: GemmaKernels> {
+struct Expert<B: Kernels> {
     gate: Proj<B>,
     up: Proj<B>,
     down: Proj<B>,
 }
 
-pub(crate) struct MoeBlock<B: GemmaKernels> {
+pub(crate) struct MoeBlock<B: Kernels> {
     moe: Moe,
     router_scale: B::Vec,
     router: Proj<B>,
@@ -56,7 +56,7 @@ pub(crate) fn route(scores: &[f32], moe: Moe, per_expert_scale: &[f32]) -> Vec<V
         .collect()
 }
 
-impl<B: GemmaKernels> MoeBlock<B> {
+impl<B: Kernels> MoeBlock<B> {
     /// Loads `{p}.router.*`, `{p}.experts.*` and the block's three extra norms.
     pub(crate) fn load(be: &B, ck: &Checkpoint, p: &str, h: usize, moe: Moe) -> Result<MoeBlock<B>> {
         let (e, i) = (moe.experts, moe.intermediate);
