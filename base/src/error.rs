@@ -26,6 +26,9 @@ pub enum Error {
     Request { request: String, msg: String },
     #[error("backend: {0}")]
     Backend(String),
+    /// A Hugging Face repo id that could not be resolved to a checkpoint directory.
+    #[error("Hugging Face repo `{id}`: {msg}")]
+    Hub { id: String, msg: String },
     /// An option or argument outside what it can mean (a batch of zero rows, say).
     #[error("{0}")]
     InvalidOption(String),

@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod hub;
 pub mod logits;
 pub mod quant;
 pub mod tokenizer;

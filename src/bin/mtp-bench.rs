@@ -24,7 +24,9 @@ use mtp::model::Model;
     about = "Compare drafters' acceptance and speed; check every row is identical"
 )]
 struct Cli {
-    /// Target checkpoint (default: the trained family shipped in the repository).
+    /// Target checkpoint: directory or Hugging Face repo id (org/name[@revision]), taken from the
+    /// Hugging Face cache or downloaded into it (default: the trained family shipped in the
+    /// repository).
     #[arg(long)]
     target: Option<PathBuf>,
     /// Comma-separated: draft-model:DIR, mtp[:DIR], assistant:DIR (Gemma 4), ngram, oracle:ALPHA (default: the
@@ -103,7 +105,10 @@ fn main() -> ExitCode {
 
 fn bench(cli: Cli) -> Result<bool> {
     let default_target = cli.target.is_none();
-    let target_dir = cli.target.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
+    let target_dir = match &cli.target {
+        Some(t) => mtp::base::hub::resolve_from_env(t)?,
+        None => PathBuf::from(mtp::DEFAULT_TARGET),
+    };
     let backend: Backend = cli.backend.parse()?;
     mtp::model::registry::check(backend)?;
     #[cfg(feature = "cuda")]

@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use std::path::Path;
 use std::sync::Arc;
 
-use mtp::base::{Tokenizer, WeightDtype};
+use mtp::base::{hub, Tokenizer, WeightDtype};
 use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
 use mtp::kernels::Backend;
@@ -65,7 +65,7 @@ enum Command {
         /// Requests (choices) held at once, running and queued; more are answered 429.
         #[arg(long, default_value_t = 256, value_parser = mtp::at_least_one)]
         max_pending: usize,
-        /// The model name clients see (default: the checkpoint directory's name).
+        /// The model name clients see (default: the repo id, or the checkpoint directory's name).
         #[arg(long)]
         served_model_name: Option<String>,
         /// exact: bitwise the tokens plain sampling picks; rejection: modified rejection
@@ -122,7 +122,9 @@ enum Command {
 /// The model, drafter and engine flags `generate` and `serve` share.
 #[derive(Args)]
 struct ModelArgs {
-    /// Hugging Face checkpoint directory (default: the trained family shipped in the repo).
+    /// Target checkpoint: directory or Hugging Face repo id (org/name[@revision]), taken from
+    /// the Hugging Face cache or downloaded into it (default: the trained family shipped in
+    /// the repo).
     #[arg(long)]
     target: Option<PathBuf>,
     /// Rows decoded together; later requests wait in a queue.
@@ -134,7 +136,8 @@ struct ModelArgs {
     /// (prompt lookup).
     #[arg(long, default_value = "auto")]
     drafter: String,
-    /// Draft model, MTP head or assistant checkpoint directory.
+    /// Draft model, MTP head or assistant checkpoint: directory or Hugging Face repo id
+    /// (org/name[@revision]).
     #[arg(long)]
     draft: Option<PathBuf>,
     /// Draft tokens per row per round: auto (chosen per row every round from measured
@@ -178,7 +181,10 @@ impl ModelArgs {
     fn load(&self) -> Result<(PathBuf, Arc<Model>, Option<Tokenizer>)> {
         let backend = self.backend.parse::<Backend>()?;
         mtp::model::registry::check(backend)?;
-        let target = self.target.clone().unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_TARGET));
+        let target = match &self.target {
+            Some(t) => hub::resolve_from_env(t)?,
+            None => PathBuf::from(mtp::DEFAULT_TARGET),
+        };
         let model =
             Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);
         let tokenizer = Tokenizer::from_dir_if_present(&target)?;
@@ -207,22 +213,26 @@ impl ModelArgs {
             }
             "ngram" => Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max)?)),
             "draft-model" => {
-                let dir = self.draft.as_deref().context("--drafter draft-model needs --draft DIR")?;
-                Some(Box::new(DraftModelDrafter::load(dir, target_dir, target)?))
+                let dir = self.draft_dir()?.context("--drafter draft-model needs --draft DIR")?;
+                Some(Box::new(DraftModelDrafter::load(&dir, target_dir, target)?))
             }
             "mtp" => {
-                let dir = self.draft.as_deref().unwrap_or(target_dir);
-                Some(Box::new(MtpDrafter::load(dir, target.clone())?))
+                let dir = self.draft_dir()?.unwrap_or_else(|| target_dir.to_path_buf());
+                Some(Box::new(MtpDrafter::load(&dir, target.clone())?))
             }
             "assistant" => {
                 let dir = self
-                    .draft
-                    .as_deref()
+                    .draft_dir()?
                     .context("--drafter assistant needs --draft DIR (the assistant checkpoint)")?;
-                Some(Box::new(AssistantDrafter::load(dir, target.clone())?))
+                Some(Box::new(AssistantDrafter::load(&dir, target.clone())?))
             }
             other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, assistant, ngram)"),
         })
+    }
+
+    /// `--draft`: a directory as is, a Hugging Face repo id as its snapshot in the cache.
+    fn draft_dir(&self) -> Result<Option<PathBuf>> {
+        Ok(self.draft.as_deref().map(hub::resolve_from_env).transpose()?)
     }
 
     fn engine_options(&self) -> EngineOptions {
@@ -429,13 +439,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .parse()
                 .or_else(|_| (host.as_str(), port).to_socket_addrs().map(|mut a| a.next().expect("resolved")))
                 .with_context(|| format!("--host {host} --port {port}: not an address to listen on"))?;
-            let model_name = served_model_name.unwrap_or_else(|| {
-                let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                if target == Path::new(mtp::DEFAULT_TARGET) {
-                    "mtp-trained".into()
-                } else {
-                    name
-                }
+            let model_name = served_model_name.unwrap_or_else(|| match &margs.target {
+                // A repo id resolved to a snapshot: serve it under the id.
+                Some(arg) if *arg != target => arg.to_string_lossy().into_owned(),
+                _ if target == Path::new(mtp::DEFAULT_TARGET) => "mtp-trained".into(),
+                _ => target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
             });
             let opts = EngineOptions {
                 sampling_mode,
