@@ -70,6 +70,23 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Parses a size in MiB (0 allowed) whose byte count fits a `usize`: clap names the flag
+/// when it does not, instead of the size wrapping when shifted to bytes.
+pub fn mib(s: &str) -> Result<usize, String> {
+    let m = s.parse::<usize>().map_err(|e| e.to_string())?;
+    m.checked_mul(1 << 20)
+        .map(|_| m)
+        .ok_or_else(|| format!("{m} MiB is more bytes than this machine can address"))
+}
+
+/// [`mib`] that cannot be zero.
+pub fn mib_at_least_one(s: &str) -> Result<usize, String> {
+    match mib(s)? {
+        0 => Err("must be at least 1".into()),
+        m => Ok(m),
+    }
+}
+
 /// The K/V format from `--kv-dtype` and `--kv-bits` (which cannot both be given).
 pub fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<kernels::KvDtype> {
     use kernels::KvDtype;

@@ -259,6 +259,42 @@ fn counts_of_zero_are_refused_naming_the_flag() {
     }
 }
 
+/// Sizes whose bytes would wrap, negative sampling values, crossed n-gram bounds and a
+/// `--draft` no drafter reads are refused naming the flags. Before: 2^44 MiB wrapped to 0
+/// bytes (2^44+1 to 1 MiB), `--temperature -0.5` was clap's "unexpected argument '-0'",
+/// `--drafter none --draft DIR` ignored the directory. Control: the largest size that fits
+/// (and a temperature of 0.5) still runs.
+#[test]
+fn wrapping_sizes_negative_values_and_unread_flags_are_named() {
+    let t = common::fixture("qwen3-draft");
+    let t = t.to_str().unwrap();
+    let prompts = write_prompts("flags", "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n");
+    let run = |extra: &[&str]| {
+        let base = ["generate", "--target", t, "--prompts", &prompts, "--max-tokens", "2"];
+        mtp(&[&base[..], extra].concat())
+    };
+    for huge in ["17592186044416", "17592186044417", "18446744073709551615"] {
+        let (code, _, err) = run(&["--kv-budget-mib", huge]);
+        assert!(code != 0 && err.contains("--kv-budget-mib") && err.contains("MiB"), "{huge}: {err}");
+    }
+    let fits = ((usize::MAX >> 20) - 1).to_string();
+    let (code, _, err) = run(&["--kv-budget-mib", &fits]);
+    assert_eq!(code, 0, "the largest budget that fits was refused: {err}");
+    for (flag, value) in [("--temperature", "-0.5"), ("--top-p", "-1"), ("--min-p", "-0.1")] {
+        let (code, _, err) = run(&[flag, value]);
+        assert!(code != 0 && !err.contains("unexpected argument"), "{flag} {value}: {err}");
+        assert!(err.contains(&flag[2..].replace('-', "_")) || err.contains(flag), "{flag} {value}: {err}");
+    }
+    let (code, _, err) = run(&["--temperature", "0.5"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = run(&["--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "2"]);
+    assert!(code != 0 && err.contains("--ngram-min 5") && err.contains("--ngram-max 2"), "{err}");
+    for drafter in ["none", "ngram"] {
+        let (code, _, err) = run(&["--drafter", drafter, "--draft", t]);
+        assert!(code != 0 && err.contains("--draft") && err.contains(drafter), "{drafter}: {err}");
+    }
+}
+
 #[test]
 fn k_of_zero_with_a_drafter_is_refused() {
     let t = common::fixture("qwen3-draft");

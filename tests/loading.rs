@@ -79,6 +79,38 @@ fn bad_config_values_name_the_key() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// Impossible numbers are refused at load, naming the key: before, an epsilon of -1 or a
+/// RoPE base of 0 ran and emitted token 0 with a null logprob, and a huge context panicked
+/// (`capacity overflow`) or aborted the process building the RoPE table. Control: the
+/// unedited config loads, so the refusals come from the values alone.
+#[test]
+fn impossible_config_numbers_name_the_key() {
+    let dir = copy_fixture("qwen3-draft", "numbers");
+    let original = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    Model::load(&dir).expect("the unedited config loads");
+    let cases: [(&str, serde_json::Value); 9] = [
+        ("rms_norm_eps", serde_json::json!(-1.0)),
+        ("rms_norm_eps", serde_json::json!(0.0)),
+        ("rope_theta", serde_json::json!(0.0)),
+        ("rope_theta", serde_json::json!(-10000.0)),
+        ("max_position_embeddings", serde_json::json!(u64::MAX)),
+        ("max_position_embeddings", serde_json::json!(1_000_000_000_000u64)),
+        ("max_position_embeddings", serde_json::json!(0)),
+        ("rms_norm_eps", serde_json::json!(1e39)),
+        ("rope_theta", serde_json::json!(1e39)),
+    ];
+    for (key, value) in cases {
+        std::fs::write(dir.join("config.json"), &original).unwrap();
+        edit_config(&dir, |v| {
+            v.as_object_mut().unwrap().remove("rope_parameters");
+            v[key] = value.clone();
+        });
+        let e = load_err(&dir);
+        assert!(e.contains(key) && e.contains("config.json"), "{key} = {value}: {e}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn missing_and_misshapen_tensors_are_named() {
     let dir = copy_fixture("qwen3-draft", "shape");
@@ -333,4 +365,20 @@ fn engine_options_that_cannot_mean_anything_are_refused() {
     let mut cache = model.new_cache();
     let err = mtp::engine::prefill(&model, &mut cache, &[1, 2], 0, false, true).unwrap_err();
     assert!(err.to_string().contains("at least 1"), "{err}");
+}
+
+/// A `max_tokens` of usize::MAX reserves the whole context, not a wrapped sum: before, the
+/// reservation `prompt + max_tokens + k + 1` wrapped to a few positions and a request that
+/// could fill the context was admitted under a budget of half of it. Control: the same
+/// request with 4 tokens fits that budget.
+#[test]
+fn a_huge_max_tokens_reserves_the_whole_context() {
+    use mtp::engine::{Engine, EngineOptions};
+    let model = Model::load(&fixture("qwen3-draft")).unwrap();
+    let half = model.max_positions() / 2 * model.kv_bytes_per_token() + model.kv_bytes_per_row();
+    let opts = EngineOptions { kv_budget_bytes: Some(half), ..EngineOptions::default() };
+    let mut engine = Engine::new(&model, None, opts).unwrap();
+    engine.submit(common::request("small", vec![1, 2], 4)).expect("4 tokens fit half the context");
+    let err = engine.submit(common::request("huge", vec![1, 2], usize::MAX)).expect_err("admitted");
+    assert!(err.to_string().contains("budget"), "{err}");
 }

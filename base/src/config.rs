@@ -7,6 +7,10 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+/// The longest context a config may declare: the RoPE table holds every position (2^22
+/// positions of a 128-wide head are 2 GiB), so a larger or garbage value is refused at load.
+pub const MAX_POSITIONS: usize = 1 << 22;
+
 /// The dense decoder families this crate runs; they differ only in a few switches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -264,6 +268,25 @@ impl Config {
             Arch::Qwen2 => (true, false),
             _ => (attention_bias, attention_bias),
         };
+        let rms_norm_eps = k.f32_or("rms_norm_eps", 1e-6)?;
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(Error::config(
+                path,
+                "rms_norm_eps",
+                format!("{rms_norm_eps} is not a positive number"),
+            ));
+        }
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(Error::config(path, "rope_theta", format!("{rope_theta} is not a positive number")));
+        }
+        let max_position_embeddings = k.usize_or("max_position_embeddings", 4096)?;
+        if max_position_embeddings == 0 || max_position_embeddings > MAX_POSITIONS {
+            return Err(Error::config(
+                path,
+                "max_position_embeddings",
+                format!("{max_position_embeddings} is outside 1..={MAX_POSITIONS} (the RoPE table is precomputed)"),
+            ));
+        }
         let vocab_size = k.usize("vocab_size")?;
         // A logit summary carries its argmax as an f32 (exact below 2^24).
         if vocab_size >= 1 << 24 {
@@ -278,10 +301,10 @@ impl Config {
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            rms_norm_eps: k.f32_or("rms_norm_eps", 1e-6)?,
+            rms_norm_eps,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: k.usize_or("max_position_embeddings", 4096)?,
+            max_position_embeddings,
             qkv_bias,
             o_bias,
             tie_word_embeddings: k.bool_or("tie_word_embeddings", arch == Arch::Gemma4)?,
@@ -299,10 +322,13 @@ fn rope_scaling(path: &Path, p: &Value) -> Result<Option<RopeScaling>> {
     match kind {
         "default" => Ok(None),
         "llama3" => {
-            let num = |key: &str| {
-                p.get(key).and_then(|v| v.as_f64()).map(|f| f as f32).ok_or_else(|| {
-                    Error::config(path, &format!("rope_scaling.{key}"), "missing or not a number")
-                })
+            let num = |key: &str| match p.get(key).and_then(|v| v.as_f64()).map(|f| f as f32) {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
+                _ => Err(Error::config(
+                    path,
+                    &format!("rope_scaling.{key}"),
+                    "missing or not a positive number",
+                )),
             };
             Ok(Some(RopeScaling {
                 factor: num("factor")?,

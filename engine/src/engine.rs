@@ -173,8 +173,10 @@ impl<'a> Engine<'a> {
     /// Worst-case KV bytes a request can hold.
     fn reservation(&self, r: &Request) -> usize {
         let k = if self.drafter.is_some() { self.opts.k.max() } else { 0 };
-        let positions = (r.prompt.len() + r.max_tokens + k + 1).min(self.model.max_positions() + k + 1);
-        positions * self.per_token_bytes() + self.model.kv_bytes_per_row()
+        // Saturating: `max_tokens` may be any usize (a client's u64::MAX must not wrap to a fit).
+        let wanted = r.prompt.len().saturating_add(r.max_tokens).saturating_add(k + 1);
+        let positions = wanted.min(self.model.max_positions().saturating_add(k + 1));
+        positions.saturating_mul(self.per_token_bytes()).saturating_add(self.model.kv_bytes_per_row())
     }
 
     /// Queues a request; it is admitted at the start of a round when the batch and the

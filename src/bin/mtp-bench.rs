@@ -43,7 +43,7 @@ struct Cli {
     #[arg(long, default_value = "1,4", value_delimiter = ',', value_parser = mtp::at_least_one)]
     batch: Vec<usize>,
     /// Temperatures to try (0 is greedy); request i samples with seed i.
-    #[arg(long, default_value = "0,0.7,1.0", value_delimiter = ',')]
+    #[arg(long, default_value = "0,0.7,1.0", value_delimiter = ',', allow_negative_numbers = true)]
     temperatures: Vec<f32>,
     /// Sampling modes to try at temperature > 0: exact (bitwise plain sampling) and/or
     /// rejection (same distribution, rows identical across batch sizes).

@@ -60,7 +60,7 @@ enum Command {
         #[arg(long, default_value_t = 8000)]
         port: u16,
         /// Bytes of K/V the exact prefix cache may hold, in MiB (0: off).
-        #[arg(long, default_value_t = 256)]
+        #[arg(long, default_value_t = 256, value_parser = mtp::mib)]
         prefix_cache_mib: usize,
         /// Requests (choices) held at once, running and queued; more are answered 429.
         #[arg(long, default_value_t = 256, value_parser = mtp::at_least_one)]
@@ -155,7 +155,7 @@ struct ModelArgs {
     ngram_max: usize,
     /// KV cache budget in MiB; requests wait for room, and one that cannot fit at all
     /// is refused (default: no limit).
-    #[arg(long, value_parser = mtp::at_least_one)]
+    #[arg(long, value_parser = mtp::mib_at_least_one)]
     kv_budget_mib: Option<usize>,
     /// Prompt tokens per prefill forward.
     #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
@@ -200,7 +200,12 @@ impl ModelArgs {
     /// The drafter `--drafter` names, for the target loaded from `target_dir`.
     fn make_drafter(&self, target_dir: &Path, target: &Arc<Model>) -> Result<Option<Box<dyn Drafter>>> {
         Ok(match self.drafter.as_str() {
-            "none" => None,
+            "none" => {
+                if self.draft.is_some() {
+                    bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter none decodes without one");
+                }
+                None
+            }
             "auto" => {
                 if self.draft.is_some() {
                     bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter auto uses the target's own MTP head");
@@ -211,7 +216,15 @@ impl ModelArgs {
                     Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
                 }
             }
-            "ngram" => Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max)?)),
+            "ngram" => {
+                if self.draft.is_some() {
+                    bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter ngram drafts from the prompt");
+                }
+                if self.ngram_min > self.ngram_max {
+                    bail!("--ngram-min {} is larger than --ngram-max {}", self.ngram_min, self.ngram_max);
+                }
+                Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max)?))
+            }
             "draft-model" => {
                 let dir = self.draft_dir()?.context("--drafter draft-model needs --draft DIR")?;
                 Some(Box::new(DraftModelDrafter::load(&dir, target_dir, target)?))
@@ -250,16 +263,16 @@ impl ModelArgs {
 #[derive(Args)]
 struct SamplingArgs {
     /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Keep the most likely tokens up to this much probability mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Keep tokens at least this fraction as likely as the most likely one (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// Keys the random numbers (with each token's position): same seed, same output.
     #[arg(long, default_value_t = 0)]

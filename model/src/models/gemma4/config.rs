@@ -109,13 +109,28 @@ fn rope(path: &Path, v: &Value, kind: &str, default: Rope) -> Result<Rope> {
         return Ok(default);
     };
     let theta = num(path, p, "rope_theta")?.map_or(default.theta, |t| t as f32);
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(Error::config(
+            path,
+            &format!("{key}.rope_theta"),
+            format!("{theta} is not a positive number"),
+        ));
+    }
     match p.get("rope_type").and_then(|t| t.as_str()).unwrap_or("default") {
         "default" => Ok(Rope { theta, partial: 1.0 }),
         "proportional" => {
             if num(path, p, "factor")?.is_some_and(|f| f != 1.0) {
                 return Err(Error::config(path, &format!("{key}.factor"), "only 1.0 is supported"));
             }
-            Ok(Rope { theta, partial: num(path, p, "partial_rotary_factor")?.unwrap_or(1.0) as f32 })
+            let partial = num(path, p, "partial_rotary_factor")?.unwrap_or(1.0) as f32;
+            if !(partial > 0.0 && partial <= 1.0) {
+                return Err(Error::config(
+                    path,
+                    &format!("{key}.partial_rotary_factor"),
+                    "must be in (0, 1]",
+                ));
+            }
+            Ok(Rope { theta, partial })
         }
         other => Err(Error::config(
             path,
