@@ -139,6 +139,15 @@ pub fn parse_k(s: &str) -> Result<KArg, String> {
 /// inside the checkpoint.
 pub const DEFAULT_TARGET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/target");
 
+/// The target checkpoint `--target` names: a directory, or a Hugging Face repo id resolved
+/// to its cached (or downloaded) snapshot; [`DEFAULT_TARGET`] without one.
+pub fn target_dir(target: Option<&std::path::Path>) -> Result<std::path::PathBuf, base::Error> {
+    match target {
+        Some(t) => base::hub::resolve_from_env(t),
+        None => Ok(DEFAULT_TARGET.into()),
+    }
+}
+
 /// The draft model trained for [`DEFAULT_TARGET`] (same tokenizer, smaller).
 pub const DEFAULT_DRAFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/draft");
 

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod hub;
+pub mod isa;
 pub mod logits;
 pub mod quant;
 pub mod tokenizer;

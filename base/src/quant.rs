@@ -2,22 +2,10 @@
 //! multiply then an add (never fused), so every ISA path gives the same bits; mxfp4
 //! `scale * e2m1(q)` (exact: the scale is a power of two).
 
+use crate::isa::isa;
+#[cfg(target_arch = "x86_64")]
+use crate::isa::Isa;
 use crate::weights::{Quant, E2M1};
-
-/// Whether this machine takes the AVX2 path (checked once; every path gives the same bits).
-fn avx2() -> bool {
-    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVX2.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
-}
 
 /// Dequantizes one row: `packed` holds its `out.len() * bits / 8` bytes, `scales` and
 /// `biases` its groups' (in `dtype`).
@@ -47,13 +35,13 @@ pub fn dequantize_row(q: &Quant, packed: &[u8], group_index: usize, out: &mut [f
         (d.read(sb.as_ptr(), group_index + g), biases.dtype.read(bb.as_ptr(), group_index + g))
     };
     let scales: Vec<(f32, f32)> = (0..groups).map(sb).collect();
-    match (q.bits, avx2()) {
+    match (q.bits, isa()) {
         #[cfg(target_arch = "x86_64")]
-        (4, true) => unsafe { dequant_avx2::<4>(packed, q.group, &scales, out) },
+        (4, Isa::Avx512 | Isa::Avx2) => unsafe { dequant_avx2::<4>(packed, q.group, &scales, out) },
         #[cfg(target_arch = "x86_64")]
-        (8, true) => unsafe { dequant_avx2::<8>(packed, q.group, &scales, out) },
+        (8, Isa::Avx512 | Isa::Avx2) => unsafe { dequant_avx2::<8>(packed, q.group, &scales, out) },
         #[cfg(target_arch = "x86_64")]
-        (2, true) => unsafe { dequant_avx2::<2>(packed, q.group, &scales, out) },
+        (2, Isa::Avx512 | Isa::Avx2) => unsafe { dequant_avx2::<2>(packed, q.group, &scales, out) },
         (4, _) => dequant::<4>(packed, q.group, &scales, out),
         (8, _) => dequant::<8>(packed, q.group, &scales, out),
         _ => dequant::<2>(packed, q.group, &scales, out),

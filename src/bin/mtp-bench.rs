@@ -105,10 +105,7 @@ fn main() -> ExitCode {
 
 fn bench(cli: Cli) -> Result<bool> {
     let default_target = cli.target.is_none();
-    let target_dir = match &cli.target {
-        Some(t) => mtp::base::hub::resolve_from_env(t)?,
-        None => PathBuf::from(mtp::DEFAULT_TARGET),
-    };
+    let target_dir = mtp::target_dir(cli.target.as_deref())?;
     let backend: Backend = cli.backend.parse()?;
     mtp::model::registry::check(backend)?;
     #[cfg(feature = "cuda")]

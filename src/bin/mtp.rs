@@ -181,10 +181,7 @@ impl ModelArgs {
     fn load(&self) -> Result<(PathBuf, Arc<Model>, Option<Tokenizer>)> {
         let backend = self.backend.parse::<Backend>()?;
         mtp::model::registry::check(backend)?;
-        let target = match &self.target {
-            Some(t) => hub::resolve_from_env(t)?,
-            None => PathBuf::from(mtp::DEFAULT_TARGET),
-        };
+        let target = mtp::target_dir(self.target.as_deref())?;
         let model =
             Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);
         let tokenizer = Tokenizer::from_dir_if_present(&target)?;
@@ -199,17 +196,13 @@ impl ModelArgs {
 
     /// The drafter `--drafter` names, for the target loaded from `target_dir`.
     fn make_drafter(&self, target_dir: &Path, target: &Arc<Model>) -> Result<Option<Box<dyn Drafter>>> {
-        Ok(match self.drafter.as_str() {
-            "none" => {
-                if self.draft.is_some() {
-                    bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter none decodes without one");
-                }
-                None
-            }
+        let drafter = self.drafter.as_str();
+        if self.draft.is_some() && ["none", "auto", "ngram"].contains(&drafter) {
+            bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter {drafter} reads no checkpoint");
+        }
+        Ok(match drafter {
+            "none" => None,
             "auto" => {
-                if self.draft.is_some() {
-                    bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter auto uses the target's own MTP head");
-                }
                 if target.config.num_nextn_predict_layers == 0 {
                     None
                 } else {
@@ -217,13 +210,9 @@ impl ModelArgs {
                 }
             }
             "ngram" => {
-                if self.draft.is_some() {
-                    bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter ngram drafts from the prompt");
-                }
-                if self.ngram_min > self.ngram_max {
-                    bail!("--ngram-min {} is larger than --ngram-max {}", self.ngram_min, self.ngram_max);
-                }
-                Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max)?))
+                Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max).with_context(|| {
+                    format!("--ngram-min {} --ngram-max {}", self.ngram_min, self.ngram_max)
+                })?))
             }
             "draft-model" => {
                 let dir = self.draft_dir()?.context("--drafter draft-model needs --draft DIR")?;

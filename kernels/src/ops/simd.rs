@@ -14,6 +14,7 @@
 
 use mtp_base::weights::WeightDtype;
 
+pub use mtp_base::isa::{isa, Isa};
 pub use mtp_base::logits::LANES;
 
 /// A vector of 16 f32 lanes.
@@ -202,33 +203,6 @@ mod x86 {
             unsafe { reduce8(_mm256_add_ps(v.0, v.1)) }
         }
     }
-}
-
-/// Which SIMD path this machine takes; chosen once, the same for every call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    Avx512,
-    Avx2,
-    Portable,
-}
-
-pub fn isa() -> Isa {
-    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
-            {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    })
 }
 
 /// Canonical dot product of f32 `x` with `x.len()` weights of dtype `d` at `w`.
