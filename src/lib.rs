@@ -87,6 +87,16 @@ pub fn mib_at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Parses a positive duration in seconds (fractions allowed, at most a day): a timeout
+/// of 0 or of years would turn the limit off.
+pub fn seconds(s: &str) -> Result<std::time::Duration, String> {
+    let v = s.parse::<f64>().map_err(|e| e.to_string())?;
+    if !(v > 0.0 && v <= 86_400.0) {
+        return Err(format!("{s} s: must be more than 0 and at most 86400 (a day)"));
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
+}
+
 /// The K/V format from `--kv-dtype` and `--kv-bits` (which cannot both be given).
 pub fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<kernels::KvDtype> {
     use kernels::KvDtype;

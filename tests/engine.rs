@@ -179,3 +179,75 @@ fn top_logprobs_list_the_most_likely_tokens_without_changing_the_output() {
         }
     }
 }
+
+/// A copy of `name` whose embedding row for `token` is NaN.
+fn with_nan_embedding(name: &str, token: usize) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("mtp-nan-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(fixture(name)).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let t = &header["model.embed_tokens.weight"];
+    assert_eq!(t["dtype"], "F32");
+    let hidden = t["shape"][1].as_u64().unwrap() as usize;
+    let start = 8 + n + t["data_offsets"][0].as_u64().unwrap() as usize + token * hidden * 4;
+    for v in bytes[start..start + hidden * 4].chunks_mut(4) {
+        v.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    dir
+}
+
+/// NaN weights reached by one row end that row with an error naming the cause (not token
+/// 0 with a NaN logprob and an EOS); the other rows of its batches run on, bitwise as on
+/// the clean checkpoint. Negative control: on the clean checkpoint every row completes.
+#[test]
+fn a_row_whose_logits_are_not_finite_fails_alone() {
+    // llama-draft: untied embeddings, so a NaN input row leaves every row's logits clean.
+    let clean = common::load(&fixture("llama-draft"));
+    let reqs = requests();
+    let want: Vec<_> = plain(&clean, &reqs, 1).into_iter().map(|r| r.unwrap()).collect();
+    let used_by = |i: usize| -> std::collections::BTreeSet<u32> {
+        let rows = reqs.iter().zip(&want).enumerate().filter(|&(j, _)| j != i);
+        rows.flat_map(|(_, (r, w))| r.prompt.iter().chain(&w.tokens).copied().collect::<Vec<_>>()).collect()
+    };
+    // A row that generates a token no other row meets: poisoned, that row fails mid-run
+    // (in the verify path), the others never touch it.
+    let (late, poison) = (0..reqs.len())
+        .find_map(|i| {
+            let others = used_by(i);
+            let t =
+                want[i].tokens[1..].iter().find(|t| !others.contains(t) && !reqs[i].prompt.contains(t))?;
+            Some((i, *t))
+        })
+        .expect("some row generates a token of its own");
+    // And a row with the token in its prompt fails at once (in the prefill path).
+    let mut all = reqs.clone();
+    all.push(request("sick-prompt", vec![40, poison, 52], 14));
+    let sick_rows = [late, reqs.len()];
+    let on_clean = plain(&clean, &all, 1);
+    assert!(on_clean.iter().all(|r| r.is_ok()), "the clean checkpoint runs every row");
+
+    let dir = with_nan_embedding("llama-draft", poison as usize);
+    let sick = common::load(&dir);
+    for drafter in [false, true] {
+        let d: Option<Box<dyn mtp::drafter::Drafter>> =
+            drafter.then(|| Box::new(NgramDrafter::default()) as Box<dyn mtp::drafter::Drafter>);
+        let got = common::run(&sick, d, EngineOptions::default(), &all, &[]);
+        for (i, g) in got.iter().enumerate() {
+            if sick_rows.contains(&i) {
+                let e = g.as_ref().expect_err(&all[i].id).to_string();
+                assert!(e.contains(&all[i].id) && e.contains("not finite"), "{e}");
+            } else {
+                let (w, g) = (&want[i], g.as_ref().unwrap());
+                assert_eq!((&g.tokens, bits(&g.logprobs)), (&w.tokens, bits(&w.logprobs)));
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -47,7 +47,7 @@ fn start_with(max_batch: usize, max_pending: usize, stock_matmul: bool) -> Socke
         Some(tok),
         make,
         opts,
-        ServerOptions { model_name: MODEL.into(), max_pending },
+        ServerOptions { model_name: MODEL.into(), max_pending, ..ServerOptions::default() },
     )
     .unwrap();
     server.spawn("127.0.0.1:0".parse().unwrap()).unwrap()

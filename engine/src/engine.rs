@@ -321,6 +321,11 @@ impl<'a> Engine<'a> {
                 let first = pick(&last.logits, &r.sampling, r.prompt.len() as u64);
                 (first, last.summary.logprob(last.logits[first as usize]))
             };
+            if let Err(e) = finite(&[logprob], row.prompt_len, &row.name) {
+                events.push(Event::Failed { request: id, error: e });
+                self.release(&row);
+                continue;
+            }
             let top = vec![top_logprobs(&last.logits, &last.summary, row.top_logprobs)];
             if let Some(reason) = self.emit(&mut row, &[first], &[logprob], top, events) {
                 events.push(Event::Finished { request: id, reason });
@@ -540,6 +545,11 @@ impl<'a> Engine<'a> {
                     continue;
                 }
             };
+            if let Err(e) = finite(&v.logprobs, row.prompt_len + row.tokens.len(), &row.name) {
+                events.push(Event::Failed { request: row.id, error: e });
+                self.release(&row);
+                continue;
+            }
             self.stats.record(drafts[i].tokens.len(), v.accepted);
             let behind = if ks[i] > 0 { std::mem::take(&mut row.behind) } else { 0 };
             row.behind += v.accepted + 1;
@@ -565,6 +575,23 @@ impl<'a> Engine<'a> {
         }
         self.active = keep;
         outcomes
+    }
+}
+
+/// Refuses tokens whose logprob is not finite: the target's logits held a NaN or an
+/// infinity (bad weights or overflowing activations), so the pick means nothing. `first`
+/// is the position of the first token's logits.
+fn finite(logprobs: &[f32], first: usize, name: &str) -> Result<(), Error> {
+    match logprobs.iter().position(|l| !l.is_finite()) {
+        None => Ok(()),
+        Some(j) => Err(Error::Request {
+            request: name.to_string(),
+            msg: format!(
+                "the model's logits are not finite at position {} (NaN or infinite values in the \
+                 checkpoint's weights or activations); the request is ended",
+                first + j
+            ),
+        }),
     }
 }
 

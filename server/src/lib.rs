@@ -6,9 +6,12 @@
 //! else the server is doing: that is the engine's guarantee, and the server adds nothing
 //! that depends on other requests. A client that disconnects cancels its request.
 
+pub mod access;
 pub mod api;
+mod body;
 pub mod chat;
 mod metrics;
+pub mod net;
 mod output;
 mod routes;
 pub mod text;
@@ -28,8 +31,10 @@ use mtp_base::Tokenizer;
 use mtp_engine::EngineOptions;
 use mtp_model::Model;
 
+use crate::access::{Access, Gate};
 use crate::api::ApiError;
 use crate::chat::ChatTemplate;
+use crate::net::Limits;
 use crate::worker::{Gauges, Job, MakeDrafter};
 
 /// How the server runs, beyond the engine's own options.
@@ -39,6 +44,21 @@ pub struct ServerOptions {
     pub model_name: String,
     /// Requests (choices) held at once, running and queued; more get 429.
     pub max_pending: usize,
+    /// Connections, timeouts and body sizes.
+    pub limits: Limits,
+    /// API key, allowed origins and hosts.
+    pub access: Access,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            model_name: "mtp".into(),
+            max_pending: 256,
+            limits: Limits::default(),
+            access: Access::default(),
+        }
+    }
 }
 
 /// What every handler shares.
@@ -50,6 +70,7 @@ pub struct AppState {
     context: usize,
     vocab: usize,
     max_pending: usize,
+    limits: Limits,
     pending: AtomicUsize,
     next_id: AtomicU64,
     started: u64,
@@ -77,6 +98,7 @@ impl AppState {
 /// A server ready to bind: the engine thread is running.
 pub struct Server {
     state: Arc<AppState>,
+    access: Access,
 }
 
 impl Server {
@@ -108,6 +130,7 @@ impl Server {
                 context,
                 vocab,
                 max_pending: opts.max_pending,
+                limits: opts.limits,
                 pending: AtomicUsize::new(0),
                 next_id: AtomicU64::new(0),
                 started,
@@ -116,17 +139,25 @@ impl Server {
                 requests: AtomicU64::new(0),
                 refused: Mutex::new(Default::default()),
             }),
+            access: opts.access,
         })
     }
 
-    pub fn router(&self) -> Router {
-        Router::new()
+    /// The endpoints, behind the access checks for a server bound to `bound`.
+    pub fn router(&self, bound: SocketAddr) -> Router {
+        let gate = Arc::new(Gate::new(self.access.clone(), bound));
+        let mut router = Router::new()
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .route("/v1/models", get(routes::models))
             .route("/v1/completions", post(routes::completions))
             .route("/v1/chat/completions", post(routes::chat))
-            .with_state(self.state.clone())
+            .with_state(self.state.clone());
+        if let Some(cors) = gate.cors() {
+            router = router.layer(cors);
+        }
+        // Last, so outermost: refusals come before CORS and the endpoints.
+        router.layer(axum::middleware::from_fn_with_state(gate, access::check))
     }
 
     /// Serves on `addr` until ctrl-c; `bound` is told the address actually bound (port 0
@@ -134,12 +165,16 @@ impl Server {
     pub async fn serve(self, addr: SocketAddr, bound: impl FnOnce(SocketAddr)) -> Result<()> {
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        bound(listener.local_addr()?);
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+        let local = listener.local_addr()?;
+        if !local.ip().is_loopback() && self.access.api_key.is_none() {
+            tracing::warn!("listening on {local}, beyond this machine, with no API key: anyone who reaches it may use it (--api-key or MTP_API_KEY)");
+        }
+        bound(local);
+        let router = self.router(local);
+        net::serve(listener, router, self.state.limits.clone(), async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await;
         Ok(())
     }
 }

@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -15,6 +14,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt};
+use crate::body::LimitedBody;
 use crate::output::{collect, stream_response};
 use crate::worker::{Job, Update};
 use crate::AppState;
@@ -64,11 +64,11 @@ pub async fn metrics(State(app): Shared) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-pub async fn completions(State(app): Shared, body: Bytes) -> Response {
+pub async fn completions(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
     respond(&app, Kind::Completion, &body).await.unwrap_or_else(|e| app.refuse(e))
 }
 
-pub async fn chat(State(app): Shared, body: Bytes) -> Response {
+pub async fn chat(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
     respond(&app, Kind::Chat, &body).await.unwrap_or_else(|e| app.refuse(e))
 }
 

@@ -14,6 +14,8 @@ use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, Ngr
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
 use mtp::kernels::Backend;
 use mtp::model::{Model, MtpLayout};
+use mtp::server::access::Access;
+use mtp::server::net::Limits;
 use mtp::server::worker::MakeDrafter;
 use mtp::server::{Server, ServerOptions};
 use mtp::synth::gemma4::{Gemma4Spec, PRESETS as GEMMA4_PRESETS};
@@ -68,6 +70,8 @@ enum Command {
         /// The model name clients see (default: the repo id, or the checkpoint directory's name).
         #[arg(long)]
         served_model_name: Option<String>,
+        #[command(flatten)]
+        http: HttpArgs,
         /// exact: bitwise the tokens plain sampling picks; rejection: modified rejection
         /// sampling, the same distribution with more drafts accepted.
         #[arg(long, default_value = "exact")]
@@ -117,6 +121,68 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+/// `serve`'s connection limits and access control (see docs/serving.md).
+#[derive(Args, Debug)]
+struct HttpArgs {
+    /// Every endpoint but /health wants `Authorization: Bearer <key>`. Prefer the
+    /// environment variable: a flag shows in the process list.
+    #[arg(long, env = "MTP_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Origins whose web pages may call the server (comma-separated, `*`: any); requests
+    /// from other pages (they carry `Origin`) are refused.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+    /// Host names accepted besides loopback's when bound to loopback (comma-separated,
+    /// `*`: any); other Host headers are refused (DNS rebinding).
+    #[arg(long, value_delimiter = ',')]
+    allowed_hosts: Vec<String>,
+    /// Connections served at once; more are answered 503.
+    #[arg(long, default_value_t = 512, value_parser = mtp::at_least_one)]
+    max_connections: usize,
+    /// Seconds a connection has to send a request head (also its keep-alive idle time).
+    #[arg(long, default_value = "30", value_parser = mtp::seconds)]
+    header_timeout: std::time::Duration,
+    /// Seconds a request body has to arrive.
+    #[arg(long, default_value = "30", value_parser = mtp::seconds)]
+    body_timeout: std::time::Duration,
+    /// Seconds a response write may wait on a client that reads nothing.
+    #[arg(long, default_value = "60", value_parser = mtp::seconds)]
+    write_timeout: std::time::Duration,
+    /// Largest request body, in MiB.
+    #[arg(long, default_value_t = 8, value_parser = mtp::mib_at_least_one)]
+    max_body_mib: usize,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_connections: self.max_connections,
+            header_timeout: self.header_timeout,
+            body_timeout: self.body_timeout,
+            write_timeout: self.write_timeout,
+            max_body_bytes: self.max_body_mib << 20,
+        }
+    }
+
+    fn access(&self) -> anyhow::Result<Access> {
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            anyhow::bail!("--api-key (or MTP_API_KEY) is empty");
+        }
+        for o in &self.allowed_origins {
+            if o != "*" && (!o.contains("://") || o.ends_with('/')) {
+                anyhow::bail!(
+                    "--allowed-origins {o}: an origin is scheme://host[:port], with no path (or `*`)"
+                );
+            }
+        }
+        Ok(Access {
+            api_key: self.api_key.as_ref().map(|k| k.trim().to_string()),
+            allowed_origins: self.allowed_origins.clone(),
+            allowed_hosts: self.allowed_hosts.clone(),
+        })
+    }
 }
 
 /// The model, drafter and engine flags `generate` and `serve` share.
@@ -433,14 +499,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
             prefix_cache_mib,
             max_pending,
             served_model_name,
+            http,
             sampling,
         } => {
             let sampling_mode = SamplingMode::parse(&sampling).map_err(anyhow::Error::msg)?;
+            let access = http.access()?;
+            let addr: std::net::SocketAddr = match format!("{host}:{port}").parse() {
+                Ok(a) => a,
+                Err(_) => (host.as_str(), port)
+                    .to_socket_addrs()
+                    .with_context(|| format!("--host {host} --port {port}: not an address to listen on"))?
+                    .next()
+                    .with_context(|| format!("--host {host}: resolves to no address"))?,
+            };
             let (target, model, tokenizer) = margs.load()?;
-            let addr: std::net::SocketAddr = format!("{host}:{port}")
-                .parse()
-                .or_else(|_| (host.as_str(), port).to_socket_addrs().map(|mut a| a.next().expect("resolved")))
-                .with_context(|| format!("--host {host} --port {port}: not an address to listen on"))?;
             let model_name = served_model_name.unwrap_or_else(|| match &margs.target {
                 // A repo id resolved to a snapshot: serve it under the id.
                 Some(arg) if *arg != target => arg.to_string_lossy().into_owned(),
@@ -465,7 +537,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 tokenizer.map(Arc::new),
                 make,
                 opts,
-                ServerOptions { model_name, max_pending },
+                ServerOptions { model_name, max_pending, limits: http.limits(), access },
             )?;
             server.run_blocking(addr)?;
             Ok(ExitCode::SUCCESS)

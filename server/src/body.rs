@@ -1,0 +1,77 @@
+//! Request bodies, read within the server's size and time limits ([`crate::net::Limits`]).
+//! Each refusal is an OpenAI error JSON: over the size, `413` (after reading and dropping
+//! the rest of the body, up to a bound, so the client is not reset mid-send and sees the
+//! answer); too slow or shorter than its `Content-Length`, `408`.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::Response;
+use http_body_util::BodyExt;
+
+use crate::api::ApiError;
+use crate::AppState;
+
+/// A request body within the limits.
+pub(crate) struct LimitedBody(pub(crate) Bytes);
+
+/// Bytes of an oversized body read and dropped before answering 413; past this the
+/// connection is closed after the answer.
+const DRAIN_BYTES: usize = 64 << 20;
+
+impl FromRequest<Arc<AppState>> for LimitedBody {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, app: &Arc<AppState>) -> Result<Self, Response> {
+        let limits = &app.limits;
+        let declared = req.headers().get(axum::http::header::CONTENT_LENGTH);
+        let declared = declared.and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        let body = req.into_body();
+        let read = async {
+            // Declared too large to drain: answer at once (the connection closes after).
+            if declared.is_some_and(|n| n > DRAIN_BYTES as u64) {
+                return Ok(None);
+            }
+            read_limited(body, limits.max_body_bytes).await
+        };
+        match tokio::time::timeout(limits.body_timeout, read).await {
+            Ok(Ok(Some(body))) => Ok(LimitedBody(body)),
+            Ok(Ok(None)) => Err(app.refuse(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is over {} bytes (--max-body-mib)", limits.max_body_bytes),
+            ))),
+            Ok(Err(e)) => Err(app.refuse(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!("the request body could not be read: {e}"),
+            ))),
+            Err(_) => Err(app.refuse(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {} s (--body-timeout)",
+                    limits.body_timeout.as_secs_f64()
+                ),
+            ))),
+        }
+    }
+}
+
+/// The body if it has at most `max` bytes; `None` (after draining) if it has more.
+async fn read_limited(mut body: Body, max: usize) -> Result<Option<Bytes>, axum::Error> {
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else { continue };
+        seen = seen.saturating_add(data.len());
+        if seen > DRAIN_BYTES {
+            return Ok(None);
+        }
+        if seen <= max {
+            kept.extend_from_slice(&data);
+        } else {
+            kept = Vec::new();
+        }
+    }
+    Ok((seen <= max).then(|| Bytes::from(kept)))
+}

@@ -1,0 +1,272 @@
+//! Connections: accepted up to a limit, and each bounded in time, so slow, idle or
+//! half-open clients cannot hold the server.
+//!
+//! - At most [`Limits::max_connections`] are served at once; a connection over the limit
+//!   is answered `503` and closed (a few at a time; past that it is closed unanswered), so
+//!   a flood cannot exhaust file descriptors.
+//! - A connection must deliver a complete request head within [`Limits::header_timeout`]
+//!   of opening, and again within it of its previous response (keep-alive idle time).
+//! - A response write that makes no progress for [`Limits::write_timeout`] (a client that
+//!   stopped reading) closes the connection.
+//! - Request bodies have their own size and time limits ([`crate::body`]).
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::time::{sleep, timeout, Sleep};
+
+/// How much of the server one client may take, and for how long.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// From opening (or the previous response) to a complete request head.
+    pub header_timeout: Duration,
+    /// For a whole request body.
+    pub body_timeout: Duration,
+    /// How long a response write may make no progress.
+    pub write_timeout: Duration,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 512,
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(60),
+            max_body_bytes: 8 << 20,
+        }
+    }
+}
+
+/// Connections over the limit answered at once; more than this are closed unanswered.
+const REFUSALS_AT_ONCE: usize = 64;
+/// How long connections get to finish after shutdown is asked.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves `app` on `listener` until `shutdown` completes, then gives open connections
+/// [`SHUTDOWN_GRACE`] to finish.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let open = Arc::new(Semaphore::new(limits.max_connections));
+    let refusing = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
+    let graceful = GracefulShutdown::new();
+    // HTTP/1.1 only: sniffing for HTTP/2 would wait on a silent client with no timeout.
+    let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    let service = TowerToHyperService::new(app);
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors (or a connection reset before accept): wait, don't spin.
+                    tracing::warn!("accept: {e}");
+                    sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            if let Ok(slot) = refusing.clone().try_acquire_owned() {
+                tokio::spawn(async move {
+                    refuse(stream, limits.max_connections).await;
+                    drop(slot);
+                });
+            }
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let io = TokioIo::new(Timed::new(stream, limits.header_timeout, limits.write_timeout));
+        let conn = builder.serve_connection_with_upgrades(io, service.clone()).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection: {e}");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    if timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
+        tracing::info!("shutdown: closing connections still open after {SHUTDOWN_GRACE:?}");
+    }
+}
+
+/// Answers a connection over the limit with a 503 (OpenAI error JSON) and closes it.
+async fn refuse(mut stream: TcpStream, limit: usize) {
+    let body = serde_json::json!({"error": {
+        "message": format!("the server holds its limit of {limit} connections (--max-connections); retry later"),
+        "type": "service_unavailable", "param": null, "code": 503}})
+    .to_string();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\nretry-after: 1\r\n\r\n",
+        body.len()
+    );
+    let answer = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await?;
+        // Read what the client sent, so closing does not reset the connection before it
+        // has read the answer.
+        let mut sink = [0u8; 4096];
+        while stream.read(&mut sink).await? > 0 {}
+        io::Result::Ok(())
+    };
+    let _ = timeout(Duration::from_secs(1), answer).await;
+}
+
+/// A TCP stream whose writes fail once they have been blocked for `limit`, and whose
+/// reads fail if no first byte comes within the header timeout (hyper's own header timeout
+/// starts with the first byte; after that, and between keep-alive requests, it applies).
+struct Timed {
+    inner: TcpStream,
+    limit: Duration,
+    blocked: Option<Pin<Box<Sleep>>>,
+    first_byte: Option<Pin<Box<Sleep>>>,
+}
+
+impl Timed {
+    fn new(inner: TcpStream, header_timeout: Duration, limit: Duration) -> Self {
+        Timed { inner, limit, blocked: None, first_byte: Some(Box::pin(sleep(header_timeout))) }
+    }
+
+    /// Passes `poll` through, starting the stall clock when it is pending and failing
+    /// once the clock runs out.
+    fn watch<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if poll.is_ready() {
+            self.blocked = None;
+            return poll;
+        }
+        let limit = self.limit;
+        let clock = self.blocked.get_or_insert_with(|| Box::pin(sleep(limit)));
+        match clock.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {limit:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for Timed {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let Some(deadline) = self.first_byte.as_mut() else { return poll };
+        match poll {
+            Poll::Ready(Ok(())) if buf.filled().len() == before => poll, // closed before a byte
+            Poll::Ready(_) => {
+                self.first_byte = None;
+                poll
+            }
+            Poll::Pending => match deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client sent nothing within the header timeout",
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl AsyncWrite for Timed {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, poll)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connected pair: the server's end wrapped, the client's end raw.
+    async fn pair(header_timeout: Duration, write_timeout: Duration) -> (Timed, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (Timed::new(server, header_timeout, write_timeout), client)
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_fails_the_write() {
+        let (mut server, _client) = pair(Duration::from_secs(60), Duration::from_millis(200)).await;
+        let chunk = vec![0u8; 1 << 16];
+        let t = std::time::Instant::now();
+        let mut written = 0usize;
+        let err = loop {
+            match server.write_all(&chunk).await {
+                Ok(()) => written += chunk.len(),
+                Err(e) => break e,
+            }
+            assert!(written < 1 << 30, "a client that reads nothing took a GiB");
+        };
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_client_that_sends_nothing_fails_the_read_but_one_that_sends_is_read() {
+        let (mut silent, _client) = pair(Duration::from_millis(200), Duration::from_secs(60)).await;
+        let mut buf = [0u8; 16];
+        let err = silent.read(&mut buf).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        // Negative control: a byte before the deadline clears it for good.
+        let (mut talker, mut client) = pair(Duration::from_millis(200), Duration::from_secs(60)).await;
+        client.write_all(b"G").await.unwrap();
+        assert_eq!(talker.read(&mut buf).await.unwrap(), 1);
+        let later = timeout(Duration::from_millis(500), talker.read(&mut buf)).await;
+        assert!(later.is_err(), "after the first byte, waiting is hyper's business: {later:?}");
+    }
+}

@@ -1,0 +1,340 @@
+//! A real `mtp serve` on 127.0.0.1 against slow, idle, half-open, oversized and
+//! unauthorised clients: normal requests still finish, bitwise equal to the same request
+//! alone, `/health` answers within a second throughout, hostile connections are closed
+//! within their timeouts, and memory returns near its baseline.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// A running `mtp serve`, killed when dropped.
+struct Served {
+    child: Child,
+    addr: SocketAddr,
+    /// What it printed on stderr before it listened.
+    log: Vec<String>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `mtp serve --port 0 <args>` (the trained family, its MTP head) and waits until
+/// it listens.
+fn serve(args: &[&str], env: &[(&str, &str)]) -> Served {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mtp"));
+    cmd.args(["serve", "--port", "0"]).args(args).stderr(Stdio::piped()).stdout(Stdio::null());
+    cmd.env_remove("MTP_API_KEY");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let (tx, lines) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut log = Vec::new();
+    loop {
+        let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("mtp serve did not listen: {log:?}");
+        };
+        if let Some(a) = line.strip_prefix("listening on http://") {
+            return Served { addr: a.trim().parse().unwrap(), child, log };
+        }
+        log.push(line);
+    }
+}
+
+/// One HTTP/1.1 exchange with extra header lines; returns status, lowercase head, body.
+fn exchange(addr: SocketAddr, method: &str, path: &str, headers: &str, body: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n{headers}\r\n",
+        body.len()
+    );
+    // The server may answer (413) before taking the whole body: a failed write is fine.
+    let _ = s.write_all(head.as_bytes()).and_then(|_| s.write_all(body));
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or_else(|| panic!("no answer: {raw:?}"));
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head, String::from_utf8_lossy(&raw[split + 4..]).into_owned())
+}
+
+fn post(addr: SocketAddr, body: &Value) -> (u16, Value) {
+    let (status, _, text) = exchange(
+        addr,
+        "POST",
+        "/v1/completions",
+        "Content-Type: application/json\r\n",
+        body.to_string().as_bytes(),
+    );
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// What must match bitwise between a request under load and alone: text, token ids,
+/// logprobs (f32 printed shortest, so equal text is equal bits), finish reason.
+fn answer(addr: SocketAddr, i: usize) -> Value {
+    let prompts = ["fn main() {", "// sort a list\nfn sort(", "struct Point {", "impl Display for"];
+    let body = json!({"prompt": prompts[i % 4], "max_tokens": 24, "temperature": 0, "logprobs": 2,
+                      "return_token_ids": true, "ignore_eos": true});
+    let (status, v) = post(addr, &body);
+    assert_eq!(status, 200, "{v}");
+    let c = &v["choices"][0];
+    json!([c["text"], c["token_ids"], c["logprobs"], c["finish_reason"]])
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Whether the server closed `s` (EOF or reset) within `within`.
+fn closed_within(mut s: TcpStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut sink = [0u8; 1024];
+    loop {
+        match s.read(&mut sink) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return false
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+#[test]
+fn hostile_clients_cannot_stall_the_server() {
+    let timeouts = ["--header-timeout", "2", "--body-timeout", "4", "--write-timeout", "3"];
+    let limits = ["--max-connections", "64", "--max-body-mib", "1", "--max-pending", "16"];
+    let served = serve(&[&timeouts[..], &limits[..]].concat(), &[]);
+    let addr = served.addr;
+    let alone: Vec<Value> = (0..4).map(|i| answer(addr, i)).collect();
+    let baseline = rss_kib(served.child.id());
+
+    // /health, probed every 100 ms with a fresh connection throughout.
+    let storm_over = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let over = storm_over.clone();
+        thread::spawn(move || {
+            let mut slowest = Duration::ZERO;
+            while !over.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                let (status, _, _) = exchange(addr, "GET", "/health", "", b"");
+                assert_eq!(status, 200);
+                slowest = slowest.max(t.elapsed());
+                thread::sleep(Duration::from_millis(100));
+            }
+            slowest
+        })
+    };
+    let mut hostile = Vec::new();
+    // Half-open: connect, send nothing.
+    let idle: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // Slow loris: a header byte every 300 ms, never finishing.
+    for _ in 0..4 {
+        hostile.push(thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let start = Instant::now();
+            let _ = s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+            while start.elapsed() < Duration::from_secs(8) {
+                if s.write_all(b"X").is_err() {
+                    return Some(start.elapsed());
+                }
+                thread::sleep(Duration::from_millis(300));
+            }
+            None
+        }));
+    }
+    // A body shorter than its Content-Length: 408 once the body timeout passes.
+    let short: Vec<_> = (0..3)
+        .map(|_| {
+            thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                let head = format!(
+                    "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 1000\r\n\r\n{{\"pro"
+                );
+                s.write_all(head.as_bytes()).unwrap();
+                let mut raw = Vec::new();
+                let _ = s.read_to_end(&mut raw);
+                String::from_utf8_lossy(&raw).into_owned()
+            })
+        })
+        .collect();
+    // Bodies over the limit (3 MB and 10 MB): a 413 with the OpenAI error JSON.
+    let big: Vec<_> = [3usize << 20, 10 << 20]
+        .into_iter()
+        .map(|n| {
+            thread::spawn(move || {
+                let body = json!({"prompt": "a".repeat(n), "max_tokens": 1}).to_string();
+                exchange(
+                    addr,
+                    "POST",
+                    "/v1/completions",
+                    "Content-Type: application/json\r\n",
+                    body.as_bytes(),
+                )
+            })
+        })
+        .collect();
+    // Prompts under the body limit but far over the context: refused quickly.
+    let over_context: Vec<_> = (0..8)
+        .map(|i| {
+            thread::spawn(move || {
+                let t = Instant::now();
+                let text = format!("{i} fn main() {{ let x = 1; }}\n").repeat(30_000);
+                let (status, v) = post(addr, &json!({"prompt": text, "max_tokens": 4}));
+                (status, v, t.elapsed())
+            })
+        })
+        .collect();
+    // Normal traffic, concurrent with all of it.
+    let normal: Vec<_> = (0..8).map(|i| thread::spawn(move || (i, answer(addr, i)))).collect();
+
+    for h in normal {
+        let (i, got) = h.join().unwrap();
+        assert_eq!(got, alone[i % 4], "request {i} under load differs from alone");
+    }
+    for h in over_context {
+        let (status, v, took) = h.join().unwrap();
+        assert!(status == 400 || status == 413, "{status} {v}");
+        assert_eq!(v["error"]["param"], "prompt", "{v}");
+        assert!(took < Duration::from_secs(10), "an over-context prompt took {took:?} to refuse");
+    }
+    for h in big {
+        let (status, head, body) = h.join().unwrap();
+        assert_eq!(status, 413, "{head}");
+        let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        assert!(v["error"]["message"].as_str().unwrap().contains("--max-body-mib"), "{v}");
+    }
+    for h in short {
+        let raw = h.join().unwrap();
+        assert!(raw.starts_with("HTTP/1.1 408"), "{raw}");
+        assert!(raw.contains("--body-timeout"), "{raw}");
+    }
+    for h in hostile {
+        let cut = h.join().unwrap().expect("the slow loris was cut off");
+        assert!(cut < Duration::from_secs(6), "the slow loris held on for {cut:?}");
+    }
+    for s in idle {
+        assert!(
+            closed_within(s, Duration::from_secs(5)),
+            "a half-open connection outlived the header timeout"
+        );
+    }
+    storm_over.store(true, Ordering::Relaxed);
+    let slowest = prober.join().unwrap();
+    assert!(slowest < Duration::from_secs(1), "/health took {slowest:?} under load");
+
+    // Connections over the limit are answered 503 at once; the idle ones holding the
+    // limit are closed by the header timeout, and the server serves again.
+    let holders: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    thread::sleep(Duration::from_millis(200));
+    let (status, _, body) = exchange(addr, "GET", "/health", "", b"");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("--max-connections"), "{body}");
+    for s in holders {
+        assert!(closed_within(s, Duration::from_secs(5)));
+    }
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(exchange(addr, "GET", "/health", "", b"").0, 200);
+    for (i, want) in alone.iter().enumerate() {
+        assert_eq!(&answer(addr, i), want);
+    }
+    let after = rss_kib(served.child.id());
+    assert!(after < baseline + 150 * 1024, "RSS went from {baseline} KiB to {after} KiB and stayed");
+    eprintln!("RSS {baseline} KiB before the storm, {after} KiB after; slowest /health {slowest:?}");
+}
+
+#[test]
+fn the_key_the_origin_and_the_host_are_checked() {
+    let served = serve(&["--allowed-origins", "https://ok.example"], &[("MTP_API_KEY", "sesame-0123")]);
+    let addr = served.addr;
+    let get = |headers: &str| exchange(addr, "GET", "/v1/models", headers, b"");
+    let key = "Authorization: Bearer sesame-0123\r\n";
+    assert_eq!(exchange(addr, "GET", "/health", "", b"").0, 200, "/health stays open");
+    for wrong in [
+        "",
+        "Authorization: Bearer sesame\r\n",
+        "Authorization: Bearer sesame-01234\r\n",
+        "Authorization: sesame-0123\r\n",
+    ] {
+        let (status, _, body) = get(wrong);
+        assert_eq!(status, 401, "{wrong:?}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("API key"), "{v}");
+    }
+    assert_eq!(get(key).0, 200);
+
+    // A page elsewhere: refused before it runs, whatever its content type.
+    let metric = |name: &str| -> String {
+        let (_, _, m) = exchange(addr, "GET", "/metrics", key, b"");
+        m.lines().find(|l| l.starts_with(name)).unwrap_or("").to_string()
+    };
+    let before = metric("mtp_http_requests_total");
+    let body = br#"{"prompt": "fn main() {", "max_tokens": 2}"#;
+    let evil = format!("{key}Origin: https://evil.example\r\nContent-Type: text/plain\r\n");
+    let (status, _, text) = exchange(addr, "POST", "/v1/completions", &evil, body);
+    assert_eq!(status, 403, "{text}");
+    assert!(text.contains("--allowed-origins"), "{text}");
+    assert_eq!(metric("mtp_http_requests_total"), before, "the refused request did not run");
+    // The allowed page gets its answer and the CORS headers, and a preflight.
+    let ok = format!("{key}Origin: https://ok.example\r\nContent-Type: application/json\r\n");
+    let (status, head, text) = exchange(addr, "POST", "/v1/completions", &ok, body);
+    assert_eq!(status, 200, "{text}");
+    assert!(head.contains("access-control-allow-origin: https://ok.example"), "{head}");
+    let preflight = "Origin: https://ok.example\r\nAccess-Control-Request-Method: POST\r\n\
+                     Access-Control-Request-Headers: authorization, content-type\r\n";
+    let (status, head, _) = exchange(addr, "OPTIONS", "/v1/completions", preflight, b"");
+    assert_eq!(status, 200, "{head}");
+    assert!(head.contains("access-control-allow-methods") && head.contains("post"), "{head}");
+
+    // DNS rebinding: a loopback server under another name is refused.
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET /v1/models HTTP/1.1\r\nHost: evil.example:{}\r\n{key}Connection: close\r\n\r\n",
+        addr.port()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.1 403") && raw.contains("--allowed-hosts"), "{raw}");
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "GET /v1/models HTTP/1.1\r\nHost: localhost:{}\r\n{key}Connection: close\r\n\r\n", addr.port())
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+}
+
+#[test]
+fn a_server_beyond_loopback_without_a_key_warns() {
+    let served = serve(&["--host", "0.0.0.0"], &[]);
+    let warned = served.log.iter().any(|l| l.contains("no API key"));
+    assert!(warned, "no warning for a keyless server on 0.0.0.0");
+    // Negative control: on loopback there is nothing to warn about.
+    let quiet = serve(&[], &[]);
+    assert!(!quiet.log.iter().any(|l| l.contains("no API key")), "{:?}", quiet.log);
+}
