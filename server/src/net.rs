@@ -114,6 +114,13 @@ pub(crate) async fn serve(
     }
 }
 
+/// The soft limit on open files, where the system says (Linux).
+fn open_file_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
 /// Answers a connection over the limit with a 503 (OpenAI error JSON) and closes it.
 async fn refuse(mut stream: TcpStream, limit: usize) {
     let body = serde_json::json!({"error": {
