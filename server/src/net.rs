@@ -67,6 +67,15 @@ pub(crate) async fn serve(
     limits: Limits,
     shutdown: impl Future<Output = ()>,
 ) {
+    if let Some(files) = open_file_limit() {
+        // Model files, the listener and refusals need descriptors beyond the connections.
+        if limits.max_connections.saturating_add(REFUSALS_AT_ONCE + 64) as u64 > files {
+            tracing::warn!(
+                "--max-connections {} is near this process's open-file limit of {files}: raise it (ulimit -n) or lower the flag",
+                limits.max_connections
+            );
+        }
+    }
     let open = Arc::new(Semaphore::new(limits.max_connections));
     let refusing = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
     let graceful = GracefulShutdown::new();
