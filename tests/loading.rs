@@ -11,13 +11,38 @@ use mtp::model::Model;
 
 /// A writable copy of a fixture checkpoint.
 fn copy_fixture(name: &str, tag: &str) -> PathBuf {
+    copy_dir(&fixture(name), tag)
+}
+
+/// A writable copy of the checkpoint in `src`.
+fn copy_dir(src: &Path, tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mtp-load-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for f in std::fs::read_dir(fixture(name)).unwrap() {
+    for f in std::fs::read_dir(src).unwrap() {
         let f = f.unwrap().path();
         std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
     }
     dir
+}
+
+/// Appends zero-filled F32 tensors `extra` (name, shape) to the safetensors `file`.
+fn add_tensors(file: &Path, extra: &[(&str, &[usize])]) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    for (name, shape) in extra {
+        let at = data.len();
+        data.resize(at + 4 * shape.iter().product::<usize>(), 0);
+        let entry = serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, data.len()]});
+        header.insert(name.to_string(), entry);
+    }
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&data);
+    std::fs::write(file, out).unwrap();
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
@@ -381,4 +406,90 @@ fn a_huge_max_tokens_reserves_the_whole_context() {
     engine.submit(common::request("small", vec![1, 2], 4)).expect("4 tokens fit half the context");
     let err = engine.submit(common::request("huge", vec![1, 2], usize::MAX)).expect_err("admitted");
     assert!(err.to_string().contains("budget"), "{err}");
+}
+
+/// A checkpoint whose config.json describes another model is refused, naming the tensors
+/// the load left unread, their file and what in config.json disagrees. Before, each of these
+/// loaded silently: `num_hidden_layers: 3` on the 6-layer trained target ran 3 layers,
+/// `LlamaForCausalLM` on Qwen3 weights dropped the q/k norms, `LlamaForCausalLM` on Qwen2
+/// weights dropped the q/k/v biases, a tensor no architecture reads was ignored. Control:
+/// each untouched copy loads, and so do tensors nobody reads by design (a vision tower, RoPE
+/// `inv_freq` buffers).
+#[test]
+fn checkpoints_that_do_not_match_their_config_are_refused() {
+    let trained = copy_dir(&common::trained("target"), "fewer-layers");
+    Model::load(&trained).expect("the untouched trained target loads");
+    edit_config(&trained, |v| v["num_hidden_layers"] = 3.into());
+    let e = load_err(&trained);
+    assert!(
+        e.contains("`model.layers.3.")
+            && e.contains("model.safetensors")
+            && e.contains("num_hidden_layers 3"),
+        "{e}"
+    );
+    assert!(e.contains("layers 3 to 5") && e.contains("tensor(s)"), "{e}");
+    std::fs::remove_dir_all(trained).ok();
+
+    let cases = [
+        ("qwen3-target", "q_norm.weight", "architectures"),
+        ("qwen2-target", "q_proj.bias", "attention_bias"),
+        ("qwen2-draft", "k_proj.bias", "attention_bias"),
+    ];
+    for (name, unread, named) in cases {
+        let dir = copy_fixture(name, &format!("arch-{name}"));
+        Model::load(&dir).unwrap_or_else(|e| panic!("the untouched {name} does not load: {e}"));
+        edit_config(&dir, |v| v["architectures"] = serde_json::json!(["LlamaForCausalLM"]));
+        let e = load_err(&dir);
+        assert!(e.contains(unread) && e.contains(named) && e.contains("LlamaForCausalLM"), "{name}: {e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    let dir = copy_fixture("llama-target", "extra");
+    let file = dir.join("model.safetensors");
+    add_tensors(
+        &file,
+        &[
+            ("model.vision_tower.patch_embed.weight", &[2, 2]),
+            ("multi_modal_projector.linear.weight", &[2]),
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", &[8]),
+        ],
+    );
+    Model::load(&dir).expect("towers and inv_freq buffers are not the decoder's");
+    add_tensors(&file, &[("model.layers.1.mlp.extra_proj.weight", &[2, 2])]);
+    let e = load_err(&dir);
+    assert!(e.contains("`model.layers.1.mlp.extra_proj.weight` (model.safetensors)"), "{e}");
+    assert!(e.contains("1 tensor(s)") && !e.contains("vision"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `num_nextn_predict_layers` says how many MTP modules ship: 0 means no head (the target
+/// loads, and loading a head says there is none; before, 0 was refused as not positive), a
+/// head the config does not declare is refused by the target's load, and a count above the
+/// modules shipped is refused by the head's load, naming the missing tensors (before, 2 with
+/// one module was accepted). Control: the untouched trained target loads with its head.
+#[test]
+fn mtp_module_counts_must_match_the_checkpoint() {
+    use mtp::drafter::MtpDrafter;
+    let dir = copy_dir(&common::trained("target"), "nextn");
+    let target = std::sync::Arc::new(Model::load(&dir).expect("the untouched trained target loads"));
+    MtpDrafter::load(&dir, target.clone()).expect("its head loads");
+
+    edit_config(&dir, |v| v["num_nextn_predict_layers"] = 2.into());
+    let two = std::sync::Arc::new(Model::load(&dir).expect("the target's own tensors are all there"));
+    let e = mtp_err(&dir, &two);
+    assert!(e.contains("num_nextn_predict_layers") && e.contains("declares 2"), "{e}");
+    assert!(e.contains("`model.mtp_layers.1.input_proj.weight`") && e.contains("more missing"), "{e}");
+
+    edit_config(&dir, |v| v["num_nextn_predict_layers"] = 0.into());
+    let e = load_err(&dir);
+    assert!(e.contains("`model.mtp_layers.0.") && e.contains("num_nextn_predict_layers is 0"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+
+    let plain = copy_fixture("qwen3-draft", "nextn0");
+    edit_config(&plain, |v| v["num_nextn_predict_layers"] = 0.into());
+    let model = std::sync::Arc::new(Model::load(&plain).expect("0 means no MTP head"));
+    assert_eq!(model.config.num_nextn_predict_layers, 0);
+    let e = mtp_err(&plain, &model);
+    assert!(e.contains("num_nextn_predict_layers") && e.contains("declares no MTP head"), "{e}");
+    std::fs::remove_dir_all(plain).ok();
 }

@@ -11,6 +11,10 @@ use crate::error::{Error, Result};
 /// positions of a 128-wide head are 2 GiB), so a larger or garbage value is refused at load.
 pub const MAX_POSITIONS: usize = 1 << 22;
 
+/// The most decoder layers a config may declare (more than any model has): loaders size
+/// per-layer tables from it before a tensor is read.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// The dense decoder families this crate runs; they differ only in a few switches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -123,6 +127,10 @@ impl Keys<'_> {
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
         self.opt(key).map_or(Ok(default), |v| self.as_usize(key, v))
     }
+    /// A count that may be 0 (absent: `default`).
+    fn count_or(&self, key: &str, default: usize) -> Result<usize> {
+        Ok(count_key(self.path, self.v, key)?.unwrap_or(default))
+    }
     fn f32_or(&self, key: &str, default: f32) -> Result<f32> {
         match self.opt(key) {
             None => Ok(default),
@@ -139,6 +147,19 @@ impl Keys<'_> {
                 .as_bool()
                 .ok_or_else(|| Error::config(self.path, key, format!("expected true or false, got {v}"))),
         }
+    }
+}
+
+/// `v[key]` as a count (a non-negative integer), `None` when absent or null; anything else
+/// is an error naming `key` in `path`.
+pub fn count_key(path: &Path, v: &Value, key: &str) -> Result<Option<usize>> {
+    match v.get(key).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| Error::config(path, key, format!("expected a non-negative integer, got {x}"))),
     }
 }
 
@@ -312,7 +333,8 @@ impl Config {
             bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id").or(v.get("bos_token_id")))?
                 .first()
                 .copied(),
-            num_nextn_predict_layers: k.usize_or("num_nextn_predict_layers", 0)?,
+            // 0: no MTP head.
+            num_nextn_predict_layers: k.count_or("num_nextn_predict_layers", 0)?,
         })
     }
 }

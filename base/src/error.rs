@@ -1,3 +1,6 @@
+//! The one error type of the workspace: each variant names the file, key, tensor, flag or
+//! request at fault.
+
 use std::path::PathBuf;
 
 /// Everything that can go wrong loading or running a model. Each variant names the file,
@@ -16,6 +19,10 @@ pub enum Error {
     Safetensors { path: PathBuf, msg: String },
     #[error("{dir}: missing tensor `{name}`")]
     MissingTensor { dir: PathBuf, name: String },
+    /// Tensors a checkpoint holds that the loaded architecture never read: the checkpoint
+    /// and its config.json describe different models.
+    #[error("{dir}: {count} tensor(s) that {reader} does not read: {names}; {hint}")]
+    UnreadTensors { dir: PathBuf, reader: String, count: usize, names: String, hint: String },
     #[error("{path}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
     TensorShape { path: PathBuf, name: String, got: Vec<usize>, expected: Vec<usize> },
     #[error("{path}: tensor `{name}` has dtype {dtype}, supported: F32, BF16, F16")]

@@ -203,6 +203,7 @@ impl Gemma4Assistant {
             ordered,
             be,
         };
+        crate::accounting::check_all(&ck, "Gemma 4's assistant (config.json)")?;
         Ok(Gemma4Assistant {
             window: t.g.sliding_window,
             config: c,
