@@ -408,6 +408,61 @@ fn a_huge_max_tokens_reserves_the_whole_context() {
     assert!(err.to_string().contains("budget"), "{err}");
 }
 
+/// Removes tensors `names` from the safetensors `file` (the others' bytes packed again).
+fn drop_tensors(file: &Path, names: &[&str]) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (mut kept, mut data) = (serde_json::Map::new(), Vec::new());
+    for (name, mut entry) in header {
+        if names.contains(&name.as_str()) {
+            continue;
+        }
+        if let Some(o) = entry.get("data_offsets").and_then(|o| o.as_array()) {
+            let (a, b) = (o[0].as_u64().unwrap() as usize, o[1].as_u64().unwrap() as usize);
+            let at = data.len();
+            data.extend_from_slice(&bytes[8 + n + a..8 + n + b]);
+            entry["data_offsets"] = serde_json::json!([at, data.len()]);
+        }
+        kept.insert(name, entry);
+    }
+    let header = serde_json::to_vec(&kept).unwrap();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&data);
+    std::fs::write(file, out).unwrap();
+}
+
+/// A tensor the config needs but the checkpoint lacks is an error naming it, in every family
+/// and in Gemma 4's assistant. Control: each untouched copy loads.
+#[test]
+fn a_tensor_the_config_needs_but_the_file_lacks_is_named() {
+    let gemma = |name: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4").join(name);
+    let cases = [
+        (fixture("qwen3-draft"), "model.layers.0.self_attn.q_norm.weight"),
+        (fixture("qwen2-draft"), "model.layers.0.self_attn.v_proj.bias"),
+        (fixture("llama-draft"), "lm_head.weight"),
+        (gemma("gemma4-e-target"), "model.layers.3.layer_scalar"),
+        (gemma("gemma4-e-target"), "model.per_layer_projection_norm.weight"),
+    ];
+    for (i, (src, name)) in cases.iter().enumerate() {
+        let dir = copy_dir(src, &format!("lacks-{i}"));
+        Model::load(&dir).unwrap_or_else(|e| panic!("the untouched {} does not load: {e}", src.display()));
+        drop_tensors(&dir.join("model.safetensors"), &[name]);
+        let e = load_err(&dir);
+        assert!(e.contains(&format!("missing tensor `{name}`")), "{name}: {e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+    let target = std::sync::Arc::new(Model::load(&gemma("gemma4-e-target")).unwrap());
+    let dir = copy_dir(&gemma("gemma4-e-assistant-ordered"), "lacks-assistant");
+    mtp::drafter::AssistantDrafter::load(&dir, target.clone()).expect("the untouched assistant loads");
+    drop_tensors(&dir.join("model.safetensors"), &["masked_embedding.token_ordering"]);
+    let e = mtp::drafter::AssistantDrafter::load(&dir, target).err().expect("refused").to_string();
+    assert!(e.contains("missing tensor `masked_embedding.token_ordering`"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// A checkpoint whose config.json describes another model is refused, naming the tensors
 /// the load left unread, their file and what in config.json disagrees. Before, each of these
 /// loaded silently: `num_hidden_layers: 3` on the 6-layer trained target ran 3 layers,
@@ -459,6 +514,17 @@ fn checkpoints_that_do_not_match_their_config_are_refused() {
     let e = load_err(&dir);
     assert!(e.contains("`model.layers.1.mlp.extra_proj.weight` (model.safetensors)"), "{e}");
     assert!(e.contains("1 tensor(s)") && !e.contains("vision"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+
+    // Gemma 4's assistant reads its whole checkpoint: without `use_ordered_embeddings` its
+    // centroids and token ordering go unread (before, it drafted with the plain head).
+    let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4");
+    let target = std::sync::Arc::new(Model::load(&gemma.join("gemma4-e-target")).unwrap());
+    let dir = copy_dir(&gemma.join("gemma4-e-assistant-ordered"), "assistant-unordered");
+    mtp::drafter::AssistantDrafter::load(&dir, target.clone()).expect("the untouched assistant loads");
+    edit_config(&dir, |v| v["use_ordered_embeddings"] = false.into());
+    let e = mtp::drafter::AssistantDrafter::load(&dir, target).err().expect("refused").to_string();
+    assert!(e.contains("`masked_embedding.centroids.weight`") && e.contains("assistant"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }
 
