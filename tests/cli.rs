@@ -412,3 +412,65 @@ fn metal_emulated_backend_is_identical_alone_and_batched() {
     assert_ne!(code, 0);
     assert!(err.contains("metal-emulated"), "{err}");
 }
+
+/// A vocabulary padded above the tokenizer runs, but a request whose output holds a padding
+/// id gets an error line naming the id (exit 2) instead of text with the token left out; a
+/// draft model without tokenizer.json is used with a warning naming its directory (before,
+/// the token-map check was skipped silently). Control: the fixture, whose vocabulary is its
+/// tokenizer's, prints text and exits 0, and its draft model with a tokenizer gets no warning.
+#[test]
+fn padding_ids_and_a_draft_without_a_tokenizer_are_named() {
+    let prompts = write_prompts("padded", "{\"id\": \"a\", \"prompt_ids\": [5, 9, 7]}\n");
+    let dir = std::env::temp_dir().join(format!("mtp-cli-padded-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let shape = ["--hidden", "48", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16"];
+    let synth =
+        [&["synth", "--like", "qwen3", "--intermediate", "96", "--dtype", "f32"][..], &shape].concat();
+    let (code, _, err) = mtp(&[&synth[..], &["--vocab", "4096", "--out", d]].concat());
+    assert_eq!(code, 0, "{err}");
+    let run = |t: &str| {
+        mtp(&["generate", "--target", t, "--prompts", &prompts, "--max-tokens", "8", "--ignore-eos"])
+    };
+    let (code, out, _) = run(d);
+    assert_eq!(code, 2, "{out}");
+    let line: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let e = line["error"].as_str().unwrap();
+    assert!(e.contains("token id") && e.contains("tokenizer.json") && e.contains("request a"), "{e}");
+    let fixture = common::fixture("qwen3-target");
+    let (code, out, err) = run(fixture.to_str().unwrap());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"text\""), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+
+    let draft = std::env::temp_dir().join(format!("mtp-cli-draft-notok-{}", std::process::id()));
+    std::fs::create_dir_all(&draft).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(common::fixture("qwen3-draft").join(f), draft.join(f)).unwrap();
+    }
+    let with_draft = |dr: &str| {
+        let t = fixture.to_str().unwrap();
+        mtp(&[
+            "generate",
+            "--target",
+            t,
+            "--prompts",
+            &prompts,
+            "--max-tokens",
+            "4",
+            "--drafter",
+            "draft-model",
+            "--draft",
+            dr,
+        ])
+    };
+    let (code, _, err) = with_draft(draft.to_str().unwrap());
+    assert!(code == 0 && !err.contains("WARN"), "{err}");
+    std::fs::remove_file(draft.join("tokenizer.json")).unwrap();
+    let (code, _, err) = with_draft(draft.to_str().unwrap());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("WARN") && err.contains(draft.to_str().unwrap()) && err.contains("tokenizer.json"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&draft).ok();
+}

@@ -559,3 +559,48 @@ fn mtp_module_counts_must_match_the_checkpoint() {
     assert!(e.contains("num_nextn_predict_layers") && e.contains("declares no MTP head"), "{e}");
     std::fs::remove_dir_all(plain).ok();
 }
+
+/// The tokenizer must fit its model: ids past `vocab_size` (a tokenizer larger than the
+/// embedding) and an EOS id the tokenizer lacks are refused naming tokenizer.json and both
+/// sides; a vocabulary padded above the tokenizer loads, and decoding one of its padding ids
+/// is an error naming the id (before, tokenizers left it out: empty text). An EOS id outside
+/// the vocabulary is refused naming the key and the file. Control: the same tokenizer over a
+/// vocabulary of its own size is accepted and decodes.
+#[test]
+fn tokenizer_and_model_vocabularies_must_fit() {
+    use mtp::synth::SynthSpec;
+    let base = SynthSpec::from_config(&Config::from_dir(&fixture("qwen3-draft")).unwrap());
+    let dir = std::env::temp_dir().join(format!("mtp-load-tokvocab-{}", std::process::id()));
+    let with_vocab = |n: usize| {
+        SynthSpec { vocab_size: n, ..base.clone() }.write(&dir).unwrap();
+        Config::from_dir(&dir).unwrap()
+    };
+    let c = with_vocab(512);
+    let tok = Tokenizer::for_model(&dir, &c).unwrap().expect("synth writes a tokenizer");
+    assert!(!tok.decode(&[100, 200, 511]).unwrap().is_empty());
+
+    // 300 embedding rows under the 512-token tokenizer the last write left.
+    let c = with_vocab(300);
+    Model::load(&dir).expect("the weights match the config");
+    let e = Tokenizer::for_model(&dir, &c).err().expect("refused").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("511") && e.contains("vocab_size is 300"), "{e}");
+
+    let c = with_vocab(600);
+    let tok = Tokenizer::for_model(&dir, &c).unwrap().expect("a padded vocabulary is fine");
+    let e = tok.decode(&[5, 550]).expect_err("a padding id has no text").to_string();
+    assert!(e.contains("token id 550") && e.contains("tokenizer.json"), "{e}");
+
+    edit_config(&dir, |v| v["eos_token_id"] = 550.into());
+    let c = Config::from_dir(&dir).unwrap();
+    let e = Tokenizer::for_model(&dir, &c).err().expect("refused").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("id 550") && e.contains("eos_token_id"), "{e}");
+
+    edit_config(&dir, |v| v["eos_token_id"] = 600.into());
+    let e = load_err(&dir);
+    assert!(e.contains("config.json") && e.contains("eos_token_id") && e.contains("600"), "{e}");
+    edit_config(&dir, |v| v["eos_token_id"] = 0.into());
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [2, 4294967296]}"#).unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("generation_config.json") && e.contains("4294967296"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -168,14 +168,24 @@ pub fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })
 }
 
-/// `eos_token_id` as a number or a list of numbers.
-fn token_ids(path: &Path, key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
-    let bad = || Error::config(path, key, "expected a token id or a list of token ids");
+/// `key` (`eos_token_id`, `bos_token_id`) as a token id or a list of them, each an id of the
+/// vocabulary of `vocab` tokens: an id the model cannot emit is an error, not an EOS that
+/// never comes.
+fn token_ids(path: &Path, key: &str, v: Option<&Value>, vocab: usize) -> Result<Vec<u32>> {
+    let one = |x: &Value| match x.as_u64() {
+        // Below the vocabulary, which is below 2^24: the id fits a u32.
+        Some(id) if id < vocab as u64 => Ok(id as u32),
+        Some(id) => Err(Error::config(
+            path,
+            key,
+            format!("token id {id} is outside the vocabulary of {vocab} tokens (vocab_size)"),
+        )),
+        None => Err(Error::config(path, key, format!("expected a token id or a list of token ids, got {x}"))),
+    };
     match v {
         None | Some(Value::Null) => Ok(vec![]),
-        Some(Value::Number(n)) => Ok(vec![n.as_u64().ok_or_else(bad)? as u32]),
-        Some(Value::Array(a)) => a.iter().map(|x| x.as_u64().map(|n| n as u32).ok_or_else(bad)).collect(),
-        Some(_) => Err(bad()),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(x) => Ok(vec![one(x)?]),
     }
 }
 
@@ -201,7 +211,7 @@ impl Config {
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
             let g = read_json(&gen_path)?;
-            for id in token_ids(&gen_path, "eos_token_id", g.get("eos_token_id"))? {
+            for id in token_ids(&gen_path, "eos_token_id", g.get("eos_token_id"), cfg.vocab_size)? {
                 if !cfg.eos_token_ids.contains(&id) {
                     cfg.eos_token_ids.push(id);
                 }
@@ -329,10 +339,20 @@ impl Config {
             qkv_bias,
             o_bias,
             tie_word_embeddings: k.bool_or("tie_word_embeddings", arch == Arch::Gemma4)?,
-            eos_token_ids: token_ids(path, "eos_token_id", k.opt("eos_token_id").or(v.get("eos_token_id")))?,
-            bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id").or(v.get("bos_token_id")))?
-                .first()
-                .copied(),
+            eos_token_ids: token_ids(
+                path,
+                "eos_token_id",
+                k.opt("eos_token_id").or(v.get("eos_token_id")),
+                vocab_size,
+            )?,
+            bos_token_id: token_ids(
+                path,
+                "bos_token_id",
+                k.opt("bos_token_id").or(v.get("bos_token_id")),
+                vocab_size,
+            )?
+            .first()
+            .copied(),
             // 0: no MTP head.
             num_nextn_predict_layers: k.count_or("num_nextn_predict_layers", 0)?,
         })

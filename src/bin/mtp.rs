@@ -184,7 +184,7 @@ impl ModelArgs {
         let target = mtp::target_dir(self.target.as_deref())?;
         let model =
             Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);
-        let tokenizer = Tokenizer::from_dir_if_present(&target)?;
+        let tokenizer = Tokenizer::for_model(&target, &model.config)?;
         if tokenizer.is_none() {
             tracing::warn!(
                 "{}: no tokenizer.json; text prompts, stop strings and output text are unavailable",
@@ -388,13 +388,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut failed = 0;
             let mut generated = 0;
             for (req, res) in requests.iter().zip(results) {
-                let line = match res {
-                    Ok(c) => {
+                // Text the tokenizer cannot give (an id of a padded vocabulary) fails the request.
+                let text = |c: &mtp::engine::Completion| {
+                    tokenizer
+                        .as_ref()
+                        .map_or(Ok(String::new()), |t| t.decode(&c.tokens))
+                        .map_err(|e| mtp::base::Error::Request { request: c.id.clone(), msg: e.to_string() })
+                };
+                let line = match res.and_then(|c| text(&c).map(|t| (c, t))) {
+                    Ok((c, text)) => {
                         generated += c.tokens.len();
-                        let text = match &tokenizer {
-                            Some(t) => t.decode(&c.tokens)?,
-                            None => String::new(),
-                        };
                         serde_json::to_string(&OutputLine {
                             id: &c.id,
                             tokens: &c.tokens,
