@@ -474,3 +474,48 @@ fn padding_ids_and_a_draft_without_a_tokenizer_are_named() {
     );
     std::fs::remove_dir_all(&draft).ok();
 }
+
+/// Prompts files are read within bounds, and a line that is not a request says why, naming
+/// the file and line. Before, `--prompts /dev/zero` read until memory ran out, a binary file
+/// was "stream did not contain valid UTF-8" with no line, and `[1,2,3]` was "expected struct
+/// Line". Control: a well-formed file exactly at both limits is read.
+#[test]
+fn prompts_files_are_bounded_and_bad_lines_are_named() {
+    let t = common::fixture("qwen3-draft");
+    let t = t.to_str().unwrap();
+    let run = |p: &str| mtp(&["generate", "--target", t, "--prompts", p, "--max-tokens", "2"]);
+    #[cfg(unix)]
+    {
+        let (code, _, err) = run("/dev/zero");
+        assert!(code == 1 && err.contains("/dev/zero:1") && err.contains("NUL"), "{err}");
+    }
+    let good = "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n";
+    let cases: [(&str, &[u8], &str); 5] = [
+        ("array", b"[1,2,3]\n", ":1: invalid request: expected a JSON object"),
+        ("binary", b"\x7fELF\x02\x01\x01\x00\x00", ":1: a NUL byte at byte 8"),
+        ("latin1", b"{\"id\": \"a\", \"prompt_ids\": [5]}\n{\"prompt\": \"caf\xe9\"}\n", ":2: not UTF-8"),
+        ("type", b"\n{\"id\": \"x\", \"prompt_ids\": \"5 9\"}\n", ":2: invalid request: field `prompt_ids`"),
+        ("id", b"{\"prompt_ids\": [4294967296]}\n", ":1: invalid request: field `prompt_ids`"),
+    ];
+    for (tag, bytes, want) in cases {
+        let p = std::env::temp_dir().join(format!("mtp-cli-bad-{tag}-{}.jsonl", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        let (code, out, err) = run(p.to_str().unwrap());
+        assert!(code == 1 && out.is_empty(), "{tag}: {err}");
+        assert!(err.contains(&format!("{}{want}", p.display())), "{tag}: {err}");
+    }
+    let p = write_prompts("good", good);
+    let (code, _, err) = run(&p);
+    assert_eq!(code, 0, "{err}");
+
+    let read = |max_line: usize, max_file: u64| {
+        let defaults = mtp::engine::Request::default();
+        mtp::prompts::read_bounded(std::path::Path::new(&p), None, &defaults, max_line, max_file)
+    };
+    let (line, file) = (good.len(), good.len() as u64);
+    assert_eq!(read(line, file).unwrap().requests.len(), 1, "a file exactly at both limits is read");
+    let e = format!("{:#}", read(line - 1, file).err().expect("a longer line"));
+    assert!(e.contains(":1: the line is longer than") && e.contains(&(line - 1).to_string()), "{e}");
+    let e = format!("{:#}", read(line, file - 1).err().expect("a larger file"));
+    assert!(e.contains(":1: the prompts file goes past") && e.contains(&(file - 1).to_string()), "{e}");
+}
