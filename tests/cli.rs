@@ -519,3 +519,38 @@ fn prompts_files_are_bounded_and_bad_lines_are_named() {
     let e = format!("{:#}", read(line, file - 1).err().expect("a larger file"));
     assert!(e.contains(":1: the prompts file goes past") && e.contains(&(file - 1).to_string()), "{e}");
 }
+
+/// `mtp synth` refuses, before writing anything, a shape that would not load (naming the
+/// flag) or that is too large (naming `--max-gib`), with checked byte counts. Before,
+/// `--hidden 4000000000 --layers 1` wrote until the disk filled, 2^62 wrapped the byte
+/// count, and `--head-dim 7` wrote a checkpoint `generate` then refused. Control: a small
+/// shape whose heads do not divide the hidden size (as Qwen3's) is written and runs.
+#[test]
+fn synth_refuses_shapes_that_would_not_load_or_fit_before_writing() {
+    let out = std::env::temp_dir().join(format!("mtp-cli-synth-{}", std::process::id()));
+    let o = out.to_str().unwrap();
+    let cases: [(&[&str], &str); 7] = [
+        (&["--like", "qwen3", "--hidden", "4000000000", "--layers", "1"], "--max-gib"),
+        (&["--like", "qwen3", "--hidden", "4611686018427387904", "--layers", "1"], "overflows"),
+        (&["--like", "qwen3", "--head-dim", "7"], "--head-dim: must be even"),
+        (&["--like", "qwen3", "--heads", "16", "--kv-heads", "5"], "--kv-heads: 5 does not divide 16"),
+        (&["--like", "qwen3", "--vocab", "20000000"], "--vocab"),
+        (&["--like", "gemma4-e2b", "--head-dim", "9223372036854775807"], "--head-dim"),
+        (&["--like", "qwen3-8b", "--max-gib", "1"], "over the limit of 1.0 GiB (--max-gib"),
+    ];
+    for (args, want) in cases {
+        let (code, _, err) = mtp(&[&["synth", "--out", o][..], args].concat());
+        assert!(code == 1 && err.contains(want), "{args:?}: {err}");
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    }
+    let small = ["--hidden", "48", "--layers", "1", "--heads", "5", "--kv-heads", "1", "--head-dim", "16"];
+    let args =
+        [&["synth", "--like", "qwen3", "--out", o, "--intermediate", "96", "--vocab", "512"][..], &small];
+    let (code, _, err) = mtp(&args.concat());
+    assert_eq!(code, 0, "{err}");
+    let prompts = write_prompts("synth", "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n");
+    let (code, out_lines, err) =
+        mtp(&["generate", "--target", o, "--prompts", &prompts, "--max-tokens", "3"]);
+    assert!(code == 0 && out_lines.contains("\"tokens\""), "{err}");
+    std::fs::remove_dir_all(&out).ok();
+}

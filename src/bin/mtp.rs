@@ -101,6 +101,10 @@ enum Command {
         dtype: String,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// The most GiB of weights to write: a bigger shape is refused before anything is
+        /// written (the file system's free space is checked too).
+        #[arg(long, default_value_t = 16, value_parser = mtp::at_least_one)]
+        max_gib: usize,
         #[arg(long)]
         out: PathBuf,
     },
@@ -337,6 +341,30 @@ struct OutputLine<'a> {
     finish_reason: &'static str,
 }
 
+/// An error of `mtp synth`: a config.json key it would have written wrongly is named by the
+/// flag that sets it.
+fn synth_error(e: mtp::base::Error, out: &Path) -> anyhow::Error {
+    const FLAGS: [(&str, &str); 8] = [
+        ("hidden_size", "--hidden"),
+        ("num_hidden_layers", "--layers"),
+        ("num_attention_heads", "--heads"),
+        ("num_key_value_heads", "--kv-heads"),
+        ("head_dim", "--head-dim"),
+        ("intermediate_size", "--intermediate"),
+        ("vocab_size", "--vocab"),
+        ("per_layer_config", "--head-dim or --kv-heads"),
+    ];
+    if let mtp::base::Error::Config { key, msg, .. } = &e {
+        if let Some((_, flag)) = FLAGS.iter().find(|(k, _)| key.split('.').next() == Some(*k)) {
+            return anyhow::anyhow!(
+                "{flag}: {msg} (config.json's `{key}` would not load; nothing written to {})",
+                out.display()
+            );
+        }
+    }
+    anyhow::Error::from(e).context(format!("writing {}", out.display()))
+}
+
 fn main() -> ExitCode {
     mtp::keep_freed_memory();
     mtp::init_logging("info");
@@ -484,6 +512,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             vocab,
             dtype,
             seed,
+            max_gib,
             out,
         } => {
             let dtype = match dtype.as_str() {
@@ -492,12 +521,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 "f32" => WeightDtype::F32,
                 other => bail!("unknown --dtype `{other}` (bf16, f16, f32)"),
             };
+            let max_bytes = (max_gib as u64)
+                .checked_mul(1 << 30)
+                .with_context(|| format!("--max-gib {max_gib}: more bytes than a u64 counts"))?;
             if let Some(mut g) = Gemma4Spec::preset(&like) {
                 if let Some(n) = layers {
                     g.set_layers(n);
                 }
                 if let Some(d) = head_dim {
-                    g.global_head_dim = d * g.global_head_dim / g.head_dim;
+                    // Full layers keep the preset's ratio of head sizes.
+                    g.global_head_dim = d
+                        .checked_mul(g.global_head_dim)
+                        .with_context(|| format!("--head-dim {d}: the full layers' head size overflows"))?
+                        / g.head_dim;
                     g.head_dim = d;
                 }
                 g.hidden_size = hidden.unwrap_or(g.hidden_size);
@@ -505,10 +541,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 g.num_key_value_heads = kv_heads.unwrap_or(g.num_key_value_heads);
                 g.intermediate_size = intermediate.unwrap_or(g.intermediate_size);
                 g.vocab_size = vocab.unwrap_or(g.vocab_size);
-                (g.dtype, g.seed) = (dtype, seed);
+                (g.dtype, g.seed, g.max_bytes) = (dtype, seed, max_bytes);
                 let (n, shared) = (g.num_hidden_layers, g.num_kv_shared_layers);
                 tracing::info!(like, layers = n, kv_shared = shared, "writing {}", out.display());
-                g.write(&out).with_context(|| format!("writing {}", out.display()))?;
+                g.write(&out).map_err(|e| synth_error(e, &out))?;
                 return Ok(ExitCode::SUCCESS);
             }
             let Some(mut s) = SynthSpec::preset(&like) else {
@@ -524,13 +560,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             s.head_dim = head_dim.unwrap_or(s.head_dim);
             s.intermediate_size = intermediate.unwrap_or(s.intermediate_size);
             s.vocab_size = vocab.unwrap_or(s.vocab_size);
-            s.seed = seed;
-            s.dtype = dtype;
-            if s.num_attention_heads % s.num_key_value_heads != 0 {
-                bail!("--kv-heads {} must divide --heads {}", s.num_key_value_heads, s.num_attention_heads);
-            }
+            (s.seed, s.dtype, s.max_bytes) = (seed, dtype, max_bytes);
             tracing::info!(arch = ?s.arch, "writing {}", out.display());
-            s.write(&out).with_context(|| format!("writing {}", out.display()))?;
+            s.write(&out).map_err(|e| synth_error(e, &out))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::SynthMtp { target, layout, seed, out } => {
