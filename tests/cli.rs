@@ -529,11 +529,21 @@ fn prompts_files_are_bounded_and_bad_lines_are_named() {
 fn synth_refuses_shapes_that_would_not_load_or_fit_before_writing() {
     let out = std::env::temp_dir().join(format!("mtp-cli-synth-{}", std::process::id()));
     let o = out.to_str().unwrap();
-    let cases: [(&[&str], &str); 7] = [
-        (&["--like", "qwen3", "--hidden", "4000000000", "--layers", "1"], "--max-gib"),
-        (&["--like", "qwen3", "--hidden", "4611686018427387904", "--layers", "1"], "overflows"),
+    let cases: [(&[&str], &str); 8] = [
+        (
+            &["--like", "qwen3", "--hidden", "4000000000", "--layers", "1"],
+            "--vocab 151936 x --hidden 4000000000",
+        ),
+        (
+            &["--like", "qwen3", "--hidden", "100000", "--layers", "1"],
+            "GiB of BF16 weights is over the limit of 16.0 GiB (--max-gib",
+        ),
+        (&["--like", "qwen3", "--hidden", "4611686018427387904", "--layers", "1"], "over 2^40 values"),
         (&["--like", "qwen3", "--head-dim", "7"], "--head-dim: must be even"),
-        (&["--like", "qwen3", "--heads", "16", "--kv-heads", "5"], "--kv-heads: 5 does not divide 16"),
+        (
+            &["--like", "qwen3", "--heads", "16", "--kv-heads", "5"],
+            "--kv-heads: 5 does not divide --heads 16",
+        ),
         (&["--like", "qwen3", "--vocab", "20000000"], "--vocab"),
         (&["--like", "gemma4-e2b", "--head-dim", "9223372036854775807"], "--head-dim"),
         (&["--like", "qwen3-8b", "--max-gib", "1"], "over the limit of 1.0 GiB (--max-gib"),

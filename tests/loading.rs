@@ -604,3 +604,180 @@ fn tokenizer_and_model_vocabularies_must_fit() {
     assert!(e.contains("generation_config.json") && e.contains("4294967296"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// One step of a path into config.json: an object key or an array index.
+#[derive(Clone, Debug)]
+enum Step {
+    Key(String),
+    At(usize),
+}
+
+/// Every key and array element under `v`, as paths (a value and all of its parts).
+fn paths(v: &serde_json::Value, path: &mut Vec<Step>, out: &mut Vec<Vec<Step>>) {
+    let children: Vec<(Step, &serde_json::Value)> = match v {
+        serde_json::Value::Object(m) => m.iter().map(|(k, x)| (Step::Key(k.clone()), x)).collect(),
+        serde_json::Value::Array(a) => a.iter().enumerate().map(|(i, x)| (Step::At(i), x)).collect(),
+        _ => vec![],
+    };
+    for (step, x) in children {
+        path.push(step);
+        out.push(path.clone());
+        paths(x, path, out);
+        path.pop();
+    }
+}
+
+fn set_at(v: &mut serde_json::Value, path: &[Step], x: serde_json::Value) {
+    match path {
+        [] => *v = x,
+        [Step::Key(k), rest @ ..] => set_at(&mut v[k.as_str()], rest, x),
+        [Step::At(i), rest @ ..] => set_at(&mut v[*i], rest, x),
+    }
+}
+
+/// Values no config.json should hold.
+fn hostile_values() -> Vec<serde_json::Value> {
+    use serde_json::json;
+    vec![
+        json!(0),
+        json!(-1),
+        json!(0.5),
+        json!(1e308),
+        json!(-1e308),
+        json!(u64::MAX),
+        json!(i64::MIN),
+        json!(65537),
+        json!(4294967296u64),
+        json!("hostile"),
+        serde_json::Value::Null,
+        json!(true),
+        json!([[1, [2]], {"a": 1}]),
+        json!({"a": {"b": [1]}}),
+        serde_json::Value::Array(vec![json!(7); 100_000]),
+    ]
+}
+
+/// What one load (and, when it loads, a short generation) of the checkpoint in a directory
+/// did: `Err` with the message of a refusal, `Ok` when it loaded and ran.
+type Attempt<'a> = &'a dyn Fn() -> Result<(), String>;
+
+/// Replaces every key and array element of `dir`'s config.json, one at a time, with each
+/// hostile value, and runs `attempt`: it must load and run or refuse naming the key (the
+/// last object key of the path) or the tensor whose shape disagrees, never panic. Returns
+/// the failures.
+fn fuzz_config(dir: &Path, attempt: Attempt) -> Vec<String> {
+    let cfg = dir.join("config.json");
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mut all = Vec::new();
+    paths(&original, &mut Vec::new(), &mut all);
+    let mut failures = Vec::new();
+    for path in &all {
+        let key = path.iter().rev().find_map(|s| if let Step::Key(k) = s { Some(k.clone()) } else { None });
+        let key = key.expect("every path starts at a key");
+        for x in hostile_values() {
+            let mut v = original.clone();
+            set_at(&mut v, path, x.clone());
+            std::fs::write(&cfg, v.to_string()).unwrap();
+            let shown = x.to_string().chars().take(40).collect::<String>();
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(attempt)) {
+                Err(_) => failures.push(format!("{path:?} = {shown}: panicked")),
+                // A size the weights disagree with may instead name the tensor and its file.
+                Ok(Err(e)) if !e.contains(&key) && !e.contains("tensor") => {
+                    failures.push(format!("{path:?} = {shown}: {e}"))
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+    std::fs::write(&cfg, original.to_string()).unwrap();
+    failures
+}
+
+/// A target load, then two tokens of plain decoding when it loads.
+fn load_and_run(dir: &Path) -> Result<(), String> {
+    let model = Model::load(dir).map_err(|e| e.to_string())?;
+    let opts = mtp::engine::EngineOptions::default();
+    let mut engine = mtp::engine::Engine::new(&model, None, opts).map_err(|e| format!("engine: {e}"))?;
+    let out = mtp::engine::generate(&mut engine, &[request("r", vec![2, 3, 4])], &[0], |_, _| {});
+    out.into_iter().next().expect("one result").map(|_| ()).map_err(|e| format!("generate: {e}"))
+}
+
+/// Hostile values in every field of config.json (0, -1, 0.5, 1e308, u64::MAX, i64::MIN,
+/// strings, null, nested arrays and objects, a 100,000-element array), one field at a time,
+/// for a Qwen3 target, a Gemma 4 target, Gemma 4's assistant and the trained target with its
+/// MTP head: each loads (and runs two tokens) or is refused naming the key, never a panic.
+/// Control: the untouched configs load and run, so the refusals come from the values.
+#[test]
+fn hostile_config_values_are_refused_naming_the_key() {
+    let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4");
+    let mut failures = Vec::new();
+    for (src, tag) in [(fixture("qwen3-draft"), "fuzz-qwen3"), (gemma.join("gemma4-e-target"), "fuzz-gemma4")]
+    {
+        let dir = copy_dir(&src, tag);
+        load_and_run(&dir).expect("the untouched config loads and runs");
+        failures.extend(fuzz_config(&dir, &|| load_and_run(&dir)));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    let target = std::sync::Arc::new(Model::load(&gemma.join("gemma4-e-target")).unwrap());
+    let dir = copy_dir(&gemma.join("gemma4-e-assistant"), "fuzz-assistant");
+    let assistant = || -> Result<(), String> {
+        let d = mtp::drafter::AssistantDrafter::load(&dir, target.clone()).map_err(|e| e.to_string())?;
+        let opts = mtp::engine::EngineOptions::default();
+        let mut engine =
+            mtp::engine::Engine::new(&target, Some(Box::new(d)), opts).map_err(|e| e.to_string())?;
+        let out = mtp::engine::generate(&mut engine, &[request("r", vec![2, 3, 4])], &[0], |_, _| {});
+        out.into_iter().next().expect("one result").map(|_| ()).map_err(|e| format!("generate: {e}"))
+    };
+    assistant().expect("the untouched assistant loads and drafts");
+    failures.extend(fuzz_config(&dir, &assistant));
+    std::fs::remove_dir_all(&dir).ok();
+
+    let dir = copy_dir(&common::trained("target"), "fuzz-trained");
+    let with_head = || -> Result<(), String> {
+        let model = std::sync::Arc::new(Model::load(&dir).map_err(|e| e.to_string())?);
+        if model.config.num_nextn_predict_layers > 0 {
+            mtp::drafter::MtpDrafter::load(&dir, model).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    };
+    with_head().expect("the untouched trained target loads with its head");
+    failures.extend(fuzz_config(&dir, &with_head));
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// What the fuzz above found, one case each: sizes whose products overflow or exceed any
+/// model, switches the dense forward cannot honour, and ids that do not fit are refused
+/// naming the key. Before: `num_attention_heads: u64::MAX` and Gemma 4's `intermediate_size:
+/// u64::MAX` (double-wide) panicked on a multiplication overflow, Gemma 4's
+/// `sliding_window: u64::MAX` loaded and panicked making a cache, `hidden_act: "gelu"`,
+/// `mlp_bias` and `use_sliding_window` were ignored (SiLU, no biases, full attention: silently
+/// another model), an EOS id of 2^64-1 was truncated to a u32, and an unknown architecture's
+/// error did not name the key. Control: the untouched configs load.
+#[test]
+fn oversized_shapes_and_unsupported_switches_name_the_key() {
+    use serde_json::json;
+    let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4/gemma4-e-target");
+    let cases: [(PathBuf, &str, serde_json::Value); 11] = [
+        (fixture("qwen3-draft"), "num_attention_heads", json!(u64::MAX)),
+        (fixture("qwen3-draft"), "intermediate_size", json!(1u64 << 41)),
+        (fixture("qwen3-draft"), "num_hidden_layers", json!(65537)),
+        (fixture("qwen3-draft"), "hidden_act", json!("gelu")),
+        (fixture("llama-draft"), "mlp_bias", json!(true)),
+        (fixture("qwen2-draft"), "use_sliding_window", json!(true)),
+        (fixture("qwen3-draft"), "eos_token_id", json!(u64::MAX)),
+        (fixture("qwen3-draft"), "architectures", json!(["hostile"])),
+        (gemma.clone(), "intermediate_size", json!(u64::MAX)),
+        (gemma.clone(), "sliding_window", json!(u64::MAX)),
+        (gemma, "vocab_size_per_layer_input", json!(1u64 << 40)),
+    ];
+    for (i, (src, key, value)) in cases.into_iter().enumerate() {
+        let dir = copy_dir(&src, &format!("oversized-{i}"));
+        load_and_run(&dir).unwrap_or_else(|e| panic!("the untouched {} does not load: {e}", src.display()));
+        edit_config(&dir, |v| v[key] = value.clone());
+        let e = load_err(&dir);
+        assert!(e.contains(key) && e.contains("config.json"), "{key} = {value}: {e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}

@@ -13,7 +13,7 @@ pub enum Error {
     Json { path: PathBuf, source: serde_json::Error },
     #[error("{path}: key `{key}`: {msg}")]
     Config { path: PathBuf, key: String, msg: String },
-    #[error("{path}: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]
+    #[error("{path}: key `architectures`: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]
     UnknownArchitecture { path: PathBuf, arch: String },
     #[error("{path}: invalid safetensors file: {msg}")]
     Safetensors { path: PathBuf, msg: String },
@@ -49,5 +49,14 @@ impl Error {
     }
     pub fn config(path: impl Into<PathBuf>, key: &str, msg: impl Into<String>) -> Self {
         Error::Config { path: path.into(), key: key.to_string(), msg: msg.into() }
+    }
+
+    /// This error with its config key (if any) put under `prefix` (`text_config`), for
+    /// settings read from a nested object.
+    pub fn under(self, prefix: &str) -> Self {
+        match self {
+            Error::Config { path, key, msg } => Error::Config { path, key: format!("{prefix}.{key}"), msg },
+            other => other,
+        }
     }
 }

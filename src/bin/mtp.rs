@@ -354,10 +354,14 @@ fn synth_error(e: mtp::base::Error, out: &Path) -> anyhow::Error {
         ("vocab_size", "--vocab"),
         ("per_layer_config", "--head-dim or --kv-heads"),
     ];
+    let flag_of = |key: &str| FLAGS.iter().find(|(k, _)| *k == key).map(|(_, f)| *f);
     if let mtp::base::Error::Config { key, msg, .. } = &e {
-        if let Some((_, flag)) = FLAGS.iter().find(|(k, _)| key.split('.').next() == Some(*k)) {
+        if let Some(flag) = key.split('.').next().and_then(flag_of) {
+            // Keys the message names in passing (a product of sizes) become flags too.
+            let msg: Vec<&str> = msg.split(' ').map(|w| flag_of(w).unwrap_or(w)).collect();
             return anyhow::anyhow!(
-                "{flag}: {msg} (config.json's `{key}` would not load; nothing written to {})",
+                "{flag}: {} (config.json's `{key}` would not load; nothing written to {})",
+                msg.join(" "),
                 out.display()
             );
         }
