@@ -286,7 +286,7 @@ if [[ "$what" == gemma4-* ]]; then
     dir=/tmp/$what
     case $what in
         gemma4-e2b) "$bin/mtp" synth --like gemma4-e2b --out $dir >> "$blog" 2>&1 ;;
-        gemma4-31b-20) "$bin/mtp" synth --like gemma4-31b --layers 20 --out $dir >> "$blog" 2>&1 ;;
+        gemma4-31b-20) "$bin/mtp" synth --like gemma4-31b --layers 20 --max-gib 32 --out $dir >> "$blog" 2>&1 ;;
         *) echo "unknown: $what"; exit 2 ;;
     esac
     du -sh $dir | tee -a "$blog"

@@ -5,13 +5,25 @@
 //! `"temperature"`, `"top_k"`, `"top_p"`, `"min_p"`, `"seed"` (each overrides the
 //! command line's value for that request) and `"top_logprobs"` (report that many most
 //! likely alternatives with each token).
+//!
+//! Reading is bounded: a line over [`MAX_LINE_BYTES`] or a file over [`MAX_FILE_BYTES`] is
+//! an error naming the file and line, as are a NUL byte or bytes that are not UTF-8 (a
+//! binary file), a line that is JSON but not an object, and a field of the wrong type.
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use mtp_base::Tokenizer;
 use mtp_engine::{Request, SamplingParams};
 use serde::Deserialize;
+use serde_json::Value;
+
+/// The longest line read: a request of millions of tokens of text still fits.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// The most bytes read from one prompts file.
+pub const MAX_FILE_BYTES: u64 = 1 << 30;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -40,17 +52,46 @@ pub struct Prompts {
 /// leaves out come from `defaults`. A malformed line is an error naming the file and
 /// line; nothing runs until all lines parse.
 pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, defaults: &Request) -> Result<Prompts> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
+    read_bounded(path, tokenizer, defaults, MAX_LINE_BYTES, MAX_FILE_BYTES)
+}
+
+/// [`read`] with lines of at most `max_line` bytes (line ending included) and at most
+/// `max_file` bytes in all.
+pub fn read_bounded(
+    path: &Path,
+    tokenizer: Option<&Tokenizer>,
+    defaults: &Request,
+    max_line: usize,
+    max_file: u64,
+) -> Result<Prompts> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("{}: cannot read prompts", path.display()))?;
+    let mut reader = BufReader::new(file);
     let mut out = Vec::new();
     let mut arrive_at = Vec::new();
-    for (n, line) in text.lines().enumerate() {
+    let (mut buf, mut total) = (Vec::new(), 0u64);
+    let mut ids = std::collections::HashSet::new();
+    for n in 1.. {
+        let at = || format!("{}:{n}", path.display());
+        buf.clear();
+        // One byte past the limit tells a line at the limit from a longer one.
+        let got = (&mut reader)
+            .take(max_line as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .with_context(|| format!("{}: cannot read prompts", at()))?;
+        if got == 0 {
+            break;
+        }
+        total += got as u64;
+        if total > max_file {
+            bail!("{}: the prompts file goes past {max_file} bytes, the most read from one file", at());
+        }
+        let line = text_line(&buf, max_line).map_err(|msg| anyhow!("{}: {msg}", at()))?;
         if line.trim().is_empty() {
             continue;
         }
-        let at = || format!("{}:{}", path.display(), n + 1);
-        let l: Line = serde_json::from_str(line).with_context(|| format!("{}: invalid request", at()))?;
-        let id = l.id.unwrap_or_else(|| format!("line{}", n + 1));
+        let l = parse_line(line).with_context(|| format!("{}: invalid request", at()))?;
+        let id = l.id.unwrap_or_else(|| format!("line{n}"));
         let prompt = match (l.prompt, l.prompt_ids) {
             (Some(_), Some(_)) => bail!("{}: request {id}: give `prompt` or `prompt_ids`, not both", at()),
             (None, None) => bail!("{}: request {id}: needs `prompt` or `prompt_ids`", at()),
@@ -62,7 +103,7 @@ pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, defaults: &Request) -> R
                 tok.encode(&text).with_context(|| format!("{}: request {id}", at()))?
             }
         };
-        if out.iter().any(|r: &Request| r.id == id) {
+        if !ids.insert(id.clone()) {
             bail!("{}: duplicate request id `{id}`", at());
         }
         let d = defaults.sampling;
@@ -86,4 +127,42 @@ pub fn read(path: &Path, tokenizer: Option<&Tokenizer>, defaults: &Request) -> R
         arrive_at.push(l.arrive_at.unwrap_or(0));
     }
     Ok(Prompts { requests: out, arrive_at })
+}
+
+/// One line of the file as text without its line ending, or what is wrong with it.
+fn text_line(buf: &[u8], max_line: usize) -> std::result::Result<&str, String> {
+    const FORMAT: &str = "a prompts file is UTF-8 JSON, one request per line";
+    if let Some(at) = buf.iter().position(|&b| b == 0) {
+        return Err(format!("a NUL byte at byte {} of the line: {FORMAT}, and this looks binary", at + 1));
+    }
+    if buf.len() > max_line {
+        return Err(format!("the line is longer than {max_line} bytes, the longest read"));
+    }
+    let text = std::str::from_utf8(buf)
+        .map_err(|e| format!("not UTF-8 (byte {} of the line): {FORMAT}", e.valid_up_to() + 1))?;
+    Ok(text.strip_suffix('\n').map_or(text, |t| t.strip_suffix('\r').unwrap_or(t)))
+}
+
+/// A request line: a JSON object of known fields, each of its type; an error says which
+/// field is wrong or what the line is instead of an object.
+fn parse_line(line: &str) -> Result<Line> {
+    let v: Value = serde_json::from_str(line)?;
+    let Value::Object(fields) = &v else {
+        let got = match v {
+            Value::Array(_) => "an array",
+            Value::String(_) => "a string",
+            Value::Number(_) => "a number",
+            Value::Bool(_) => "true or false",
+            _ => "null",
+        };
+        bail!("expected a JSON object such as {{\"id\": \"a\", \"prompt\": \"text\"}}, got {got}");
+    };
+    serde_json::from_value(v.clone()).map_err(|e| {
+        // Each field alone parses unless it is the culprit (every field is optional).
+        let culprit = fields.iter().find_map(|(k, x)| {
+            let alone = Value::Object([(k.clone(), x.clone())].into_iter().collect());
+            serde_json::from_value::<Line>(alone).err().map(|e| anyhow!("field `{k}`: {e}"))
+        });
+        culprit.unwrap_or_else(|| e.into())
+    })
 }

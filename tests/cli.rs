@@ -412,3 +412,155 @@ fn metal_emulated_backend_is_identical_alone_and_batched() {
     assert_ne!(code, 0);
     assert!(err.contains("metal-emulated"), "{err}");
 }
+
+/// A vocabulary padded above the tokenizer runs, but a request whose output holds a padding
+/// id gets an error line naming the id (exit 2) instead of text with the token left out; a
+/// draft model without tokenizer.json is used with a warning naming its directory (before,
+/// the token-map check was skipped silently). Control: the fixture, whose vocabulary is its
+/// tokenizer's, prints text and exits 0, and its draft model with a tokenizer gets no warning.
+#[test]
+fn padding_ids_and_a_draft_without_a_tokenizer_are_named() {
+    let prompts = write_prompts("padded", "{\"id\": \"a\", \"prompt_ids\": [5, 9, 7]}\n");
+    let dir = std::env::temp_dir().join(format!("mtp-cli-padded-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let shape = ["--hidden", "48", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "16"];
+    let synth =
+        [&["synth", "--like", "qwen3", "--intermediate", "96", "--dtype", "f32"][..], &shape].concat();
+    let (code, _, err) = mtp(&[&synth[..], &["--vocab", "4096", "--out", d]].concat());
+    assert_eq!(code, 0, "{err}");
+    let run = |t: &str| {
+        mtp(&["generate", "--target", t, "--prompts", &prompts, "--max-tokens", "8", "--ignore-eos"])
+    };
+    let (code, out, _) = run(d);
+    assert_eq!(code, 2, "{out}");
+    let line: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let e = line["error"].as_str().unwrap();
+    assert!(e.contains("token id") && e.contains("tokenizer.json") && e.contains("request a"), "{e}");
+    let fixture = common::fixture("qwen3-target");
+    let (code, out, err) = run(fixture.to_str().unwrap());
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"text\""), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+
+    let draft = std::env::temp_dir().join(format!("mtp-cli-draft-notok-{}", std::process::id()));
+    std::fs::create_dir_all(&draft).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(common::fixture("qwen3-draft").join(f), draft.join(f)).unwrap();
+    }
+    let with_draft = |dr: &str| {
+        let t = fixture.to_str().unwrap();
+        mtp(&[
+            "generate",
+            "--target",
+            t,
+            "--prompts",
+            &prompts,
+            "--max-tokens",
+            "4",
+            "--drafter",
+            "draft-model",
+            "--draft",
+            dr,
+        ])
+    };
+    let (code, _, err) = with_draft(draft.to_str().unwrap());
+    assert!(code == 0 && !err.contains("WARN"), "{err}");
+    std::fs::remove_file(draft.join("tokenizer.json")).unwrap();
+    let (code, _, err) = with_draft(draft.to_str().unwrap());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("WARN") && err.contains(draft.to_str().unwrap()) && err.contains("tokenizer.json"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&draft).ok();
+}
+
+/// Prompts files are read within bounds, and a line that is not a request says why, naming
+/// the file and line. Before, `--prompts /dev/zero` read until memory ran out, a binary file
+/// was "stream did not contain valid UTF-8" with no line, and `[1,2,3]` was "expected struct
+/// Line". Control: a well-formed file exactly at both limits is read.
+#[test]
+fn prompts_files_are_bounded_and_bad_lines_are_named() {
+    let t = common::fixture("qwen3-draft");
+    let t = t.to_str().unwrap();
+    let run = |p: &str| mtp(&["generate", "--target", t, "--prompts", p, "--max-tokens", "2"]);
+    #[cfg(unix)]
+    {
+        let (code, _, err) = run("/dev/zero");
+        assert!(code == 1 && err.contains("/dev/zero:1") && err.contains("NUL"), "{err}");
+    }
+    let good = "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n";
+    let cases: [(&str, &[u8], &str); 5] = [
+        ("array", b"[1,2,3]\n", ":1: invalid request: expected a JSON object"),
+        ("binary", b"\x7fELF\x02\x01\x01\x00\x00", ":1: a NUL byte at byte 8"),
+        ("latin1", b"{\"id\": \"a\", \"prompt_ids\": [5]}\n{\"prompt\": \"caf\xe9\"}\n", ":2: not UTF-8"),
+        ("type", b"\n{\"id\": \"x\", \"prompt_ids\": \"5 9\"}\n", ":2: invalid request: field `prompt_ids`"),
+        ("id", b"{\"prompt_ids\": [4294967296]}\n", ":1: invalid request: field `prompt_ids`"),
+    ];
+    for (tag, bytes, want) in cases {
+        let p = std::env::temp_dir().join(format!("mtp-cli-bad-{tag}-{}.jsonl", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        let (code, out, err) = run(p.to_str().unwrap());
+        assert!(code == 1 && out.is_empty(), "{tag}: {err}");
+        assert!(err.contains(&format!("{}{want}", p.display())), "{tag}: {err}");
+    }
+    let p = write_prompts("good", good);
+    let (code, _, err) = run(&p);
+    assert_eq!(code, 0, "{err}");
+
+    let read = |max_line: usize, max_file: u64| {
+        let defaults = mtp::engine::Request::default();
+        mtp::prompts::read_bounded(std::path::Path::new(&p), None, &defaults, max_line, max_file)
+    };
+    let (line, file) = (good.len(), good.len() as u64);
+    assert_eq!(read(line, file).unwrap().requests.len(), 1, "a file exactly at both limits is read");
+    let e = format!("{:#}", read(line - 1, file).err().expect("a longer line"));
+    assert!(e.contains(":1: the line is longer than") && e.contains(&(line - 1).to_string()), "{e}");
+    let e = format!("{:#}", read(line, file - 1).err().expect("a larger file"));
+    assert!(e.contains(":1: the prompts file goes past") && e.contains(&(file - 1).to_string()), "{e}");
+}
+
+/// `mtp synth` refuses, before writing anything, a shape that would not load (naming the
+/// flag) or that is too large (naming `--max-gib`), with checked byte counts. Before,
+/// `--hidden 4000000000 --layers 1` wrote until the disk filled, 2^62 wrapped the byte
+/// count, and `--head-dim 7` wrote a checkpoint `generate` then refused. Control: a small
+/// shape whose heads do not divide the hidden size (as Qwen3's) is written and runs.
+#[test]
+fn synth_refuses_shapes_that_would_not_load_or_fit_before_writing() {
+    let out = std::env::temp_dir().join(format!("mtp-cli-synth-{}", std::process::id()));
+    let o = out.to_str().unwrap();
+    let cases: [(&[&str], &str); 8] = [
+        (
+            &["--like", "qwen3", "--hidden", "4000000000", "--layers", "1"],
+            "--vocab 151936 x --hidden 4000000000",
+        ),
+        (
+            &["--like", "qwen3", "--hidden", "100000", "--layers", "1"],
+            "GiB of BF16 weights is over the limit of 16.0 GiB (--max-gib",
+        ),
+        (&["--like", "qwen3", "--hidden", "4611686018427387904", "--layers", "1"], "over 2^40 values"),
+        (&["--like", "qwen3", "--head-dim", "7"], "--head-dim: must be even"),
+        (
+            &["--like", "qwen3", "--heads", "16", "--kv-heads", "5"],
+            "--kv-heads: 5 does not divide --heads 16",
+        ),
+        (&["--like", "qwen3", "--vocab", "20000000"], "--vocab"),
+        (&["--like", "gemma4-e2b", "--head-dim", "9223372036854775807"], "--head-dim"),
+        (&["--like", "qwen3-8b", "--max-gib", "1"], "over the limit of 1.0 GiB (--max-gib"),
+    ];
+    for (args, want) in cases {
+        let (code, _, err) = mtp(&[&["synth", "--out", o][..], args].concat());
+        assert!(code == 1 && err.contains(want), "{args:?}: {err}");
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    }
+    let small = ["--hidden", "48", "--layers", "1", "--heads", "5", "--kv-heads", "1", "--head-dim", "16"];
+    let args =
+        [&["synth", "--like", "qwen3", "--out", o, "--intermediate", "96", "--vocab", "512"][..], &small];
+    let (code, _, err) = mtp(&args.concat());
+    assert_eq!(code, 0, "{err}");
+    let prompts = write_prompts("synth", "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n");
+    let (code, out_lines, err) =
+        mtp(&["generate", "--target", o, "--prompts", &prompts, "--max-tokens", "3"]);
+    assert!(code == 0 && out_lines.contains("\"tokens\""), "{err}");
+    std::fs::remove_dir_all(&out).ok();
+}

@@ -11,13 +11,38 @@ use mtp::model::Model;
 
 /// A writable copy of a fixture checkpoint.
 fn copy_fixture(name: &str, tag: &str) -> PathBuf {
+    copy_dir(&fixture(name), tag)
+}
+
+/// A writable copy of the checkpoint in `src`.
+fn copy_dir(src: &Path, tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mtp-load-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for f in std::fs::read_dir(fixture(name)).unwrap() {
+    for f in std::fs::read_dir(src).unwrap() {
         let f = f.unwrap().path();
         std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
     }
     dir
+}
+
+/// Appends zero-filled F32 tensors `extra` (name, shape) to the safetensors `file`.
+fn add_tensors(file: &Path, extra: &[(&str, &[usize])]) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    for (name, shape) in extra {
+        let at = data.len();
+        data.resize(at + 4 * shape.iter().product::<usize>(), 0);
+        let entry = serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, data.len()]});
+        header.insert(name.to_string(), entry);
+    }
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&data);
+    std::fs::write(file, out).unwrap();
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
@@ -381,4 +406,378 @@ fn a_huge_max_tokens_reserves_the_whole_context() {
     engine.submit(common::request("small", vec![1, 2], 4)).expect("4 tokens fit half the context");
     let err = engine.submit(common::request("huge", vec![1, 2], usize::MAX)).expect_err("admitted");
     assert!(err.to_string().contains("budget"), "{err}");
+}
+
+/// Removes tensors `names` from the safetensors `file` (the others' bytes packed again).
+fn drop_tensors(file: &Path, names: &[&str]) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (mut kept, mut data) = (serde_json::Map::new(), Vec::new());
+    for (name, mut entry) in header {
+        if names.contains(&name.as_str()) {
+            continue;
+        }
+        if let Some(o) = entry.get("data_offsets").and_then(|o| o.as_array()) {
+            let (a, b) = (o[0].as_u64().unwrap() as usize, o[1].as_u64().unwrap() as usize);
+            let at = data.len();
+            data.extend_from_slice(&bytes[8 + n + a..8 + n + b]);
+            entry["data_offsets"] = serde_json::json!([at, data.len()]);
+        }
+        kept.insert(name, entry);
+    }
+    let header = serde_json::to_vec(&kept).unwrap();
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&data);
+    std::fs::write(file, out).unwrap();
+}
+
+/// A tensor the config needs but the checkpoint lacks is an error naming it, in every family
+/// and in Gemma 4's assistant. Control: each untouched copy loads.
+#[test]
+fn a_tensor_the_config_needs_but_the_file_lacks_is_named() {
+    let gemma = |name: &str| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4").join(name);
+    let cases = [
+        (fixture("qwen3-draft"), "model.layers.0.self_attn.q_norm.weight"),
+        (fixture("qwen2-draft"), "model.layers.0.self_attn.v_proj.bias"),
+        (fixture("llama-draft"), "lm_head.weight"),
+        (gemma("gemma4-e-target"), "model.layers.3.layer_scalar"),
+        (gemma("gemma4-e-target"), "model.per_layer_projection_norm.weight"),
+    ];
+    for (i, (src, name)) in cases.iter().enumerate() {
+        let dir = copy_dir(src, &format!("lacks-{i}"));
+        Model::load(&dir).unwrap_or_else(|e| panic!("the untouched {} does not load: {e}", src.display()));
+        drop_tensors(&dir.join("model.safetensors"), &[name]);
+        let e = load_err(&dir);
+        assert!(e.contains(&format!("missing tensor `{name}`")), "{name}: {e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+    let target = std::sync::Arc::new(Model::load(&gemma("gemma4-e-target")).unwrap());
+    let dir = copy_dir(&gemma("gemma4-e-assistant-ordered"), "lacks-assistant");
+    mtp::drafter::AssistantDrafter::load(&dir, target.clone()).expect("the untouched assistant loads");
+    drop_tensors(&dir.join("model.safetensors"), &["masked_embedding.token_ordering"]);
+    let e = mtp::drafter::AssistantDrafter::load(&dir, target).err().expect("refused").to_string();
+    assert!(e.contains("missing tensor `masked_embedding.token_ordering`"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A checkpoint whose config.json describes another model is refused, naming the tensors
+/// the load left unread, their file and what in config.json disagrees. Before, each of these
+/// loaded silently: `num_hidden_layers: 3` on the 6-layer trained target ran 3 layers,
+/// `LlamaForCausalLM` on Qwen3 weights dropped the q/k norms, `LlamaForCausalLM` on Qwen2
+/// weights dropped the q/k/v biases, a tensor no architecture reads was ignored. Control:
+/// each untouched copy loads, and so do tensors nobody reads by design (a vision tower, RoPE
+/// `inv_freq` buffers).
+#[test]
+fn checkpoints_that_do_not_match_their_config_are_refused() {
+    let trained = copy_dir(&common::trained("target"), "fewer-layers");
+    Model::load(&trained).expect("the untouched trained target loads");
+    edit_config(&trained, |v| v["num_hidden_layers"] = 3.into());
+    let e = load_err(&trained);
+    assert!(
+        e.contains("`model.layers.3.")
+            && e.contains("model.safetensors")
+            && e.contains("num_hidden_layers 3"),
+        "{e}"
+    );
+    assert!(e.contains("layers 3 to 5") && e.contains("tensor(s)"), "{e}");
+    std::fs::remove_dir_all(trained).ok();
+
+    let cases = [
+        ("qwen3-target", "q_norm.weight", "architectures"),
+        ("qwen2-target", "q_proj.bias", "attention_bias"),
+        ("qwen2-draft", "k_proj.bias", "attention_bias"),
+    ];
+    for (name, unread, named) in cases {
+        let dir = copy_fixture(name, &format!("arch-{name}"));
+        Model::load(&dir).unwrap_or_else(|e| panic!("the untouched {name} does not load: {e}"));
+        edit_config(&dir, |v| v["architectures"] = serde_json::json!(["LlamaForCausalLM"]));
+        let e = load_err(&dir);
+        assert!(e.contains(unread) && e.contains(named) && e.contains("LlamaForCausalLM"), "{name}: {e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    let dir = copy_fixture("llama-target", "extra");
+    let file = dir.join("model.safetensors");
+    add_tensors(
+        &file,
+        &[
+            ("model.vision_tower.patch_embed.weight", &[2, 2]),
+            ("multi_modal_projector.linear.weight", &[2]),
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", &[8]),
+        ],
+    );
+    Model::load(&dir).expect("towers and inv_freq buffers are not the decoder's");
+    add_tensors(&file, &[("model.layers.1.mlp.extra_proj.weight", &[2, 2])]);
+    let e = load_err(&dir);
+    assert!(e.contains("`model.layers.1.mlp.extra_proj.weight` (model.safetensors)"), "{e}");
+    assert!(e.contains("1 tensor(s)") && !e.contains("vision"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+
+    // Gemma 4's assistant reads its whole checkpoint: without `use_ordered_embeddings` its
+    // centroids and token ordering go unread (before, it drafted with the plain head).
+    let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4");
+    let target = std::sync::Arc::new(Model::load(&gemma.join("gemma4-e-target")).unwrap());
+    let dir = copy_dir(&gemma.join("gemma4-e-assistant-ordered"), "assistant-unordered");
+    mtp::drafter::AssistantDrafter::load(&dir, target.clone()).expect("the untouched assistant loads");
+    edit_config(&dir, |v| v["use_ordered_embeddings"] = false.into());
+    let e = mtp::drafter::AssistantDrafter::load(&dir, target).err().expect("refused").to_string();
+    assert!(e.contains("`masked_embedding.centroids.weight`") && e.contains("assistant"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `num_nextn_predict_layers` says how many MTP modules ship: 0 means no head (the target
+/// loads, and loading a head says there is none; before, 0 was refused as not positive), a
+/// head the config does not declare is refused by the target's load, and a count above the
+/// modules shipped is refused by the head's load, naming the missing tensors (before, 2 with
+/// one module was accepted). Control: the untouched trained target loads with its head.
+#[test]
+fn mtp_module_counts_must_match_the_checkpoint() {
+    use mtp::drafter::MtpDrafter;
+    let dir = copy_dir(&common::trained("target"), "nextn");
+    let target = std::sync::Arc::new(Model::load(&dir).expect("the untouched trained target loads"));
+    MtpDrafter::load(&dir, target.clone()).expect("its head loads");
+
+    edit_config(&dir, |v| v["num_nextn_predict_layers"] = 2.into());
+    let two = std::sync::Arc::new(Model::load(&dir).expect("the target's own tensors are all there"));
+    let e = mtp_err(&dir, &two);
+    assert!(e.contains("num_nextn_predict_layers") && e.contains("declares 2"), "{e}");
+    assert!(e.contains("`model.mtp_layers.1.input_proj.weight`") && e.contains("more missing"), "{e}");
+
+    edit_config(&dir, |v| v["num_nextn_predict_layers"] = 0.into());
+    let e = load_err(&dir);
+    assert!(e.contains("`model.mtp_layers.0.") && e.contains("num_nextn_predict_layers is 0"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+
+    let plain = copy_fixture("qwen3-draft", "nextn0");
+    edit_config(&plain, |v| v["num_nextn_predict_layers"] = 0.into());
+    let model = std::sync::Arc::new(Model::load(&plain).expect("0 means no MTP head"));
+    assert_eq!(model.config.num_nextn_predict_layers, 0);
+    let e = mtp_err(&plain, &model);
+    assert!(e.contains("num_nextn_predict_layers") && e.contains("declares no MTP head"), "{e}");
+    std::fs::remove_dir_all(plain).ok();
+}
+
+/// The tokenizer must fit its model: ids past `vocab_size` (a tokenizer larger than the
+/// embedding) and an EOS id the tokenizer lacks are refused naming tokenizer.json and both
+/// sides; a vocabulary padded above the tokenizer loads, and decoding one of its padding ids
+/// is an error naming the id (before, tokenizers left it out: empty text). An EOS id outside
+/// the vocabulary is refused naming the key and the file. Control: the same tokenizer over a
+/// vocabulary of its own size is accepted and decodes.
+#[test]
+fn tokenizer_and_model_vocabularies_must_fit() {
+    use mtp::synth::SynthSpec;
+    let base = SynthSpec::from_config(&Config::from_dir(&fixture("qwen3-draft")).unwrap());
+    let dir = std::env::temp_dir().join(format!("mtp-load-tokvocab-{}", std::process::id()));
+    let with_vocab = |n: usize| {
+        SynthSpec { vocab_size: n, ..base.clone() }.write(&dir).unwrap();
+        Config::from_dir(&dir).unwrap()
+    };
+    let c = with_vocab(512);
+    let tok = Tokenizer::for_model(&dir, &c).unwrap().expect("synth writes a tokenizer");
+    assert!(!tok.decode(&[100, 200, 511]).unwrap().is_empty());
+
+    // 300 embedding rows under the 512-token tokenizer the last write left.
+    let c = with_vocab(300);
+    Model::load(&dir).expect("the weights match the config");
+    let e = Tokenizer::for_model(&dir, &c).err().expect("refused").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("511") && e.contains("vocab_size is 300"), "{e}");
+
+    let c = with_vocab(600);
+    let tok = Tokenizer::for_model(&dir, &c).unwrap().expect("a padded vocabulary is fine");
+    let e = tok.decode(&[5, 550]).expect_err("a padding id has no text").to_string();
+    assert!(e.contains("token id 550") && e.contains("tokenizer.json"), "{e}");
+
+    edit_config(&dir, |v| v["eos_token_id"] = 550.into());
+    let c = Config::from_dir(&dir).unwrap();
+    let e = Tokenizer::for_model(&dir, &c).err().expect("refused").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("id 550") && e.contains("eos_token_id"), "{e}");
+
+    edit_config(&dir, |v| v["eos_token_id"] = 600.into());
+    let e = load_err(&dir);
+    assert!(e.contains("config.json") && e.contains("eos_token_id") && e.contains("600"), "{e}");
+    edit_config(&dir, |v| v["eos_token_id"] = 0.into());
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [2, 4294967296]}"#).unwrap();
+    let e = load_err(&dir);
+    assert!(e.contains("generation_config.json") && e.contains("4294967296"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// One step of a path into config.json: an object key or an array index.
+#[derive(Clone, Debug)]
+enum Step {
+    Key(String),
+    At(usize),
+}
+
+/// Every key and array element under `v`, as paths (a value and all of its parts).
+fn paths(v: &serde_json::Value, path: &mut Vec<Step>, out: &mut Vec<Vec<Step>>) {
+    let children: Vec<(Step, &serde_json::Value)> = match v {
+        serde_json::Value::Object(m) => m.iter().map(|(k, x)| (Step::Key(k.clone()), x)).collect(),
+        serde_json::Value::Array(a) => a.iter().enumerate().map(|(i, x)| (Step::At(i), x)).collect(),
+        _ => vec![],
+    };
+    for (step, x) in children {
+        path.push(step);
+        out.push(path.clone());
+        paths(x, path, out);
+        path.pop();
+    }
+}
+
+fn set_at(v: &mut serde_json::Value, path: &[Step], x: serde_json::Value) {
+    match path {
+        [] => *v = x,
+        [Step::Key(k), rest @ ..] => set_at(&mut v[k.as_str()], rest, x),
+        [Step::At(i), rest @ ..] => set_at(&mut v[*i], rest, x),
+    }
+}
+
+/// Values no config.json should hold.
+fn hostile_values() -> Vec<serde_json::Value> {
+    use serde_json::json;
+    vec![
+        json!(0),
+        json!(-1),
+        json!(0.5),
+        json!(1e308),
+        json!(-1e308),
+        json!(u64::MAX),
+        json!(i64::MIN),
+        json!(65537),
+        json!(4294967296u64),
+        json!("hostile"),
+        serde_json::Value::Null,
+        json!(true),
+        json!([[1, [2]], {"a": 1}]),
+        json!({"a": {"b": [1]}}),
+        serde_json::Value::Array(vec![json!(7); 100_000]),
+    ]
+}
+
+/// What one load (and, when it loads, a short generation) of the checkpoint in a directory
+/// did: `Err` with the message of a refusal, `Ok` when it loaded and ran.
+type Attempt<'a> = &'a dyn Fn() -> Result<(), String>;
+
+/// Replaces every key and array element of `dir`'s config.json, one at a time, with each
+/// hostile value, and runs `attempt`: it must load and run or refuse naming the key (the
+/// last object key of the path) or the tensor whose shape disagrees, never panic. Returns
+/// the failures.
+fn fuzz_config(dir: &Path, attempt: Attempt) -> Vec<String> {
+    let cfg = dir.join("config.json");
+    let original: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mut all = Vec::new();
+    paths(&original, &mut Vec::new(), &mut all);
+    let mut failures = Vec::new();
+    for path in &all {
+        let key = path.iter().rev().find_map(|s| if let Step::Key(k) = s { Some(k.clone()) } else { None });
+        let key = key.expect("every path starts at a key");
+        for x in hostile_values() {
+            let mut v = original.clone();
+            set_at(&mut v, path, x.clone());
+            std::fs::write(&cfg, v.to_string()).unwrap();
+            let shown = x.to_string().chars().take(40).collect::<String>();
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(attempt)) {
+                Err(_) => failures.push(format!("{path:?} = {shown}: panicked")),
+                // A size the weights disagree with may instead name the tensor and its file.
+                Ok(Err(e)) if !e.contains(&key) && !e.contains("tensor") => {
+                    failures.push(format!("{path:?} = {shown}: {e}"))
+                }
+                Ok(_) => {}
+            }
+        }
+    }
+    std::fs::write(&cfg, original.to_string()).unwrap();
+    failures
+}
+
+/// A target load, then two tokens of plain decoding when it loads.
+fn load_and_run(dir: &Path) -> Result<(), String> {
+    let model = Model::load(dir).map_err(|e| e.to_string())?;
+    let opts = mtp::engine::EngineOptions::default();
+    let mut engine = mtp::engine::Engine::new(&model, None, opts).map_err(|e| format!("engine: {e}"))?;
+    let out = mtp::engine::generate(&mut engine, &[request("r", vec![2, 3, 4])], &[0], |_, _| {});
+    out.into_iter().next().expect("one result").map(|_| ()).map_err(|e| format!("generate: {e}"))
+}
+
+/// Hostile values in every field of config.json (0, -1, 0.5, 1e308, u64::MAX, i64::MIN,
+/// strings, null, nested arrays and objects, a 100,000-element array), one field at a time,
+/// for a Qwen3 target, a Gemma 4 target, Gemma 4's assistant and the trained target with its
+/// MTP head: each loads (and runs two tokens) or is refused naming the key, never a panic.
+/// Control: the untouched configs load and run, so the refusals come from the values.
+#[test]
+fn hostile_config_values_are_refused_naming_the_key() {
+    let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4");
+    let mut failures = Vec::new();
+    for (src, tag) in [(fixture("qwen3-draft"), "fuzz-qwen3"), (gemma.join("gemma4-e-target"), "fuzz-gemma4")]
+    {
+        let dir = copy_dir(&src, tag);
+        load_and_run(&dir).expect("the untouched config loads and runs");
+        failures.extend(fuzz_config(&dir, &|| load_and_run(&dir)));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    let target = std::sync::Arc::new(Model::load(&gemma.join("gemma4-e-target")).unwrap());
+    let dir = copy_dir(&gemma.join("gemma4-e-assistant"), "fuzz-assistant");
+    let assistant = || -> Result<(), String> {
+        let d = mtp::drafter::AssistantDrafter::load(&dir, target.clone()).map_err(|e| e.to_string())?;
+        let opts = mtp::engine::EngineOptions::default();
+        let mut engine =
+            mtp::engine::Engine::new(&target, Some(Box::new(d)), opts).map_err(|e| e.to_string())?;
+        let out = mtp::engine::generate(&mut engine, &[request("r", vec![2, 3, 4])], &[0], |_, _| {});
+        out.into_iter().next().expect("one result").map(|_| ()).map_err(|e| format!("generate: {e}"))
+    };
+    assistant().expect("the untouched assistant loads and drafts");
+    failures.extend(fuzz_config(&dir, &assistant));
+    std::fs::remove_dir_all(&dir).ok();
+
+    let dir = copy_dir(&common::trained("target"), "fuzz-trained");
+    let with_head = || -> Result<(), String> {
+        let model = std::sync::Arc::new(Model::load(&dir).map_err(|e| e.to_string())?);
+        if model.config.num_nextn_predict_layers > 0 {
+            mtp::drafter::MtpDrafter::load(&dir, model).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    };
+    with_head().expect("the untouched trained target loads with its head");
+    failures.extend(fuzz_config(&dir, &with_head));
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// What the fuzz above found, one case each: sizes whose products overflow or exceed any
+/// model, switches the dense forward cannot honour, and ids that do not fit are refused
+/// naming the key. Before: `num_attention_heads: u64::MAX` and Gemma 4's `intermediate_size:
+/// u64::MAX` (double-wide) panicked on a multiplication overflow, Gemma 4's
+/// `sliding_window: u64::MAX` loaded and panicked making a cache, `hidden_act: "gelu"`,
+/// `mlp_bias` and `use_sliding_window` were ignored (SiLU, no biases, full attention: silently
+/// another model), an EOS id of 2^64-1 was truncated to a u32, and an unknown architecture's
+/// error did not name the key. Control: the untouched configs load.
+#[test]
+fn oversized_shapes_and_unsupported_switches_name_the_key() {
+    use serde_json::json;
+    let gemma = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4/gemma4-e-target");
+    let cases: [(PathBuf, &str, serde_json::Value); 11] = [
+        (fixture("qwen3-draft"), "num_attention_heads", json!(u64::MAX)),
+        (fixture("qwen3-draft"), "intermediate_size", json!(1u64 << 41)),
+        (fixture("qwen3-draft"), "num_hidden_layers", json!(65537)),
+        (fixture("qwen3-draft"), "hidden_act", json!("gelu")),
+        (fixture("llama-draft"), "mlp_bias", json!(true)),
+        (fixture("qwen2-draft"), "use_sliding_window", json!(true)),
+        (fixture("qwen3-draft"), "eos_token_id", json!(u64::MAX)),
+        (fixture("qwen3-draft"), "architectures", json!(["hostile"])),
+        (gemma.clone(), "intermediate_size", json!(u64::MAX)),
+        (gemma.clone(), "sliding_window", json!(u64::MAX)),
+        (gemma, "vocab_size_per_layer_input", json!(1u64 << 40)),
+    ];
+    for (i, (src, key, value)) in cases.into_iter().enumerate() {
+        let dir = copy_dir(&src, &format!("oversized-{i}"));
+        load_and_run(&dir).unwrap_or_else(|e| panic!("the untouched {} does not load: {e}", src.display()));
+        edit_config(&dir, |v| v[key] = value.clone());
+        let e = load_err(&dir);
+        assert!(e.contains(key) && e.contains("config.json"), "{key} = {value}: {e}");
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

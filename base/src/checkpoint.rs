@@ -1,11 +1,14 @@
 //! Memory-mapped safetensors checkpoints: `model.safetensors` or shards listed in
 //! `model.safetensors.index.json`. Tensors stay in the map in their on-disk dtype.
+//!
+//! A checkpoint remembers which tensors were read ([`Checkpoint::unread`]), so a loader can
+//! refuse a checkpoint holding tensors its config.json does not describe.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
@@ -42,6 +45,8 @@ impl Entry {
 pub struct Checkpoint {
     dir: PathBuf,
     tensors: HashMap<String, Entry>,
+    /// Names read (or accounted for with [`Checkpoint::mark_read`]) so far.
+    read: Mutex<HashSet<String>>,
 }
 
 impl Checkpoint {
@@ -99,7 +104,50 @@ impl Checkpoint {
                 );
             }
         }
-        Ok(Checkpoint { dir: dir.to_path_buf(), tensors })
+        Ok(Checkpoint { dir: dir.to_path_buf(), tensors, read: Mutex::default() })
+    }
+
+    /// The entry of `name`, recorded as read; an error naming it when absent.
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        self.mark_read(name);
+        Ok(e)
+    }
+
+    /// Records `name` as accounted for without reading it (e.g. a module checked to mirror
+    /// one that was read).
+    pub fn mark_read(&self, name: &str) {
+        self.read.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_string());
+    }
+
+    /// Names of the tensors nothing has read yet, sorted.
+    pub fn unread(&self) -> Vec<&str> {
+        let read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut names: Vec<&str> =
+            self.tensors.keys().map(|k| k.as_str()).filter(|k| !read.contains(*k)).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Names read so far that start with `prefix`, sorted.
+    pub fn read_with_prefix(&self, prefix: &str) -> Vec<String> {
+        let read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut names: Vec<String> = read.iter().filter(|k| k.starts_with(prefix)).cloned().collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// The shape of tensor `name`, if the checkpoint holds it (not recorded as a read).
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.tensors.get(name).map(|e| e.shape.as_slice())
+    }
+
+    /// The file holding tensor `name`.
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        self.tensors.get(name).map(|e| e.file.as_path())
     }
 
     pub fn dir(&self) -> &Path {
@@ -119,10 +167,7 @@ impl Checkpoint {
                 return self.get_quantized(stem, *rows, *cols);
             }
         }
-        let e = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        let e = self.entry(name)?;
         if e.shape != shape {
             return Err(Error::TensorShape {
                 path: (*e.file).clone(),
@@ -144,10 +189,7 @@ impl Checkpoint {
     /// `rows x cols` weight; bits and group size follow from the shapes.
     fn get_quantized(&self, stem: &str, rows: usize, cols: usize) -> Result<Weight> {
         let name = format!("{stem}.weight");
-        let e = self
-            .tensors
-            .get(&name)
-            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.clone() })?;
+        let e = self.entry(&name)?;
         let bad =
             |msg: String| Error::Safetensors { path: (*e.file).clone(), msg: format!("`{name}`: {msg}") };
         if e.dtype != Dtype::U32 {
@@ -171,7 +213,7 @@ impl Checkpoint {
             )));
         }
         let scales_name = format!("{stem}.scales");
-        let scales_entry = &self.tensors[&scales_name];
+        let scales_entry = self.entry(&scales_name)?;
         let groups = match scales_entry.shape[..] {
             [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && (cols / g).is_multiple_of(32 / bits) => g,
             ref got => {
@@ -203,10 +245,7 @@ impl Checkpoint {
     /// Rows `rows` of expert `e` of a 3-D `[experts, n, cols]` tensor (transformers'
     /// fused MoE weights), as a `rows.len() x cols` weight mapped in place.
     pub fn get_expert(&self, name: &str, shape: [usize; 3], e: usize, rows: Range<usize>) -> Result<Weight> {
-        let entry = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        let entry = self.entry(name)?;
         let dtype = entry.float_dtype(name)?;
         if entry.shape != shape || e >= shape[0] || rows.end > shape[1] {
             return Err(Error::TensorShape {
@@ -224,10 +263,7 @@ impl Checkpoint {
 
     /// A 1-D integer tensor (I64 or I32) of `len` values, e.g. a token permutation.
     pub fn get_ids(&self, name: &str, len: usize) -> Result<Vec<i64>> {
-        let e = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() })?;
+        let e = self.entry(name)?;
         if e.shape != [len] {
             return Err(Error::TensorShape {
                 path: (*e.file).clone(),

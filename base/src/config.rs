@@ -11,6 +11,25 @@ use crate::error::{Error, Result};
 /// positions of a 128-wide head are 2 GiB), so a larger or garbage value is refused at load.
 pub const MAX_POSITIONS: usize = 1 << 22;
 
+/// The most decoder layers a config may declare (more than any model has): loaders size
+/// per-layer tables from it before a tensor is read.
+pub const MAX_LAYERS: usize = 1 << 16;
+
+/// The most values one tensor a config implies may hold (2^40, thousands of times any
+/// model's): below it, every size and byte count the loaders and the engine derive fits a
+/// `usize` without overflow.
+pub const MAX_TENSOR: usize = 1 << 40;
+
+/// The product of `dims` (config.json keys and their values), or an error naming every key
+/// when it is over [`MAX_TENSOR`] (so over any real model's tensor).
+pub fn tensor_size(path: &Path, dims: &[(&str, usize)]) -> Result<usize> {
+    let n = dims.iter().try_fold(1usize, |a, &(_, d)| a.checked_mul(d)).filter(|&n| n <= MAX_TENSOR);
+    n.ok_or_else(|| {
+        let named: Vec<String> = dims.iter().map(|(k, d)| format!("{k} {d}")).collect();
+        Error::config(path, dims[0].0, format!("{} is over 2^40 values in one tensor", named.join(" x ")))
+    })
+}
+
 /// The dense decoder families this crate runs; they differ only in a few switches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -123,6 +142,10 @@ impl Keys<'_> {
     fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
         self.opt(key).map_or(Ok(default), |v| self.as_usize(key, v))
     }
+    /// A count that may be 0 (absent: `default`).
+    fn count_or(&self, key: &str, default: usize) -> Result<usize> {
+        Ok(count_key(self.path, self.v, key)?.unwrap_or(default))
+    }
     fn f32_or(&self, key: &str, default: f32) -> Result<f32> {
         match self.opt(key) {
             None => Ok(default),
@@ -142,19 +165,42 @@ impl Keys<'_> {
     }
 }
 
+/// `v[key]` as a count (a non-negative integer), `None` when absent or null; anything else
+/// is an error naming `key` in `path`.
+pub fn count_key(path: &Path, v: &Value, key: &str) -> Result<Option<usize>> {
+    match v.get(key).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| Error::config(path, key, format!("expected a non-negative integer, got {x}"))),
+    }
+}
+
 pub fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })
 }
 
-/// `eos_token_id` as a number or a list of numbers.
-fn token_ids(path: &Path, key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
-    let bad = || Error::config(path, key, "expected a token id or a list of token ids");
+/// `key` (`eos_token_id`, `bos_token_id`) as a token id or a list of them, each an id of the
+/// vocabulary of `vocab` tokens: an id the model cannot emit is an error, not an EOS that
+/// never comes.
+fn token_ids(path: &Path, key: &str, v: Option<&Value>, vocab: usize) -> Result<Vec<u32>> {
+    let one = |x: &Value| match x.as_u64() {
+        // Below the vocabulary, which is below 2^24: the id fits a u32.
+        Some(id) if id < vocab as u64 => Ok(id as u32),
+        Some(id) => Err(Error::config(
+            path,
+            key,
+            format!("token id {id} is outside the vocabulary of {vocab} tokens (vocab_size)"),
+        )),
+        None => Err(Error::config(path, key, format!("expected a token id or a list of token ids, got {x}"))),
+    };
     match v {
         None | Some(Value::Null) => Ok(vec![]),
-        Some(Value::Number(n)) => Ok(vec![n.as_u64().ok_or_else(bad)? as u32]),
-        Some(Value::Array(a)) => a.iter().map(|x| x.as_u64().map(|n| n as u32).ok_or_else(bad)).collect(),
-        Some(_) => Err(bad()),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(x) => Ok(vec![one(x)?]),
     }
 }
 
@@ -180,7 +226,7 @@ impl Config {
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
             let g = read_json(&gen_path)?;
-            for id in token_ids(&gen_path, "eos_token_id", g.get("eos_token_id"))? {
+            for id in token_ids(&gen_path, "eos_token_id", g.get("eos_token_id"), cfg.vocab_size)? {
                 if !cfg.eos_token_ids.contains(&id) {
                     cfg.eos_token_ids.push(id);
                 }
@@ -204,14 +250,19 @@ impl Config {
             arch: arch_name.to_string(),
         })?;
         // A multimodal Gemma 4 keeps its decoder's settings under `text_config`.
-        let wrapped = arch_name == "Gemma4ForConditionalGeneration";
-        let text = if wrapped {
-            v.get("text_config")
+        if arch_name == "Gemma4ForConditionalGeneration" {
+            let text = v
+                .get("text_config")
                 .filter(|t| t.is_object())
-                .ok_or_else(|| Error::config(path, "text_config", "missing or not an object"))?
-        } else {
-            v
-        };
+                .ok_or_else(|| Error::config(path, "text_config", "missing or not an object"))?;
+            return Config::from_text(path, arch, text, v).map_err(|e| e.under("text_config"));
+        }
+        Config::from_text(path, arch, v, v)
+    }
+
+    /// The settings of `text` (config.json's root `v`, or its `text_config`) for `arch`;
+    /// EOS and BOS ids may sit in either.
+    fn from_text(path: &Path, arch: Arch, text: &Value, v: &Value) -> Result<Config> {
         let k = Keys { path, v: text };
         // MLX quantization (weights found by their `.scales`): the affine and mxfp4 modes.
         if let Some(mode) = k.opt("quantization").and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
@@ -237,7 +288,7 @@ impl Config {
             return Err(Error::config(
                 path,
                 "num_key_value_heads",
-                format!("{kv_heads} does not divide {heads} heads"),
+                format!("{kv_heads} does not divide num_attention_heads {heads}"),
             ));
         }
         let head_dim = k.usize_or("head_dim", hidden_size / heads)?;
@@ -263,6 +314,9 @@ impl Config {
             Some(p) => rope_scaling(path, p)?,
             None => None,
         };
+        if arch != Arch::Gemma4 {
+            dense_family_switches(&k)?;
+        }
         let attention_bias = k.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match arch {
             Arch::Qwen2 => (true, false),
@@ -292,12 +346,28 @@ impl Config {
         if vocab_size >= 1 << 24 {
             return Err(Error::config(path, "vocab_size", format!("{vocab_size} is over 2^24 tokens")));
         }
+        let num_hidden_layers = k.usize("num_hidden_layers")?;
+        if num_hidden_layers > MAX_LAYERS {
+            return Err(Error::config(
+                path,
+                "num_hidden_layers",
+                format!("{num_hidden_layers} is over {MAX_LAYERS} layers"),
+            ));
+        }
+        let intermediate_size = k.usize("intermediate_size")?;
+        // Every weight and table the loaders shape from these keys, checked once here.
+        let h = ("hidden_size", hidden_size);
+        tensor_size(path, &[("vocab_size", vocab_size), h])?;
+        tensor_size(path, &[("num_attention_heads", heads), ("head_dim", head_dim), h])?;
+        tensor_size(path, &[("num_key_value_heads", kv_heads), ("head_dim", head_dim), h])?;
+        tensor_size(path, &[("intermediate_size", intermediate_size), h])?;
+        tensor_size(path, &[("max_position_embeddings", max_position_embeddings), ("head_dim", head_dim)])?;
         Ok(Config {
             arch,
             vocab_size,
             hidden_size,
-            intermediate_size: k.usize("intermediate_size")?,
-            num_hidden_layers: k.usize("num_hidden_layers")?,
+            intermediate_size,
+            num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
@@ -308,13 +378,43 @@ impl Config {
             qkv_bias,
             o_bias,
             tie_word_embeddings: k.bool_or("tie_word_embeddings", arch == Arch::Gemma4)?,
-            eos_token_ids: token_ids(path, "eos_token_id", k.opt("eos_token_id").or(v.get("eos_token_id")))?,
-            bos_token_id: token_ids(path, "bos_token_id", k.opt("bos_token_id").or(v.get("bos_token_id")))?
-                .first()
-                .copied(),
-            num_nextn_predict_layers: k.usize_or("num_nextn_predict_layers", 0)?,
+            eos_token_ids: token_ids(
+                path,
+                "eos_token_id",
+                k.opt("eos_token_id").or(v.get("eos_token_id")),
+                vocab_size,
+            )?,
+            bos_token_id: token_ids(
+                path,
+                "bos_token_id",
+                k.opt("bos_token_id").or(v.get("bos_token_id")),
+                vocab_size,
+            )?
+            .first()
+            .copied(),
+            // 0: no MTP head.
+            num_nextn_predict_layers: k.count_or("num_nextn_predict_layers", 0)?,
         })
     }
+}
+
+/// Settings the dense families' one forward (SiLU-gated MLP without biases, full attention)
+/// cannot honour, refused rather than ignored.
+fn dense_family_switches(k: &Keys) -> Result<()> {
+    match k.opt("hidden_act") {
+        None => {}
+        Some(Value::String(a)) if a == "silu" => {}
+        Some(other) => {
+            return Err(Error::config(k.path, "hidden_act", format!("{other} is not supported (silu)")))
+        }
+    }
+    if k.bool_or("mlp_bias", false)? {
+        return Err(Error::config(k.path, "mlp_bias", "MLP biases are not supported"));
+    }
+    if k.bool_or("use_sliding_window", false)? {
+        return Err(Error::config(k.path, "use_sliding_window", "sliding-window attention is not supported"));
+    }
+    Ok(())
 }
 
 fn rope_scaling(path: &Path, p: &Value) -> Result<Option<RopeScaling>> {

@@ -1,3 +1,6 @@
+//! The one error type of the workspace: each variant names the file, key, tensor, flag or
+//! request at fault.
+
 use std::path::PathBuf;
 
 /// Everything that can go wrong loading or running a model. Each variant names the file,
@@ -10,12 +13,16 @@ pub enum Error {
     Json { path: PathBuf, source: serde_json::Error },
     #[error("{path}: key `{key}`: {msg}")]
     Config { path: PathBuf, key: String, msg: String },
-    #[error("{path}: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]
+    #[error("{path}: key `architectures`: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]
     UnknownArchitecture { path: PathBuf, arch: String },
     #[error("{path}: invalid safetensors file: {msg}")]
     Safetensors { path: PathBuf, msg: String },
     #[error("{dir}: missing tensor `{name}`")]
     MissingTensor { dir: PathBuf, name: String },
+    /// Tensors a checkpoint holds that the loaded architecture never read: the checkpoint
+    /// and its config.json describe different models.
+    #[error("{dir}: {count} tensor(s) that {reader} does not read: {names}; {hint}")]
+    UnreadTensors { dir: PathBuf, reader: String, count: usize, names: String, hint: String },
     #[error("{path}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
     TensorShape { path: PathBuf, name: String, got: Vec<usize>, expected: Vec<usize> },
     #[error("{path}: tensor `{name}` has dtype {dtype}, supported: F32, BF16, F16")]
@@ -42,5 +49,14 @@ impl Error {
     }
     pub fn config(path: impl Into<PathBuf>, key: &str, msg: impl Into<String>) -> Self {
         Error::Config { path: path.into(), key: key.to_string(), msg: msg.into() }
+    }
+
+    /// This error with its config key (if any) put under `prefix` (`text_config`), for
+    /// settings read from a nested object.
+    pub fn under(self, prefix: &str) -> Self {
+        match self {
+            Error::Config { path, key, msg } => Error::Config { path, key: format!("{prefix}.{key}"), msg },
+            other => other,
+        }
     }
 }

@@ -54,7 +54,7 @@ impl DraftModelDrafter {
 
     /// Loads the draft checkpoint in `draft_dir` and checks it against the target in
     /// `target_dir`: same vocabulary size and, when both ship a tokenizer.json, the same
-    /// token-to-id map.
+    /// token-to-id map (without one, a warning says the map went unchecked).
     pub fn load(draft_dir: &Path, target_dir: &Path, target: &Model) -> Result<DraftModelDrafter, Error> {
         let named = |msg: String| Error::Request {
             request: format!("draft model {}", draft_dir.display()),
@@ -68,11 +68,19 @@ impl DraftModelDrafter {
             Error::Request { msg, .. } => named(msg),
             other => other,
         })?;
-        if draft_dir.join("tokenizer.json").exists() && target_dir.join("tokenizer.json").exists() {
-            let (d, t) = (Tokenizer::from_dir(draft_dir)?, Tokenizer::from_dir(target_dir)?);
-            if d.vocab() != t.vocab() {
-                return Err(named("tokenizer.json maps tokens to different ids than the target's".into()));
+        match (Tokenizer::from_dir_if_present(draft_dir)?, Tokenizer::from_dir_if_present(target_dir)?) {
+            (Some(d), Some(t)) if d.vocab() != t.vocab() => {
+                return Err(named("tokenizer.json maps tokens to different ids than the target's".into()))
             }
+            (Some(_), Some(_)) => {}
+            // Equal sizes are all that can be checked: say so rather than skip it silently.
+            (d, _) => tracing::warn!(
+                "draft model {}: no tokenizer.json in {}, so its token map cannot be checked against the \
+                 target's (only the vocabulary sizes, {} tokens each, are)",
+                draft_dir.display(),
+                if d.is_none() { draft_dir.display() } else { target_dir.display() },
+                target.config.vocab_size
+            ),
         }
         Ok(drafter)
     }

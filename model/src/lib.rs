@@ -1,10 +1,12 @@
 //! Architectures over the kernel seam: the forward plumbing every family shares
 //! ([`forward`]), one file or folder per family ([`models`]), the MTP head's interface
-//! ([`mtp`]) and the [`registry`] that loads a checkpoint onto a backend.
+//! ([`mtp`]), the [`registry`] that loads a checkpoint onto a backend and the accounting
+//! that refuses tensors a load left unread (`accounting`).
 //!
 //! The promise every function here keeps: each logit computed for a row is a pure
 //! function of the weights and that row's own token prefix (see docs/design.md).
 
+mod accounting;
 pub mod forward;
 pub mod models;
 pub mod mtp;

@@ -7,11 +7,12 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use mtp_base::config::{read_json, Arch, Config};
+use mtp_base::config::{count_key, read_json, Arch, Config, MAX_LAYERS};
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
 use mtp_kernels::{Backend, KvDtype};
 
+use crate::accounting;
 use crate::forward::Model;
 use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
@@ -117,6 +118,7 @@ impl Model {
             Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => on_backend!(backend, be => llama::load(be, c, ck, kv)),
             Arch::Gemma4 => on_backend!(backend, be => gemma4::load(be, c, ck, kv)),
         }?;
+        accounting::check_target(ck, &config)?;
         Ok(Model { config, net })
     }
 }
@@ -128,17 +130,17 @@ impl MtpHead {
         let cfg_path = dir.join("config.json");
         let raw = read_json(&cfg_path)?;
         let tc = &target.config;
-        let get = |key: &str| raw.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let n_mtp = get("num_nextn_predict_layers").unwrap_or(0);
+        let get = |key: &str| count_key(&cfg_path, &raw, key);
+        let n_mtp = get("num_nextn_predict_layers")?.unwrap_or(0);
         if n_mtp == 0 {
             return Err(Error::config(
                 &cfg_path,
                 "num_nextn_predict_layers",
-                "missing or 0: this checkpoint declares no MTP head",
+                "is 0 or absent: this checkpoint declares no MTP head",
             ));
         }
         for (key, want) in [("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size)] {
-            if let Some(have) = get(key) {
+            if let Some(have) = get(key)? {
                 if have != want {
                     return Err(Error::config(
                         &cfg_path,
@@ -148,7 +150,14 @@ impl MtpHead {
                 }
             }
         }
-        let n_layers = get("num_hidden_layers").unwrap_or(tc.num_hidden_layers);
+        let n_layers = get("num_hidden_layers")?.unwrap_or(tc.num_hidden_layers);
+        if n_layers > MAX_LAYERS {
+            return Err(Error::config(
+                &cfg_path,
+                "num_hidden_layers",
+                format!("{n_layers} is over {MAX_LAYERS}"),
+            ));
+        }
         let ck = Checkpoint::open(dir)?;
         let layout = [MtpLayout::MiMo, MtpLayout::DeepSeek]
             .into_iter()
@@ -161,10 +170,11 @@ impl MtpHead {
                     MtpLayout::DeepSeek.names(&MtpLayout::DeepSeek.prefix(n_layers, 0))[2]
                 ),
             })?;
+        let net = target.net().load_mtp(&ck, layout, &layout.prefix(n_layers, 0))?;
+        accounting::check_mtp(&ck, &cfg_path, layout, n_layers, n_mtp)?;
         if n_mtp > 1 {
             tracing::info!("{n_mtp} MTP modules in {}; drafting uses module 0 recursively", dir.display());
         }
-        let net = target.net().load_mtp(&ck, layout, &layout.prefix(n_layers, 0))?;
         Ok(MtpHead { layout, net })
     }
 }

@@ -112,7 +112,7 @@ fn bench(cli: Cli) -> Result<bool> {
     mtp::cuda::Cuda::set_graphs(!cli.no_cuda_graphs);
     let model =
         Arc::new(Model::load_with(&target_dir, backend, mtp::kv_format(&cli.kv_dtype, cli.kv_bits)?)?);
-    let tokenizer = Tokenizer::from_dir_if_present(&target_dir)?;
+    let tokenizer = Tokenizer::for_model(&target_dir, &model.config)?;
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,
         (None, true) => vec![

@@ -105,6 +105,10 @@ enum Command {
         dtype: String,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// The most GiB of weights to write: a bigger shape is refused before anything is
+        /// written (the file system's free space is checked too).
+        #[arg(long, default_value_t = 16, value_parser = mtp::at_least_one)]
+        max_gib: usize,
         #[arg(long)]
         out: PathBuf,
     },
@@ -250,7 +254,7 @@ impl ModelArgs {
         let target = mtp::target_dir(self.target.as_deref())?;
         let model =
             Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);
-        let tokenizer = Tokenizer::from_dir_if_present(&target)?;
+        let tokenizer = Tokenizer::for_model(&target, &model.config)?;
         if tokenizer.is_none() {
             tracing::warn!(
                 "{}: no tokenizer.json; text prompts, stop strings and output text are unavailable",
@@ -403,6 +407,34 @@ struct OutputLine<'a> {
     finish_reason: &'static str,
 }
 
+/// An error of `mtp synth`: a config.json key it would have written wrongly is named by the
+/// flag that sets it.
+fn synth_error(e: mtp::base::Error, out: &Path) -> anyhow::Error {
+    const FLAGS: [(&str, &str); 8] = [
+        ("hidden_size", "--hidden"),
+        ("num_hidden_layers", "--layers"),
+        ("num_attention_heads", "--heads"),
+        ("num_key_value_heads", "--kv-heads"),
+        ("head_dim", "--head-dim"),
+        ("intermediate_size", "--intermediate"),
+        ("vocab_size", "--vocab"),
+        ("per_layer_config", "--head-dim or --kv-heads"),
+    ];
+    let flag_of = |key: &str| FLAGS.iter().find(|(k, _)| *k == key).map(|(_, f)| *f);
+    if let mtp::base::Error::Config { key, msg, .. } = &e {
+        if let Some(flag) = key.split('.').next().and_then(flag_of) {
+            // Keys the message names in passing (a product of sizes) become flags too.
+            let msg: Vec<&str> = msg.split(' ').map(|w| flag_of(w).unwrap_or(w)).collect();
+            return anyhow::anyhow!(
+                "{flag}: {} (config.json's `{key}` would not load; nothing written to {})",
+                msg.join(" "),
+                out.display()
+            );
+        }
+    }
+    anyhow::Error::from(e).context(format!("writing {}", out.display()))
+}
+
 fn main() -> ExitCode {
     mtp::keep_freed_memory();
     mtp::init_logging("info");
@@ -454,13 +486,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let mut failed = 0;
             let mut generated = 0;
             for (req, res) in requests.iter().zip(results) {
-                let line = match res {
-                    Ok(c) => {
+                // Text the tokenizer cannot give (an id of a padded vocabulary) fails the request.
+                let text = |c: &mtp::engine::Completion| {
+                    tokenizer
+                        .as_ref()
+                        .map_or(Ok(String::new()), |t| t.decode(&c.tokens))
+                        .map_err(|e| mtp::base::Error::Request { request: c.id.clone(), msg: e.to_string() })
+                };
+                let line = match res.and_then(|c| text(&c).map(|t| (c, t))) {
+                    Ok((c, text)) => {
                         generated += c.tokens.len();
-                        let text = match &tokenizer {
-                            Some(t) => t.decode(&c.tokens)?,
-                            None => String::new(),
-                        };
                         serde_json::to_string(&OutputLine {
                             id: &c.id,
                             tokens: &c.tokens,
@@ -553,6 +588,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             vocab,
             dtype,
             seed,
+            max_gib,
             out,
         } => {
             let dtype = match dtype.as_str() {
@@ -561,12 +597,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 "f32" => WeightDtype::F32,
                 other => bail!("unknown --dtype `{other}` (bf16, f16, f32)"),
             };
+            let max_bytes = (max_gib as u64)
+                .checked_mul(1 << 30)
+                .with_context(|| format!("--max-gib {max_gib}: more bytes than a u64 counts"))?;
             if let Some(mut g) = Gemma4Spec::preset(&like) {
                 if let Some(n) = layers {
                     g.set_layers(n);
                 }
                 if let Some(d) = head_dim {
-                    g.global_head_dim = d * g.global_head_dim / g.head_dim;
+                    // Full layers keep the preset's ratio of head sizes.
+                    g.global_head_dim = d
+                        .checked_mul(g.global_head_dim)
+                        .with_context(|| format!("--head-dim {d}: the full layers' head size overflows"))?
+                        / g.head_dim;
                     g.head_dim = d;
                 }
                 g.hidden_size = hidden.unwrap_or(g.hidden_size);
@@ -574,10 +617,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 g.num_key_value_heads = kv_heads.unwrap_or(g.num_key_value_heads);
                 g.intermediate_size = intermediate.unwrap_or(g.intermediate_size);
                 g.vocab_size = vocab.unwrap_or(g.vocab_size);
-                (g.dtype, g.seed) = (dtype, seed);
+                (g.dtype, g.seed, g.max_bytes) = (dtype, seed, max_bytes);
                 let (n, shared) = (g.num_hidden_layers, g.num_kv_shared_layers);
                 tracing::info!(like, layers = n, kv_shared = shared, "writing {}", out.display());
-                g.write(&out).with_context(|| format!("writing {}", out.display()))?;
+                g.write(&out).map_err(|e| synth_error(e, &out))?;
                 return Ok(ExitCode::SUCCESS);
             }
             let Some(mut s) = SynthSpec::preset(&like) else {
@@ -593,13 +636,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             s.head_dim = head_dim.unwrap_or(s.head_dim);
             s.intermediate_size = intermediate.unwrap_or(s.intermediate_size);
             s.vocab_size = vocab.unwrap_or(s.vocab_size);
-            s.seed = seed;
-            s.dtype = dtype;
-            if s.num_attention_heads % s.num_key_value_heads != 0 {
-                bail!("--kv-heads {} must divide --heads {}", s.num_key_value_heads, s.num_attention_heads);
-            }
+            (s.seed, s.dtype, s.max_bytes) = (seed, dtype, max_bytes);
             tracing::info!(arch = ?s.arch, "writing {}", out.display());
-            s.write(&out).with_context(|| format!("writing {}", out.display()))?;
+            s.write(&out).map_err(|e| synth_error(e, &out))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::SynthMtp { target, layout, seed, out } => {

@@ -10,7 +10,7 @@ use mtp_base::error::{Error, Result};
 use mtp_base::weights::WeightDtype;
 use mtp_model::models::gemma4::config::{Gemma4Config, LayerKind};
 
-use super::{write_random_safetensors, BYTE_BPE_512};
+use super::{check_free_space, checked_bytes, write_random_safetensors, BYTE_BPE_512, DEFAULT_MAX_BYTES};
 
 /// The preset names [`Gemma4Spec::preset`] knows.
 pub const PRESETS: [&str; 2] = ["gemma4-31b", "gemma4-e2b"];
@@ -45,6 +45,8 @@ pub struct Gemma4Spec {
     pub final_logit_softcapping: f32,
     pub dtype: WeightDtype,
     pub seed: u64,
+    /// The most bytes of weights a write may produce.
+    pub max_bytes: u64,
 }
 
 impl Gemma4Spec {
@@ -70,6 +72,7 @@ impl Gemma4Spec {
             final_logit_softcapping: 30.0,
             dtype: WeightDtype::Bf16,
             seed: 0,
+            max_bytes: DEFAULT_MAX_BYTES,
         };
         match name {
             "gemma4-e2b" => Some(e2b),
@@ -221,11 +224,14 @@ impl Gemma4Spec {
 
     /// Writes config.json, generation_config.json, tokenizer.json (a 512-token byte BPE,
     /// when the vocabulary holds it) and model.safetensors, streamed; norms and layer
-    /// scalars are 1. An invalid shape is refused before anything is written.
+    /// scalars are 1. A shape that would not load or does not fit (`max_bytes`, the free
+    /// space) is refused before anything is written.
     pub fn write(&self, dir: &Path) -> Result<()> {
         let cfg_path = dir.join("config.json");
         let tensors = self.tensors(&cfg_path)?;
+        let bytes = checked_bytes(&tensors, self.dtype, self.max_bytes)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        check_free_space(dir, bytes)?;
         let write = |name: &str, text: &str| {
             let p = dir.join(name);
             std::fs::write(&p, text).map_err(|e| Error::io(&p, e))

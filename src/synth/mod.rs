@@ -1,5 +1,11 @@
 //! Writes HF-layout checkpoints with random weights, so speed can be measured on real
 //! model shapes without downloads (`mtp synth`).
+//!
+//! Nothing is written until the shape is known to load: the config.json about to be written
+//! passes the validation `mtp generate` applies ([`Config::from_value`]), every tensor's
+//! bytes are counted with checked arithmetic, and the total must stay under the spec's
+//! `max_bytes` (`--max-gib`) and the free space of the output's file system. A write that
+//! fails halfway removes its partial safetensors file.
 
 pub mod gemma4;
 
@@ -29,7 +35,12 @@ pub struct SynthSpec {
     pub tie_word_embeddings: bool,
     pub dtype: WeightDtype,
     pub seed: u64,
+    /// The most bytes of weights a write may produce.
+    pub max_bytes: u64,
 }
+
+/// The default of `max_bytes`: every preset but Gemma 4 31B fits (`--max-gib` raises it).
+pub const DEFAULT_MAX_BYTES: u64 = 16 << 30;
 
 impl SynthSpec {
     /// Presets named like the models whose shapes they copy.
@@ -48,6 +59,7 @@ impl SynthSpec {
             tie_word_embeddings: true,
             dtype: WeightDtype::Bf16,
             seed: 0,
+            max_bytes: DEFAULT_MAX_BYTES,
         };
         match name {
             "qwen3" | "qwen3-0.6b" => Some(base),
@@ -104,6 +116,7 @@ impl SynthSpec {
             tie_word_embeddings: c.tie_word_embeddings,
             dtype: WeightDtype::F32,
             seed: 0,
+            max_bytes: DEFAULT_MAX_BYTES,
         }
     }
 
@@ -169,7 +182,10 @@ impl SynthSpec {
         let spec = SynthSpec { seed, ..SynthSpec::from_config(&Config::from_dir(target)?) };
         let mut cfg = mtp_base::config::read_json(&cfg_path)?;
         cfg["num_nextn_predict_layers"] = json!(1);
+        let tensors = spec.mtp_tensors(layout);
+        let bytes = checked_bytes(&tensors, spec.dtype, spec.max_bytes)?;
         std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+        check_free_space(out, bytes)?;
         let p = out.join("config.json");
         std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json"))
             .map_err(|e| Error::io(&p, e))?;
@@ -177,7 +193,7 @@ impl SynthSpec {
         if tok.exists() {
             std::fs::copy(&tok, out.join("tokenizer.json")).map_err(|e| Error::io(&tok, e))?;
         }
-        write_random_safetensors(&out.join("model.safetensors"), &spec.mtp_tensors(layout), spec.dtype, seed)
+        write_random_safetensors(&out.join("model.safetensors"), &tensors, spec.dtype, seed)
     }
 
     fn config_json(&self) -> serde_json::Value {
@@ -211,28 +227,103 @@ impl SynthSpec {
         })
     }
 
-    /// Writes config.json, generation_config.json, model.safetensors and tokenizer.json.
+    /// The config.json this spec writes, checked as `mtp generate` checks it (`path` names
+    /// it in errors).
+    pub fn validated_config(&self, path: &Path) -> Result<serde_json::Value> {
+        let v = self.config_json();
+        Config::from_value(path, &v)?;
+        Ok(v)
+    }
+
+    /// Writes config.json, generation_config.json, model.safetensors and tokenizer.json; a
+    /// shape that would not load or does not fit is refused before anything is written.
     pub fn write(&self, dir: &Path) -> Result<()> {
+        let config = self.validated_config(&dir.join("config.json"))?;
+        let tensors = self.tensors();
+        let bytes = checked_bytes(&tensors, self.dtype, self.max_bytes)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        check_free_space(dir, bytes)?;
         let write_json = |name: &str, v: serde_json::Value| {
             let p = dir.join(name);
             std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).map_err(|e| Error::io(&p, e))
         };
-        write_json("config.json", self.config_json())?;
+        write_json("config.json", config)?;
         write_json("generation_config.json", json!({"bos_token_id": 1, "eos_token_id": [0, 2]}))?;
         if self.vocab_size >= 512 {
             let p = dir.join("tokenizer.json");
             std::fs::write(&p, BYTE_BPE_512).map_err(|e| Error::io(&p, e))?;
         }
-        write_random_safetensors(&dir.join("model.safetensors"), &self.tensors(), self.dtype, self.seed)
+        write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.dtype, self.seed)
     }
 }
 
 /// The 512-token byte-level BPE tokenizer synthetic checkpoints ship.
 pub(crate) const BYTE_BPE_512: &str = include_str!("assets/byte-bpe-512.tokenizer.json");
 
-/// Streams `tensors` with uniform random values (norm weights 1.0) into `path`.
+/// The bytes `tensors` take in `dtype`, counted without overflow, and at most `max_bytes`.
+pub(crate) fn checked_bytes(
+    tensors: &[(String, Vec<usize>)],
+    dtype: WeightDtype,
+    max_bytes: u64,
+) -> Result<u64> {
+    let mut total = 0u64;
+    for (name, shape) in tensors {
+        let bytes = shape.iter().try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d as u64));
+        total = bytes.and_then(|b| total.checked_add(b)).ok_or_else(|| {
+            Error::InvalidOption(format!("tensor `{name}` of shape {shape:?} overflows a byte count"))
+        })?;
+    }
+    if total > max_bytes {
+        return Err(Error::InvalidOption(format!(
+            "{:.1} GiB of {} weights is over the limit of {:.1} GiB (--max-gib raises it)",
+            total as f64 / (1u64 << 30) as f64,
+            dtype.name(),
+            max_bytes as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(total)
+}
+
+/// Refuses to start a write of `bytes` that the file system of `dir` has no room for.
+pub(crate) fn check_free_space(dir: &Path, bytes: u64) -> Result<()> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+            .map_err(|_| Error::InvalidOption(format!("{}: a NUL in the path", dir.display())))?;
+        // SAFETY: `c` is a NUL-terminated path and `st` a statvfs the call fills.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0 {
+            let free = (st.f_bavail as u64).saturating_mul(st.f_frsize as u64);
+            if bytes > free {
+                return Err(Error::InvalidOption(format!(
+                    "{}: {bytes} bytes of weights would not fit the {free} bytes free there",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = (dir, bytes);
+    Ok(())
+}
+
+/// Streams `tensors` with uniform random values (norm weights 1.0) into `path` (their sizes
+/// already counted by [`checked_bytes`]); a failed write removes the partial file.
 pub(crate) fn write_random_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>)],
+    dtype: WeightDtype,
+    seed: u64,
+) -> Result<()> {
+    let written = stream_random_safetensors(path, tensors, dtype, seed);
+    if written.is_err() {
+        let _ = std::fs::remove_file(path);
+    }
+    written
+}
+
+fn stream_random_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>)],
     dtype: WeightDtype,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use mtp_cache::RowCache;
 use serde_json::Value;
 
-use mtp_base::config::{read_json, Config};
+use mtp_base::config::{count_key, read_json, Config};
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
 use mtp_kernels::{AssistantKernels, KeyRange, Out, Plane};
@@ -106,9 +106,9 @@ impl Gemma4Assistant {
             .cloned()
             .ok_or_else(|| bad(&path, "text_config", "missing or not an object"))?;
         text["architectures"] = Value::from(vec!["Gemma4ForCausalLM"]);
-        let c = Config::from_value(&path, &text)?;
-        let g = Gemma4Config::from_value(&path, &text)?;
-        let backbone = v.get("backbone_hidden_size").and_then(|b| b.as_u64()).unwrap_or(0) as usize;
+        let c = Config::from_value(&path, &text).map_err(|e| e.under("text_config"))?;
+        let g = Gemma4Config::from_value(&path, &text).map_err(|e| e.under("text_config"))?;
+        let backbone = count_key(&path, &v, "backbone_hidden_size")?.unwrap_or(0);
         if backbone != t.config.hidden_size {
             return Err(bad(
                 &path,
@@ -140,14 +140,18 @@ impl Gemma4Assistant {
         let mut layers = Vec::with_capacity(g.layers.len());
         for (i, &spec) in g.layers.iter().enumerate() {
             let (plane, shape) = plane_of(spec.kind).ok_or_else(|| {
-                bad(&path, "layer_types", format!("layer {i} slides but the target has no sliding layer"))
+                bad(
+                    &path,
+                    "text_config.layer_types",
+                    format!("layer {i} slides but the target has no sliding layer"),
+                )
             })?;
             if shape != (spec.kv_heads, spec.head_dim) {
                 return Err(bad(
                     &path,
                     &format!("text_config.per_layer_config.{i}"),
                     format!(
-                        "{} KV heads of {} expected; the target stores {} of {}",
+                        "layer {i} reads num_key_value_heads {} of head_dim {}, but the target stores {} of {}",
                         spec.kv_heads, spec.head_dim, shape.0, shape.1
                     ),
                 ));
@@ -161,9 +165,16 @@ impl Gemma4Assistant {
         } else {
             embed
         })?;
-        let ordered = if v.get("use_ordered_embeddings").and_then(|o| o.as_bool()).unwrap_or(false) {
-            let n = v.get("num_centroids").and_then(|n| n.as_u64()).unwrap_or(0) as usize;
-            let top_k = v.get("centroid_intermediate_top_k").and_then(|n| n.as_u64()).unwrap_or(0) as usize;
+        let ordered_flag = match v.get("use_ordered_embeddings") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(x) => {
+                return Err(bad(&path, "use_ordered_embeddings", format!("expected true or false, got {x}")))
+            }
+        };
+        let ordered = if ordered_flag {
+            let n = count_key(&path, &v, "num_centroids")?.unwrap_or(0);
+            let top_k = count_key(&path, &v, "centroid_intermediate_top_k")?.unwrap_or(0);
             if n == 0 || c.vocab_size % n != 0 || top_k == 0 || top_k > n {
                 return Err(bad(
                     &path,
@@ -203,6 +214,7 @@ impl Gemma4Assistant {
             ordered,
             be,
         };
+        crate::accounting::check_all(&ck, "Gemma 4's assistant (config.json)")?;
         Ok(Gemma4Assistant {
             window: t.g.sliding_window,
             config: c,

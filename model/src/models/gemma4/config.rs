@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use mtp_base::config::{tensor_size, MAX_LAYERS, MAX_POSITIONS};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::ops::RopeTable;
 
@@ -151,6 +152,13 @@ impl Gemma4Config {
         if n_layers == 0 || heads == 0 || intermediate == 0 {
             return Err(Error::config(path, "num_hidden_layers", "Gemma 4 needs layers, heads and an MLP"));
         }
+        if n_layers > MAX_LAYERS {
+            return Err(Error::config(
+                path,
+                "num_hidden_layers",
+                format!("{n_layers} is over {MAX_LAYERS} layers"),
+            ));
+        }
         match v.get("hidden_activation").and_then(|a| a.as_str()) {
             None | Some("gelu_pytorch_tanh") => {}
             Some(other) => {
@@ -183,11 +191,12 @@ impl Gemma4Config {
                 })
                 .collect::<Result<_>>()?,
             Some(other) => {
+                let got: String = other.to_string().chars().take(80).collect();
                 return Err(Error::config(
                     path,
                     "layer_types",
-                    format!("expected {n_layers} layer types, got {other}"),
-                ))
+                    format!("expected a list of num_hidden_layers ({n_layers}) layer types, got {got}"),
+                ));
             }
             // transformers' default: five sliding layers, then a full one.
             None => (0..n_layers)
@@ -236,15 +245,20 @@ impl Gemma4Config {
                 return Err(Error::config(
                     path,
                     &format!("per_layer_config.{i}"),
-                    format!("head_dim {hd} must be even and {kvh} KV heads must divide {heads} heads"),
+                    format!(
+                        "head_dim {hd} must be even and num_key_value_heads {kvh} must divide \
+                         num_attention_heads {heads}"
+                    ),
                 ));
             }
+            tensor_size(path, &[("num_attention_heads", heads), ("head_dim", hd)])
+                .map_err(|e| e.under(&format!("per_layer_config.{i}")))?;
             let kv_source = if i >= first_shared && first_shared > 0 {
                 let src = (0..first_shared).rev().find(|&j| kinds[j] == kind).ok_or_else(|| {
                     Error::config(
                         path,
                         "num_kv_shared_layers",
-                        format!("layer {i} has no earlier layer of its type"),
+                        format!("layer {i} shares K/V but no earlier layer has its type in layer_types"),
                     )
                 })?;
                 Some(src)
@@ -252,6 +266,8 @@ impl Gemma4Config {
                 None
             };
             let wide = double_wide && kv_source.is_some();
+            let width = if wide { 2 } else { 1 };
+            tensor_size(path, &[("intermediate_size", intermediate), ("use_double_wide_mlp", width)])?;
             layers.push(LayerSpec {
                 kind,
                 head_dim: hd,
@@ -259,7 +275,7 @@ impl Gemma4Config {
                 kv_source,
                 own_kv: i < first_shared,
                 k_eq_v: k_eq_v && kind == LayerKind::Full,
-                intermediate: intermediate * if wide { 2 } else { 1 },
+                intermediate: intermediate * width,
             });
         }
         for (i, l) in layers.iter().enumerate() {
@@ -269,7 +285,9 @@ impl Gemma4Config {
                     return Err(Error::config(
                         path,
                         "per_layer_config",
-                        format!("layer {i} shares layer {src}'s K/V but their head shapes differ"),
+                        format!(
+                            "layer {i} shares layer {src}'s K/V but their head_dim or num_key_value_heads differ"
+                        ),
                     ));
                 }
             }
@@ -285,14 +303,26 @@ impl Gemma4Config {
                     "enable_moe_block needs num_experts, top_k_experts <= num_experts and moe_intermediate_size",
                 ));
             }
+            let dims = [("num_experts", experts), ("moe_intermediate_size", inter), ("gate and up", 2)];
+            tensor_size(path, &dims)?;
             Some(Moe { experts, top_k, intermediate: inter })
         } else {
             None
         };
         let per_layer_input = count(path, v, "hidden_size_per_layer_input", 0)?;
+        let per_layer_vocab =
+            if per_layer_input > 0 { count(path, v, "vocab_size_per_layer_input", 0)? } else { 0 };
+        let layer_inputs =
+            [("hidden_size_per_layer_input", per_layer_input), ("num_hidden_layers", n_layers)];
+        tensor_size(path, &[&[("vocab_size_per_layer_input", per_layer_vocab)][..], &layer_inputs].concat())?;
+        tensor_size(path, &layer_inputs)?;
         let sliding_window = count(path, v, "sliding_window", 512)?;
-        if sliding_window == 0 {
-            return Err(Error::config(path, "sliding_window", "must be positive"));
+        if sliding_window == 0 || sliding_window > MAX_POSITIONS {
+            return Err(Error::config(
+                path,
+                "sliding_window",
+                format!("{sliding_window} is outside 1..={MAX_POSITIONS}"),
+            ));
         }
         Ok(Gemma4Config {
             layers,
@@ -303,11 +333,7 @@ impl Gemma4Config {
                 .map(|c| c as f32)
                 .filter(|&c| c > 0.0),
             per_layer_input,
-            per_layer_vocab: if per_layer_input > 0 {
-                count(path, v, "vocab_size_per_layer_input", 0)?
-            } else {
-                0
-            },
+            per_layer_vocab,
             moe,
         })
     }

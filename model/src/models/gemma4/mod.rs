@@ -322,7 +322,9 @@ pub(crate) fn load<B: Kernels>(
     let v = read_json(&path)?;
     let wrapped = v.get("text_config").is_some_and(|t| t.is_object());
     let text = if wrapped { &v["text_config"] } else { &v };
-    let g = Gemma4Config::from_value(&path, text)?;
+    let g =
+        Gemma4Config::from_value(&path, text)
+            .map_err(|e| if wrapped { e.under("text_config") } else { e })?;
     let prefix = if wrapped { "model.language_model." } else { "model." };
     if wrapped {
         let towers = ck.names_with_prefix("model.vision_tower.").count()
