@@ -338,7 +338,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     expect("/v1/completions", "{\"prompt\": \"fn\",", 400, Value::Null);
     expect("/v1/completions", "[1, 2]", 400, Value::Null);
     expect("/v1/completions", r#"{"prompt": "fn", "max_tokens": "ten"}"#, 400, json!("max_tokens"));
-    expect("/v1/completions", r#"{"prompt": "fn", "temperature": -1}"#, 400, Value::Null);
+    expect("/v1/completions", r#"{"prompt": "fn", "temperature": -1}"#, 400, json!("temperature"));
     expect("/v1/completions", r#"{"max_tokens": 3}"#, 400, json!("prompt"));
     expect("/v1/completions", r#"{"prompt": [1, 99999]}"#, 400, json!("prompt"));
     expect("/v1/completions", r#"{"prompt": "fn", "model": "other"}"#, 404, json!("model"));

@@ -3,14 +3,32 @@
 //! EOS and BOS ids config.json names. A vocabulary padded above the tokenizer (Qwen's 151,936
 //! rows for 151,665 tokens) is fine, but decoding an id the tokenizer lacks is an error
 //! naming the id, never text with the token silently left out.
+//!
+//! Contract: [`Tokenizer::encode`] and [`Tokenizer::encode_plain`] tokenize exactly as HF
+//! does (special-token text becomes the special token); [`Tokenizer::encode_literal`]
+//! tokenizes special-token text as ordinary text, so text from an untrusted source can
+//! never produce a control token; [`Tokenizer::max_bytes_per_token`] bounds how many bytes
+//! of text one token can stand for, so a text too long for a context is known without
+//! tokenizing it.
+
+mod bound;
+mod specials;
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+pub use specials::Specials;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token text encoded as text; built on first use (a second copy
+    /// of a large vocabulary is only worth its memory once someone needs it).
+    literal: OnceLock<tokenizers::Tokenizer>,
+    specials: Specials,
+    max_bytes_per_token: Option<usize>,
     path: PathBuf,
     /// One past the largest id, added tokens included.
     id_end: usize,
@@ -24,8 +42,16 @@ impl Tokenizer {
         }
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
+        let specials = Specials::new(
+            inner
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, t)| t.special)
+                .map(|(id, t)| (t.content, id)),
+        );
+        let max_bytes_per_token = bound::max_bytes_per_token(&inner);
         let id_end = inner.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
-        Ok(Tokenizer { inner, path, id_end })
+        Ok(Tokenizer { inner, literal: OnceLock::new(), specials, max_bytes_per_token, path, id_end })
     }
 
     /// The tokenizer of `dir` when it has one, checked against the model `config` describes:
@@ -75,19 +101,43 @@ impl Tokenizer {
         self.inner.get_vocab(true)
     }
 
+    /// The special (control) tokens' texts and ids.
+    pub fn specials(&self) -> &Specials {
+        &self.specials
+    }
+
+    /// At most how many bytes of text one token stands for, or `None` when this tokenizer
+    /// may drop or fuse text without bound (a whitespace-splitting pre-tokenizer, a
+    /// normalizer that strips, WordPiece's unknown words). A text of more than
+    /// `context * max_bytes_per_token` bytes cannot fit `context` tokens.
+    pub fn max_bytes_per_token(&self) -> Option<usize> {
+        self.max_bytes_per_token
+    }
+
     /// Encodes text the way HF does by default (with the tokenizer's special tokens).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.inner
-            .encode(text, true)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
+        self.run(&self.inner, text, true)
     }
 
     /// Encodes text without adding the tokenizer's special tokens (a rendered chat template
     /// already holds them, as `apply_chat_template` assumes).
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
-        self.inner
-            .encode(text, false)
+        self.run(&self.inner, text, false)
+    }
+
+    /// Encodes text as [`Tokenizer::encode_plain`] does, except that the text of a special
+    /// token is tokenized as ordinary text: no control token can come out.
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>> {
+        let literal = self.literal.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        self.run(literal, text, false)
+    }
+
+    fn run(&self, t: &tokenizers::Tokenizer, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        t.encode(text, add_special)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
     }

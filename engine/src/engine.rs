@@ -205,8 +205,8 @@ impl<'a> Engine<'a> {
         if r.stop.iter().any(|s| s.is_empty()) {
             return err("empty stop string".into());
         }
-        if let Err(msg) = r.sampling.validate() {
-            return err(msg);
+        if let Err(e) = r.sampling.validate() {
+            return err(e.message);
         }
         if let Some(budget) = self.opts.kv_budget_bytes {
             let need = self.reservation(&r);

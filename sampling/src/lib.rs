@@ -9,6 +9,6 @@ mod rejection;
 mod rng;
 
 pub use dist::{pick, sample_residual, Dist, Filtered};
-pub use params::{SamplingMode, SamplingParams};
+pub use params::{InvalidParam, SamplingMode, SamplingParams};
 pub use rejection::{judge_draft, Judgement};
 pub use rng::{philox4x32_10, uniform, uniform_pair, Purpose};

@@ -26,20 +26,40 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
-    /// Refuses values no distribution can follow.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Refuses values no distribution can follow, naming the field.
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        let bad = |param: &'static str, message: String| Err(InvalidParam { param, message });
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return bad(
+                "temperature",
+                format!("temperature must be a finite number >= 0, got {}", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return bad("top_p", format!("top_p must be in (0, 1], got {}", self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+            return bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         Ok(())
     }
 }
+
+/// A sampling value [`SamplingParams::validate`] refuses: which field, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidParam {
+    /// The field's name as requests spell it (`temperature`, `top_p`, `min_p`).
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for InvalidParam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for InvalidParam {}
 
 /// How speculative rows sample at temperature > 0 (the engine's choice, for all rows).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,5 +1,12 @@
 //! The OpenAI request bodies this server accepts, parsed with errors that name the field,
 //! and the error body it answers with.
+//!
+//! Contract: every refusal is an [`ApiError`] whose `param` names the field to blame (a
+//! JSON path such as `messages[2].role` for nested fields); which fields are honoured,
+//! ignored or refused is [`audit`]'s table. A JSON `null` is the same as leaving the
+//! field out.
+
+pub mod audit;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -42,6 +49,16 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A value quoted in an error message, cut to a readable length (a refused field may hold
+/// megabytes).
+pub fn quote(v: &str) -> String {
+    const MAX: usize = 80;
+    match v.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{}...", &v[..end]),
+        None => v.to_string(),
+    }
+}
+
 /// Parses a request body: malformed JSON, or anything but an object, is a 400.
 pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
     match serde_json::from_slice::<Value>(body) {
@@ -51,15 +68,15 @@ pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
     }
 }
 
-/// Reads the fields of `T` from a parsed body (other fields are ignored); a missing
-/// required field or a field of the wrong type is a 400 naming it.
+/// Reads the fields of `T` from a parsed body (fields `T` lacks were vetted by [`audit`]);
+/// a missing required field or a field of the wrong type is a 400 naming its JSON path.
 pub fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(body).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
-        let msg = inner.to_string();
-        if let Some(field) = msg.strip_prefix("missing field `").and_then(|m| m.split('`').next()) {
-            ApiError::bad(field, format!("missing field `{field}`"))
+        let inner = e.into_inner().to_string();
+        if let Some(field) = inner.strip_prefix("missing field `").and_then(|m| m.split('`').next()) {
+            let at = if path == "." { field.to_string() } else { format!("{path}.{field}") };
+            ApiError::bad(&at, format!("missing field `{at}`"))
         } else if path == "." {
             ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {inner}"))
         } else {
@@ -87,11 +104,10 @@ impl Stop {
 
 #[derive(Deserialize, Debug, Default, Clone)]
 pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
+    pub include_usage: Option<bool>,
 }
 
-/// Fields both endpoints share.
+/// Fields both endpoints share and honour.
 #[derive(Deserialize, Debug, Default, Clone)]
 pub struct Common {
     pub model: Option<String>,
@@ -103,57 +119,40 @@ pub struct Common {
     pub seed: Option<u64>,
     pub stop: Option<Stop>,
     pub n: Option<u64>,
-    #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// Extension (as vLLM spells it): return the prompt's and each choice's token ids.
-    #[serde(default)]
-    pub return_token_ids: bool,
+    pub return_token_ids: Option<bool>,
     /// Extension: keep generating past EOS ids.
-    #[serde(default)]
-    pub ignore_eos: bool,
+    pub ignore_eos: Option<bool>,
 }
 
 /// `POST /v1/completions`.
 #[derive(Deserialize, Debug)]
 pub struct CompletionRequest {
-    pub prompt: Prompt,
+    /// Text or token ids, read by [`crate::routes`] (which names a bad id's index).
+    pub prompt: Value,
     /// How many most likely alternatives to report per token (0 to 20); present means
     /// report logprobs.
     pub logprobs: Option<u64>,
-    #[serde(default)]
-    pub echo: bool,
-    pub suffix: Option<String>,
-    pub best_of: Option<u64>,
-}
-
-/// A completion prompt: text, or token ids.
-#[derive(Deserialize, Debug)]
-#[serde(untagged, expecting = "a string or a list of token ids")]
-pub enum Prompt {
-    Text(String),
-    Ids(Vec<u32>),
-    Batch(Vec<Value>),
 }
 
 /// `POST /v1/chat/completions`.
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
-    #[serde(default)]
-    pub logprobs: bool,
+    pub logprobs: Option<bool>,
     pub top_logprobs: Option<u64>,
     pub max_completion_tokens: Option<u64>,
-    pub tools: Option<Vec<Value>>,
 }
+
+/// The roles a message may have (OpenAI's; `developer` is its newer name for `system`,
+/// passed to the template as written).
+pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 #[derive(Deserialize, Debug)]
 pub struct Message {
     pub role: String,
-    #[serde(default)]
     pub content: Option<Content>,
 }
 
@@ -172,22 +171,35 @@ pub struct Part {
     pub text: Option<String>,
 }
 
-impl Content {
-    /// The message's text; non-text parts are refused, naming the message.
-    pub fn text(&self, i: usize) -> Result<String, ApiError> {
-        match self {
-            Content::Text(s) => Ok(s.clone()),
-            Content::Parts(parts) => parts
+impl Message {
+    /// The message's (role, text); an unknown role or a non-text part is refused, naming
+    /// message `i`'s field.
+    pub fn read(&self, i: usize) -> Result<(String, String), ApiError> {
+        if !ROLES.contains(&self.role.as_str()) {
+            return Err(ApiError::bad(
+                &format!("messages[{i}].role"),
+                format!("unknown role `{}` (known: {})", quote(&self.role), ROLES.join(", ")),
+            ));
+        }
+        let text = match &self.content {
+            None => String::new(),
+            Some(Content::Text(s)) => s.clone(),
+            Some(Content::Parts(parts)) => parts
                 .iter()
                 .enumerate()
                 .map(|(j, p)| match (p.kind.as_str(), &p.text) {
                     ("text", Some(t)) => Ok(t.as_str()),
+                    ("text", None) => Err(ApiError::bad(
+                        &format!("messages[{i}].content[{j}].text"),
+                        "a text part needs `text`",
+                    )),
                     (kind, _) => Err(ApiError::bad(
-                        &format!("messages[{i}].content[{j}]"),
-                        format!("content part of type `{kind}` is not supported (text only)"),
+                        &format!("messages[{i}].content[{j}].type"),
+                        format!("content part of type `{}` is not supported (text only)", quote(kind)),
                     )),
                 })
-                .collect(),
-        }
+                .collect::<Result<String, ApiError>>()?,
+        };
+        Ok((self.role.clone(), text))
     }
 }

@@ -1,12 +1,17 @@
 //! Chat templates: the checkpoint's own Jinja template (`chat_template.jinja`, or
 //! `chat_template` in `tokenizer_config.json`), rendered with minijinja and its Python
-//! string methods, as `transformers`' `apply_chat_template` renders it.
+//! string methods, as `transformers`' `apply_chat_template` renders it; message content is
+//! kept from producing control tokens ([`isolate`]).
+
+mod isolate;
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::Value as Json;
+
+pub use isolate::{Piece, RenderedChat};
 
 pub struct ChatTemplate {
     env: Environment<'static>,

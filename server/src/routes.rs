@@ -1,10 +1,17 @@
 //! The HTTP endpoints: requests become engine jobs (one per choice), updates become
 //! OpenAI response bodies or SSE chunks.
+//!
+//! Contract: a request is vetted field by field ([`crate::api::audit`]), every cheap check
+//! runs before its prompt is tokenized ([`prompt`], off the async workers), and a refusal
+//! names the field to blame.
+
+mod prompt;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -13,11 +20,12 @@ use mtp_engine::{Request, SamplingParams};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::api::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt};
+use crate::api::{self, audit, ApiError, ChatRequest, Common, CompletionRequest};
 use crate::body::LimitedBody;
 use crate::output::{collect, stream_response};
 use crate::worker::{Job, Update};
 use crate::AppState;
+use prompt::Source;
 
 type Shared = State<Arc<AppState>>;
 
@@ -65,21 +73,38 @@ pub async fn metrics(State(app): Shared) -> Response {
 }
 
 pub async fn completions(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
-    respond(&app, Kind::Completion, &body).await.unwrap_or_else(|e| app.refuse(e))
+    respond(&app, Kind::Completion, body).await.unwrap_or_else(|e| app.refuse(e))
 }
 
 pub async fn chat(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
-    respond(&app, Kind::Chat, &body).await.unwrap_or_else(|e| app.refuse(e))
+    respond(&app, Kind::Chat, body).await.unwrap_or_else(|e| app.refuse(e))
 }
 
-async fn respond(app: &Arc<AppState>, kind: Kind, body: &[u8]) -> Result<Response, ApiError> {
+/// Bodies up to this size are parsed on the async worker (it takes microseconds).
+const INLINE_PARSE_BYTES: usize = 64 << 10;
+
+async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
     app.requests.fetch_add(1, Ordering::Relaxed);
-    let body = api::parse_body(body)?;
-    let common: Common = api::fields(&body)?;
-    let plan = match kind {
-        Kind::Completion => plan_completion(app, api::fields(&body)?, common)?,
-        Kind::Chat => plan_chat(app, api::fields(&body)?, common)?,
+    // A large body is parsed off the async workers, as its prompt will be tokenized.
+    let body = if body.len() > INLINE_PARSE_BYTES {
+        prompt::off_workers(move || api::parse_body(&body)).await?
+    } else {
+        api::parse_body(&body)?
     };
+    match kind {
+        Kind::Completion => audit::check_completion(&body)?,
+        Kind::Chat => audit::check_chat(&body)?,
+    }
+    let common: Common = api::fields(&body)?;
+    let (source, max_completion_tokens, logprobs) = match kind {
+        Kind::Completion => completion_source(app, api::fields(&body)?)?,
+        Kind::Chat => chat_source(api::fields(&body)?)?,
+    };
+    // Everything cheap is checked before the prompt is tokenized.
+    let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs)?;
+    let param = if kind == Kind::Chat { "messages" } else { "prompt" };
+    let prompt = prompt::tokenize(app, source, param).await?;
+    fit(app, &mut plan, prompt, asked)?;
     let (receivers, slots) = submit(app, &plan).await?;
     if plan.stream {
         Ok(stream_response(app.clone(), plan, receivers, slots).into_response())
@@ -88,63 +113,62 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: &[u8]) -> Result<Respons
     }
 }
 
-fn tokenizer(app: &AppState, what: &str) -> Result<Arc<mtp_base::Tokenizer>, ApiError> {
-    app.tokenizer.clone().ok_or_else(|| {
-        ApiError::bad(what, format!("`{what}` needs a tokenizer and the target has no tokenizer.json"))
-    })
-}
-
-fn plan_completion(app: &AppState, r: CompletionRequest, common: Common) -> Result<Plan, ApiError> {
-    if r.echo {
-        return Err(ApiError::bad("echo", "`echo` is not supported"));
-    }
-    if r.suffix.is_some() {
-        return Err(ApiError::bad("suffix", "`suffix` is not supported"));
-    }
-    if r.best_of.is_some_and(|b| b > 1) {
-        return Err(ApiError::bad("best_of", "`best_of` above 1 is not supported (use `n`)"));
-    }
-    let prompt = match r.prompt {
-        Prompt::Text(t) => {
-            tokenizer(app, "prompt")?.encode(&t).map_err(|e| ApiError::bad("prompt", e.to_string()))?
-        }
-        Prompt::Ids(ids) => ids,
-        Prompt::Batch(_) => {
+/// A completion's prompt, max_completion_tokens (none) and logprobs.
+fn completion_source(
+    app: &AppState,
+    r: CompletionRequest,
+) -> Result<(Source, Option<u64>, Option<usize>), ApiError> {
+    let source = match r.prompt {
+        Value::String(t) => Source::Text(t),
+        Value::Array(items) if items.iter().all(Value::is_number) => Source::Ids(token_ids(app, &items)?),
+        Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
             return Err(ApiError::bad("prompt", "one prompt per request: a string or a list of token ids"))
         }
+        Value::Array(items) => {
+            let i = items.iter().position(|v| !v.is_number()).unwrap_or(0);
+            return Err(ApiError::bad(
+                "prompt",
+                format!("a list of token ids holds only integers; prompt[{i}] is not one"),
+            ));
+        }
+        Value::Null => return Err(ApiError::bad("prompt", "missing field `prompt`")),
+        _ => return Err(ApiError::bad("prompt", "`prompt` must be a string or a list of token ids")),
     };
     let logprobs = match r.logprobs {
         None => None,
         Some(k) if k <= 20 => Some(k as usize),
         Some(_) => return Err(ApiError::bad("logprobs", "`logprobs` must be between 0 and 20")),
     };
-    plan(app, Kind::Completion, prompt, common, None, logprobs)
+    Ok((source, None, logprobs))
 }
 
-fn plan_chat(app: &AppState, r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
-    if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::bad("tools", "`tools` is not supported (describe tools in the messages)"));
-    }
+/// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming the index.
+fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64().filter(|&t| t < app.vocab as u64).map(|t| t as u32).ok_or_else(|| {
+                ApiError::bad(
+                    "prompt",
+                    format!(
+                        "token ids must be integers between 0 and {} (the vocabulary's last id); prompt[{i}] is {}",
+                        app.vocab.saturating_sub(1),
+                        api::quote(&v.to_string())
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A chat's messages, max_completion_tokens and logprobs.
+fn chat_source(r: ChatRequest) -> Result<(Source, Option<u64>, Option<usize>), ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
-    let template = app.template.as_ref().ok_or_else(|| {
-        ApiError::bad(
-            "messages",
-            "the target has no chat template (chat_template.jinja or tokenizer_config.json)",
-        )
-    })?;
-    let messages = r
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| Ok((m.role.clone(), m.content.as_ref().map_or(Ok(String::new()), |c| c.text(i))?)))
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    let text = template.render(&messages).map_err(|e| ApiError::bad("messages", e))?;
-    let prompt = tokenizer(app, "messages")?
-        .encode_plain(&text)
-        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    let logprobs = match (r.logprobs, r.top_logprobs) {
+    let messages = r.messages.iter().enumerate().map(|(i, m)| m.read(i)).collect::<Result<Vec<_>, _>>()?;
+    let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (_, Some(k)) if k > 20 => {
             return Err(ApiError::bad("top_logprobs", "`top_logprobs` must be between 0 and 20"))
         }
@@ -154,45 +178,108 @@ fn plan_chat(app: &AppState, r: ChatRequest, common: Common) -> Result<Plan, Api
         (true, k) => Some(k.unwrap_or(0) as usize),
         (false, _) => None,
     };
-    plan(app, Kind::Chat, prompt, common, r.max_completion_tokens, logprobs)
+    Ok((Source::Chat(messages), r.max_completion_tokens, logprobs))
 }
 
+/// The output length asked for (none: the endpoint's default).
+type Asked = Option<u64>;
+
+/// The plan of a request, all but its prompt and output length ([`fit`] sets them).
 fn plan(
     app: &AppState,
     kind: Kind,
-    prompt: Vec<u32>,
     c: Common,
     max_completion_tokens: Option<u64>,
     logprobs: Option<usize>,
-) -> Result<Plan, ApiError> {
+) -> Result<(Plan, Asked), ApiError> {
     if let Some(m) = &c.model {
         if *m != app.model_name {
             return Err(ApiError {
                 status: StatusCode::NOT_FOUND,
-                message: format!("model `{m}` is not served here (this server serves `{}`)", app.model_name),
+                message: format!(
+                    "model `{}` is not served here (this server serves `{}`)",
+                    api::quote(m),
+                    app.model_name
+                ),
                 param: Some("model".into()),
             });
         }
     }
-    for (name, v) in [("frequency_penalty", c.frequency_penalty), ("presence_penalty", c.presence_penalty)] {
-        if v.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::bad(
-                name,
-                format!("`{name}` is not supported (penalties change the model's distribution)"),
-            ));
+    let n = c.n.unwrap_or(1);
+    if !(1..=16).contains(&n) {
+        return Err(ApiError::bad("n", "`n` must be between 1 and 16"));
+    }
+    // More choices than the server ever holds can never be admitted: retrying cannot help.
+    if n > app.max_pending as u64 {
+        return Err(ApiError::bad(
+            "n",
+            format!(
+                "`n` is {n}; this server holds at most {} requests at once (--max-pending)",
+                app.max_pending
+            ),
+        ));
+    }
+    for (name, m) in [("max_tokens", c.max_tokens), ("max_completion_tokens", max_completion_tokens)] {
+        if m == Some(0) {
+            return Err(ApiError::bad(name, format!("`{name}` must be at least 1")));
         }
     }
-    if c.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::bad("logit_bias", "`logit_bias` is not supported"));
+    // Chat's newer name wins over the older one.
+    let asked = max_completion_tokens.or(c.max_tokens);
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(_) => return Err(ApiError::bad("top_k", "`top_k` must be positive (or -1 / 0: off)")),
+    };
+    // No seed: a fresh one per request, as OpenAI's API samples; a given seed reproduces.
+    let seed = c.seed.unwrap_or_else(|| app.fresh_seed());
+    let sampling = SamplingParams {
+        temperature: c.temperature.unwrap_or(1.0),
+        top_k,
+        top_p: c.top_p.unwrap_or(1.0),
+        min_p: c.min_p.unwrap_or(0.0),
+        seed,
+    };
+    sampling.validate().map_err(|e| ApiError::bad(e.param, e.message))?;
+    let stop = c.stop.map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > 16 || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad(
+            "stop",
+            format!("`stop` takes up to 16 non-empty strings of at most {MAX_STOP_BYTES} bytes"),
+        ));
     }
+    if !stop.is_empty() && app.tokenizer.is_none() {
+        return Err(ApiError::bad("stop", "`stop` needs a tokenizer and the target has no tokenizer.json"));
+    }
+    let plan = Plan {
+        kind,
+        prompt: Vec::new(),
+        n: n as usize,
+        max_tokens: 0,
+        sampling,
+        stop,
+        logprobs,
+        stream: c.stream.unwrap_or(false),
+        include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        return_token_ids: c.return_token_ids.unwrap_or(false),
+        ignore_eos: c.ignore_eos.unwrap_or(false),
+    };
+    Ok((plan, asked))
+}
+
+/// A stop string's longest length: the engine decodes that many tokens back at every step.
+const MAX_STOP_BYTES: usize = 1024;
+
+/// Sets the plan's prompt and output length: the prompt must be non-empty and fit the
+/// context; the output is cut to the room the context leaves.
+fn fit(app: &AppState, plan: &mut Plan, prompt: Vec<u32>, asked: Asked) -> Result<(), ApiError> {
+    let param = if plan.kind == Kind::Chat { "messages" } else { "prompt" };
     if prompt.is_empty() {
-        return Err(ApiError::bad("prompt", "the prompt is empty"));
+        return Err(ApiError::bad(param, "the prompt is empty"));
     }
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= app.vocab) {
-        return Err(ApiError::bad(
-            "prompt",
-            format!("token id {t} is outside the vocabulary of {}", app.vocab),
-        ));
+        // Only a tokenizer larger than the model's vocabulary gets here.
+        return Err(ApiError::bad(param, format!("token id {t} is outside the vocabulary of {}", app.vocab)));
     }
     if prompt.len() > app.context {
         return Err(ApiError {
@@ -202,60 +289,17 @@ fn plan(
                 prompt.len(),
                 app.context
             ),
-            param: Some(if kind == Kind::Chat { "messages" } else { "prompt" }.into()),
+            param: Some(param.into()),
         });
     }
-    let n = c.n.unwrap_or(1);
-    if !(1..=16).contains(&n) {
-        return Err(ApiError::bad("n", "`n` must be between 1 and 16"));
-    }
-    let (max_name, max_tokens) = match (max_completion_tokens, c.max_tokens) {
-        (Some(m), _) => ("max_completion_tokens", Some(m)),
-        (None, m) => ("max_tokens", m),
-    };
-    let room = app.context + 1 - prompt.len();
-    let max_tokens = match (max_tokens, kind) {
-        (Some(0), _) => return Err(ApiError::bad(max_name, format!("`{max_name}` must be at least 1"))),
-        (Some(m), _) => m.min(room as u64) as usize,
+    let room = app.context - prompt.len() + 1;
+    plan.max_tokens = match (asked, plan.kind) {
+        (Some(m), _) => usize::try_from(m).unwrap_or(usize::MAX).min(room),
         (None, Kind::Completion) => 16.min(room),
         (None, Kind::Chat) => room,
     };
-    let top_k = match c.top_k {
-        None | Some(-1) | Some(0) => 0,
-        Some(k) if k > 0 => k as usize,
-        Some(_) => return Err(ApiError::bad("top_k", "`top_k` must be positive (or -1 / 0: off)")),
-    };
-    let temperature = c.temperature.unwrap_or(1.0);
-    // No seed: a fresh one per request, as OpenAI's API samples; a given seed reproduces.
-    let seed = c.seed.unwrap_or_else(|| app.fresh_seed());
-    let sampling = SamplingParams {
-        temperature,
-        top_k,
-        top_p: c.top_p.unwrap_or(1.0),
-        min_p: c.min_p.unwrap_or(0.0),
-        seed,
-    };
-    sampling.validate().map_err(|msg| ApiError::new(StatusCode::BAD_REQUEST, msg))?;
-    let stop = c.stop.map(|s| s.into_vec()).unwrap_or_default();
-    if stop.len() > 16 || stop.iter().any(|s| s.is_empty()) {
-        return Err(ApiError::bad("stop", "`stop` takes up to 16 non-empty strings"));
-    }
-    if !stop.is_empty() {
-        tokenizer(app, "stop")?;
-    }
-    Ok(Plan {
-        kind,
-        prompt,
-        n: n as usize,
-        max_tokens,
-        sampling,
-        stop,
-        logprobs,
-        stream: c.stream,
-        include_usage: c.stream_options.is_some_and(|o| o.include_usage),
-        return_token_ids: c.return_token_ids,
-        ignore_eos: c.ignore_eos,
-    })
+    plan.prompt = prompt;
+    Ok(())
 }
 
 /// Hands one job per choice to the engine thread (choice `i` samples with seed + i) and

@@ -61,9 +61,37 @@ impl TextState {
     }
 }
 
-/// Length of the longest suffix of `text` that is a proper prefix of `stop`.
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`, in time
+/// linear in `stop` (the prefix function of `stop` run over `text`'s tail), so a long stop
+/// string costs no quadratic work per token. The suffix starts where `stop` does, on a
+/// character's first byte, so the length always cuts `text` at a character boundary.
 fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
-    (1..stop.len()).rev().find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n])).unwrap_or(0)
+    let Some((_, p)) = stop.as_bytes().split_last() else { return 0 };
+    if p.is_empty() {
+        return 0;
+    }
+    let mut fail = vec![0usize; p.len()];
+    let mut k = 0;
+    for i in 1..p.len() {
+        while k > 0 && p[i] != p[k] {
+            k = fail[k - 1];
+        }
+        if p[i] == p[k] {
+            k += 1;
+        }
+        fail[i] = k;
+    }
+    let t = text.as_bytes();
+    k = 0;
+    for &c in &t[t.len().saturating_sub(p.len())..] {
+        while k > 0 && (k == p.len() || c != p[k]) {
+            k = fail[k - 1];
+        }
+        if k < p.len() && c == p[k] {
+            k += 1;
+        }
+    }
+    k
 }
 
 #[cfg(test)]
@@ -77,5 +105,33 @@ mod tests {
         assert_eq!(longest_suffix_prefix("abc E", "END"), 1);
         assert_eq!(longest_suffix_prefix("abc", "END"), 0);
         assert_eq!(longest_suffix_prefix("x\n\n", "\n\n\n"), 2);
+        assert_eq!(longest_suffix_prefix("abab", "ababc"), 4);
+        assert_eq!(longest_suffix_prefix("aabab", "abac"), 2);
+        assert_eq!(longest_suffix_prefix("é", "éa"), 2);
+        assert_eq!(longest_suffix_prefix("", "ab"), 0);
+        assert_eq!(longest_suffix_prefix("abc", ""), 0);
+    }
+
+    /// Equal to the quadratic definition on every pair of short strings over a small alphabet.
+    #[test]
+    fn equals_the_definition() {
+        let naive = |text: &str, stop: &str| {
+            (1..stop.len())
+                .rev()
+                .find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
+                .unwrap_or(0)
+        };
+        let words = |len: usize| -> Vec<String> {
+            let mut all = vec![String::new()];
+            for _ in 0..len {
+                all = all.iter().flat_map(|w| ["a", "b", "é"].map(|c| format!("{w}{c}"))).collect();
+            }
+            all
+        };
+        for text in (0..=4).flat_map(words) {
+            for stop in (0..=4).flat_map(words) {
+                assert_eq!(longest_suffix_prefix(&text, &stop), naive(&text, &stop), "{text:?} {stop:?}");
+            }
+        }
     }
 }

@@ -1,0 +1,163 @@
+//! Message content kept apart from control tokens: only the template's own markup may
+//! produce them.
+//!
+//! Contract: when no message's content holds the text of a special token, the rendered
+//! chat is tokenized exactly as before (one `encode_plain` of the whole text, as
+//! `apply_chat_template` does). Otherwise each such text in content is masked with a
+//! placeholder (a private-use character absent from every content, the token's id, the
+//! character again), the template renders the masked messages, the rendered text is cut
+//! at the control tokens it holds (which can only be the template's), and the text between
+//! them, placeholders restored, is tokenized with special-token text as plain text.
+
+use std::collections::{HashMap, HashSet};
+
+use mtp_base::tokenizer::Specials;
+use mtp_base::Tokenizer;
+
+use super::ChatTemplate;
+
+/// A rendered chat ready to tokenize.
+pub enum RenderedChat {
+    /// No content held special-token text: tokenized whole, as HF does.
+    Plain(String),
+    /// Text pieces (tokenized as plain text) and the template's control tokens.
+    Isolated(Vec<Piece>),
+}
+
+pub enum Piece {
+    Text(String),
+    /// A control token's id and the bytes of its text.
+    Control(u32, usize),
+}
+
+impl RenderedChat {
+    /// The bytes of the text the model reads.
+    pub fn len(&self) -> usize {
+        match self {
+            RenderedChat::Plain(s) => s.len(),
+            RenderedChat::Isolated(pieces) => pieces
+                .iter()
+                .map(|p| match p {
+                    Piece::Text(t) => t.len(),
+                    Piece::Control(_, n) => *n,
+                })
+                .fold(0usize, usize::saturating_add),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The token ids.
+    pub fn encode(&self, tok: &Tokenizer) -> Result<Vec<u32>, String> {
+        match self {
+            RenderedChat::Plain(s) => tok.encode_plain(s).map_err(|e| e.to_string()),
+            RenderedChat::Isolated(pieces) => {
+                let mut ids = Vec::new();
+                for p in pieces {
+                    match p {
+                        Piece::Text(t) if t.is_empty() => {}
+                        Piece::Text(t) => ids.extend(tok.encode_literal(t).map_err(|e| e.to_string())?),
+                        Piece::Control(id, _) => ids.push(*id),
+                    }
+                }
+                Ok(ids)
+            }
+        }
+    }
+}
+
+impl ChatTemplate {
+    /// Renders `(role, content)` messages so that content cannot produce control tokens.
+    pub fn render_isolated(
+        &self,
+        messages: &[(String, String)],
+        specials: &Specials,
+    ) -> Result<RenderedChat, String> {
+        if !messages.iter().any(|(_, c)| specials.occur_in(c)) {
+            return self.render(messages).map(RenderedChat::Plain);
+        }
+        let mark = sentinel(messages.iter().map(|(_, c)| c.as_str()).chain(specials.iter().map(|(t, _)| t)))
+            .ok_or("message content uses every private-use character; it cannot be told from the template's markup")?;
+        let masked: Vec<(String, String)> =
+            messages.iter().map(|(role, c)| (role.clone(), mask(c, specials, mark))).collect();
+        let rendered = self.render(&masked)?;
+        let texts: HashMap<u32, &str> = specials.iter().map(|(t, id)| (id, t)).collect();
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        while let Some((start, end, id)) = specials.find(&rendered, at) {
+            pieces.push(Piece::Text(unmask(&rendered[at..start], mark, &texts)));
+            pieces.push(Piece::Control(id, end - start));
+            at = end;
+        }
+        pieces.push(Piece::Text(unmask(&rendered[at..], mark, &texts)));
+        Ok(RenderedChat::Isolated(pieces))
+    }
+}
+
+/// A private-use character (planes 15 and 16) none of `texts` holds.
+fn sentinel<'a>(texts: impl Iterator<Item = &'a str>) -> Option<char> {
+    let private = |c: &char| *c >= '\u{F0000}';
+    let used: HashSet<char> = texts.flat_map(|t| t.chars().filter(private)).collect();
+    ('\u{F0000}'..='\u{FFFFD}').chain('\u{100000}'..='\u{10FFFD}').find(|c| !used.contains(c))
+}
+
+/// `text` with each special token's text replaced by `mark`, its id, `mark`.
+fn mask(text: &str, specials: &Specials, mark: char) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut at = 0;
+    while let Some((start, end, id)) = specials.find(text, at) {
+        out.push_str(&text[at..start]);
+        out.push(mark);
+        out.push_str(&id.to_string());
+        out.push(mark);
+        at = end;
+    }
+    out.push_str(&text[at..]);
+    out
+}
+
+/// `text` with [`mask`]'s placeholders back to the tokens' texts (anything else that
+/// holds `mark`, left as it is).
+fn unmask(text: &str, mark: char, texts: &HashMap<u32, &str>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(mark) {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + mark.len_utf8()..];
+        let restored = after.find(mark).and_then(|j| Some((texts.get(&after[..j].parse::<u32>().ok()?)?, j)));
+        match restored {
+            Some((t, j)) => {
+                out.push_str(t);
+                rest = &after[j + mark.len_utf8()..];
+            }
+            None => {
+                out.push(mark);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mask_and_unmask_round_trip() {
+        let specials = Specials::new([("<|im_end|>".to_string(), 2), ("<|im_start|>".to_string(), 1)]);
+        let text = "a<|im_end|>\n<|im_start|>b<|im_end";
+        let mark = sentinel([text].into_iter()).unwrap();
+        let masked = mask(text, &specials, mark);
+        assert!(!specials.occur_in(&masked));
+        let texts: HashMap<u32, &str> = specials.iter().map(|(t, id)| (id, t)).collect();
+        assert_eq!(unmask(&masked, mark, &texts), text);
+        // A stray mark, or one around an unknown id, stays as it is.
+        let stray = format!("x{mark}9{mark}y{mark}");
+        assert_eq!(unmask(&stray, mark, &texts), stray);
+        assert_eq!(sentinel(["\u{F0000}\u{F0001}"].into_iter()), Some('\u{F0002}'));
+    }
+}
