@@ -294,7 +294,7 @@ fn a_disconnected_stream_is_cancelled_and_frees_its_kv() {
     let long = json!({"prompt": "fn main() {", "max_tokens": 900, "ignore_eos": true, "temperature": 0, "stream": true});
     let mut s = TcpStream::connect(addr).unwrap();
     let text = long.to_string();
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}", text.len()).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}", text.len()).unwrap();
     // Another stream that runs alongside and must be unaffected.
     let other = std::thread::spawn(move || {
         let b = json!({"prompt": "fn parse(", "max_tokens": 40, "temperature": 0, "stream": true, "return_token_ids": true, "logprobs": 0});
