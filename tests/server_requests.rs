@@ -316,7 +316,7 @@ fn refusals_name_their_field() {
             && error_param(&text).is_ok_and(|p| p == json!(param))
             && text.contains(&words.replace('"', "\\\""));
         if !ok {
-            wrong.push(format!("{body:.200} -> {got} {text:.300}"));
+            wrong.push(format!("{:.200} -> {got} {text:.300}", body.to_string()));
         }
     }
     // Harmless metadata (and neutral values of refused fields) are accepted.
@@ -336,7 +336,7 @@ fn refusals_name_their_field() {
         body["max_tokens"] = json!(2);
         let (got, text) = http(addr, "POST", path, &body.to_string(), Duration::from_secs(120)).unwrap();
         if got != 200 {
-            wrong.push(format!("{body} -> {got} {text:.300}"));
+            wrong.push(format!("{:.200} -> {got} {text:.300}", body.to_string()));
         }
     }
     assert!(
