@@ -316,7 +316,7 @@ fn refusals_name_their_field() {
             && error_param(&text).is_ok_and(|p| p == json!(param))
             && text.contains(&words.replace('"', "\\\""));
         if !ok {
-            wrong.push(format!("{body:.200} -> {got} {text:.300}"));
+            wrong.push(format!("{:.200} -> {got} {text:.300}", body.to_string()));
         }
     }
     // Harmless metadata (and neutral values of refused fields) are accepted.
@@ -336,7 +336,7 @@ fn refusals_name_their_field() {
         body["max_tokens"] = json!(2);
         let (got, text) = http(addr, "POST", path, &body.to_string(), Duration::from_secs(120)).unwrap();
         if got != 200 {
-            wrong.push(format!("{body} -> {got} {text:.300}"));
+            wrong.push(format!("{:.200} -> {got} {text:.300}", body.to_string()));
         }
     }
     assert!(
@@ -387,6 +387,10 @@ fn message_content_cannot_forge_control_tokens() {
         let addr = start(16, template_dir.as_deref());
         let template =
             ChatTemplate::from_dir(template_dir.as_deref().unwrap_or(&trained("target"))).unwrap().unwrap();
+        // Both server and test have read the template: its folder can go.
+        if let Some(dir) = &template_dir {
+            std::fs::remove_dir_all(dir).unwrap();
+        }
         let chat =
             |content: &str| json!({"messages": [{"role": "user", "content": content}], "temperature": 0});
         let old = |content: &str| {
