@@ -324,14 +324,17 @@ impl Gemma4Config {
                 format!("{sliding_window} is outside 1..={MAX_POSITIONS}"),
             ));
         }
+        let final_logit_softcapping = num(path, v, "final_logit_softcapping")?.map(|c| c as f32);
+        if final_logit_softcapping.is_some_and(|c| !c.is_finite()) {
+            // An infinite cap makes every logit inf * tanh(0) = NaN.
+            return Err(Error::config(path, "final_logit_softcapping", "is not a finite f32"));
+        }
         Ok(Gemma4Config {
             layers,
             sliding_window,
             rope_sliding: rope(path, v, "sliding_attention", Rope { theta: 10_000.0, partial: 1.0 })?,
             rope_full: rope(path, v, "full_attention", Rope { theta: 1_000_000.0, partial: 0.25 })?,
-            final_logit_softcapping: num(path, v, "final_logit_softcapping")?
-                .map(|c| c as f32)
-                .filter(|&c| c > 0.0),
+            final_logit_softcapping: final_logit_softcapping.filter(|&c| c > 0.0),
             per_layer_input,
             per_layer_vocab,
             moe,
