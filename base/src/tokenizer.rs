@@ -142,6 +142,16 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
     }
 
+    /// The tokenizer.json this was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether `id` has a token (ids of a vocabulary padded past the tokenizer do not).
+    pub fn has_id(&self, id: u32) -> bool {
+        self.inner.id_to_token(id).is_some()
+    }
+
     /// Decodes ids to text, leaving out special tokens; an id the tokenizer lacks (one of
     /// the padding rows of a vocabulary larger than the tokenizer) is an error naming it.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {

@@ -321,7 +321,7 @@ impl<'a> Engine<'a> {
                 let first = pick(&last.logits, &r.sampling, r.prompt.len() as u64);
                 (first, last.summary.logprob(last.logits[first as usize]))
             };
-            if let Err(e) = finite(&[logprob], row.prompt_len, &row.name) {
+            if let Err(e) = self.sane(&[first], &[logprob], row.prompt_len, &row.name) {
                 events.push(Event::Failed { request: id, error: e });
                 self.release(&row);
                 continue;
@@ -348,6 +348,32 @@ impl<'a> Engine<'a> {
             d.remove(row.id);
             row.drafting = false;
         }
+    }
+
+    /// Refuses a row's new tokens when one means nothing: its logprob is not finite (the
+    /// target's logits held a NaN or an infinity: bad weights or overflowing activations),
+    /// or the tokenizer has no text for it (a padding row of the vocabulary). `first` is
+    /// the position the first token takes.
+    fn sane(&self, tokens: &[u32], logprobs: &[f32], first: usize, name: &str) -> Result<(), Error> {
+        let err = |msg: String| Err(Error::Request { request: name.to_string(), msg });
+        if let Some(j) = logprobs.iter().position(|l| !l.is_finite()) {
+            return err(format!(
+                "the model's logits are not finite at position {} (NaN or infinite values in the \
+                 checkpoint's weights or activations); the request is ended",
+                first + j
+            ));
+        }
+        let Some(tok) = self.tokenizer else { return Ok(()) };
+        if let Some(j) = tokens.iter().position(|&t| !tok.has_id(t)) {
+            return err(format!(
+                "the model chose token id {} at position {}, which {} has no text for (the \
+                 vocabulary is padded past the tokenizer); the request is ended",
+                tokens[j],
+                first + j,
+                tok.path().display()
+            ));
+        }
+        Ok(())
     }
 
     /// Appends tokens to a row until one finishes it; returns why it finished.
@@ -545,7 +571,7 @@ impl<'a> Engine<'a> {
                     continue;
                 }
             };
-            if let Err(e) = finite(&v.logprobs, row.prompt_len + row.tokens.len(), &row.name) {
+            if let Err(e) = self.sane(&v.tokens, &v.logprobs, row.prompt_len + row.tokens.len(), &row.name) {
                 events.push(Event::Failed { request: row.id, error: e });
                 self.release(&row);
                 continue;
@@ -575,23 +601,6 @@ impl<'a> Engine<'a> {
         }
         self.active = keep;
         outcomes
-    }
-}
-
-/// Refuses tokens whose logprob is not finite: the target's logits held a NaN or an
-/// infinity (bad weights or overflowing activations), so the pick means nothing. `first`
-/// is the position of the first token's logits.
-fn finite(logprobs: &[f32], first: usize, name: &str) -> Result<(), Error> {
-    match logprobs.iter().position(|l| !l.is_finite()) {
-        None => Ok(()),
-        Some(j) => Err(Error::Request {
-            request: name.to_string(),
-            msg: format!(
-                "the model's logits are not finite at position {} (NaN or infinite values in the \
-                 checkpoint's weights or activations); the request is ended",
-                first + j
-            ),
-        }),
     }
 }
 
