@@ -30,6 +30,16 @@ impl Tokenizer {
         }
     }
 
+    /// The `tokenizer.json` it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The underlying Hugging Face tokenizer (for adapters such as grammar masks).
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
