@@ -180,3 +180,72 @@ impl Guide {
         self.matcher.is_stopped()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use mtp_base::Tokenizer;
+
+    use super::*;
+
+    fn grammars() -> (Grammars, Tokenizer) {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/trained/target");
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        (Grammars::new(&tok, 8192, &[0]).unwrap(), tok)
+    }
+
+    fn bits(m: &TokenMask) -> Vec<u32> {
+        m.0.as_slice().to_vec()
+    }
+
+    /// A walk stops at the first forbidden draft; settling keeps the accepted drafts and
+    /// the bonus, and leaves the same state (same next mask) as consuming those tokens
+    /// one by one. Without the rollback the state differs (the negative control's fault).
+    #[test]
+    fn walk_then_settle_equals_plain_consumption() {
+        let (g, tok) = grammars();
+        let c = Constraint::Regex("(cat|dog)s [0-9]{2}".into());
+        let ids = tok.encode_plain("dogs 42").unwrap();
+        assert!(ids.len() >= 3, "{ids:?}");
+        let forbidden = tok.encode_plain("x").unwrap()[0];
+        for accepted in 0..ids.len() - 1 {
+            let mut plain = g.compile(&c).unwrap();
+            for &t in &ids[..=accepted] {
+                plain.settle(0, t).unwrap();
+            }
+            for skip in [false, true] {
+                let mut spec = g.compile(&c).unwrap();
+                // Draft: the real continuation, then a forbidden token, then more.
+                let draft: Vec<u32> = ids.iter().copied().chain([forbidden, ids[0]]).collect();
+                let masks = spec.walk(&draft).unwrap();
+                assert_eq!(masks.len(), ids.len() + 1, "the walk stops at the forbidden draft");
+                assert!(!masks[ids.len()].allows(forbidden) || spec.is_complete());
+                crate::negative_control::set_skip_rollback(skip);
+                let end = spec.settle(accepted, ids[accepted]);
+                crate::negative_control::set_skip_rollback(false);
+                let same =
+                    end.is_ok() && spec.mask().map(|m| bits(&m)).ok() == plain.mask().map(|m| bits(&m)).ok();
+                assert_eq!(same, !skip, "accepted {accepted}, skip rollback {skip}");
+            }
+        }
+    }
+
+    #[test]
+    fn compact_json_and_named_errors() {
+        let (g, tok) = grammars();
+        let mut guide = g.compile(&Constraint::JsonObject).unwrap();
+        let brace = tok.encode_plain("{").unwrap()[0];
+        guide.settle(0, brace).unwrap();
+        let space = tok.encode_plain(" ").unwrap()[0];
+        assert!(!guide.mask().unwrap().allows(space), "no whitespace between JSON tokens");
+        for (c, want) in [
+            (Constraint::Regex("[".into()), "invalid regex"),
+            (Constraint::JsonSchema(serde_json::json!(false)), "invalid JSON schema"),
+            (Constraint::Lark("start: \"a\" (".into()), "invalid Lark grammar"),
+        ] {
+            let e = g.compile(&c).unwrap_err();
+            assert!(e.starts_with(want), "{e}");
+        }
+    }
+}

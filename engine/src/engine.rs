@@ -15,9 +15,9 @@ use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
 use mtp_model::{Logits, Model, RowInput};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
-use rayon::prelude::*;
 
 use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
+use crate::guided::{first_masked, grammar_error, walk_masks};
 use crate::metrics::SpecStats;
 use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
@@ -512,41 +512,9 @@ impl<'a> Engine<'a> {
         );
     }
 
-    /// Each constrained row's grammar masks along its draft (`None` for other rows), and
-    /// the rows whose grammar failed. Each row's masks come from its own guide.
-    #[allow(clippy::type_complexity)]
+    /// Each constrained row's grammar masks along its draft, and its grammar's failures.
     fn walk_masks(&mut self, drafts: &[Proposal]) -> (Vec<Option<Vec<TokenMask>>>, Vec<Option<String>>) {
-        // Rows walk in parallel: each guide is its row's alone.
-        let walked: Vec<Option<Result<Vec<TokenMask>, String>>> = self
-            .active
-            .par_iter_mut()
-            .zip(drafts)
-            .map(|(r, d)| r.guide.as_mut().map(|g| g.walk(&d.tokens)))
-            .collect();
-        let mut errors = vec![None; walked.len()];
-        let mut masks: Vec<Option<Vec<TokenMask>>> = walked
-            .into_iter()
-            .zip(&mut errors)
-            .map(|(w, err)| match w? {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    // Verified unconstrained, then failed in `commit`.
-                    *err = Some(e);
-                    None
-                }
-            })
-            .collect();
-        if mtp_constraint::negative_control::foreign_masks() {
-            // Test-only fault: each constrained row gets the next constrained row's masks.
-            let rows: Vec<usize> = (0..masks.len()).filter(|&i| masks[i].is_some()).collect();
-            let taken: Vec<Vec<TokenMask>> = rows.iter().map(|&i| masks[i].take().expect("some")).collect();
-            for (j, &i) in rows.iter().enumerate() {
-                let mut m = taken[(j + 1) % rows.len()].clone();
-                m.truncate(taken[j].len());
-                masks[i] = Some(m);
-            }
-        }
-        (masks, errors)
+        walk_masks(self.active.iter_mut().map(|r| r.guide.as_mut()).collect(), drafts)
     }
 
     /// Each active row's k this round: none past max_tokens or the context; fixed, or
@@ -650,7 +618,19 @@ impl<'a> Engine<'a> {
                     continue;
                 }
             };
-            if let Err(e) = finite(&v.logprobs, row.prompt_len + row.tokens.len(), &row.name) {
+            let bonus = *v.tokens.last().expect("verify emits the bonus token");
+            let grammar_end = match row.guide.as_mut().map(|g| g.settle(v.accepted, bonus)) {
+                None => None,
+                Some(Ok(end)) => end,
+                Some(Err(msg)) => {
+                    events.push(Event::Failed { request: row.id, error: grammar_error(&row.name, msg) });
+                    self.release(&row);
+                    continue;
+                }
+            };
+            // Only tokens the row emits: past a completed grammar nothing is.
+            let emitted = &v.logprobs[..grammar_end.unwrap_or(v.logprobs.len()).min(v.logprobs.len())];
+            if let Err(e) = finite(emitted, row.prompt_len + row.tokens.len(), &row.name) {
                 events.push(Event::Failed { request: row.id, error: e });
                 self.release(&row);
                 continue;
@@ -665,16 +645,6 @@ impl<'a> Engine<'a> {
                 drafted: drafts[i].tokens.len(),
                 accepted: v.accepted,
             });
-            let bonus = *v.tokens.last().expect("verify emits the bonus token");
-            let grammar_end = match row.guide.as_mut().map(|g| g.settle(v.accepted, bonus)) {
-                None => None,
-                Some(Ok(end)) => end,
-                Some(Err(msg)) => {
-                    events.push(Event::Failed { request: row.id, error: grammar_error(&row.name, msg) });
-                    self.release(&row);
-                    continue;
-                }
-            };
             if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, v.top, grammar_end, events) {
                 events.push(Event::Finished { request: row.id, reason });
                 self.release(&row);
@@ -707,25 +677,6 @@ fn finite(logprobs: &[f32], first: usize, name: &str) -> Result<(), Error> {
             ),
         }),
     }
-}
-
-/// A constrained row's first token: the pick from the masked logits at the prompt's end,
-/// consumed by its guide; with the count of tokens after which the grammar is complete.
-fn first_masked(
-    guide: &mut Guide,
-    logits: &[f32],
-    sampling: &SamplingParams,
-    position: usize,
-) -> Result<(u32, Option<usize>), String> {
-    let mut masked = logits.to_vec();
-    guide.mask()?.apply(&mut masked);
-    let first = pick(&masked, sampling, position as u64);
-    Ok((first, guide.settle(0, first)?))
-}
-
-/// A row's grammar failure as the request's error.
-fn grammar_error(name: &str, msg: String) -> Error {
-    Error::Request { request: name.to_string(), msg: format!("grammar: {msg}") }
 }
 
 /// Names the request in an error that came from a batched call.

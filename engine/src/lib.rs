@@ -8,6 +8,7 @@
 mod adaptive;
 mod engine;
 mod generate;
+mod guided;
 mod metrics;
 mod prefix_cache;
 mod request;
