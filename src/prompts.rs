@@ -4,7 +4,9 @@
 //! request once the engine has completed that many rounds) and the sampling fields
 //! `"temperature"`, `"top_k"`, `"top_p"`, `"min_p"`, `"seed"` (each overrides the
 //! command line's value for that request) and `"top_logprobs"` (report that many most
-//! likely alternatives with each token).
+//! likely alternatives with each token). A constraint on the output, at most one of
+//! `"json_schema"` (a schema), `"regex"`, `"grammar"` (Lark) and `"response_format"`
+//! (`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"schema": ...}}`).
 //!
 //! Reading is bounded: a line over [`MAX_LINE_BYTES`] or a file over [`MAX_FILE_BYTES`] is
 //! an error naming the file and line, as are a NUL byte or bytes that are not UTF-8 (a
@@ -15,7 +17,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use mtp_base::Tokenizer;
-use mtp_engine::{Request, SamplingParams};
+use mtp_engine::{Constraint, Request, SamplingParams};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -40,6 +42,10 @@ struct Line {
     min_p: Option<f32>,
     seed: Option<u64>,
     top_logprobs: Option<usize>,
+    json_schema: Option<Value>,
+    regex: Option<String>,
+    grammar: Option<String>,
+    response_format: Option<Value>,
 }
 
 /// The requests of a prompts file and the round each one arrives at.
@@ -115,6 +121,8 @@ pub fn read_bounded(
             seed: l.seed.unwrap_or(d.seed),
         };
         sampling.validate().map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
+        let constraint = constraint(l.json_schema, l.regex, l.grammar, l.response_format)
+            .map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
         out.push(Request {
             id,
             prompt,
@@ -123,6 +131,7 @@ pub fn read_bounded(
             stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
             sampling,
             top_logprobs: l.top_logprobs.unwrap_or(defaults.top_logprobs),
+            constraint,
         });
         arrive_at.push(l.arrive_at.unwrap_or(0));
     }
@@ -165,4 +174,37 @@ fn parse_line(line: &str) -> Result<Line> {
         });
         culprit.unwrap_or_else(|| e.into())
     })
+}
+
+/// The line's output constraint: at most one of its constraint fields.
+fn constraint(
+    json_schema: Option<Value>,
+    regex: Option<String>,
+    grammar: Option<String>,
+    response_format: Option<Value>,
+) -> std::result::Result<Option<Constraint>, String> {
+    let format = response_format
+        .map(|f| match f["type"].as_str() {
+            Some("text") => Ok(None),
+            Some("json_object") => Ok(Some(Constraint::JsonObject)),
+            Some("json_schema") => match f["json_schema"].get("schema") {
+                Some(schema) => Ok(Some(Constraint::JsonSchema(schema.clone()))),
+                None => Err("`response_format` of type json_schema needs `json_schema.schema`".to_string()),
+            },
+            _ => Err(format!("`response_format` needs `type` text, json_object or json_schema, got {f}")),
+        })
+        .transpose()?
+        .flatten();
+    let all = [
+        json_schema.map(Constraint::JsonSchema),
+        regex.map(Constraint::Regex),
+        grammar.map(Constraint::Lark),
+        format,
+    ];
+    let mut given = all.into_iter().flatten();
+    let first = given.next();
+    if given.next().is_some() {
+        return Err("give at most one of `json_schema`, `regex`, `grammar` and `response_format`".into());
+    }
+    Ok(first)
 }

@@ -564,3 +564,47 @@ fn synth_refuses_shapes_that_would_not_load_or_fit_before_writing() {
     assert!(code == 0 && out_lines.contains("\"tokens\""), "{err}");
     std::fs::remove_dir_all(&out).ok();
 }
+
+#[test]
+fn constrained_prompt_lines_match_and_bad_ones_fail_alone() {
+    let prompts = write_prompts(
+        "constrained",
+        concat!(
+            r#"{"id": "s", "prompt": "As JSON:", "json_schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"], "additionalProperties": false}}"#,
+            "\n",
+            r#"{"id": "r", "prompt": "pets:", "regex": "(cat|dog) [0-9]"}"#,
+            "\n",
+            r#"{"id": "g", "prompt": "x", "grammar": "start: \"ok\" | \"no\""}"#,
+            "\n",
+            r#"{"id": "o", "prompt": "obj", "response_format": {"type": "json_object"}, "max_tokens": 60}"#,
+            "\n",
+            r#"{"id": "bad", "prompt": "x", "regex": "(oops"}"#,
+            "\n"
+        ),
+    );
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--prompts", &prompts, "--max-tokens", "30"];
+        args.extend_from_slice(extra);
+        mtp(&args)
+    };
+    let (code, plain, err) = run(&["--drafter", "none", "--max-batch", "1"]);
+    assert_eq!(code, 2, "{err}");
+    let (_, spec, _) = run(&["--drafter", "mtp", "--k", "3"]);
+    assert_eq!(plain, spec, "constrained output differs with the MTP head batched");
+    let lines: Vec<serde_json::Value> = plain.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text = |i: usize| lines[i]["text"].as_str().unwrap().to_string();
+    let v: serde_json::Value = serde_json::from_str(&text(0)).unwrap();
+    assert!(v["n"].as_i64().is_some_and(|n| (0..=99).contains(&n)), "{}", text(0));
+    assert!(["cat ", "dog "].iter().any(|p| text(1).starts_with(p)) && text(1).len() == 5, "{}", text(1));
+    assert!(text(2) == "ok" || text(2) == "no", "{}", text(2));
+    assert!(serde_json::from_str::<serde_json::Value>(&text(3)).unwrap().is_object(), "{}", text(3));
+    for l in &lines[..4] {
+        assert_eq!(l["finish_reason"], "grammar", "{l}");
+    }
+    assert!(lines[4]["error"].as_str().unwrap().contains("invalid regex"), "{}", lines[4]);
+    // Two constraints on one line are refused before anything runs.
+    let both = write_prompts("both", r#"{"prompt": "x", "regex": "a", "grammar": "start: \"a\""}"#);
+    let (code, _, err) = mtp(&["generate", "--prompts", &both]);
+    assert_ne!(code, 0);
+    assert!(err.contains("at most one"), "{err}");
+}

@@ -92,6 +92,16 @@ impl Tokenizer {
         }
     }
 
+    /// The `tokenizer.json` it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The underlying Hugging Face tokenizer (for adapters such as grammar masks).
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -140,11 +150,6 @@ impl Tokenizer {
         t.encode(text, add_special)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })
-    }
-
-    /// The tokenizer.json this was read from.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// Whether `id` has a token (ids of a vocabulary padded past the tokenizer do not).

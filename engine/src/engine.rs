@@ -4,17 +4,20 @@
 //! Plain decoding is the same loop without a drafter (k = 0).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mtp_base::logits::top_logprobs;
 use mtp_base::{Error, LogitSummary, Tokenizer};
 use mtp_cache::RowCache;
+use mtp_constraint::{Grammars, Guide, TokenMask};
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
 use mtp_model::{Logits, Model, RowInput};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
 
 use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
+use crate::guided::{first_masked, grammar_error, walk_masks};
 use crate::metrics::SpecStats;
 use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
@@ -74,14 +77,18 @@ struct Row {
     /// Positions committed since the drafter last drafted for this row (what it must
     /// catch up on before its next draft).
     behind: usize,
+    /// A constrained row's grammar state: it has consumed exactly `tokens`.
+    guide: Option<Guide>,
 }
 
 pub struct Engine<'a> {
     model: &'a Model,
     drafter: Option<Box<dyn Drafter + 'a>>,
     tokenizer: Option<&'a Tokenizer>,
+    /// Built from the tokenizer at the first constrained request (or its error).
+    grammars: Option<Result<Arc<Grammars>, String>>,
     opts: EngineOptions,
-    queue: VecDeque<(RequestId, Request)>,
+    queue: VecDeque<(RequestId, Request, Option<Guide>)>,
     active: Vec<Row>,
     outbox: Vec<Event>,
     next_id: RequestId,
@@ -114,6 +121,7 @@ impl<'a> Engine<'a> {
             model,
             drafter,
             tokenizer: None,
+            grammars: None,
             queue: VecDeque::new(),
             active: Vec::new(),
             outbox: Vec::new(),
@@ -208,6 +216,13 @@ impl<'a> Engine<'a> {
         if let Err(e) = r.sampling.validate() {
             return err(e.message);
         }
+        let guide = match &r.constraint {
+            None => None,
+            Some(c) => match self.grammars().and_then(|g| g.compile(c)) {
+                Ok(guide) => Some(guide),
+                Err(msg) => return err(msg),
+            },
+        };
         if let Some(budget) = self.opts.kv_budget_bytes {
             let need = self.reservation(&r);
             if need > budget {
@@ -221,14 +236,29 @@ impl<'a> Engine<'a> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.queue.push_back((id, r));
+        self.queue.push_back((id, r, guide));
         Ok(id)
+    }
+
+    /// The grammar compiler over the target's vocabulary, built once.
+    fn grammars(&mut self) -> Result<Arc<Grammars>, String> {
+        let Some(tok) = self.tokenizer else {
+            return Err("constrained decoding needs a tokenizer (the target has no tokenizer.json)".into());
+        };
+        let config = &self.model.config;
+        self.grammars
+            .get_or_insert_with(|| {
+                Grammars::new(tok, config.vocab_size, &config.eos_token_ids)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
     }
 
     /// Cancels a waiting or running request; its `Finished(Cancelled)` event comes with
     /// the next step. Returns false for an unknown or finished request.
     pub fn cancel(&mut self, id: RequestId) -> bool {
-        if let Some(i) = self.queue.iter().position(|(q, _)| *q == id) {
+        if let Some(i) = self.queue.iter().position(|(q, _, _)| *q == id) {
             self.queue.remove(i);
         } else if let Some(i) = self.active.iter().position(|r| r.id == id) {
             let row = self.active.swap_remove(i);
@@ -260,7 +290,7 @@ impl<'a> Engine<'a> {
 
     fn admit(&mut self, events: &mut Vec<Event>) {
         while self.active.len() < self.opts.max_batch {
-            let Some((_, front)) = self.queue.front() else { break };
+            let Some((_, front, _)) = self.queue.front() else { break };
             let need = self.reservation(front);
             if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
                 break; // waits for running rows to free their reservations
@@ -270,7 +300,7 @@ impl<'a> Engine<'a> {
             if let Some(p) = self.prefix.as_mut() {
                 p.evict_to(room);
             }
-            let (id, r) = self.queue.pop_front().expect("front exists");
+            let (id, r, guide) = self.queue.pop_front().expect("front exists");
             let t0 = Instant::now();
             let mut cache = self.model.new_cache();
             let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
@@ -279,8 +309,9 @@ impl<'a> Engine<'a> {
                 None => (0, Vec::new()),
             };
             let rest = &r.prompt[reused..];
-            // A greedy row that reports no alternatives reads the summary alone.
-            let full_logits = !r.sampling.is_greedy() || r.top_logprobs > 0;
+            // A greedy row that reports no alternatives and has no grammar reads the summary
+            // alone.
+            let full_logits = !r.sampling.is_greedy() || r.top_logprobs > 0 || guide.is_some();
             let prefilled =
                 prefill(self.model, &mut cache, rest, self.opts.prefill_chunk, want_hidden, full_logits);
             self.stats.prefill_time += t0.elapsed();
@@ -313,13 +344,31 @@ impl<'a> Engine<'a> {
                 reserved: need,
                 drafting: self.drafter.is_some(),
                 behind: r.prompt.len(),
+                guide,
             };
             self.reserved += need;
-            let (first, logprob) = if r.sampling.is_greedy() {
-                (last.summary.argmax, last.summary.argmax_logprob())
+            let first = match row
+                .guide
+                .as_mut()
+                .map(|g| first_masked(g, &last.logits, &r.sampling, row.prompt_len))
+            {
+                None if r.sampling.is_greedy() => Ok((last.summary.argmax, None)),
+                None => Ok((pick(&last.logits, &r.sampling, r.prompt.len() as u64), None)),
+                Some(picked) => picked,
+            };
+            let (first, grammar_end) = match first {
+                Ok(f) => f,
+                Err(msg) => {
+                    events.push(Event::Failed { request: id, error: grammar_error(&row.name, msg) });
+                    self.release(&row);
+                    continue;
+                }
+            };
+            // Logprobs stay the target's unmasked log-softmax.
+            let logprob = if r.sampling.is_greedy() && row.guide.is_none() {
+                last.summary.argmax_logprob()
             } else {
-                let first = pick(&last.logits, &r.sampling, r.prompt.len() as u64);
-                (first, last.summary.logprob(last.logits[first as usize]))
+                last.summary.logprob(last.logits[first as usize])
             };
             if let Err(e) = self.sane(&[first], &[logprob], row.prompt_len, &row.name) {
                 events.push(Event::Failed { request: id, error: e });
@@ -327,7 +376,7 @@ impl<'a> Engine<'a> {
                 continue;
             }
             let top = vec![top_logprobs(&last.logits, &last.summary, row.top_logprobs)];
-            if let Some(reason) = self.emit(&mut row, &[first], &[logprob], top, events) {
+            if let Some(reason) = self.emit(&mut row, &[first], &[logprob], top, grammar_end, events) {
                 events.push(Event::Finished { request: id, reason });
                 self.release(&row);
                 continue;
@@ -377,17 +426,19 @@ impl<'a> Engine<'a> {
     }
 
     /// Appends tokens to a row until one finishes it; returns why it finished.
+    /// `grammar_end`: the row's constraint is complete after that many of `tokens`.
     fn emit(
         &self,
         row: &mut Row,
         tokens: &[u32],
         logprobs: &[f32],
         tops: Vec<Vec<(u32, f32)>>,
+        grammar_end: Option<usize>,
         events: &mut Vec<Event>,
     ) -> Option<FinishReason> {
         let eos = &self.model.config.eos_token_ids;
         let mut tops = tops.into_iter();
-        for (&token, &logprob) in tokens.iter().zip(logprobs) {
+        for (i, (&token, &logprob)) in tokens.iter().zip(logprobs).enumerate() {
             row.tokens.push(token);
             let top = tops.next().unwrap_or_default();
             events.push(Event::Token { request: row.id, token, logprob, top });
@@ -396,6 +447,9 @@ impl<'a> Engine<'a> {
             }
             if self.hits_stop(row) {
                 return Some(FinishReason::Stop);
+            }
+            if grammar_end == Some(i + 1) {
+                return Some(FinishReason::Grammar);
             }
             // The last token needs no position of its own: a sequence may reach context + 1.
             if row.tokens.len() >= row.max_tokens
@@ -429,6 +483,13 @@ impl<'a> Engine<'a> {
         let drafts = self.propose(&ks);
         let draft_time = t0.elapsed();
         let t1 = Instant::now();
+        let (masks, walk_errors) = self.walk_masks(&drafts);
+        // A constrained row verifies only the drafts its grammar allows.
+        let verified: Vec<usize> = drafts
+            .iter()
+            .zip(&masks)
+            .map(|(d, m)| m.as_ref().map_or(d.tokens.len(), |m| m.len() - 1))
+            .collect();
         let pending: Vec<u32> =
             self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
@@ -436,23 +497,24 @@ impl<'a> Engine<'a> {
             .active
             .iter_mut()
             .zip(&pending)
-            .zip(&drafts)
-            .map(|((r, &p), d)| VerifyRow {
+            .zip(drafts.iter().zip(&verified).zip(&masks))
+            .map(|((r, &p), ((d, &n), m))| VerifyRow {
                 cache: &mut r.cache,
                 pending: p,
-                draft: &d.tokens,
-                draft_dists: &d.dists,
+                draft: &d.tokens[..n],
+                draft_dists: &d.dists[..n.min(d.dists.len())],
                 sampling: r.sampling,
                 top_logprobs: r.top_logprobs,
+                masks: m.as_deref(),
             })
             .collect();
         let results = verify(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode);
         drop(rows);
         self.stats.verify_time += t1.elapsed();
         let batch = self.active.len();
-        let verify_tokens = batch + drafts.iter().map(|d| d.tokens.len()).sum::<usize>();
+        let verify_tokens = batch + verified.iter().sum::<usize>();
         let plain_seconds = self.chooser.verify_seconds(batch);
-        let outcomes = self.commit(results, &ks, &drafts, &pending, &starts, events);
+        let outcomes = self.commit(results, walk_errors, &ks, &drafts, &pending, &starts, events);
         let rest_time = t1.elapsed();
         let emitted: usize = outcomes.iter().map(|o| o.accepted + 1).sum();
         self.chooser.observe(&outcomes, draft_time.as_secs_f64(), rest_time.as_secs_f64(), verify_tokens);
@@ -474,6 +536,11 @@ impl<'a> Engine<'a> {
             rest_ms = rest_time.as_secs_f64() * 1e3,
             "round"
         );
+    }
+
+    /// Each constrained row's grammar masks along its draft, and its grammar's failures.
+    fn walk_masks(&mut self, drafts: &[Proposal]) -> (Vec<Option<Vec<TokenMask>>>, Vec<Option<String>>) {
+        walk_masks(self.active.iter_mut().map(|r| r.guide.as_mut()).collect(), drafts)
     }
 
     /// Each active row's k this round: none past max_tokens or the context; fixed, or
@@ -553,6 +620,7 @@ impl<'a> Engine<'a> {
     fn commit(
         &mut self,
         results: Vec<Result<Verified, Error>>,
+        walk_errors: Vec<Option<String>>,
         ks: &[usize],
         drafts: &[Proposal],
         pending: &[u32],
@@ -562,16 +630,34 @@ impl<'a> Engine<'a> {
         let mut outcomes = Vec::with_capacity(results.len());
         let mut rows = std::mem::take(&mut self.active);
         let mut keep = Vec::with_capacity(rows.len());
-        for (i, (mut row, result)) in rows.drain(..).zip(results).enumerate() {
-            let v = match result {
-                Ok(v) => v,
-                Err(e) => {
+        for (i, ((mut row, result), walk_error)) in rows.drain(..).zip(results).zip(walk_errors).enumerate() {
+            let v = match (result, walk_error) {
+                (_, Some(msg)) => {
+                    events.push(Event::Failed { request: row.id, error: grammar_error(&row.name, msg) });
+                    self.release(&row);
+                    continue;
+                }
+                (Ok(v), None) => v,
+                (Err(e), None) => {
                     events.push(Event::Failed { request: row.id, error: with_request(e, &row.name) });
                     self.release(&row);
                     continue;
                 }
             };
-            if let Err(e) = self.sane(&v.tokens, &v.logprobs, row.prompt_len + row.tokens.len(), &row.name) {
+            let bonus = *v.tokens.last().expect("verify emits the bonus token");
+            let grammar_end = match row.guide.as_mut().map(|g| g.settle(v.accepted, bonus)) {
+                None => None,
+                Some(Ok(end)) => end,
+                Some(Err(msg)) => {
+                    events.push(Event::Failed { request: row.id, error: grammar_error(&row.name, msg) });
+                    self.release(&row);
+                    continue;
+                }
+            };
+            // Only tokens the row emits: past a completed grammar nothing is.
+            let emitted = grammar_end.unwrap_or(v.logprobs.len()).min(v.logprobs.len());
+            let first = row.prompt_len + row.tokens.len();
+            if let Err(e) = self.sane(&v.tokens[..emitted], &v.logprobs[..emitted], first, &row.name) {
                 events.push(Event::Failed { request: row.id, error: e });
                 self.release(&row);
                 continue;
@@ -586,7 +672,7 @@ impl<'a> Engine<'a> {
                 drafted: drafts[i].tokens.len(),
                 accepted: v.accepted,
             });
-            if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, v.top, events) {
+            if let Some(reason) = self.emit(&mut row, &v.tokens, &v.logprobs, v.top, grammar_end, events) {
                 events.push(Event::Finished { request: row.id, reason });
                 self.release(&row);
                 continue;
@@ -595,7 +681,6 @@ impl<'a> Engine<'a> {
                 std::iter::once(pending[i]).chain(drafts[i].tokens[..v.accepted].iter().copied()).collect();
             let hidden: &[f32] =
                 if self.drafter.as_ref().is_some_and(|d| d.needs_hidden()) { &v.hidden } else { &[] };
-            let bonus = *v.tokens.last().expect("verify emits the bonus token");
             self.drafter_commit(&mut row, Commit { start: starts[i], tokens: &kept, hidden, next: bonus });
             keep.push(row);
         }

@@ -8,6 +8,7 @@
 mod adaptive;
 mod engine;
 mod generate;
+mod guided;
 mod metrics;
 mod prefix_cache;
 mod request;
@@ -16,7 +17,8 @@ pub use adaptive::DraftLen;
 pub use engine::{prefill, Engine, EngineOptions, Prefilled};
 pub use generate::generate;
 pub use metrics::SpecStats;
+pub use mtp_constraint::{negative_control as constraint_negative_control, Grammars, Guide, TokenMask};
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
 pub use prefix_cache::{PrefixCache, BLOCK_TOKENS};
-pub use request::{Completion, Event, FinishReason, Request, RequestId};
+pub use request::{Completion, Constraint, Event, FinishReason, Request, RequestId};

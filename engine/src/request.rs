@@ -1,6 +1,7 @@
 //! What goes in (requests) and what comes out (events, completions).
 
 use mtp_base::Error;
+pub use mtp_constraint::Constraint;
 use mtp_sampling::SamplingParams;
 
 /// The engine's handle for a submitted request.
@@ -22,6 +23,9 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Report this many most-likely alternatives with each token (0: none).
     pub top_logprobs: usize,
+    /// What the output must match (JSON schema, any JSON object, regex, Lark grammar);
+    /// compiled at submit (needs a tokenizer), where a bad one is a request error.
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +36,8 @@ pub enum FinishReason {
     Length,
     /// The output contains a stop string.
     Stop,
+    /// The output completed the request's constraint (nothing but EOS could follow).
+    Grammar,
     Cancelled,
 }
 
@@ -41,6 +47,7 @@ impl FinishReason {
             FinishReason::Eos => "eos",
             FinishReason::Length => "length",
             FinishReason::Stop => "stop",
+            FinishReason::Grammar => "grammar",
             FinishReason::Cancelled => "cancelled",
         }
     }

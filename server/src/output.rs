@@ -20,7 +20,7 @@ use crate::AppState;
 
 fn finish_reason(r: FinishReason) -> &'static str {
     match r {
-        FinishReason::Eos | FinishReason::Stop => "stop",
+        FinishReason::Eos | FinishReason::Stop | FinishReason::Grammar => "stop",
         FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
     }

@@ -331,6 +331,7 @@ async fn submit(
             stop: plan.stop.clone(),
             sampling: SamplingParams { seed: plan.sampling.seed.wrapping_add(i as u64), ..plan.sampling },
             top_logprobs: plan.logprobs.unwrap_or(0),
+            constraint: None,
         };
         let sent = app.jobs.send(Job { request, updates: tx, accepted: atx });
         if sent.is_err() {

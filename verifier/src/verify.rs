@@ -5,11 +5,14 @@
 //! logits after window token `j` decide the token at position `L_r + j + 1` (see
 //! [`crate::decide`]). With `a` drafts accepted, the row emits `a + 1` tokens (the accepted
 //! drafts, then the target's bonus or replacement token) and keeps `a + 1` window
-//! positions. Plain decoding is the same step with no drafts.
+//! positions. Plain decoding is the same step with no drafts. A constrained row brings
+//! one grammar mask per window position; its picks are made from the masked logits, its
+//! logprobs stay the target's unmasked log-softmax.
 
 use mtp_base::logits::top_logprobs;
 use mtp_base::Error;
 use mtp_cache::RowCache;
+use mtp_constraint::TokenMask;
 use mtp_model::{Logits, Model, RowInput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 use rayon::prelude::*;
@@ -39,6 +42,9 @@ pub struct VerifyRow<'a> {
     pub sampling: SamplingParams,
     /// How many most-likely alternatives to report at each emitted position (0: none).
     pub top_logprobs: usize,
+    /// A constrained row's grammar mask at each window position (`draft.len() + 1` of
+    /// them): every decision picks among the allowed tokens only.
+    pub masks: Option<&'a [TokenMask]>,
 }
 
 impl<'a> VerifyRow<'a> {
@@ -51,6 +57,7 @@ impl<'a> VerifyRow<'a> {
             draft_dists: &[],
             sampling: SamplingParams::default(),
             top_logprobs: 0,
+            masks: None,
         }
     }
 }
@@ -92,6 +99,13 @@ pub fn verify(
             WindowLayout::SharedSlots => shared,
         };
         let t = 1 + row.draft.len();
+        if row.masks.is_some_and(|m| m.len() != t) {
+            results[i] = Some(Err(Error::Request {
+                request: format!("row {i}"),
+                msg: format!("{} grammar masks for a window of {t} tokens", row.masks.map_or(0, |m| m.len())),
+            }));
+            continue;
+        }
         if let Err(e) = row.cache.try_reserve_window(base, t) {
             let bytes = t * model.kv_bytes_per_token();
             results[i] = Some(Err(Error::Request {
@@ -111,8 +125,9 @@ pub fn verify(
     for (i, row) in rows.iter_mut().enumerate() {
         if live.contains(&i) {
             let tokens = window_of.next().expect("one window per live row");
-            // A greedy row reads its logits' summaries alone, unless it reports alternatives.
-            let full_logits = !row.sampling.is_greedy() || row.top_logprobs > 0;
+            // A greedy row reads its logits' summaries alone, unless it reports alternatives
+            // or masks them.
+            let full_logits = !row.sampling.is_greedy() || row.top_logprobs > 0 || row.masks.is_some();
             inputs.push(RowInput { tokens, cache: &mut *row.cache, logits: Logits::All, full_logits });
         }
     }
@@ -131,8 +146,24 @@ pub fn verify(
                 .zip(&windows)
                 .map(|((&i, out), window)| {
                     let row = &rows[i];
-                    let greedy = row.sampling.is_greedy();
-                    let (a, tokens) = if greedy {
+                    // Greedy rows without a grammar decide from the summaries' argmaxes.
+                    let greedy = row.sampling.is_greedy() && row.masks.is_none();
+                    let (a, tokens) = if let Some(masks) = row.masks {
+                        // Each position picks from its masked logits (argmax or keyed pick).
+                        let masked: Vec<Vec<f32>> = out
+                            .logits
+                            .iter()
+                            .zip(masks)
+                            .map(|(l, m)| {
+                                let mut l = l.clone();
+                                m.apply(&mut l);
+                                l
+                            })
+                            .collect();
+                        faults.apply(|| {
+                            decide(&masked, &window[1..], row.draft_dists, &row.sampling, mode, starts[i] + 1)
+                        })
+                    } else if greedy {
                         let target: Vec<u32> = out.summaries.iter().map(|s| s.argmax).collect();
                         decide_greedy(&window[1..], &target)
                     } else {
