@@ -214,10 +214,10 @@ fn refusals_name_their_field() {
         ("c", json!({"prompt": "fn", "user": 5}), 400, "user", "a string"),
         (
             "c",
-            json!({"prompt": "fn", "response_format": {"type": "text"}}),
+            json!({"prompt": "fn", "response_format": {"type": "xml"}}),
             400,
             "response_format",
-            "unrecognized",
+            "not one of",
         ),
         ("c", json!({"prompt": "fn ".repeat(60_000)}), 413, "prompt", "tokens"),
         ("c", json!({"prompt": "fn ".repeat(200_000)}), 413, "prompt", "bytes"),
@@ -259,17 +259,18 @@ fn refusals_name_their_field() {
         ("h", json!({"messages": [{"content": "hi"}]}), 400, "messages[0].role", "missing"),
         (
             "h",
-            json!({"messages": user(), "response_format": {"type": "json_object"}}),
+            json!({"messages": user(), "response_format": {"type": "json_schema", "json_schema": {}}}),
             400,
-            "response_format",
-            "only {\"type\": \"text\"}",
+            "response_format.json_schema.schema",
+            "needs `json_schema.schema`",
         ),
         (
             "h",
-            json!({"messages": user(), "response_format": {"type": "json_schema", "json_schema": {}}}),
+            json!({"messages": user(), "response_format": {"type": "json_schema",
+                   "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}),
             400,
             "response_format",
-            "not supported",
+            "invalid JSON schema",
         ),
         ("h", json!({"messages": user(), "tool_choice": "required"}), 400, "tool_choice", "not supported"),
         ("h", json!({"messages": user(), "tools": [{"type": "function"}]}), 400, "tools", "not supported"),
@@ -582,4 +583,119 @@ fn hostile_values_in_every_field_get_4xx_naming_it_or_200() {
 /// Whether error `param` names `field` (or the part of it to blame, or the whole it is in).
 fn names(param: &str, field: &str) -> bool {
     param.starts_with(field) || field.starts_with(param)
+}
+
+/// `response_format` constrains the output: a JSON schema's answer parses and has the
+/// schema's shape, `json_object` gives an object, and each is bitwise the same request run
+/// alone through the engine with the constraint (tokens and logprob bits), batched beside
+/// free-text requests. Negative control: without the format the same prompt's output is
+/// not that JSON.
+#[test]
+fn response_format_constrains_the_output_and_equals_the_request_alone() {
+    let addr = start(64, None);
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["name", "count"], "additionalProperties": false});
+    let formats = [
+        json!({"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": true}}),
+        json!({"type": "json_object"}),
+    ];
+    let bodies: Vec<(String, Value)> = formats
+        .iter()
+        .flat_map(|f| {
+            [
+                ("/v1/completions".to_string(), json!({"prompt": "fn main() {", "response_format": f})),
+                (
+                    "/v1/chat/completions".to_string(),
+                    json!({"messages": [{"role": "user", "content": "an item"}], "response_format": f}),
+                ),
+            ]
+        })
+        .collect();
+    // Free-text requests run alongside.
+    let noise: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn(move || {
+                post(
+                    addr,
+                    "/v1/completions",
+                    &json!({"prompt": format!("// {i}\nfn f("), "max_tokens": 60, "temperature": 0}),
+                )
+            })
+        })
+        .collect();
+    let answers: Vec<_> = bodies
+        .iter()
+        .cloned()
+        .map(|(path, mut b)| {
+            b["max_tokens"] = json!(80);
+            b["temperature"] = json!(0);
+            b["return_token_ids"] = json!(true);
+            b["logprobs"] = if path.contains("chat") { json!(true) } else { json!(0) };
+            std::thread::spawn(move || post(addr, &path, &b))
+        })
+        .collect();
+    for h in noise {
+        assert_eq!(h.join().unwrap().0, 200);
+    }
+    let dir = trained("target");
+    let model = common::load(&dir);
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    for (((path, body), h), i) in bodies.iter().zip(answers).zip(0..) {
+        let (status, v) = h.join().unwrap();
+        assert_eq!(status, 200, "{path}: {v}");
+        let choice = &v["choices"][0];
+        let text = choice["text"].as_str().or(choice["message"]["content"].as_str()).unwrap();
+        assert_eq!(choice["finish_reason"], "stop", "{path}: the JSON closed within max_tokens: {text}");
+        let doc: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
+        assert!(doc.is_object(), "{text}");
+        if i < 2 {
+            assert!(
+                doc["name"].is_string() && doc["count"].is_u64() && doc.as_object().unwrap().len() == 2,
+                "{text}"
+            );
+        }
+        // Alone: the same prompt ids and constraint through the engine, one row, no drafter.
+        let prompt: Vec<u32> = serde_json::from_value(v["prompt_token_ids"].clone()).unwrap();
+        let constraint = match &body["response_format"]["type"] {
+            t if t == "json_object" => mtp::engine::Constraint::JsonObject,
+            _ => mtp::engine::Constraint::JsonSchema(schema.clone()),
+        };
+        let request = mtp::engine::Request {
+            id: "alone".into(),
+            prompt,
+            max_tokens: 80,
+            constraint: Some(constraint),
+            ..Default::default()
+        };
+        let mut engine =
+            mtp::engine::Engine::new(&model, None, EngineOptions { max_batch: 1, ..Default::default() })
+                .unwrap()
+                .with_tokenizer(&tok);
+        let alone = mtp::engine::generate(&mut engine, &[request], &[], |_, _| {}).remove(0).unwrap();
+        let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+        assert_eq!(ids, alone.tokens, "{path}: differs from the request alone");
+        let lps: Vec<f32> = if path.contains("chat") {
+            choice["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["logprob"].as_f64().unwrap() as f32)
+                .collect()
+        } else {
+            choice["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l.as_f64().unwrap() as f32)
+                .collect()
+        };
+        assert_eq!(common::bits(&lps), common::bits(&alone.logprobs), "{path}: logprobs differ from alone");
+    }
+    // Negative control: the same completion prompt without a format is not that JSON.
+    let (_, free) =
+        post(addr, "/v1/completions", &json!({"prompt": "fn main() {", "max_tokens": 40, "temperature": 0}));
+    let text = free["choices"][0]["text"].as_str().unwrap();
+    assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
 }

@@ -125,6 +125,9 @@ pub struct Common {
     pub return_token_ids: Option<bool>,
     /// Extension: keep generating past EOS ids.
     pub ignore_eos: Option<bool>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`,
+    /// read by [`crate::routes`] (which names the part at fault).
+    pub response_format: Option<Value>,
 }
 
 /// `POST /v1/completions`.

@@ -16,7 +16,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use mtp_engine::{Request, SamplingParams};
+use mtp_engine::{Constraint, Request, SamplingParams};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
@@ -50,6 +50,8 @@ pub(crate) struct Plan {
     pub(crate) include_usage: bool,
     pub(crate) return_token_ids: bool,
     pub(crate) ignore_eos: bool,
+    /// What `response_format` asks the output to be (none: free text).
+    pub(crate) constraint: Option<Constraint>,
 }
 
 pub(crate) fn now() -> u64 {
@@ -263,8 +265,38 @@ fn plan(
         include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         return_token_ids: c.return_token_ids.unwrap_or(false),
         ignore_eos: c.ignore_eos.unwrap_or(false),
+        constraint: c.response_format.as_ref().map(response_format).transpose()?.flatten(),
     };
     Ok((plan, asked))
+}
+
+/// The constraint `response_format` asks for: none for `text`, any JSON object for
+/// `json_object`, a document valid under `json_schema.schema` for `json_schema`.
+fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
+    const PARAM: &str = "response_format";
+    let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| {
+        ApiError::bad(
+            "response_format.type",
+            "`response_format.type` must be text, json_object or json_schema",
+        )
+    })?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(Constraint::JsonObject)),
+        "json_schema" => match v.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(schema) if schema.is_object() || schema.is_boolean() => {
+                Ok(Some(Constraint::JsonSchema(schema.clone())))
+            }
+            _ => Err(ApiError::bad(
+                "response_format.json_schema.schema",
+                "`response_format` of type json_schema needs `json_schema.schema`, a JSON Schema object",
+            )),
+        },
+        other => Err(ApiError::bad(
+            PARAM,
+            format!("`response_format.type` {other:?} is not one of text, json_object, json_schema"),
+        )),
+    }
 }
 
 /// A stop string's longest length: the engine decodes that many tokens back at every step.
@@ -331,7 +363,7 @@ async fn submit(
             stop: plan.stop.clone(),
             sampling: SamplingParams { seed: plan.sampling.seed.wrapping_add(i as u64), ..plan.sampling },
             top_logprobs: plan.logprobs.unwrap_or(0),
-            constraint: None,
+            constraint: plan.constraint.clone(),
         };
         let sent = app.jobs.send(Job { request, updates: tx, accepted: atx });
         if sent.is_err() {
@@ -343,6 +375,10 @@ async fn submit(
     for a in admissions {
         match a.await {
             Ok(Ok(())) => {}
+            // The engine compiles the constraint: its refusals are the response format's.
+            Ok(Err(msg)) if plan.constraint.as_ref().is_some_and(|c| msg.contains(c.kind())) => {
+                return Err(ApiError::bad("response_format", msg))
+            }
             Ok(Err(msg)) => return Err(ApiError::new(StatusCode::BAD_REQUEST, msg)),
             Err(_) => {
                 return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine is not running"))

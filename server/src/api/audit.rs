@@ -68,6 +68,7 @@ const TOOLS: &str = "tools are not supported (describe tools in the messages)";
 pub const COMMON: &[(&str, Rule)] = &[
     ("model", Honoured),
     ("max_tokens", Honoured),
+    ("response_format", Honoured),
     ("temperature", Honoured),
     ("top_p", Honoured),
     ("n", Honoured),
@@ -112,10 +113,6 @@ pub const CHAT: &[(&str, Rule)] = &[
         Refused { neutral: no_tool, why: "without functions only `none` and `auto` mean anything" },
     ),
     ("parallel_tool_calls", Ignored(Type::Bool)),
-    (
-        "response_format",
-        Refused { neutral: |v| *v == json!({"type": "text"}), why: "only {\"type\": \"text\"} is supported" },
-    ),
     ("modalities", Refused { neutral: |v| *v == json!(["text"]), why: "only [\"text\"] is supported" }),
     ("audio", Refused { neutral: never, why: "audio output is not supported" }),
     ("reasoning_effort", Refused { neutral: never, why: "the model has no reasoning setting" }),
