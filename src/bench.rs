@@ -334,8 +334,9 @@ pub fn prompts_from_dir(
     files.sort();
     let mut ids = Vec::new();
     for f in &files {
-        // Binary files are skipped; only text is cut into prompts.
-        if let Ok(text) = std::fs::read_to_string(f) {
+        // Binary files are skipped; only text is cut into prompts, and only a file's first
+        // bytes (a corpus file of gigabytes needs no more).
+        if let Some(text) = read_text_head(f) {
             ids.extend(tok.encode(&text).with_context(|| format!("tokenizing {}", f.display()))?);
         }
         if ids.len() >= 64 * n * len.max(1) {
@@ -363,14 +364,38 @@ pub fn prompts_from_dir(
         .collect())
 }
 
+/// Bytes of one file read for `--prompts-dir`.
+const HEAD_BYTES: u64 = 16 << 20;
+
+/// The first [`HEAD_BYTES`] of `f` when they are UTF-8 text (cut back to a whole character).
+fn read_text_head(f: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(f).ok()?.take(HEAD_BYTES).read_to_end(&mut bytes).ok()?;
+    match String::from_utf8(bytes) {
+        Ok(text) => Some(text),
+        // A character cut by the limit is fine; anything else is binary.
+        Err(e) if e.utf8_error().error_len().is_none() => {
+            let valid = e.utf8_error().valid_up_to();
+            let mut bytes = e.into_bytes();
+            bytes.truncate(valid);
+            String::from_utf8(bytes).ok()
+        }
+        Err(_) => None,
+    }
+}
+
+/// Regular files under `dir`, recursively; symbolic links (which may loop), pipes and
+/// devices (which may never end) are skipped.
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
     let entries = std::fs::read_dir(dir).with_context(|| format!("{}: cannot read folder", dir.display()))?;
     for e in entries {
-        let p = e.with_context(|| format!("{}: cannot list", dir.display()))?.path();
-        if p.is_dir() {
-            collect_files(&p, out)?;
-        } else {
-            out.push(p);
+        let e = e.with_context(|| format!("{}: cannot list", dir.display()))?;
+        let kind = e.file_type().with_context(|| format!("{}: cannot stat", e.path().display()))?;
+        if kind.is_dir() {
+            collect_files(&e.path(), out)?;
+        } else if kind.is_file() {
+            out.push(e.path());
         }
     }
     Ok(())
@@ -379,6 +404,27 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A symbolic link back up the tree and a pipe no one writes would hang the walk or the
+    /// read; both are skipped, and a text file's head is read. Negative control: the walk
+    /// finds the text file.
+    #[cfg(unix)]
+    #[test]
+    fn prompt_folders_skip_links_pipes_and_binary() {
+        let dir = std::env::temp_dir().join(format!("mtp-bench-dir-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        std::fs::write(dir.join("sub/a.rs"), "fn main() {}\n").unwrap();
+        std::fs::write(dir.join("b.bin"), [0xffu8, 0xfe, 0x00, 0x80]).unwrap();
+        std::os::unix::fs::symlink(&dir, dir.join("sub/loop")).unwrap();
+        let fifo = std::process::Command::new("mkfifo").arg(dir.join("pipe")).status();
+        let mut files = Vec::new();
+        collect_files(&dir, &mut files).unwrap();
+        files.sort();
+        assert_eq!(files, vec![dir.join("b.bin"), dir.join("sub/a.rs")], "fifo made: {fifo:?}");
+        assert_eq!(read_text_head(&dir.join("sub/a.rs")).as_deref(), Some("fn main() {}\n"));
+        assert_eq!(read_text_head(&dir.join("b.bin")), None);
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     #[test]
     fn parses_drafter_lists() {
