@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::http::StatusCode;
 use axum::Router;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -26,6 +27,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::{sleep, timeout, Sleep};
+
+use crate::api::ApiError;
 
 /// How much of the server one client may take, and for how long.
 #[derive(Clone, Debug)]
@@ -132,10 +135,9 @@ fn open_file_limit() -> Option<u64> {
 
 /// Answers a connection over the limit with a 503 (OpenAI error JSON) and closes it.
 async fn refuse(mut stream: TcpStream, limit: usize) {
-    let body = serde_json::json!({"error": {
-        "message": format!("the server holds its limit of {limit} connections (--max-connections); retry later"),
-        "type": "service_unavailable", "param": null, "code": 503}})
-    .to_string();
+    let message =
+        format!("the server holds its limit of {limit} connections (--max-connections); retry later");
+    let body = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message).body().to_string();
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
          connection: close\r\nretry-after: 1\r\n\r\n",

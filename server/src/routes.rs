@@ -273,7 +273,6 @@ fn plan(
 /// The constraint `response_format` asks for: none for `text`, any JSON object for
 /// `json_object`, a document valid under `json_schema.schema` for `json_schema`.
 fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
-    const PARAM: &str = "response_format";
     let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| {
         ApiError::bad(
             "response_format.type",
@@ -293,7 +292,7 @@ fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
             )),
         },
         other => Err(ApiError::bad(
-            PARAM,
+            "response_format",
             format!("`response_format.type` {other:?} is not one of text, json_object, json_schema"),
         )),
     }
