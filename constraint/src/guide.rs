@@ -67,6 +67,12 @@ fn compact(schema: &Value) -> Result<Value, String> {
     Ok(schema)
 }
 
+/// `schema` as a Lark rule body (`%json {...}`) with the same compact JSON as
+/// [`Constraint::JsonSchema`], for grammars that embed JSON documents (tool calls).
+pub fn lark_json(schema: &Value) -> Result<String, String> {
+    Ok(format!("%json {}", compact(schema)?))
+}
+
 /// Which tokens may come next: bit `t` (word `t / 32`, bit `t % 32`) allows model token `t`.
 #[derive(Clone, Debug)]
 pub struct TokenMask(SimpleVob);

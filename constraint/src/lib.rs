@@ -16,5 +16,5 @@ pub mod negative_control;
 mod panics;
 mod vocab;
 
-pub use guide::{Constraint, Guide, TokenMask};
+pub use guide::{lark_json, Constraint, Guide, TokenMask};
 pub use vocab::Grammars;

@@ -17,7 +17,9 @@ pub use adaptive::DraftLen;
 pub use engine::{prefill, Engine, EngineOptions, Prefilled};
 pub use generate::generate;
 pub use metrics::SpecStats;
-pub use mtp_constraint::{negative_control as constraint_negative_control, Grammars, Guide, TokenMask};
+pub use mtp_constraint::{
+    lark_json, negative_control as constraint_negative_control, Grammars, Guide, TokenMask,
+};
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
 pub use prefix_cache::{PrefixCache, BLOCK_TOKENS};

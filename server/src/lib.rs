@@ -15,6 +15,7 @@ pub mod net;
 mod output;
 mod routes;
 pub mod text;
+pub mod tools;
 pub mod worker;
 
 use std::net::SocketAddr;
