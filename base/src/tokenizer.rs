@@ -174,4 +174,23 @@ impl Tokenizer {
             .decode(ids, true)
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("decode: {e}") })
     }
+
+    /// Decodes ids as [`Tokenizer::decode`] does, except that the special tokens in `keep`
+    /// come out as their text (a tool-call or reasoning marker a parser must see); the
+    /// other special tokens are left out. One decode of the whole sequence, so a decoder
+    /// that treats the first token apart does so once.
+    pub fn decode_keeping(&self, ids: &[u32], keep: &[u32]) -> Result<String> {
+        if keep.is_empty() {
+            return self.decode(ids);
+        }
+        if let Some(id) = ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
+            return self.decode(&[*id]);
+        }
+        let special: std::collections::HashSet<u32> = self.specials.iter().map(|(_, id)| id).collect();
+        let kept: Vec<u32> =
+            ids.iter().copied().filter(|id| !special.contains(id) || keep.contains(id)).collect();
+        self.inner
+            .decode(&kept, false)
+            .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("decode: {e}") })
+    }
 }

@@ -147,6 +147,10 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<u64>,
     pub max_completion_tokens: Option<u64>,
+    /// Read by [`crate::tools`] (which names the tool at fault).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// The roles a message may have (OpenAI's; `developer` is its newer name for `system`,
@@ -157,6 +161,10 @@ pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
+    pub name: Option<String>,
+    pub tool_calls: Option<Vec<Value>>,
+    pub tool_call_id: Option<String>,
+    pub reasoning_content: Option<String>,
 }
 
 /// Message content: a string or a list of parts (only text parts are understood).
@@ -175,9 +183,12 @@ pub struct Part {
 }
 
 impl Message {
-    /// The message's (role, text); an unknown role or a non-text part is refused, naming
-    /// message `i`'s field.
-    pub fn read(&self, i: usize) -> Result<(String, String), ApiError> {
+    /// The message as the chat template sees it (transformers' shape): `role`, `content`
+    /// as text, and when given `name`, `tool_call_id`, `reasoning_content` and `tool_calls`
+    /// (each `{"id", "type", "function": {"name", "arguments"}}`, the arguments parsed
+    /// from their JSON text into a mapping as templates expect). An unknown role, a
+    /// non-text part or a malformed call is refused, naming message `i`'s field.
+    pub fn read(&self, i: usize) -> Result<Value, ApiError> {
         if !ROLES.contains(&self.role.as_str()) {
             return Err(ApiError::bad(
                 &format!("messages[{i}].role"),
@@ -203,6 +214,52 @@ impl Message {
                 })
                 .collect::<Result<String, ApiError>>()?,
         };
-        Ok((self.role.clone(), text))
+        let mut m = json!({"role": self.role, "content": text});
+        for (key, v) in [
+            ("name", &self.name),
+            ("tool_call_id", &self.tool_call_id),
+            ("reasoning_content", &self.reasoning_content),
+        ] {
+            if let Some(v) = v {
+                m[key] = json!(v);
+            }
+        }
+        if let Some(calls) = &self.tool_calls {
+            if self.role != "assistant" && !calls.is_empty() {
+                return Err(ApiError::bad(
+                    &format!("messages[{i}].tool_calls"),
+                    "only assistant messages make tool calls",
+                ));
+            }
+            let calls = calls
+                .iter()
+                .enumerate()
+                .map(|(j, c)| tool_call(c, &format!("messages[{i}].tool_calls[{j}]")))
+                .collect::<Result<Vec<_>, _>>()?;
+            m["tool_calls"] = Value::Array(calls);
+        }
+        Ok(m)
     }
+}
+
+/// An assistant message's call, for the template: arguments given as JSON text become the
+/// mapping they encode.
+fn tool_call(c: &Value, at: &str) -> Result<Value, ApiError> {
+    let f = c
+        .get("function")
+        .filter(|f| f.is_object())
+        .ok_or_else(|| ApiError::bad(&format!("{at}.function"), "a tool call needs a `function` object"))?;
+    let name = f
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad(&format!("{at}.function.name"), "a tool call needs a function name"))?;
+    let arguments = match f.get("arguments") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| {
+            ApiError::bad(&format!("{at}.function.arguments"), format!("the arguments are not JSON: {e}"))
+        })?,
+        Some(v) => v.clone(),
+    };
+    let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
+    Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
 }

@@ -8,15 +8,126 @@ mod isolate;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::Serialize;
+use serde_json::ser::{Formatter, PrettyFormatter};
 use serde_json::Value as Json;
 
 pub use isolate::{Piece, RenderedChat};
 
+/// What a chat template renders: the messages (transformers' shape, see
+/// [`crate::api::Message::read`]) and the request's tools as given (`{"type": "function",
+/// "function": {...}}`).
+#[derive(Clone, Debug, Default)]
+pub struct Conversation {
+    pub messages: Vec<Json>,
+    pub tools: Vec<Json>,
+}
+
+impl Conversation {
+    /// Every string the conversation holds (content, names, arguments, descriptions).
+    pub fn strings(&self) -> Vec<&str> {
+        fn walk<'a>(v: &'a Json, out: &mut Vec<&'a str>) {
+            match v {
+                Json::String(s) => out.push(s),
+                Json::Array(a) => a.iter().for_each(|v| walk(v, out)),
+                Json::Object(o) => o.iter().for_each(|(k, v)| {
+                    out.push(k);
+                    walk(v, out)
+                }),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        self.messages.iter().chain(&self.tools).for_each(|v| walk(v, &mut out));
+        out
+    }
+
+    /// The conversation with `f` applied to every string value (keys stay).
+    pub fn map_strings(&self, f: &dyn Fn(&str) -> String) -> Conversation {
+        fn walk(v: &Json, f: &dyn Fn(&str) -> String) -> Json {
+            match v {
+                Json::String(s) => Json::String(f(s)),
+                Json::Array(a) => Json::Array(a.iter().map(|v| walk(v, f)).collect()),
+                Json::Object(o) => Json::Object(o.iter().map(|(k, v)| (k.clone(), walk(v, f))).collect()),
+                other => other.clone(),
+            }
+        }
+        Conversation {
+            messages: self.messages.iter().map(|v| walk(v, f)).collect(),
+            tools: self.tools.iter().map(|v| walk(v, f)).collect(),
+        }
+    }
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's text (its markup tells the tool-call and reasoning syntax).
+    source: String,
     bos_token: String,
     eos_token: String,
+}
+
+/// `tojson` as transformers defines it for templates: Python's `json.dumps` with
+/// `ensure_ascii=False` (`", "` and `": "` between items, or `indent` spaces per level),
+/// keys in the order given (`sort_keys` sorts them), no HTML escaping (minijinja's own
+/// filter is compact and escapes `<`, which would change every tool prompt).
+fn tojson(v: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let mut json =
+        serde_json::to_value(&v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    if sort_keys == Some(true) {
+        json.sort_all_objects();
+    }
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let mut ser =
+                serde_json::Serializer::with_formatter(&mut out, PrettyFormatter::with_indent(&pad));
+            json.serialize(&mut ser)
+        }
+        None => json.serialize(&mut serde_json::Serializer::with_formatter(&mut out, Spaced)),
+    };
+    written.map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(Value::from_safe_string(String::from_utf8(out).expect("serde_json writes UTF-8")))
+}
+
+/// Python's default JSON separators.
+struct Spaced;
+
+impl Formatter for Spaced {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
 }
 
 /// A special token in `tokenizer_config.json`: a string or `{"content": ...}`.
@@ -69,29 +180,34 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", tojson);
         env.add_function("strftime_now", |_fmt: String| -> String {
             // Templates use it for "today's date" lines; a fixed date keeps prompts reproducible.
             "01 Jan 2026".to_string()
         });
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .with_context(|| format!("{}: invalid chat template", from.display()))?;
         Ok(Some(ChatTemplate {
             env,
+            source,
             bos_token: token_text(config.get("bos_token")),
             eos_token: token_text(config.get("eos_token")),
         }))
     }
 
-    /// Renders `(role, content)` messages with the generation prompt appended.
-    pub fn render(&self, messages: &[(String, String)]) -> Result<String, String> {
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|(role, content)| {
-                Value::from_serialize(serde_json::json!({"role": role, "content": content}))
-            })
-            .collect();
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders a conversation with the generation prompt appended.
+    pub fn render(&self, chat: &Conversation) -> Result<String, String> {
+        let messages: Vec<Value> = chat.messages.iter().map(Value::from_serialize).collect();
+        // Templates test `if tools`: no tools is none, as transformers passes it.
+        let tools = if chat.tools.is_empty() { Value::from(()) } else { Value::from_serialize(&chat.tools) };
         let ctx = minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => true,
             bos_token => self.bos_token,
             eos_token => self.eos_token,

@@ -36,6 +36,7 @@ use crate::access::{Access, Gate};
 use crate::api::ApiError;
 use crate::chat::ChatTemplate;
 use crate::net::Limits;
+use crate::tools::ToolSyntax;
 use crate::worker::{Gauges, Job, MakeDrafter};
 
 /// How the server runs, beyond the engine's own options.
@@ -49,6 +50,9 @@ pub struct ServerOptions {
     pub limits: Limits,
     /// API key, allowed origins and hosts.
     pub access: Access,
+    /// The tool-call syntax: `auto` (from the chat template's markup), `none`, or one of
+    /// [`tools::SYNTAXES`].
+    pub tool_parser: String,
 }
 
 impl Default for ServerOptions {
@@ -58,6 +62,7 @@ impl Default for ServerOptions {
             max_pending: 256,
             limits: Limits::default(),
             access: Access::default(),
+            tool_parser: "auto".into(),
         }
     }
 }
@@ -67,6 +72,10 @@ pub struct AppState {
     jobs: Sender<Job>,
     tokenizer: Option<Arc<Tokenizer>>,
     template: Option<ChatTemplate>,
+    /// How this model writes tool calls (none: requests asking for calls are refused).
+    tool_syntax: Option<Box<dyn ToolSyntax>>,
+    /// Special tokens decoded as text for the parsers (the syntaxes' markers).
+    markers: Vec<u32>,
     model_name: String,
     context: usize,
     vocab: usize,
@@ -117,6 +126,11 @@ impl Server {
         if template.is_none() {
             tracing::warn!("{}: no chat template; /v1/chat/completions will refuse requests", dir.display());
         }
+        let tool_syntax = tools::choose(&opts.tool_parser, template.as_ref().map(ChatTemplate::source))?;
+        let markers = match (&tool_syntax, &tokenizer) {
+            (Some(s), Some(tok)) => tools::marker_ids(s.as_ref(), tok),
+            _ => Vec::new(),
+        };
         let (context, vocab) = (model.max_positions(), model.config.vocab_size);
         let gauges = Arc::new(Mutex::new(Gauges::default()));
         let jobs = worker::spawn(model, tokenizer.clone(), make_drafter, engine, gauges.clone())?;
@@ -127,6 +141,8 @@ impl Server {
                 jobs,
                 tokenizer,
                 template,
+                tool_syntax,
+                markers,
                 model_name: opts.model_name,
                 context,
                 vocab,

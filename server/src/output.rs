@@ -15,11 +15,14 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::api::ApiError;
 use crate::routes::{now, Kind, PendingSlots, Plan};
 use crate::text::TextState;
+use crate::tools::{self, stream::CallStream};
 use crate::worker::Update;
 use crate::AppState;
 
-fn finish_reason(r: FinishReason) -> &'static str {
+/// The finish reason a client sees: a reply that made calls ends with `tool_calls`.
+fn finish_reason(r: FinishReason, made_calls: bool) -> &'static str {
     match r {
+        FinishReason::Eos | FinishReason::Stop | FinishReason::Grammar if made_calls => "tool_calls",
         FinishReason::Eos | FinishReason::Stop | FinishReason::Grammar => "stop",
         FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
@@ -35,9 +38,52 @@ struct Choice {
 }
 
 impl Choice {
-    fn new(stop: &[String]) -> Choice {
-        Choice { text: TextState::new(stop.to_vec()), logprobs: Vec::new(), top: Vec::new(), finish: None }
+    fn new(stop: &[String], keep: Vec<u32>) -> Choice {
+        Choice {
+            text: TextState::new(stop.to_vec()).keeping(keep),
+            logprobs: Vec::new(),
+            top: Vec::new(),
+            finish: None,
+        }
     }
+}
+
+/// The special tokens a plan's parsers must see as text.
+fn kept(app: &AppState, plan: &Plan) -> Vec<u32> {
+    if plan.tool_calls {
+        app.markers.clone()
+    } else {
+        Vec::new()
+    }
+}
+
+/// A tool call's id: unique in this server's life (a conversation matches results to
+/// calls by it), not part of what the model generated.
+fn call_id(app: &AppState) -> String {
+    format!("call_{}", app.next_id.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A finished chat reply: its message and whether it made calls.
+fn chat_message(app: &AppState, plan: &Plan, text: String) -> (Value, bool) {
+    let syntax = app.tool_syntax.as_deref().filter(|_| plan.tool_calls);
+    let parsed = match syntax {
+        Some(s) => tools::parse(s, &text),
+        None => tools::Parsed { content: text, calls: Vec::new() },
+    };
+    let mut message = json!({"role": "assistant", "content": parsed.content});
+    if parsed.calls.is_empty() {
+        return (message, false);
+    }
+    if parsed.content.is_empty() {
+        message["content"] = Value::Null;
+    }
+    let calls: Vec<Value> = parsed
+        .calls
+        .iter()
+        .map(|c| json!({"id": call_id(app), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+        .collect();
+    message["tool_calls"] = Value::Array(calls);
+    (message, true)
 }
 
 /// A token as text (special tokens decode to nothing).
@@ -109,7 +155,7 @@ pub(crate) async fn collect(
 ) -> Result<Value, ApiError> {
     let mut choices = Vec::with_capacity(plan.n);
     for mut rx in receivers {
-        let mut c = Choice::new(&plan.stop);
+        let mut c = Choice::new(&plan.stop, kept(app, plan));
         while let Some(u) = rx.recv().await {
             match u {
                 Update::Token { token, logprob, top } => {
@@ -139,11 +185,14 @@ pub(crate) async fn collect(
             let logprobs = plan.logprobs.map_or(Value::Null, |k| {
                 logprobs_json(app, plan.kind, k, c.text.tokens(), &c.logprobs, &c.top)
             });
-            let mut v = match plan.kind {
-                Kind::Completion => json!({"index": i, "text": text, "logprobs": logprobs}),
-                Kind::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}),
+            let (mut v, made_calls) = match plan.kind {
+                Kind::Completion => (json!({"index": i, "text": text, "logprobs": logprobs}), false),
+                Kind::Chat => {
+                    let (message, calls) = chat_message(app, plan, text);
+                    (json!({"index": i, "message": message, "logprobs": logprobs}), calls)
+                }
             };
-            v["finish_reason"] = json!(finish_reason(c.finish.expect("checked above")));
+            v["finish_reason"] = json!(finish_reason(c.finish.expect("checked above"), made_calls));
             if plan.return_token_ids {
                 v["token_ids"] = json!(c.text.tokens());
             }
@@ -175,6 +224,8 @@ struct Streaming {
     updates: stream::SelectAll<stream::BoxStream<'static, (usize, Update)>>,
     /// Each choice's text so far (a stream sends logprobs with their token, keeps none).
     texts: Vec<TextState>,
+    /// Each choice's tool calls so far (when the plan parses them).
+    calls: Vec<CallStream>,
     open: usize,
     id: String,
     created: u64,
@@ -199,7 +250,8 @@ pub(crate) fn stream_response(
     let mut state = Streaming {
         id: response_id(&app, plan.kind),
         created: now(),
-        texts: (0..plan.n).map(|_| TextState::new(plan.stop.clone())).collect(),
+        texts: (0..plan.n).map(|_| TextState::new(plan.stop.clone()).keeping(kept(&app, &plan))).collect(),
+        calls: (0..plan.n).map(|_| CallStream::default()).collect(),
         open: plan.n,
         _slots: slots,
         app,
@@ -240,10 +292,12 @@ impl Streaming {
         v
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn choice_delta(
         &self,
         i: usize,
         text: String,
+        calls: Vec<Value>,
         tokens: &[u32],
         lps: &[f32],
         top: &[Vec<(u32, f32)>],
@@ -259,8 +313,13 @@ impl Streaming {
                 json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Chat => {
-                let delta =
-                    if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) };
+                let mut delta = json!({});
+                if !text.is_empty() || (finish.is_none() && calls.is_empty()) {
+                    delta["content"] = json!(text);
+                }
+                if !calls.is_empty() {
+                    delta["tool_calls"] = Value::Array(calls);
+                }
                 json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         };
@@ -270,10 +329,19 @@ impl Streaming {
         v
     }
 
+    /// Choice `i`'s new text and tool-call deltas.
+    fn deltas(&mut self, i: usize, finished: bool) -> (String, Vec<Value>) {
+        let Some(tok) = self.app.tokenizer.clone() else { return (String::new(), Vec::new()) };
+        let syntax = self.app.tool_syntax.as_deref().filter(|_| self.plan.tool_calls);
+        let Some(syntax) = syntax else { return (self.texts[i].delta(&tok, finished), Vec::new()) };
+        let (text, safe) = self.texts[i].visible(&tok, finished);
+        let app = self.app.clone();
+        self.calls[i].push(syntax, &text[..safe], finished, &mut || call_id(&app))
+    }
+
     /// The SSE events for the next update (several at the end of the stream).
     async fn next_events(&mut self) -> Vec<SseEvent> {
         let data = |v: Value| SseEvent::default().data(v.to_string());
-        let tok = self.app.tokenizer.clone();
         let Some((i, update)) = self.updates.next().await else {
             self.done = true;
             let err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped");
@@ -282,16 +350,40 @@ impl Streaming {
         let mut out = Vec::new();
         match update {
             Update::Token { token, logprob, top } => {
-                let t = &mut self.texts[i];
-                t.push(token);
-                let text = tok.as_ref().map(|tok| t.delta(tok, false)).unwrap_or_default();
-                let choice = self.choice_delta(i, text, &[token], &[logprob], &[top], None);
+                self.texts[i].push(token);
+                let (text, calls) = self.deltas(i, false);
+                let choice = self.choice_delta(i, text, calls, &[token], &[logprob], &[top], None);
                 out.push(data(self.chunk(json!([choice]))));
             }
             Update::Finished(reason) => {
-                let text = tok.as_ref().map(|tok| self.texts[i].delta(tok, true)).unwrap_or_default();
-                let choice = self.choice_delta(i, text, &[], &[], &[], Some(finish_reason(reason)));
-                out.push(data(self.chunk(json!([choice]))));
+                let (text, calls) = self.deltas(i, true);
+                let made_calls = self.calls[i].made_calls();
+                if !calls.is_empty() {
+                    // The last calls' text first, then the finish on its own chunk.
+                    let choice = self.choice_delta(i, text, calls, &[], &[], &[], None);
+                    out.push(data(self.chunk(json!([choice]))));
+                    let choice = self.choice_delta(
+                        i,
+                        String::new(),
+                        Vec::new(),
+                        &[],
+                        &[],
+                        &[],
+                        Some(finish_reason(reason, made_calls)),
+                    );
+                    out.push(data(self.chunk(json!([choice]))));
+                } else {
+                    let choice = self.choice_delta(
+                        i,
+                        text,
+                        calls,
+                        &[],
+                        &[],
+                        &[],
+                        Some(finish_reason(reason, made_calls)),
+                    );
+                    out.push(data(self.chunk(json!([choice]))));
+                }
                 self.open -= 1;
             }
             Update::Failed(msg) => {

@@ -22,7 +22,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{self, audit, ApiError, ChatRequest, Common, CompletionRequest};
 use crate::body::LimitedBody;
+use crate::chat::Conversation;
 use crate::output::{collect, stream_response};
+use crate::tools::{self, ToolChoice};
 use crate::worker::{Job, Update};
 use crate::AppState;
 use prompt::Source;
@@ -50,8 +52,17 @@ pub(crate) struct Plan {
     pub(crate) include_usage: bool,
     pub(crate) return_token_ids: bool,
     pub(crate) ignore_eos: bool,
-    /// What `response_format` asks the output to be (none: free text).
+    /// What `response_format` or the tools ask the output to be (none: free text).
     pub(crate) constraint: Option<Constraint>,
+    /// Whether the output is parsed for tool calls (chat with tools and a choice other
+    /// than `none`).
+    pub(crate) tool_calls: bool,
+}
+
+/// What a chat request's tools ask for.
+pub(crate) struct ToolPlan {
+    /// The grammar the calls are generated under (none for `tool_choice: none`).
+    grammar: Option<String>,
 }
 
 pub(crate) fn now() -> u64 {
@@ -98,12 +109,12 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
         Kind::Chat => audit::check_chat(&body)?,
     }
     let common: Common = api::fields(&body)?;
-    let (source, max_completion_tokens, logprobs) = match kind {
+    let (source, max_completion_tokens, logprobs, tools) = match kind {
         Kind::Completion => completion_source(app, api::fields(&body)?)?,
-        Kind::Chat => chat_source(api::fields(&body)?)?,
+        Kind::Chat => chat_source(app, api::fields(&body)?)?,
     };
     // Everything cheap is checked before the prompt is tokenized.
-    let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs)?;
+    let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tools)?;
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let prompt = prompt::tokenize(app, source, param).await?;
     fit(app, &mut plan, prompt, asked)?;
@@ -116,10 +127,7 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
 }
 
 /// A completion's prompt, max_completion_tokens (none) and logprobs.
-fn completion_source(
-    app: &AppState,
-    r: CompletionRequest,
-) -> Result<(Source, Option<u64>, Option<usize>), ApiError> {
+fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, ApiError> {
     let source = match r.prompt {
         Value::String(t) => Source::Text(t),
         Value::Array(items) if items.iter().all(Value::is_number) => Source::Ids(token_ids(app, &items)?),
@@ -141,8 +149,11 @@ fn completion_source(
         Some(k) if k <= 20 => Some(k as usize),
         Some(_) => return Err(ApiError::bad("logprobs", "`logprobs` must be between 0 and 20")),
     };
-    Ok((source, None, logprobs))
+    Ok((source, None, logprobs, None))
 }
+
+/// A request's prompt, max_completion_tokens, logprobs and tools.
+type Sourced = (Source, Option<u64>, Option<usize>, Option<ToolPlan>);
 
 /// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming the index.
 fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
@@ -164,8 +175,8 @@ fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-/// A chat's messages, max_completion_tokens and logprobs.
-fn chat_source(r: ChatRequest) -> Result<(Source, Option<u64>, Option<usize>), ApiError> {
+/// A chat's messages and tools, max_completion_tokens and logprobs.
+fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
@@ -180,7 +191,38 @@ fn chat_source(r: ChatRequest) -> Result<(Source, Option<u64>, Option<usize>), A
         (true, k) => Some(k.unwrap_or(0) as usize),
         (false, _) => None,
     };
-    Ok((Source::Chat(messages), r.max_completion_tokens, logprobs))
+    let tools = match &r.tools {
+        None => Vec::new(),
+        Some(v) => tools::read_tools(v)?,
+    };
+    let choice = tools::read_choice(r.tool_choice.as_ref(), &tools)?;
+    let plan = match (&choice, &app.tool_syntax) {
+        _ if tools.is_empty() => None,
+        (ToolChoice::None, _) => Some(ToolPlan { grammar: None }),
+        (_, None) => {
+            return Err(ApiError::bad(
+                "tools",
+                "this model's chat template writes no tool calls this server can read; start it with \
+                 --tool-parser (hermes, llama3-json, gemma4) to name the syntax, or send tool_choice none",
+            ))
+        }
+        (choice, Some(syntax)) => {
+            let tok = app.tokenizer.as_ref();
+            let lit = |text: &str| match tok.and_then(|t| tools::special_id(t, text)) {
+                Some(id) => format!("<[{id}]>"),
+                None => tools::quoted(text),
+            };
+            let parallel = r.parallel_tool_calls.unwrap_or(true);
+            let grammar =
+                syntax.grammar(&tools, choice, parallel, &lit).map_err(|e| ApiError::bad("tools", e))?;
+            Some(ToolPlan { grammar: Some(grammar) })
+        }
+    };
+    let raw_tools = match r.tools {
+        Some(Value::Array(list)) => list,
+        _ => Vec::new(),
+    };
+    Ok((Source::Chat(Conversation { messages, tools: raw_tools }), r.max_completion_tokens, logprobs, plan))
 }
 
 /// The output length asked for (none: the endpoint's default).
@@ -193,6 +235,7 @@ fn plan(
     c: Common,
     max_completion_tokens: Option<u64>,
     logprobs: Option<usize>,
+    tools: Option<ToolPlan>,
 ) -> Result<(Plan, Asked), ApiError> {
     if let Some(m) = &c.model {
         if *m != app.model_name {
@@ -266,7 +309,19 @@ fn plan(
         return_token_ids: c.return_token_ids.unwrap_or(false),
         ignore_eos: c.ignore_eos.unwrap_or(false),
         constraint: c.response_format.as_ref().map(response_format).transpose()?.flatten(),
+        tool_calls: false,
     };
+    let mut plan = plan;
+    if let Some(ToolPlan { grammar: Some(g) }) = tools {
+        if plan.constraint.is_some() {
+            return Err(ApiError::bad(
+                "response_format",
+                "`response_format` cannot constrain a reply that may be tool calls; send tool_choice none",
+            ));
+        }
+        plan.constraint = Some(Constraint::Lark(g));
+        plan.tool_calls = true;
+    }
     Ok((plan, asked))
 }
 
@@ -376,7 +431,8 @@ async fn submit(
             Ok(Ok(())) => {}
             // The engine compiles the constraint: its refusals are the response format's.
             Ok(Err(msg)) if plan.constraint.as_ref().is_some_and(|c| msg.contains(c.kind())) => {
-                return Err(ApiError::bad("response_format", msg))
+                let param = if plan.tool_calls { "tools" } else { "response_format" };
+                return Err(ApiError::bad(param, msg));
             }
             Ok(Err(msg)) => return Err(ApiError::new(StatusCode::BAD_REQUEST, msg)),
             Err(_) => {

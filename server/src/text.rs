@@ -9,11 +9,19 @@ pub struct TextState {
     tokens: Vec<u32>,
     /// Bytes of the text already handed out.
     sent: usize,
+    /// Special tokens decoded as their text (tool-call and reasoning markers).
+    keep: Vec<u32>,
 }
 
 impl TextState {
     pub fn new(stops: Vec<String>) -> TextState {
-        TextState { stops, tokens: Vec::new(), sent: 0 }
+        TextState { stops, tokens: Vec::new(), sent: 0, keep: Vec::new() }
+    }
+
+    /// Decodes the special tokens `keep` as their text (markers a parser reads).
+    pub fn keeping(mut self, keep: Vec<u32>) -> TextState {
+        self.keep = keep;
+        self
     }
 
     pub fn push(&mut self, token: u32) {
@@ -26,7 +34,7 @@ impl TextState {
 
     /// The full text, cut before the earliest stop string.
     fn cut(&self, tok: &Tokenizer) -> (String, bool) {
-        let text = tok.decode(&self.tokens).unwrap_or_default();
+        let text = tok.decode_keeping(&self.tokens, &self.keep).unwrap_or_default();
         match self.stops.iter().filter_map(|s| text.find(s.as_str())).min() {
             Some(at) => (text[..at].to_string(), true),
             None => (text, false),
@@ -37,6 +45,19 @@ impl TextState {
     /// stop string); otherwise up to any trailing incomplete character or possible start
     /// of a stop string.
     pub fn delta(&mut self, tok: &Tokenizer, finished: bool) -> String {
+        let (text, end) = self.visible(tok, finished);
+        if end <= self.sent || !text.is_char_boundary(self.sent) {
+            return String::new();
+        }
+        let out = text[self.sent..end].to_string();
+        self.sent = end;
+        out
+    }
+
+    /// The text so far (cut at a stop string) and how much of it is safe to send: all of
+    /// it when `finished`; otherwise up to any trailing incomplete character or possible
+    /// start of a stop string.
+    pub fn visible(&self, tok: &Tokenizer, finished: bool) -> (String, usize) {
         let (text, stopped) = self.cut(tok);
         let mut end = text.len();
         if !finished && !stopped {
@@ -47,12 +68,7 @@ impl TextState {
             let held = self.stops.iter().map(|s| longest_suffix_prefix(&text[..end], s)).max().unwrap_or(0);
             end -= held;
         }
-        if end <= self.sent || !text.is_char_boundary(self.sent) {
-            return String::new();
-        }
-        let out = text[self.sent..end].to_string();
-        self.sent = end;
-        out
+        (text, end)
     }
 
     /// The whole final text.
@@ -65,7 +81,7 @@ impl TextState {
 /// linear in `stop` (the prefix function of `stop` run over `text`'s tail), so a long stop
 /// string costs no quadratic work per token. The suffix starts where `stop` does, on a
 /// character's first byte, so the length always cuts `text` at a character boundary.
-fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+pub(crate) fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
     let Some((_, p)) = stop.as_bytes().split_last() else { return 0 };
     if p.is_empty() {
         return 0;

@@ -12,6 +12,7 @@
 mod gemma4;
 mod hermes;
 mod llama3;
+pub mod stream;
 
 use serde_json::Value as Json;
 
@@ -117,6 +118,39 @@ pub fn detect(template: &str) -> Option<&'static str> {
     } else {
         None
     }
+}
+
+/// The syntax `--tool-parser` names: `auto` detects it from the chat template (none when
+/// the template has no tool markup), `none` turns tool calls off.
+pub fn choose(flag: &str, template: Option<&str>) -> anyhow::Result<Option<Box<dyn ToolSyntax>>> {
+    match flag {
+        "none" => Ok(None),
+        "auto" => Ok(template.and_then(detect).and_then(syntax)),
+        name => syntax(name).map(Some).ok_or_else(|| {
+            anyhow::anyhow!("--tool-parser {name}: not one of auto, none, {}", SYNTAXES.join(", "))
+        }),
+    }
+}
+
+/// The texts a syntax's parser must see: its markers, which tokenizers may hold as special
+/// tokens (decoded as nothing unless kept).
+pub fn markers(syntax: &dyn ToolSyntax) -> &'static [&'static str] {
+    match syntax.name() {
+        "hermes" => &["<tool_call>", "</tool_call>"],
+        "llama3-json" => &["<|python_tag|>"],
+        "gemma4" => &["<|tool_call>", "<tool_call|>", "<|\"|>"],
+        _ => &[],
+    }
+}
+
+/// The ids of the special tokens among the syntax's markers.
+pub fn marker_ids(syntax: &dyn ToolSyntax, tok: &mtp_base::Tokenizer) -> Vec<u32> {
+    markers(syntax).iter().filter_map(|m| special_id(tok, m)).collect()
+}
+
+/// The id of the special token whose text is exactly `text`.
+pub fn special_id(tok: &mtp_base::Tokenizer, text: &str) -> Option<u32> {
+    tok.specials().iter().find(|(t, _)| *t == text).map(|(_, id)| id)
 }
 
 /// Splits a finished output: the content before the trigger, the calls after it. Without

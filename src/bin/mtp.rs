@@ -76,6 +76,10 @@ enum Command {
         /// sampling, the same distribution with more drafts accepted.
         #[arg(long, default_value = "exact")]
         sampling: String,
+        /// How the model writes tool calls: auto (from the chat template's markup), none
+        /// (tool calls off), hermes (Qwen 2.5/3, Hermes), llama3-json, gemma4.
+        #[arg(long, default_value = "auto")]
+        tool_parser: String,
     },
     /// Writes an HF-layout checkpoint with random weights in the shape of a known model.
     /// For Gemma 4, --layers keeps the sliding/full pattern and the share of KV-shared
@@ -536,6 +540,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             served_model_name,
             http,
             sampling,
+            tool_parser,
         } => {
             let sampling_mode = SamplingMode::parse(&sampling).map_err(anyhow::Error::msg)?;
             let access = http.access()?;
@@ -572,7 +577,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 tokenizer.map(Arc::new),
                 make,
                 opts,
-                ServerOptions { model_name, max_pending, limits: http.limits(), access },
+                ServerOptions { model_name, max_pending, limits: http.limits(), access, tool_parser },
             )?;
             server.run_blocking(addr)?;
             Ok(ExitCode::SUCCESS)

@@ -62,7 +62,7 @@ fn never(_: &Value) -> bool {
 }
 
 const PENALTY: &str = "penalties change the model's distribution; only 0 is accepted";
-const TOOLS: &str = "tools are not supported (describe tools in the messages)";
+const FUNCTIONS: &str = "the deprecated `functions` API is not supported (use `tools`)";
 
 /// Fields both endpoints define.
 pub const COMMON: &[(&str, Rule)] = &[
@@ -105,14 +105,11 @@ pub const CHAT: &[(&str, Rule)] = &[
     ("logprobs", Honoured),
     ("top_logprobs", Honoured),
     ("max_completion_tokens", Honoured),
-    ("tools", Refused { neutral: no_entries, why: TOOLS }),
-    ("tool_choice", Refused { neutral: no_tool, why: "without tools only `none` and `auto` mean anything" }),
-    ("functions", Refused { neutral: no_entries, why: TOOLS }),
-    (
-        "function_call",
-        Refused { neutral: no_tool, why: "without functions only `none` and `auto` mean anything" },
-    ),
-    ("parallel_tool_calls", Ignored(Type::Bool)),
+    ("tools", Honoured),
+    ("tool_choice", Honoured),
+    ("parallel_tool_calls", Honoured),
+    ("functions", Refused { neutral: no_entries, why: FUNCTIONS }),
+    ("function_call", Refused { neutral: no_tool, why: FUNCTIONS }),
     ("modalities", Refused { neutral: |v| *v == json!(["text"]), why: "only [\"text\"] is supported" }),
     ("audio", Refused { neutral: never, why: "audio output is not supported" }),
     ("reasoning_effort", Refused { neutral: never, why: "the model has no reasoning setting" }),
@@ -128,15 +125,16 @@ pub const CHAT: &[(&str, Rule)] = &[
     ("prediction", Ignored(Type::Object)),
 ];
 
-/// Fields of a chat message; the template is given `role` and `content` only.
+/// Fields of a chat message, given to the template as transformers gives them.
 pub const MESSAGE: &[(&str, Rule)] = &[
     ("role", Honoured),
     ("content", Honoured),
-    ("name", Refused { neutral: never, why: "the chat template is given only `role` and `content`" }),
-    ("tool_calls", Refused { neutral: no_entries, why: TOOLS }),
-    ("tool_call_id", Refused { neutral: never, why: TOOLS }),
-    ("function_call", Refused { neutral: never, why: TOOLS }),
-    ("refusal", Refused { neutral: never, why: "the chat template is given only `role` and `content`" }),
+    ("name", Honoured),
+    ("tool_calls", Honoured),
+    ("tool_call_id", Honoured),
+    ("reasoning_content", Honoured),
+    ("function_call", Refused { neutral: never, why: FUNCTIONS }),
+    ("refusal", Refused { neutral: never, why: "the chat template has no place for a refusal" }),
     ("audio", Refused { neutral: never, why: "audio is not supported" }),
 ];
 

@@ -14,7 +14,7 @@ use std::collections::{HashMap, HashSet};
 use mtp_base::tokenizer::Specials;
 use mtp_base::Tokenizer;
 
-use super::ChatTemplate;
+use super::{ChatTemplate, Conversation};
 
 /// A rendered chat ready to tokenize.
 pub enum RenderedChat {
@@ -69,19 +69,17 @@ impl RenderedChat {
 }
 
 impl ChatTemplate {
-    /// Renders `(role, content)` messages so that content cannot produce control tokens.
-    pub fn render_isolated(
-        &self,
-        messages: &[(String, String)],
-        specials: &Specials,
-    ) -> Result<RenderedChat, String> {
-        if !messages.iter().any(|(_, c)| specials.occur_in(c)) {
-            return self.render(messages).map(RenderedChat::Plain);
+    /// Renders a conversation so that no string in it (content, names, arguments, tool
+    /// descriptions) can produce control tokens.
+    pub fn render_isolated(&self, chat: &Conversation, specials: &Specials) -> Result<RenderedChat, String> {
+        let strings = chat.strings();
+        if !strings.iter().any(|s| specials.occur_in(s)) {
+            return self.render(chat).map(RenderedChat::Plain);
         }
-        let mark = sentinel(messages.iter().map(|(_, c)| c.as_str()).chain(specials.iter().map(|(t, _)| t)))
-            .ok_or("message content uses every private-use character; it cannot be told from the template's markup")?;
-        let masked: Vec<(String, String)> =
-            messages.iter().map(|(role, c)| (role.clone(), mask(c, specials, mark))).collect();
+        let mark = sentinel(strings.iter().copied().chain(specials.iter().map(|(t, _)| t))).ok_or(
+            "message content uses every private-use character; it cannot be told from the template's markup",
+        )?;
+        let masked = chat.map_strings(&|s| mask(s, specials, mark));
         let rendered = self.render(&masked)?;
         let texts: HashMap<u32, &str> = specials.iter().map(|(t, id)| (id, t)).collect();
         let mut pieces = Vec::new();

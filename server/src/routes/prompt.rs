@@ -15,14 +15,14 @@ use axum::http::StatusCode;
 use tokio::sync::Semaphore;
 
 use crate::api::ApiError;
+use crate::chat::Conversation;
 use crate::AppState;
 
 /// A prompt as the request gave it.
 pub(crate) enum Source {
     Text(String),
     Ids(Vec<u32>),
-    /// (role, content) of each message.
-    Chat(Vec<(String, String)>),
+    Chat(Conversation),
 }
 
 /// One process-wide limit: tokenizing is CPU work and the cores are the process's,
@@ -64,7 +64,7 @@ pub(crate) async fn tokenize(
         Source::Text(ref t) => t.len(),
         // Content a template would drop (some drop earlier turns' reasoning) still counts:
         // a chat this far over the context is refused without rendering it.
-        Source::Chat(ref m) => m.iter().fold(0usize, |n, (_, c)| n.saturating_add(c.len())),
+        Source::Chat(ref c) => c.strings().iter().fold(0usize, |n, s| n.saturating_add(s.len())),
     };
     fits(app, text_bytes, param, false)?;
     let tok = app.tokenizer.clone().ok_or_else(|| {

@@ -3,6 +3,8 @@
 
 use serde_json::value::RawValue;
 
+use crate::text::longest_suffix_prefix;
+
 use super::{quoted, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
 
 pub struct Hermes;
@@ -105,6 +107,8 @@ fn call(inner: &str, complete: bool) -> Option<PartialCall> {
     let end = after.find('"')?;
     let name = after[..end].to_string();
     let args = after[end + 1..].strip_prefix(", \"arguments\": ").unwrap_or("");
+    // Keep back what may be the start of the call's end, `}\n</tool_call>`.
+    let args = &args[..args.len() - longest_suffix_prefix(args, "}\n</tool_call>")];
     let args = args.trim_end_matches(['}', '\n', ' ']);
     // Keep back the closing braces: they may be the arguments' own or the call's.
     Some(PartialCall { name, arguments: args.to_string(), complete: false })
