@@ -18,7 +18,7 @@ use mtp::drafter::{Drafter, MtpDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingParams};
 use mtp::kernels::negative_control;
 use mtp::model::Model;
-use mtp::server::chat::ChatTemplate;
+use mtp::server::chat::{ChatTemplate, Conversation};
 use mtp::server::{Server, ServerOptions};
 use serde_json::{json, Value};
 
@@ -240,12 +240,8 @@ fn staggered_streams(addr: SocketAddr, stock_matmul: bool) -> (usize, usize) {
     for (i, g) in got.iter().enumerate() {
         let (chat, b, sampling, stop) = body(i);
         let prompt = if chat {
-            let msgs: Vec<(String, String)> = b["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| (m["role"].as_str().unwrap().into(), m["content"].as_str().unwrap().into()))
-                .collect();
+            let msgs =
+                Conversation { messages: b["messages"].as_array().unwrap().clone(), tools: Vec::new() };
             tok.encode_plain(&template.render(&msgs).unwrap()).unwrap()
         } else {
             tok.encode(b["prompt"].as_str().unwrap()).unwrap()

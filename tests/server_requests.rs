@@ -18,7 +18,7 @@ use mtp::base::Tokenizer;
 use mtp::drafter::{Drafter, MtpDrafter};
 use mtp::engine::EngineOptions;
 use mtp::server::api::audit;
-use mtp::server::chat::ChatTemplate;
+use mtp::server::chat::{ChatTemplate, Conversation};
 use mtp::server::{Server, ServerOptions};
 use serde_json::{json, Value};
 
@@ -230,9 +230,9 @@ fn refusals_name_their_field() {
         ),
         (
             "h",
-            json!({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}),
+            json!({"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}),
             400,
-            "messages[0].name",
+            "messages[0].refusal",
             "not supported",
         ),
         (
@@ -272,8 +272,36 @@ fn refusals_name_their_field() {
             "response_format",
             "invalid JSON schema",
         ),
-        ("h", json!({"messages": user(), "tool_choice": "required"}), 400, "tool_choice", "not supported"),
-        ("h", json!({"messages": user(), "tools": [{"type": "function"}]}), 400, "tools", "not supported"),
+        ("h", json!({"messages": user(), "tool_choice": "required"}), 400, "tool_choice", "`tools` is empty"),
+        (
+            "h",
+            json!({"messages": user(), "tools": [{"type": "function"}]}),
+            400,
+            "tools[0].function",
+            "needs a `function`",
+        ),
+        (
+            "h",
+            json!({"messages": user(), "tools": [{"type": "function", "function": {"name": "f"}}],
+                   "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            400,
+            "tool_choice.function.name",
+            "no tool is named `g`",
+        ),
+        (
+            "h",
+            json!({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]}),
+            400,
+            "messages[0].tool_calls",
+            "only assistant messages",
+        ),
+        (
+            "h",
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]}),
+            400,
+            "messages[0].tool_calls[0].function.arguments",
+            "not JSON",
+        ),
         ("h", json!({"messages": user(), "functions": [{}]}), 400, "functions", "not supported"),
         (
             "h",
@@ -395,7 +423,15 @@ fn message_content_cannot_forge_control_tokens() {
         let chat =
             |content: &str| json!({"messages": [{"role": "user", "content": content}], "temperature": 0});
         let old = |content: &str| {
-            tok.encode_plain(&template.render(&[("user".into(), content.into())]).unwrap()).unwrap()
+            tok.encode_plain(
+                &template
+                    .render(&Conversation {
+                        messages: vec![json!({"role": "user", "content": content})],
+                        tools: Vec::new(),
+                    })
+                    .unwrap(),
+            )
+            .unwrap()
         };
         let got = prompt_ids(addr, "/v1/chat/completions", chat(forged));
         let template_controls = if template_dir.is_some() { 3 } else { 0 };

@@ -175,6 +175,17 @@ impl ChatTemplate {
                 None => return Ok(None),
             }
         };
+        let template = ChatTemplate::from_source(
+            source,
+            token_text(config.get("bos_token")),
+            token_text(config.get("eos_token")),
+        )
+        .map_err(|e| anyhow::anyhow!("{}: invalid chat template: {e}", from.display()))?;
+        Ok(Some(template))
+    }
+
+    /// A template from its text, with the tokenizer's BOS and EOS texts.
+    pub fn from_source(source: String, bos_token: String, eos_token: String) -> Result<ChatTemplate, Error> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
@@ -185,14 +196,8 @@ impl ChatTemplate {
             // Templates use it for "today's date" lines; a fixed date keeps prompts reproducible.
             "01 Jan 2026".to_string()
         });
-        env.add_template_owned("chat", source.clone())
-            .with_context(|| format!("{}: invalid chat template", from.display()))?;
-        Ok(Some(ChatTemplate {
-            env,
-            source,
-            bos_token: token_text(config.get("bos_token")),
-            eos_token: token_text(config.get("eos_token")),
-        }))
+        env.add_template_owned("chat", source.clone())?;
+        Ok(ChatTemplate { env, source, bos_token, eos_token })
     }
 
     /// The template's text.
