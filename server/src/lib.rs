@@ -13,6 +13,7 @@ pub mod chat;
 mod metrics;
 pub mod net;
 mod output;
+pub mod reasoning;
 mod routes;
 pub mod text;
 pub mod tools;

@@ -1,0 +1,347 @@
+//! Reasoning: a model family's thinking markup, split from the answer for the chat API's
+//! `reasoning_content`, whole ([`Reasoning::split`]) and streamed ([`ReasoningStream`]).
+//!
+//! Contract: pure functions of one choice's own text; nothing is shared between requests
+//! or choices. A stream fed every prefix of a text (each extending the one before) and
+//! then the finished text sends, concatenated, exactly the reasoning and content that
+//! `split` gives for the finished text (reasoning `None` reads as ""). It never sends part
+//! of a tag, nor text whose side (reasoning or content) or trimming could still change:
+//! it holds back a suffix that may begin a tag, and whitespace that may yet be trimmed.
+//!
+//! The families:
+//! - Qwen3 (also DeepSeek-R1 and others that think in `<think>...</think>`): with a
+//!   `</think>`, the text before it is reasoning (a leading `<think>` dropped, trimmed) and
+//!   the text after it content (leading whitespace dropped). Without one, an output that
+//!   starts (after whitespace) with `<think>` is all reasoning, cut off while thinking;
+//!   any other is all content. Since a later `</think>` turns everything before it into
+//!   reasoning, a stream whose output does not start with `<think>` sends nothing until
+//!   `</think>` comes or the output ends.
+//! - Gemma4: an output that starts (after whitespace) with `<|channel>` is reasoning up to
+//!   `<channel|>`, less the channel's name on its first line (`thought\n`), trimmed; the
+//!   content follows `<channel|>`, leading whitespace dropped. Any other output is content.
+//!
+//! Reasoning that trims to nothing is `None`.
+
+/// A family's reasoning markup.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Reasoning {
+    Qwen3,
+    Gemma4,
+}
+
+impl Reasoning {
+    /// The names [`Reasoning::from_name`] takes.
+    pub const NAMES: [&'static str; 2] = ["qwen3", "gemma4"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Reasoning::Qwen3 => "qwen3",
+            Reasoning::Gemma4 => "gemma4",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Reasoning> {
+        match s {
+            "qwen3" => Some(Reasoning::Qwen3),
+            "gemma4" => Some(Reasoning::Gemma4),
+            _ => None,
+        }
+    }
+
+    /// Recognised from a chat template's markup: `<|channel>` is Gemma4's, `<think>` or
+    /// `</think>` Qwen3's (and DeepSeek-R1's); `None` for a template without either.
+    pub fn detect(template: &str) -> Option<Reasoning> {
+        if template.contains("<|channel>") {
+            Some(Reasoning::Gemma4)
+        } else if template.contains("<think>") || template.contains("</think>") {
+            Some(Reasoning::Qwen3)
+        } else {
+            None
+        }
+    }
+
+    /// (reasoning, content) of a finished output.
+    pub fn split(self, text: &str) -> (Option<String>, String) {
+        let (reasoning, content) = self.parts(text);
+        ((!reasoning.is_empty()).then(|| reasoning.to_string()), content.to_string())
+    }
+
+    /// The opening and closing tags.
+    fn tags(self) -> (&'static str, &'static str) {
+        match self {
+            Reasoning::Qwen3 => ("<think>", "</think>"),
+            Reasoning::Gemma4 => ("<|channel>", "<channel|>"),
+        }
+    }
+
+    /// [`Reasoning::split`] as slices of `text` (reasoning "" for none).
+    fn parts(self, text: &str) -> (&str, &str) {
+        let (open, close) = self.tags();
+        let lead = text.trim_start();
+        match self {
+            Reasoning::Qwen3 => match text.find(close) {
+                Some(at) => {
+                    let before = text[..at].trim_start();
+                    let before = before.strip_prefix(open).unwrap_or(before);
+                    (before.trim(), text[at + close.len()..].trim_start())
+                }
+                None => match lead.strip_prefix(open) {
+                    Some(reasoning) => (reasoning.trim(), ""),
+                    None => ("", text),
+                },
+            },
+            Reasoning::Gemma4 => match lead.strip_prefix(open) {
+                None => ("", text),
+                Some(body) => {
+                    let (inner, content) = match body.find(close) {
+                        Some(at) => (&body[..at], body[at + close.len()..].trim_start()),
+                        None => (body, ""),
+                    };
+                    (after_channel_name(inner).trim(), content)
+                }
+            },
+        }
+    }
+
+    /// What of an unfinished output is sure: a prefix of the reasoning and of the content
+    /// that `parts` gives for every output that extends `text`.
+    fn sure(self, text: &str) -> (&str, &str) {
+        let (open, close) = self.tags();
+        if text.contains(close) && (self == Reasoning::Qwen3 || text.trim_start().starts_with(open)) {
+            // The first close is fixed: the reasoning is whole, the content grows.
+            return self.parts(text);
+        }
+        let lead = text.trim_start();
+        match (self, lead.strip_prefix(open)) {
+            (Reasoning::Qwen3, Some(body)) => (hold_back(body, close).trim(), ""),
+            // A `</think>` may still come and make all of it reasoning.
+            (Reasoning::Qwen3, None) => ("", ""),
+            (Reasoning::Gemma4, Some(body)) => (after_channel_name(hold_back(body, close)).trim(), ""),
+            (Reasoning::Gemma4, None) if open.starts_with(lead) => ("", ""),
+            (Reasoning::Gemma4, None) => ("", text),
+        }
+    }
+}
+
+/// Gemma's channel text less its first line, the channel's name ("" until that line ends).
+fn after_channel_name(inner: &str) -> &str {
+    inner.split_once('\n').map_or("", |(_, rest)| rest)
+}
+
+/// `text` less its longest suffix that begins `tag` (which may yet complete it).
+fn hold_back<'a>(text: &'a str, tag: &str) -> &'a str {
+    (1..tag.len()).rev().find(|&n| text.ends_with(&tag[..n])).map_or(text, |n| &text[..text.len() - n])
+}
+
+/// One choice's streaming split: fed the whole text so far each time, it returns the new
+/// reasoning and content that are safe to send (never part of a tag, never text that
+/// could still turn out to be part of a tag or be trimmed).
+#[derive(Clone, Debug)]
+pub struct ReasoningStream {
+    reasoning: Reasoning,
+    /// Bytes of reasoning and of content sent so far.
+    sent: (usize, usize),
+}
+
+impl ReasoningStream {
+    pub fn new(reasoning: Reasoning) -> Self {
+        ReasoningStream { reasoning, sent: (0, 0) }
+    }
+
+    /// (reasoning_delta, content_delta) for the text so far, which extends the last one
+    /// pushed; `finished` on the last push, which sends all that is left.
+    pub fn push(&mut self, text: &str, finished: bool) -> (String, String) {
+        let (r, c) = if finished { self.reasoning.parts(text) } else { self.reasoning.sure(text) };
+        // Both are prefixes of the final parts, so what was sent is a prefix of each.
+        let delta = |s: &str, sent: &mut usize| {
+            let d = s.get(*sent..).unwrap_or_default().to_string();
+            *sent = (*sent).max(s.len());
+            d
+        };
+        (delta(r, &mut self.sent.0), delta(c, &mut self.sent.1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN: &[&str] = &[
+        "<think>\nLet me add 2 and 2.\n</think>\n\nIt is 4.",
+        "<think>\n\n</think>\n\nHi",
+        "  <think>cut off by max_tokens while thin",
+        "Plain answer, no thinking at all.",
+        "Reasoning without an opening tag (R1 style)\n</think>\n\nAnswer.",
+        "<think>ünïcödé 思考 🎉 <thi </think答え</think>答え 🎉",
+        "<think>a </thinking> b</think>c</think>d",
+        "<thin",
+        "<think>",
+        "",
+        "   \n",
+    ];
+
+    const GEMMA: &[&str] = &[
+        "<|channel>thought\nPondering ✓.\n<channel|>\n\nThe answer.",
+        "<|channel>thought<channel|>Hi",
+        "<|channel>thought\ncut off while thin",
+        "No channel here, <|channel>thought\nx<channel|>y",
+        "<|chan",
+        "  <|channel>thought\nx <channel| y<channel|>z",
+        "<|channel>thought\n\n<channel|>ok 🎉 <channel|> again",
+        "<|channel>thought\n思考 <channel<channel|>答え",
+        "<|channel>",
+    ];
+
+    fn some(s: &str) -> Option<String> {
+        Some(s.to_string())
+    }
+
+    #[test]
+    fn names_and_detection() {
+        for name in Reasoning::NAMES {
+            assert_eq!(Reasoning::from_name(name).unwrap().name(), name);
+        }
+        assert_eq!(Reasoning::from_name("nope"), None);
+        assert_eq!(Reasoning::detect("{{ '<think>\\n' }}"), Some(Reasoning::Qwen3));
+        assert_eq!(Reasoning::detect("{% set c = c.split('</think>')[-1] %}"), Some(Reasoning::Qwen3));
+        assert_eq!(Reasoning::detect("{{ '<|channel>thought\\n' }}"), Some(Reasoning::Gemma4));
+        assert_eq!(Reasoning::detect("{{ messages }}"), None);
+    }
+
+    #[test]
+    fn qwen3_splits() {
+        let q = Reasoning::Qwen3;
+        assert_eq!(q.split(QWEN[0]), (some("Let me add 2 and 2."), "It is 4.".into()));
+        assert_eq!(q.split(QWEN[1]), (None, "Hi".into()));
+        assert_eq!(q.split(QWEN[2]), (some("cut off by max_tokens while thin"), "".into()));
+        assert_eq!(q.split(QWEN[3]), (None, QWEN[3].into()));
+        assert_eq!(q.split(QWEN[4]), (some("Reasoning without an opening tag (R1 style)"), "Answer.".into()));
+        assert_eq!(q.split(QWEN[6]), (some("a </thinking> b"), "c</think>d".into()));
+        assert_eq!(q.split("<thin"), (None, "<thin".into()));
+        assert_eq!(q.split("<think>"), (None, "".into()));
+        assert_eq!(q.split(""), (None, "".into()));
+    }
+
+    #[test]
+    fn gemma4_splits() {
+        let g = Reasoning::Gemma4;
+        assert_eq!(g.split(GEMMA[0]), (some("Pondering ✓."), "The answer.".into()));
+        assert_eq!(g.split(GEMMA[1]), (None, "Hi".into()));
+        assert_eq!(g.split(GEMMA[2]), (some("cut off while thin"), "".into()));
+        assert_eq!(g.split(GEMMA[3]), (None, GEMMA[3].into()));
+        assert_eq!(g.split(GEMMA[4]), (None, "<|chan".into()));
+        assert_eq!(g.split(GEMMA[5]), (some("x <channel| y"), "z".into()));
+        assert_eq!(g.split(GEMMA[6]), (None, "ok 🎉 <channel|> again".into()));
+        assert_eq!(g.split("<think>x</think>y"), (None, "<think>x</think>y".into()));
+    }
+
+    /// Deltas of `stream` over pushes of `text` cut at `cuts` (increasing byte offsets at
+    /// char boundaries), then the finished text; concatenated.
+    fn streamed(r: Reasoning, text: &str, cuts: &[usize], hold: bool) -> (String, String) {
+        let mut stream = ReasoningStream::new(r);
+        let mut naive = (0, 0);
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for (i, &end) in cuts.iter().chain([&text.len()]).enumerate() {
+            let finished = i == cuts.len();
+            let (dr, dc) = if hold {
+                stream.push(&text[..end], finished)
+            } else {
+                naive_push(r, &mut naive, &text[..end])
+            };
+            reasoning += &dr;
+            content += &dc;
+        }
+        (reasoning, content)
+    }
+
+    /// A stream that sends what `split` gives for each prefix as if it were finished,
+    /// holding nothing back: the negative control.
+    fn naive_push(r: Reasoning, sent: &mut (usize, usize), text: &str) -> (String, String) {
+        let (reasoning, content) = r.split(text);
+        let reasoning = reasoning.unwrap_or_default();
+        let dr = reasoning.get(sent.0..).unwrap_or_default().to_string();
+        let dc = content.get(sent.1..).unwrap_or_default().to_string();
+        *sent = (sent.0.max(reasoning.len()), sent.1.max(content.len()));
+        (dr, dc)
+    }
+
+    fn expected(r: Reasoning, text: &str) -> (String, String) {
+        let (reasoning, content) = r.split(text);
+        (reasoning.unwrap_or_default(), content)
+    }
+
+    fn all_texts() -> impl Iterator<Item = (Reasoning, &'static str)> {
+        let families = [Reasoning::Qwen3, Reasoning::Gemma4];
+        families.into_iter().flat_map(|r| QWEN.iter().chain(GEMMA).map(move |t| (r, *t)))
+    }
+
+    fn boundaries(text: &str) -> Vec<usize> {
+        (0..text.len()).filter(|&i| text.is_char_boundary(i)).collect()
+    }
+
+    #[test]
+    fn streaming_every_prefix_matches_split() {
+        for (r, text) in all_texts() {
+            let cuts = boundaries(text);
+            assert_eq!(streamed(r, text, &cuts, true), expected(r, text), "{r:?} {text:?}");
+            // One cut anywhere, and one push only.
+            for &cut in &cuts {
+                assert_eq!(streamed(r, text, &[cut], true), expected(r, text), "{r:?} {text:?} at {cut}");
+            }
+            assert_eq!(streamed(r, text, &[], true), expected(r, text));
+        }
+    }
+
+    #[test]
+    fn streaming_random_chunks_match_split() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (r, text) in all_texts() {
+            let bounds = boundaries(text);
+            for _ in 0..50 {
+                let cuts: Vec<usize> = bounds.iter().copied().filter(|_| next() % 3 == 0).collect();
+                assert_eq!(streamed(r, text, &cuts, true), expected(r, text), "{r:?} {text:?} {cuts:?}");
+            }
+        }
+    }
+
+    /// The stream sends as it goes, not only at the end: reasoning while thinking, the
+    /// answer after the close, never a piece of a tag.
+    #[test]
+    fn streaming_sends_early_and_never_a_partial_tag() {
+        let mut s = ReasoningStream::new(Reasoning::Qwen3);
+        assert_eq!(s.push("<think>\nAdd", false), ("Add".into(), "".into()));
+        assert_eq!(s.push("<think>\nAdd them. </th", false), (" them.".into(), "".into()));
+        assert_eq!(s.push("<think>\nAdd them. </think>\n\nIt", false), ("".into(), "It".into()));
+        assert_eq!(s.push("<think>\nAdd them. </think>\n\nIt is 4.", true), ("".into(), " is 4.".into()));
+        let mut s = ReasoningStream::new(Reasoning::Gemma4);
+        assert_eq!(s.push("<|channel>though", false), ("".into(), "".into()));
+        assert_eq!(s.push("<|channel>thought\nHm <chann", false), ("Hm".into(), "".into()));
+        assert_eq!(s.push("<|channel>thought\nHm <channel|>Yes", false), ("".into(), "Yes".into()));
+        // Output that cannot be reasoning streams as content at once.
+        let mut s = ReasoningStream::new(Reasoning::Gemma4);
+        assert_eq!(s.push("Hello", false), ("".into(), "Hello".into()));
+        // Qwen3 without `<think>`: held, as a later `</think>` would make it reasoning.
+        let mut s = ReasoningStream::new(Reasoning::Qwen3);
+        assert_eq!(s.push("Hello", false), ("".into(), "".into()));
+        assert_eq!(s.push("Hello there", true), ("".into(), "Hello there".into()));
+    }
+
+    /// Negative control: a stream that does not hold back partial tags and trimmable
+    /// whitespace sends text that `split` of the finished output leaves out.
+    #[test]
+    fn naive_streaming_breaks_the_property() {
+        let broken: Vec<_> = all_texts()
+            .filter(|&(r, text)| streamed(r, text, &boundaries(text), false) != expected(r, text))
+            .collect();
+        assert!(!broken.is_empty());
+        let text = QWEN[0];
+        let (reasoning, _) = streamed(Reasoning::Qwen3, text, &boundaries(text), false);
+        assert!(reasoning.contains("</"), "{reasoning:?}");
+    }
+}
