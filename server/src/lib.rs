@@ -37,6 +37,7 @@ use crate::access::{Access, Gate};
 use crate::api::ApiError;
 use crate::chat::ChatTemplate;
 use crate::net::Limits;
+use crate::reasoning::Reasoning;
 use crate::tools::ToolSyntax;
 use crate::worker::{Gauges, Job, MakeDrafter};
 
@@ -54,6 +55,9 @@ pub struct ServerOptions {
     /// The tool-call syntax: `auto` (from the chat template's markup), `none`, or one of
     /// [`tools::SYNTAXES`].
     pub tool_parser: String,
+    /// The reasoning markup: `auto` (from the chat template), `none`, or one of
+    /// [`reasoning::Reasoning::NAMES`].
+    pub reasoning_parser: String,
 }
 
 impl Default for ServerOptions {
@@ -64,6 +68,7 @@ impl Default for ServerOptions {
             limits: Limits::default(),
             access: Access::default(),
             tool_parser: "auto".into(),
+            reasoning_parser: "auto".into(),
         }
     }
 }
@@ -75,6 +80,8 @@ pub struct AppState {
     template: Option<ChatTemplate>,
     /// How this model writes tool calls (none: requests asking for calls are refused).
     tool_syntax: Option<Box<dyn ToolSyntax>>,
+    /// How replies' reasoning is marked (none: all of a reply is content).
+    reasoning: Option<Reasoning>,
     /// Special tokens decoded as text for the parsers (the syntaxes' markers).
     markers: Vec<u32>,
     model_name: String,
@@ -128,9 +135,21 @@ impl Server {
             tracing::warn!("{}: no chat template; /v1/chat/completions will refuse requests", dir.display());
         }
         let tool_syntax = tools::choose(&opts.tool_parser, template.as_ref().map(ChatTemplate::source))?;
-        let markers = match (&tool_syntax, &tokenizer) {
-            (Some(s), Some(tok)) => tools::marker_ids(s.as_ref(), tok),
-            _ => Vec::new(),
+        let source = template.as_ref().map(ChatTemplate::source);
+        let reasoning = match opts.reasoning_parser.as_str() {
+            "none" => None,
+            "auto" => source.and_then(Reasoning::detect),
+            name => Some(Reasoning::from_name(name).with_context(|| {
+                format!("--reasoning-parser {name}: not one of auto, none, {}", Reasoning::NAMES.join(", "))
+            })?),
+        };
+        let mut markers: Vec<&str> = tool_syntax.as_deref().map(tools::markers).unwrap_or_default().to_vec();
+        if let Some(r) = reasoning {
+            markers.extend(r.markers());
+        }
+        let markers = match &tokenizer {
+            Some(tok) => markers.iter().filter_map(|m| tools::special_id(tok, m)).collect(),
+            None => Vec::new(),
         };
         let (context, vocab) = (model.max_positions(), model.config.vocab_size);
         let gauges = Arc::new(Mutex::new(Gauges::default()));
@@ -143,6 +162,7 @@ impl Server {
                 tokenizer,
                 template,
                 tool_syntax,
+                reasoning,
                 markers,
                 model_name: opts.model_name,
                 context,

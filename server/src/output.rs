@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::api::ApiError;
+use crate::reasoning::ReasoningStream;
 use crate::routes::{now, Kind, PendingSlots, Plan};
 use crate::text::TextState;
 use crate::tools::{self, stream::CallStream};
@@ -50,7 +51,7 @@ impl Choice {
 
 /// The special tokens a plan's parsers must see as text.
 fn kept(app: &AppState, plan: &Plan) -> Vec<u32> {
-    if plan.tool_calls {
+    if plan.tool_calls || plan.reasoning.is_some() {
         app.markers.clone()
     } else {
         Vec::new()
@@ -65,12 +66,20 @@ fn call_id(app: &AppState) -> String {
 
 /// A finished chat reply: its message and whether it made calls.
 fn chat_message(app: &AppState, plan: &Plan, text: String) -> (Value, bool) {
+    let (reasoning, text) = match plan.reasoning {
+        Some((r, true)) => r.split(&format!("{}{text}", r.open_tag())),
+        Some((r, false)) => r.split(&text),
+        None => (None, text),
+    };
     let syntax = app.tool_syntax.as_deref().filter(|_| plan.tool_calls);
     let parsed = match syntax {
         Some(s) => tools::parse(s, &text),
         None => tools::Parsed { content: text, calls: Vec::new() },
     };
     let mut message = json!({"role": "assistant", "content": parsed.content});
+    if let Some(r) = reasoning {
+        message["reasoning_content"] = json!(r);
+    }
     if parsed.calls.is_empty() {
         return (message, false);
     }
@@ -226,6 +235,9 @@ struct Streaming {
     texts: Vec<TextState>,
     /// Each choice's tool calls so far (when the plan parses them).
     calls: Vec<CallStream>,
+    /// Each choice's reasoning split and the content it has handed out (when the plan
+    /// splits reasoning).
+    reasoning: Vec<(Option<ReasoningStream>, String)>,
     open: usize,
     id: String,
     created: u64,
@@ -252,6 +264,9 @@ pub(crate) fn stream_response(
         created: now(),
         texts: (0..plan.n).map(|_| TextState::new(plan.stop.clone()).keeping(kept(&app, &plan))).collect(),
         calls: (0..plan.n).map(|_| CallStream::default()).collect(),
+        reasoning: (0..plan.n)
+            .map(|_| (plan.reasoning.map(|(r, _)| ReasoningStream::new(r)), String::new()))
+            .collect(),
         open: plan.n,
         _slots: slots,
         app,
@@ -329,14 +344,25 @@ impl Streaming {
         v
     }
 
-    /// Choice `i`'s new text and tool-call deltas.
-    fn deltas(&mut self, i: usize, finished: bool) -> (String, Vec<Value>) {
-        let Some(tok) = self.app.tokenizer.clone() else { return (String::new(), Vec::new()) };
+    /// Choice `i`'s new reasoning, content and tool-call deltas.
+    fn deltas(&mut self, i: usize, finished: bool) -> (String, String, Vec<Value>) {
+        let Some(tok) = self.app.tokenizer.clone() else { return Default::default() };
         let syntax = self.app.tool_syntax.as_deref().filter(|_| self.plan.tool_calls);
-        let Some(syntax) = syntax else { return (self.texts[i].delta(&tok, finished), Vec::new()) };
+        let (stream, content) = &mut self.reasoning[i];
+        if syntax.is_none() && stream.is_none() {
+            return (String::new(), self.texts[i].delta(&tok, finished), Vec::new());
+        }
         let (text, safe) = self.texts[i].visible(&tok, finished);
+        let (reasoning, new) = match (stream, self.plan.reasoning) {
+            (Some(s), Some((r, true))) => s.push(&format!("{}{}", r.open_tag(), &text[..safe]), finished),
+            (Some(s), _) => s.push(&text[..safe], finished),
+            (None, _) => (String::new(), text[..safe].to_string()),
+        };
+        content.push_str(&new);
+        let Some(syntax) = syntax else { return (reasoning, new, Vec::new()) };
         let app = self.app.clone();
-        self.calls[i].push(syntax, &text[..safe], finished, &mut || call_id(&app))
+        let (text, calls) = self.calls[i].push(syntax, content, finished, &mut || call_id(&app));
+        (reasoning, text, calls)
     }
 
     /// The SSE events for the next update (several at the end of the stream).
@@ -351,16 +377,22 @@ impl Streaming {
         match update {
             Update::Token { token, logprob, top } => {
                 self.texts[i].push(token);
-                let (text, calls) = self.deltas(i, false);
-                let choice = self.choice_delta(i, text, calls, &[token], &[logprob], &[top], None);
+                let (reasoning, text, calls) = self.deltas(i, false);
+                let mut choice = self.choice_delta(i, text, calls, &[token], &[logprob], &[top], None);
+                if !reasoning.is_empty() {
+                    choice["delta"]["reasoning_content"] = json!(reasoning);
+                }
                 out.push(data(self.chunk(json!([choice]))));
             }
             Update::Finished(reason) => {
-                let (text, calls) = self.deltas(i, true);
+                let (reasoning, text, calls) = self.deltas(i, true);
                 let made_calls = self.calls[i].made_calls();
-                if !calls.is_empty() {
-                    // The last calls' text first, then the finish on its own chunk.
-                    let choice = self.choice_delta(i, text, calls, &[], &[], &[], None);
+                if !calls.is_empty() || !reasoning.is_empty() {
+                    // The last reasoning and calls first, then the finish on its own chunk.
+                    let mut choice = self.choice_delta(i, text, calls, &[], &[], &[], None);
+                    if !reasoning.is_empty() {
+                        choice["delta"]["reasoning_content"] = json!(reasoning);
+                    }
                     out.push(data(self.chunk(json!([choice]))));
                     let choice = self.choice_delta(
                         i,

@@ -9,13 +9,12 @@
 //! it holds back a suffix that may begin a tag, and whitespace that may yet be trimmed.
 //!
 //! The families:
-//! - Qwen3 (also DeepSeek-R1 and others that think in `<think>...</think>`): with a
-//!   `</think>`, the text before it is reasoning (a leading `<think>` dropped, trimmed) and
-//!   the text after it content (leading whitespace dropped). Without one, an output that
-//!   starts (after whitespace) with `<think>` is all reasoning, cut off while thinking;
-//!   any other is all content. Since a later `</think>` turns everything before it into
-//!   reasoning, a stream whose output does not start with `<think>` sends nothing until
-//!   `</think>` comes or the output ends.
+//! - Qwen3 (also DeepSeek-R1 and others that think in `<think>...</think>`): an output
+//!   that starts (after whitespace) with `<think>` is reasoning up to `</think>`, trimmed,
+//!   and content after it (leading whitespace dropped); without the `</think>` it is all
+//!   reasoning, cut off while thinking. Any other output is content. A template that opens
+//!   the think block in the prompt (R1, Qwen3 thinking models) is handled by the caller,
+//!   which reads the output as if it began with the open tag ([`Reasoning::opened_by`]).
 //! - Gemma4: an output that starts (after whitespace) with `<|channel>` is reasoning up to
 //!   `<channel|>`, less the channel's name on its first line (`thought\n`), trimmed; the
 //!   content follows `<channel|>`, leading whitespace dropped. Any other output is content.
@@ -60,6 +59,24 @@ impl Reasoning {
         }
     }
 
+    /// Whether a rendered prompt leaves a reasoning block open (its last opening tag has
+    /// no closing tag after it): the output then starts inside it.
+    pub fn opened_by(self, prompt: &str) -> bool {
+        let (open, close) = self.tags();
+        prompt.rfind(open).is_some_and(|at| !prompt[at..].contains(close))
+    }
+
+    /// The tags, which tokenizers may hold as special tokens a parser must see.
+    pub fn markers(self) -> [&'static str; 2] {
+        let (open, close) = self.tags();
+        [open, close]
+    }
+
+    /// The opening tag (prefixed to an output that starts inside the block).
+    pub fn open_tag(self) -> &'static str {
+        self.tags().0
+    }
+
     /// (reasoning, content) of a finished output.
     pub fn split(self, text: &str) -> (Option<String>, String) {
         let (reasoning, content) = self.parts(text);
@@ -77,29 +94,19 @@ impl Reasoning {
     /// [`Reasoning::split`] as slices of `text` (reasoning "" for none).
     fn parts(self, text: &str) -> (&str, &str) {
         let (open, close) = self.tags();
-        let lead = text.trim_start();
+        let Some(body) = text.trim_start().strip_prefix(open) else { return ("", text) };
+        let (inner, content) = match body.find(close) {
+            Some(at) => (&body[..at], body[at + close.len()..].trim_start()),
+            None => (body, ""),
+        };
+        (self.without_channel_name(inner).trim(), content)
+    }
+
+    /// Gemma's reasoning less its channel's name (Qwen3's as it is).
+    fn without_channel_name(self, inner: &str) -> &str {
         match self {
-            Reasoning::Qwen3 => match text.find(close) {
-                Some(at) => {
-                    let before = text[..at].trim_start();
-                    let before = before.strip_prefix(open).unwrap_or(before);
-                    (before.trim(), text[at + close.len()..].trim_start())
-                }
-                None => match lead.strip_prefix(open) {
-                    Some(reasoning) => (reasoning.trim(), ""),
-                    None => ("", text),
-                },
-            },
-            Reasoning::Gemma4 => match lead.strip_prefix(open) {
-                None => ("", text),
-                Some(body) => {
-                    let (inner, content) = match body.find(close) {
-                        Some(at) => (&body[..at], body[at + close.len()..].trim_start()),
-                        None => (body, ""),
-                    };
-                    (after_channel_name(inner).trim(), content)
-                }
-            },
+            Reasoning::Qwen3 => inner,
+            Reasoning::Gemma4 => after_channel_name(inner),
         }
     }
 
@@ -107,18 +114,14 @@ impl Reasoning {
     /// that `parts` gives for every output that extends `text`.
     fn sure(self, text: &str) -> (&str, &str) {
         let (open, close) = self.tags();
-        if text.contains(close) && (self == Reasoning::Qwen3 || text.trim_start().starts_with(open)) {
-            // The first close is fixed: the reasoning is whole, the content grows.
-            return self.parts(text);
-        }
         let lead = text.trim_start();
-        match (self, lead.strip_prefix(open)) {
-            (Reasoning::Qwen3, Some(body)) => (hold_back(body, close).trim(), ""),
-            // A `</think>` may still come and make all of it reasoning.
-            (Reasoning::Qwen3, None) => ("", ""),
-            (Reasoning::Gemma4, Some(body)) => (after_channel_name(hold_back(body, close)).trim(), ""),
-            (Reasoning::Gemma4, None) if open.starts_with(lead) => ("", ""),
-            (Reasoning::Gemma4, None) => ("", text),
+        match lead.strip_prefix(open) {
+            // The first close is fixed: the reasoning is whole, the content grows.
+            Some(body) if body.contains(close) => self.parts(text),
+            Some(body) => (self.without_channel_name(hold_back(body, close)).trim(), ""),
+            // The opening tag may still be coming.
+            None if open.starts_with(lead) => ("", ""),
+            None => ("", text),
         }
     }
 }
@@ -215,7 +218,14 @@ mod tests {
         assert_eq!(q.split(QWEN[1]), (None, "Hi".into()));
         assert_eq!(q.split(QWEN[2]), (some("cut off by max_tokens while thin"), "".into()));
         assert_eq!(q.split(QWEN[3]), (None, QWEN[3].into()));
-        assert_eq!(q.split(QWEN[4]), (some("Reasoning without an opening tag (R1 style)"), "Answer.".into()));
+        // Without the opening tag it is content; a prompt that opened the block is read
+        // with the tag put back (`opened_by`).
+        assert_eq!(q.split(QWEN[4]), (None, QWEN[4].into()));
+        assert!(q.opened_by("<|im_start|>assistant\n<think>\n"));
+        assert!(!q.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+        assert!(!q.opened_by("<|im_start|>assistant\n"));
+        let opened = format!("{}{}", q.open_tag(), QWEN[4]);
+        assert_eq!(q.split(&opened), (some("Reasoning without an opening tag (R1 style)"), "Answer.".into()));
         assert_eq!(q.split(QWEN[6]), (some("a </thinking> b"), "c</think>d".into()));
         assert_eq!(q.split("<thin"), (None, "<thin".into()));
         assert_eq!(q.split("<think>"), (None, "".into()));
@@ -326,10 +336,12 @@ mod tests {
         // Output that cannot be reasoning streams as content at once.
         let mut s = ReasoningStream::new(Reasoning::Gemma4);
         assert_eq!(s.push("Hello", false), ("".into(), "Hello".into()));
-        // Qwen3 without `<think>`: held, as a later `</think>` would make it reasoning.
+        // Qwen3 without `<think>` streams as content at once; `<thi` is held.
         let mut s = ReasoningStream::new(Reasoning::Qwen3);
-        assert_eq!(s.push("Hello", false), ("".into(), "".into()));
-        assert_eq!(s.push("Hello there", true), ("".into(), "Hello there".into()));
+        assert_eq!(s.push("<thi", false), ("".into(), "".into()));
+        let mut s = ReasoningStream::new(Reasoning::Qwen3);
+        assert_eq!(s.push("Hello", false), ("".into(), "Hello".into()));
+        assert_eq!(s.push("Hello there", true), ("".into(), " there".into()));
     }
 
     /// Negative control: a stream that does not hold back partial tags and trimmable

@@ -24,6 +24,7 @@ use crate::api::{self, audit, ApiError, ChatRequest, Common, CompletionRequest};
 use crate::body::LimitedBody;
 use crate::chat::Conversation;
 use crate::output::{collect, stream_response};
+use crate::reasoning::Reasoning;
 use crate::tools::{self, ToolChoice};
 use crate::worker::{Job, Update};
 use crate::AppState;
@@ -57,6 +58,9 @@ pub(crate) struct Plan {
     /// Whether the output is parsed for tool calls (chat with tools and a choice other
     /// than `none`).
     pub(crate) tool_calls: bool,
+    /// How a chat reply's reasoning is split from its content, and whether the prompt
+    /// left the reasoning block open (the reply starts inside it).
+    pub(crate) reasoning: Option<(Reasoning, bool)>,
 }
 
 /// What a chat request's tools ask for.
@@ -118,6 +122,12 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let prompt = prompt::tokenize(app, source, param).await?;
     fit(app, &mut plan, prompt, asked)?;
+    if let (Kind::Chat, Some(r), Some(tok)) = (kind, app.reasoning, &app.tokenizer) {
+        // The prompt's end tells whether the template opened the reasoning block.
+        let tail = &plan.prompt[plan.prompt.len().saturating_sub(32)..];
+        let text = tok.decode_keeping(tail, &app.markers).unwrap_or_default();
+        plan.reasoning = Some((r, r.opened_by(&text)));
+    }
     let (receivers, slots) = submit(app, &plan).await?;
     if plan.stream {
         Ok(stream_response(app.clone(), plan, receivers, slots).into_response())
@@ -310,6 +320,7 @@ fn plan(
         ignore_eos: c.ignore_eos.unwrap_or(false),
         constraint: c.response_format.as_ref().map(response_format).transpose()?.flatten(),
         tool_calls: false,
+        reasoning: None,
     };
     let mut plan = plan;
     if let Some(ToolPlan { grammar: Some(g) }) = tools {

@@ -143,11 +143,6 @@ pub fn markers(syntax: &dyn ToolSyntax) -> &'static [&'static str] {
     }
 }
 
-/// The ids of the special tokens among the syntax's markers.
-pub fn marker_ids(syntax: &dyn ToolSyntax, tok: &mtp_base::Tokenizer) -> Vec<u32> {
-    markers(syntax).iter().filter_map(|m| special_id(tok, m)).collect()
-}
-
 /// The id of the special token whose text is exactly `text`.
 pub fn special_id(tok: &mtp_base::Tokenizer, text: &str) -> Option<u32> {
     tok.specials().iter().find(|(t, _)| *t == text).map(|(_, id)| id)

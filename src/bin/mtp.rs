@@ -80,6 +80,10 @@ enum Command {
         /// (tool calls off), hermes (Qwen 2.5/3, Hermes), llama3-json, gemma4.
         #[arg(long, default_value = "auto")]
         tool_parser: String,
+        /// How replies mark their reasoning (split into `reasoning_content`): auto (from the
+        /// chat template's markup), none, qwen3 (`<think>`), gemma4 (`<|channel>`).
+        #[arg(long, default_value = "auto")]
+        reasoning_parser: String,
     },
     /// Writes an HF-layout checkpoint with random weights in the shape of a known model.
     /// For Gemma 4, --layers keeps the sliding/full pattern and the share of KV-shared
@@ -541,6 +545,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             http,
             sampling,
             tool_parser,
+            reasoning_parser,
         } => {
             let sampling_mode = SamplingMode::parse(&sampling).map_err(anyhow::Error::msg)?;
             let access = http.access()?;
@@ -577,7 +582,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 tokenizer.map(Arc::new),
                 make,
                 opts,
-                ServerOptions { model_name, max_pending, limits: http.limits(), access, tool_parser },
+                ServerOptions {
+                    model_name,
+                    max_pending,
+                    limits: http.limits(),
+                    access,
+                    tool_parser,
+                    reasoning_parser,
+                },
             )?;
             server.run_blocking(addr)?;
             Ok(ExitCode::SUCCESS)

@@ -51,9 +51,11 @@ impl ToolSyntax for Gemma4 {
         match choice {
             ToolChoice::Auto if open.starts_with('"') => {
                 // Free text that never holds the trigger; or text up to the trigger, then calls.
-                g.push_str(&format!("start: PLAIN | pre body{more}\n"));
+                // PRE is one terminal: a `stop=` lexeme would refuse a token that runs past
+                // the trigger into the call.
+                g.push_str(&format!("start: PLAIN | PRE body{more}\n"));
                 g.push_str(&format!("PLAIN: /(.|\\n)*/ & ~/(.|\\n)*{}(.|\\n)*/\n", regex_escape(OPEN)));
-                g.push_str(&format!("pre[stop={}]: /(.|\\n)*/\n", quoted(OPEN)));
+                g.push_str(&format!("PRE: PLAIN {open}\n"));
             }
             // A special token: text cannot spell it, so free text ends where it comes.
             ToolChoice::Auto => {

@@ -38,9 +38,11 @@ impl ToolSyntax for Hermes {
         match choice {
             ToolChoice::Auto if open.starts_with('"') => {
                 // Free text that never holds the trigger; or text up to the trigger, then calls.
-                g.push_str(&format!("start: PLAIN | pre body{more}\n"));
+                // PRE is one terminal: a `stop=` lexeme would refuse a token that runs past
+                // the trigger into the call (`>\n` is one token in many vocabularies).
+                g.push_str(&format!("start: PLAIN | PRE body{more}\n"));
                 g.push_str("PLAIN: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n");
-                g.push_str("pre[stop=\"<tool_call>\"]: /(.|\\n)*/\n");
+                g.push_str(&format!("PRE: PLAIN {open}\n"));
             }
             // A special token: text cannot spell it, so free text ends where it comes.
             ToolChoice::Auto => {
