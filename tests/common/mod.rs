@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod invariance;
 
 use std::path::{Path, PathBuf};
