@@ -10,7 +10,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp_engine::{generate, Completion, DraftLen, Engine, EngineOptions, Request, SamplingMode, SpecStats};
+use mtp_engine::{
+    generate, Completion, Constraint, DraftLen, Engine, EngineOptions, Request, SamplingMode, SpecStats,
+};
 use mtp_model::Model;
 use serde::Serialize;
 
@@ -136,9 +138,30 @@ impl Run {
     }
 }
 
+/// A `--constraint` value: `none`, `json_object`, `json_schema:FILE` or `regex:RX`, as
+/// (label, constraint).
+pub fn parse_constraint(spec: &str) -> Result<(String, Option<Constraint>)> {
+    let c = match spec.split_once(':') {
+        None if spec == "none" => None,
+        None if spec == "json_object" => Some(Constraint::JsonObject),
+        Some(("regex", rx)) => Some(Constraint::Regex(rx.to_string())),
+        Some(("json_schema", file)) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("--constraint {spec}: cannot read {file}"))?;
+            let schema = serde_json::from_str(&text)
+                .with_context(|| format!("--constraint {spec}: {file} is not JSON"))?;
+            Some(Constraint::JsonSchema(schema))
+        }
+        _ => bail!("--constraint {spec}: not none, json_object, json_schema:FILE or regex:RX"),
+    };
+    Ok((spec.to_string(), c))
+}
+
 /// Runs every request to completion (all arriving at once) and times the whole run.
+/// `tokenizer` compiles the requests' constraints (when they have any).
 pub fn run(
     model: &Model,
+    tokenizer: Option<&Tokenizer>,
     drafter: Option<Box<dyn Drafter + '_>>,
     requests: &[Request],
     batch: usize,
@@ -147,6 +170,9 @@ pub fn run(
 ) -> Result<Run> {
     let opts = EngineOptions { max_batch: batch, k, sampling_mode, ..EngineOptions::default() };
     let mut engine = Engine::new(model, drafter, opts)?;
+    if let Some(tok) = tokenizer {
+        engine = engine.with_tokenizer(tok);
+    }
     let t0 = Instant::now();
     let results = generate(&mut engine, requests, &[], |_, _| {});
     let seconds = t0.elapsed().as_secs_f64();
@@ -166,6 +192,8 @@ pub struct RequestDetail {
 /// One table row.
 #[derive(Serialize)]
 pub struct Row {
+    /// What every request's output is constrained to (`none`: free text).
+    pub constraint: String,
     pub drafter: String,
     /// `auto` (adaptive) or the fixed draft length; `0` for plain decoding.
     pub k: String,
@@ -199,6 +227,7 @@ pub struct Row {
 
 /// What a row is compared with and how it sampled.
 pub struct Setting<'a> {
+    pub constraint: &'a str,
     pub temperature: f32,
     pub sampling: &'a str,
     pub reference: Option<&'a [Completion]>,
@@ -234,6 +263,7 @@ impl Row {
         let s = &run.stats;
         let per_round = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.rounds.max(1) as f64;
         Row {
+            constraint: setting.constraint.to_string(),
             drafter: drafter.to_string(),
             k: k.to_string(),
             mean_k: s.mean_drafted(),
@@ -286,14 +316,15 @@ pub fn same(a: &Completion, b: &Completion) -> bool {
 /// The Markdown table of all rows.
 pub fn markdown(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| sampling | drafter | k (mean) | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| constraint | sampling | drafter | k (mean) | batch | acceptance | mean accepted length | per-position acceptance | tokens/s | speedup | draft ms/round | verify ms/round | identical |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let pos: Vec<String> = r.per_position_acceptance.iter().map(|p| format!("{p:.2}")).collect();
         let dash = r.drafter == "none";
         s += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} |\n",
+            r.constraint,
             if r.sampling == "greedy" {
                 "greedy".to_string()
             } else {

@@ -334,3 +334,52 @@ fn the_openai_python_client_drives_tools_and_reasoning() {
         }
     }
 }
+
+/// The bounded load run: 500 tool-calling requests (50 distinct bodies, each sent 10
+/// times, half of them streamed) at concurrency 64 on loopback. 0 malformed calls (every
+/// reply is one call valid for its schema, every streamed chunk complete), 0 leaks
+/// (every reply equals its own body's reply alone, and the bodies' replies differ).
+#[test]
+fn five_hundred_tool_calls_at_concurrency_64() {
+    let addr = start(None);
+    let body = |j: usize, stream: bool| -> Value {
+        let mut b = scenario_request(j);
+        b["messages"][0]["content"] = json!(format!("Load {j}: the weather in city {j}?"));
+        b["stream"] = json!(stream);
+        b["max_tokens"] = json!(64);
+        b
+    };
+    let alone: Vec<Reply> = (0..50).map(|j| ask(addr, &body(j, false))).collect();
+    let distinct: std::collections::HashSet<String> =
+        alone.iter().map(|r| format!("{:?}", r.tokens)).collect();
+    assert!(distinct.len() > 25, "the bodies' replies are too alike to show a leak: {}", distinct.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..64)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut bad = Vec::new();
+                    loop {
+                        let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if n >= 500 {
+                            return bad;
+                        }
+                        let (j, stream) = (n % 50, n % 2 == 1);
+                        let got = ask(addr, &body(j, stream));
+                        let valid = got.calls.len() == 1 && valid_call(&got.calls[0].0, &got.calls[0].1);
+                        if !valid || got != alone[j] {
+                            bad.push(format!("request {n} (body {j}, stream {stream}): {got:?}"));
+                        }
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} of 500 differ or are malformed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

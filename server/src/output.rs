@@ -356,7 +356,11 @@ impl Streaming {
         let (reasoning, new) = match (stream, self.plan.reasoning) {
             (Some(s), Some((r, true))) => s.push(&format!("{}{}", r.open_tag(), &text[..safe]), finished),
             (Some(s), _) => s.push(&text[..safe], finished),
-            (None, _) => (String::new(), text[..safe].to_string()),
+            (None, _) => {
+                // No reasoning: the content is the text so far.
+                content.clear();
+                (String::new(), text[..safe].to_string())
+            }
         };
         content.push_str(&new);
         let Some(syntax) = syntax else { return (reasoning, new, Vec::new()) };

@@ -11,7 +11,8 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use mtp::base::Tokenizer;
 use mtp::bench::{
-    markdown, median_tps, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Run, Setting,
+    markdown, median_tps, parse_constraint, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Run,
+    Setting,
 };
 use mtp::engine::{Completion, DraftLen, Request, SamplingMode, SamplingParams};
 use mtp::kernels::Backend;
@@ -77,6 +78,11 @@ struct Cli {
     /// noisy) and every run must be identical.
     #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
     repeats: usize,
+    /// Output constraints to try, each on every request: none, json_object,
+    /// json_schema:FILE, regex:RX (grammar masks through llguidance; the plain rows of
+    /// each give the masks' cost per token beside `none`'s).
+    #[arg(long, default_value = "none", value_delimiter = ',')]
+    constraint: Vec<String>,
     /// Also write every number and per-request details here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -156,9 +162,15 @@ fn bench(cli: Cli) -> Result<bool> {
         .into_iter()
         .map(|d| DrafterFactory::new(d, &target_dir, &model))
         .collect::<Result<Vec<_>>>()?;
+    let constraints = cli.constraint.iter().map(|c| parse_constraint(c)).collect::<Result<Vec<_>>>()?;
+    if constraints.iter().any(|(_, c)| c.is_some()) && tokenizer.is_none() {
+        bail!("--constraint needs the target's tokenizer.json");
+    }
     let settings: usize = cli.temperatures.iter().map(|&t| if t == 0.0 { 1 } else { modes.len() }).sum();
-    let runs =
-        cli.repeats * cli.batch.len() * (cli.temperatures.len() + settings * factories.len() * cli.k.len());
+    let runs = constraints.len()
+        * cli.repeats
+        * cli.batch.len()
+        * (cli.temperatures.len() + settings * factories.len() * cli.k.len());
     let bar = ProgressBar::new(runs as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),
@@ -172,12 +184,16 @@ fn bench(cli: Cli) -> Result<bool> {
         cli.max_tokens
     );
     let mut rows = Vec::new();
-    for &temperature in &cli.temperatures {
+    let tok = tokenizer.as_ref();
+    for ((label, constraint), &temperature) in
+        constraints.iter().flat_map(|c| cli.temperatures.iter().map(move |t| (c, t)))
+    {
         let requests: Vec<Request> = requests
             .iter()
             .enumerate()
             .map(|(i, r)| Request {
                 sampling: SamplingParams { temperature, seed: i as u64, ..SamplingParams::default() },
+                constraint: constraint.clone(),
                 ..r.clone()
             })
             .collect();
@@ -197,7 +213,7 @@ fn bench(cli: Cli) -> Result<bool> {
             // Every config runs once per repeat, in turn, so slow spells hit all alike.
             let mut plain_runs = Vec::new();
             let mut runs: Vec<Vec<Run>> = configs.iter().map(|_| Vec::new()).collect();
-            let plain = || run(&model, None, &requests, batch, DraftLen::Fixed(0), SamplingMode::Exact);
+            let plain = || run(&model, tok, None, &requests, batch, DraftLen::Fixed(0), SamplingMode::Exact);
             for rep in 0..cli.repeats {
                 // Slot 0 is plain decoding; each repeat starts one slot later, so no setting
                 // always runs first (a noisy machine drifts within a repeat too).
@@ -221,14 +237,28 @@ fn bench(cli: Cli) -> Result<bool> {
                     // replays) has run before any drafter.
                     let reference = reference.as_deref().unwrap_or(&plain_runs[0].completions);
                     let drafter = f.make(&model, &requests, reference)?;
-                    runs[c].push(run(&model, Some(drafter), &requests, batch, k.with_max(cli.max_k), mode)?);
+                    runs[c].push(run(
+                        &model,
+                        tok,
+                        Some(drafter),
+                        &requests,
+                        batch,
+                        k.with_max(cli.max_k),
+                        mode,
+                    )?);
                     bar.inc(1);
                 }
             }
             let reference = &*reference.get_or_insert_with(|| plain_runs[0].completions.clone());
-            let label = if temperature == 0.0 { "greedy" } else { "plain" };
+            let plain_label = if temperature == 0.0 { "greedy" } else { "plain" };
             let plain_tps = median_tps(&plain_runs);
-            let setting = Setting { temperature, sampling: label, reference: Some(reference), plain_tps };
+            let setting = Setting {
+                constraint: label,
+                temperature,
+                sampling: plain_label,
+                reference: Some(reference),
+                plain_tps,
+            };
             rows.push(Row::new("none", "0", batch, &plain_runs, &setting));
             for (((mode, f, k), r), alone) in configs.iter().zip(&runs).zip(&mut rejection_alone) {
                 let rejection = *mode == SamplingMode::Rejection && temperature != 0.0;
@@ -237,7 +267,13 @@ fn bench(cli: Cli) -> Result<bool> {
                     (true, _) => alone.as_deref(),
                     (false, _) => Some(reference.as_slice()),
                 };
-                let setting = Setting { temperature, sampling: name(*mode), reference: against, plain_tps };
+                let setting = Setting {
+                    constraint: label,
+                    temperature,
+                    sampling: name(*mode),
+                    reference: against,
+                    plain_tps,
+                };
                 rows.push(Row::new(&f.spec().label(), &k.label(), batch, r, &setting));
                 if rejection && b == 0 {
                     *alone = Some(r[0].completions.clone());
@@ -247,6 +283,22 @@ fn bench(cli: Cli) -> Result<bool> {
     }
     bar.finish_and_clear();
     println!("{}", markdown(&rows));
+    // The masks' cost: plain decoding per token under each constraint beside `none`.
+    for r in rows.iter().filter(|r| r.drafter == "none" && r.constraint != "none") {
+        let free = rows.iter().find(|f| {
+            f.drafter == "none"
+                && f.constraint == "none"
+                && f.batch == r.batch
+                && f.temperature == r.temperature
+        });
+        if let Some(f) = free {
+            let us = (1.0 / r.tokens_per_second - 1.0 / f.tokens_per_second) * 1e6;
+            println!(
+                "{}: plain decoding, batch {}, T={}: {:.1} vs {:.1} tokens/s free ({us:+.0} us per token)",
+                r.constraint, r.batch, r.temperature, r.tokens_per_second, f.tokens_per_second
+            );
+        }
+    }
     let all_identical = rows.iter().all(|r| r.identical != Some(false));
     if let Some(path) = &cli.json {
         let doc = serde_json::json!({

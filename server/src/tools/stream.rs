@@ -41,7 +41,8 @@ impl CallStream {
         }
         let mut deltas = Vec::new();
         let partials: Vec<PartialCall> = match self.trigger_at {
-            Some(at) => syntax.calls(&text[at..]),
+            // A stop string held back may shorten the text below the trigger for a while.
+            Some(at) => text.get(at..).map(|t| syntax.calls(t)).unwrap_or_default(),
             None => Vec::new(),
         };
         for (k, p) in partials.iter().enumerate() {
@@ -65,7 +66,7 @@ impl CallStream {
         let end = match self.trigger_at {
             // Nothing after the trigger became a call: it was text after all.
             _ if finished && self.calls.is_empty() && !partials.iter().any(|p| p.complete) => text.len(),
-            Some(at) => at,
+            Some(at) => at.min(text.len()),
             None if finished => text.len(),
             None => text.len() - longest_suffix_prefix(text, trigger),
         };
