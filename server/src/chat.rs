@@ -187,6 +187,9 @@ impl ChatTemplate {
     /// A template from its text, with the tokenizer's BOS and EOS texts.
     pub fn from_source(source: String, bos_token: String, eos_token: String) -> Result<ChatTemplate, Error> {
         let mut env = Environment::new();
+        // As transformers' environment: a block tag's own newline and indentation vanish.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
