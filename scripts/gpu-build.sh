@@ -13,7 +13,7 @@ NVCC="${NVCC:-$(scripts/install-nvcc.sh)}"
 export NVCC
 # GPU_TESTS (space-separated) packs some suites only: all ten no longer fit the 64 MiB a
 # device call carries beside the tree, so `tests` is packed in two halves (see gpu-run.sh).
-read -r -a tests <<< "${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained}"
+read -r -a tests <<< "${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools}"
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
 cargo build --release --features cuda --bins --example gpu_matmul

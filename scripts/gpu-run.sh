@@ -72,7 +72,7 @@ PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
     : > "$log"
     # GPU_TESTS picks suites (a bundle split in two to fit the 64 MiB a call carries).
-    for t in ${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained}; do
+    for t in ${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools}; do
         echo "== $t" >> "$log"
         start=$(date +%s)
         (cd /work/main && MTP_TEST_BACKEND=cuda "$bin/test-$t" --test-threads=1 --nocapture) >> "$log" 2>&1
