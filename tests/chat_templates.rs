@@ -47,13 +47,7 @@ fn render_ours(template: &ChatTemplate) -> Vec<String> {
 
 /// Jinja2's rendering as transformers sets it up, or `None` when no Python with Jinja2.
 fn render_jinja2(template: &Path, jinja_tojson: bool) -> Option<Vec<String>> {
-    let python = std::env::var("MTP_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has = std::process::Command::new(&python).args(["-c", "import jinja2"]).output();
-    if !has.is_ok_and(|o| o.status.success()) {
-        assert!(std::env::var_os("MTP_REQUIRE_OPENAI").is_none(), "{python} has no `jinja2` package");
-        eprintln!("skipped: {python} has no `jinja2` (.ci/run installs it; or set MTP_PYTHON)");
-        return None;
-    }
+    let python = common::python_with("jinja2")?;
     let convs = std::env::temp_dir().join(format!("mtp-chat-templates-{}.json", std::process::id()));
     std::fs::write(&convs, serde_json::to_string(&conversations()).unwrap()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/render_chat_template.py");

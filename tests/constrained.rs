@@ -11,9 +11,8 @@ mod common;
 
 use std::sync::Arc;
 
-use common::trained;
+use common::{first_difference, trained};
 use mtp::base::{Error, Tokenizer};
-use mtp::bench::same;
 use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{
     constraint_negative_control as faults, generate, Completion, Constraint, DraftLen, Engine, EngineOptions,
@@ -130,22 +129,6 @@ fn workload(f: &Family, sampled: bool, long: bool) -> (Vec<Request>, Vec<u64>) {
         })
         .collect();
     (requests, vec![0, 0, 1, 2, 4, 5])
-}
-
-/// The first request whose tokens, logprob bits, alternatives or finish differ (or that
-/// failed).
-fn first_difference(got: &[Result<Completion, Error>], want: &[Completion]) -> Option<String> {
-    let tops = |c: &Completion| -> Vec<Vec<(u32, u32)>> {
-        c.top_logprobs.iter().map(|t| t.iter().map(|&(id, l)| (id, l.to_bits())).collect()).collect()
-    };
-    got.iter().zip(want).enumerate().find_map(|(i, (g, w))| match g {
-        Ok(g) if same(g, w) && tops(g) == tops(w) => None,
-        Ok(g) => Some(format!(
-            "request {i}: got {:?} {:?}, want {:?} {:?}",
-            g.tokens, g.finish, w.tokens, w.finish
-        )),
-        Err(e) => Some(format!("request {i}: failed: {e}")),
-    })
 }
 
 fn opts(k: DraftLen, max_batch: usize) -> EngineOptions {

@@ -376,16 +376,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
 /// completions and chats, each equal to the request alone.
 #[test]
 fn the_openai_python_client_gets_each_request_alone() {
-    let python = std::env::var("MTP_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_client = std::process::Command::new(&python)
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_client {
-        assert!(std::env::var_os("MTP_REQUIRE_OPENAI").is_none(), "{python} has no `openai` package");
-        eprintln!("skipped: {python} has no `openai` package (.ci/run installs it; or set MTP_PYTHON)");
-        return;
-    }
+    let Some(python) = common::python_with("openai") else { return };
     let addr = start(8, 256);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_client_check.py");
     let out = std::process::Command::new(&python)

@@ -282,16 +282,7 @@ fn tempdir(name: &str) -> std::path::PathBuf {
 /// each reply it assembles equals the same request sent here alone.
 #[test]
 fn the_openai_python_client_drives_tools_and_reasoning() {
-    let python = std::env::var("MTP_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_client = std::process::Command::new(&python)
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_client {
-        assert!(std::env::var_os("MTP_REQUIRE_OPENAI").is_none(), "{python} has no `openai` package");
-        eprintln!("skipped: {python} has no `openai` package (.ci/run installs it; or set MTP_PYTHON)");
-        return;
-    }
+    let Some(python) = common::python_with("openai") else { return };
     let think = tempdir("client");
     let source = std::fs::read_to_string(trained("target").join("chat_template.jinja")).unwrap();
     std::fs::write(think.join("chat_template.jinja"), format!("{source}<think>\n")).unwrap();

@@ -16,9 +16,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::trained;
+use common::{first_difference, trained};
 use mtp::base::{Error, Tokenizer};
-use mtp::bench::same;
 use mtp::drafter::{AssistantDrafter, Drafter, MtpDrafter};
 use mtp::engine::{
     constraint_negative_control as faults, generate, Completion, Constraint, DraftLen, Engine, EngineOptions,
@@ -223,21 +222,6 @@ impl Family {
             })
             .count()
     }
-}
-
-/// The first row that differs from `want` (tokens, logprobs and top alternatives by bits).
-fn first_difference(got: &[Result<Completion, Error>], want: &[Completion]) -> Option<String> {
-    let tops = |c: &Completion| -> Vec<Vec<(u32, u32)>> {
-        c.top_logprobs.iter().map(|t| t.iter().map(|&(id, l)| (id, l.to_bits())).collect()).collect()
-    };
-    got.iter().zip(want).enumerate().find_map(|(i, (g, w))| match g {
-        Ok(g) if same(g, w) && tops(g) == tops(w) => None,
-        Ok(g) => Some(format!(
-            "request {i}: got {:?} {:?}, want {:?} {:?}",
-            g.tokens, g.finish, w.tokens, w.finish
-        )),
-        Err(e) => Some(format!("request {i}: failed: {e}")),
-    })
 }
 
 fn scenario(f: &Family, ask: Ask, sampled: bool) {

@@ -267,6 +267,70 @@ pub fn read_choice(v: Option<&Json>, tools: &[Tool]) -> Result<ToolChoice, ApiEr
     }
 }
 
+/// The start of every syntax's grammar: the tools a reply may call (a named choice: that
+/// one) and the rules `start` and `call: TRIGGER body` for the choice; the syntax writes
+/// `body`. `separator` is the Lark between parallel calls (none: back to back).
+pub(crate) fn frame<'t>(
+    tools: &'t [Tool],
+    choice: &ToolChoice,
+    parallel: bool,
+    lit: Literal,
+    trigger: &str,
+    separator: Option<&str>,
+) -> Result<(Vec<&'t Tool>, String), String> {
+    let allowed: Vec<&Tool> = match choice {
+        ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
+        _ => tools.iter().collect(),
+    };
+    if allowed.is_empty() {
+        return Err("no tool to call".into());
+    }
+    let more = match separator {
+        _ if !parallel || matches!(choice, ToolChoice::Named(_)) => String::new(),
+        Some(sep) => format!(" ({sep} call)*"),
+        None => " call*".into(),
+    };
+    let open = lit(trigger);
+    let mut g = match choice {
+        // Free text that never holds the trigger; or such text and the trigger, then calls.
+        // PRE is one terminal: a `stop=` lexeme would refuse a token that runs past the
+        // trigger into the call (`>\n` or ` "` is one token in many vocabularies).
+        ToolChoice::Auto if open.starts_with('"') => format!(
+            "start: PLAIN | PRE body{more}\nPLAIN: /(.|\\n)*/ & ~/(.|\\n)*{}(.|\\n)*/\nPRE: PLAIN {open}\n",
+            regex_escape(trigger)
+        ),
+        // A special token: text cannot spell it, so free text ends where it comes.
+        ToolChoice::Auto => format!("start: PLAIN | PLAIN {open} body{more}\nPLAIN: /(.|\\n)*/\n"),
+        _ => format!("start: call{more}\n"),
+    };
+    g.push_str(&format!("call: {open} body\n"));
+    Ok((allowed, g))
+}
+
+/// Rules `fn: fn0 | fn1 ...`, one per tool, each `"NAME", "KEY": ` then the tool's
+/// arguments as compact JSON under its schema (the JSON syntaxes' calls).
+pub(crate) fn json_branches(allowed: &[&Tool], key: &str) -> Result<String, String> {
+    let names: Vec<String> = (0..allowed.len()).map(|i| format!("fn{i}")).collect();
+    let mut g = format!("fn: {}\n", names.join(" | "));
+    for (i, t) in allowed.iter().enumerate() {
+        let head = format!("{}, {}: ", quoted(&t.name), quoted(key));
+        g.push_str(&format!("fn{i}: {} {}\n", quoted(&head), mtp_engine::lark_json(&t.parameters)?));
+    }
+    Ok(g)
+}
+
+/// `s` with llguidance's regex metacharacters escaped (and `"`, which ends a Lark regex).
+pub(crate) fn regex_escape(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$/\"".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Lark's quoted string for `s` (JSON's escapes are Lark's).
 pub fn quoted(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")

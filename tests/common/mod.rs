@@ -90,3 +90,33 @@ pub fn plain(model: &Model, requests: &[Request], max_batch: usize) -> Vec<Resul
 pub fn request(id: &str, prompt: Vec<u32>, max_tokens: usize) -> Request {
     Request { id: id.into(), prompt, max_tokens, ignore_eos: true, ..Request::default() }
 }
+
+/// The Python that `MTP_PYTHON` names (else `python3`) when it can import `module`; `None`
+/// (the test skips) when it cannot, unless `MTP_REQUIRE_OPENAI` is set (as `.ci/run` sets
+/// it, having installed the packages), where that is a failure.
+pub fn python_with(module: &str) -> Option<String> {
+    let python = std::env::var("MTP_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = std::process::Command::new(&python).args(["-c", &format!("import {module}")]).output();
+    if has.is_ok_and(|o| o.status.success()) {
+        return Some(python);
+    }
+    assert!(std::env::var_os("MTP_REQUIRE_OPENAI").is_none(), "{python} has no `{module}` package");
+    eprintln!("skipped: {python} has no `{module}` package (.ci/run installs it; or set MTP_PYTHON)");
+    None
+}
+
+/// The first row of `got` that differs from `want` (tokens, logprobs and top alternatives
+/// by bits), or failed.
+pub fn first_difference(got: &[Result<Completion, Error>], want: &[Completion]) -> Option<String> {
+    let tops = |c: &Completion| -> Vec<Vec<(u32, u32)>> {
+        c.top_logprobs.iter().map(|t| t.iter().map(|&(id, l)| (id, l.to_bits())).collect()).collect()
+    };
+    got.iter().zip(want).enumerate().find_map(|(i, (g, w))| match g {
+        Ok(g) if mtp::bench::same(g, w) && tops(g) == tops(w) => None,
+        Ok(g) => Some(format!(
+            "request {i}: got {:?} {:?}, want {:?} {:?}",
+            g.tokens, g.finish, w.tokens, w.finish
+        )),
+        Err(e) => Some(format!("request {i}: failed: {e}")),
+    })
+}

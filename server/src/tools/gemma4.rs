@@ -11,7 +11,7 @@
 
 use serde_json::{Map, Value as Json};
 
-use super::{quoted, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
+use super::{frame, quoted, regex_escape, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
 
 pub struct Gemma4;
 
@@ -38,32 +38,7 @@ impl ToolSyntax for Gemma4 {
         parallel: bool,
         lit: Literal,
     ) -> Result<String, String> {
-        let allowed: Vec<&Tool> = match choice {
-            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
-            _ => tools.iter().collect(),
-        };
-        if allowed.is_empty() {
-            return Err("the gemma4 tool syntax needs a tool to call".into());
-        }
-        let mut g = String::new();
-        let more = if parallel && !matches!(choice, ToolChoice::Named(_)) { " call*" } else { "" };
-        let open = lit(OPEN);
-        match choice {
-            ToolChoice::Auto if open.starts_with('"') => {
-                // Free text that never holds the trigger; or text up to the trigger, then calls.
-                // PRE is one terminal: a `stop=` lexeme would refuse a token that runs past
-                // the trigger into the call.
-                g.push_str(&format!("start: PLAIN | PRE body{more}\n"));
-                g.push_str(&format!("PLAIN: /(.|\\n)*/ & ~/(.|\\n)*{}(.|\\n)*/\n", regex_escape(OPEN)));
-                g.push_str(&format!("PRE: PLAIN {open}\n"));
-            }
-            // A special token: text cannot spell it, so free text ends where it comes.
-            ToolChoice::Auto => {
-                g.push_str(&format!("start: PLAIN | PLAIN {open} body{more}\nPLAIN: /(.|\\n)*/\n"))
-            }
-            _ => g.push_str(&format!("start: call{more}\n")),
-        }
-        g.push_str(&format!("call: {open} body\n"));
+        let (allowed, mut g) = frame(tools, choice, parallel, lit, OPEN, None)?;
         let branches: Vec<String> = (0..allowed.len()).map(|i| format!("fn{i}")).collect();
         g.push_str(&format!("body: {}\n", branches.join(" | ")));
         let close = lit(CLOSE);
@@ -315,17 +290,6 @@ fn json_number(s: &str) -> bool {
 }
 
 /// `s` with regex metacharacters escaped.
-fn regex_escape(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$/\"".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// Keywords that constrain values in ways the grammar does not translate.
 const UNSUPPORTED: [&str; 21] = [
     "$ref",

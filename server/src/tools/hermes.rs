@@ -5,7 +5,7 @@ use serde_json::value::RawValue;
 
 use crate::text::longest_suffix_prefix;
 
-use super::{quoted, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
+use super::{frame, json_branches, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
 
 pub struct Hermes;
 
@@ -28,36 +28,9 @@ impl ToolSyntax for Hermes {
         parallel: bool,
         lit: Literal,
     ) -> Result<String, String> {
-        let allowed: Vec<&Tool> = match choice {
-            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
-            _ => tools.iter().collect(),
-        };
-        let mut g = String::new();
-        let more = if parallel && !matches!(choice, ToolChoice::Named(_)) { " (\"\\n\" call)*" } else { "" };
-        let open = lit(OPEN);
-        match choice {
-            ToolChoice::Auto if open.starts_with('"') => {
-                // Free text that never holds the trigger; or text up to the trigger, then calls.
-                // PRE is one terminal: a `stop=` lexeme would refuse a token that runs past
-                // the trigger into the call (`>\n` is one token in many vocabularies).
-                g.push_str(&format!("start: PLAIN | PRE body{more}\n"));
-                g.push_str("PLAIN: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/\n");
-                g.push_str(&format!("PRE: PLAIN {open}\n"));
-            }
-            // A special token: text cannot spell it, so free text ends where it comes.
-            ToolChoice::Auto => {
-                g.push_str(&format!("start: PLAIN | PLAIN {open} body{more}\nPLAIN: /(.|\\n)*/\n"))
-            }
-            _ => g.push_str(&format!("start: call{more}\n")),
-        }
-        g.push_str(&format!("call: {open} body\n"));
+        let (allowed, mut g) = frame(tools, choice, parallel, lit, OPEN, Some("\"\\n\""))?;
         g.push_str(&format!("body: \"\\n{{\\\"name\\\": \" fn \"}}\\n\" {}\n", lit(CLOSE)));
-        let branches: Vec<String> = (0..allowed.len()).map(|i| format!("fn{i}")).collect();
-        g.push_str(&format!("fn: {}\n", branches.join(" | ")));
-        for (i, t) in allowed.iter().enumerate() {
-            let head = format!("{}, \"arguments\": ", quoted(&t.name));
-            g.push_str(&format!("fn{i}: {} {}\n", quoted(&head), mtp_engine::lark_json(&t.parameters)?));
-        }
+        g.push_str(&json_branches(&allowed, "arguments")?);
         Ok(g)
     }
 

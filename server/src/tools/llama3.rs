@@ -5,7 +5,7 @@
 
 use serde_json::value::RawValue;
 
-use super::{quoted, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
+use super::{frame, json_branches, Literal, PartialCall, Tool, ToolChoice, ToolSyntax};
 
 pub struct Llama3Json;
 
@@ -32,44 +32,9 @@ impl ToolSyntax for Llama3Json {
         parallel: bool,
         lit: Literal,
     ) -> Result<String, String> {
-        let allowed: Vec<&Tool> = match choice {
-            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
-            _ => tools.iter().collect(),
-        };
-        if allowed.is_empty() {
-            return Err("no tool to call".into());
-        }
-        let mut g = String::new();
-        let more = if parallel && !matches!(choice, ToolChoice::Named(_)) {
-            format!(" ({} call)*", lit(SEPARATOR))
-        } else {
-            String::new()
-        };
-        let open = lit(TRIGGER);
-        match choice {
-            ToolChoice::Auto if open.starts_with('"') => {
-                // Free text that never holds the trigger; or such text and the trigger, then
-                // calls. PRE is one terminal rather than `pre[stop=...]`: a stop lexeme
-                // refuses tokens that run past its end, and the trigger ends in a space that
-                // tokenizers join to the next `"`.
-                g.push_str(&format!("start: PLAIN | PRE body{more}\n"));
-                g.push_str(&format!("PLAIN: /(.|\\n)*/ & ~/(.|\\n)*{}(.|\\n)*/\n", regex_escape(TRIGGER)));
-                g.push_str(&format!("PRE: PLAIN {open}\n"));
-            }
-            // Only if a tokenizer made the trigger one special token: text cannot spell it.
-            ToolChoice::Auto => {
-                g.push_str(&format!("start: PLAIN | PLAIN {open} body{more}\nPLAIN: /(.|\\n)*/\n"))
-            }
-            _ => g.push_str(&format!("start: call{more}\n")),
-        }
-        g.push_str(&format!("call: {open} body\n"));
+        let (allowed, mut g) = frame(tools, choice, parallel, lit, TRIGGER, Some(&lit(SEPARATOR)))?;
         g.push_str("body: fn \"}\"\n");
-        let branches: Vec<String> = (0..allowed.len()).map(|i| format!("fn{i}")).collect();
-        g.push_str(&format!("fn: {}\n", branches.join(" | ")));
-        for (i, t) in allowed.iter().enumerate() {
-            let head = format!("{}, \"parameters\": ", quoted(&t.name));
-            g.push_str(&format!("fn{i}: {} {}\n", quoted(&head), mtp_engine::lark_json(&t.parameters)?));
-        }
+        g.push_str(&json_branches(&allowed, "parameters")?);
         Ok(g)
     }
 
@@ -104,17 +69,6 @@ impl ToolSyntax for Llama3Json {
 }
 
 /// Escapes `s` for a regex of a Lark `/.../` literal (Rust `regex` syntax; `/` ends it).
-fn regex_escape(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$/".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// A finished call object: its name, and its arguments exactly as generated (so streamed
 /// prefixes are prefixes of them), or a JSON string's text when the model wrote a string.
 fn whole(json: &str) -> Option<PartialCall> {
@@ -312,11 +266,11 @@ mod tests {
     #[test]
     fn grammar_obeys_parallel() {
         let cases = crate::tools::test_support::cases();
-        let lit = |s: &str| quoted(s);
+        let lit = |s: &str| crate::tools::quoted(s);
         let one = Llama3Json.grammar(&cases.tools, &ToolChoice::Required, false, &lit).unwrap();
         assert!(one.starts_with("start: call\n"), "{one}");
         let many = Llama3Json.grammar(&cases.tools, &ToolChoice::Required, true, &lit).unwrap();
         assert!(many.starts_with("start: call (\"; \" call)*\n"), "{many}");
-        assert_eq!(regex_escape(TRIGGER), "\\{\"name\": ");
+        assert_eq!(crate::tools::regex_escape(TRIGGER), "\\{\\\"name\\\": ");
     }
 }
