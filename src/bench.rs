@@ -213,7 +213,16 @@ pub struct Row {
     pub prefill_seconds: f64,
     /// Generated tokens per second of decoding (prefill excluded).
     pub tokens_per_second: f64,
+    /// The slowest and fastest of the repeats (tokens/s).
+    pub tokens_per_second_min: f64,
+    pub tokens_per_second_max: f64,
     pub speedup: f64,
+    /// The speedup's spread: this row's slowest run over plain's fastest, its fastest over
+    /// plain's slowest.
+    pub speedup_min: f64,
+    pub speedup_max: f64,
+    /// The spread includes 1.0: this row cannot be told from plain decoding on this host.
+    pub within_noise: bool,
     pub draft_ms_per_round: f64,
     pub verify_ms_per_round: f64,
     pub rounds: u64,
@@ -232,6 +241,8 @@ pub struct Setting<'a> {
     pub sampling: &'a str,
     pub reference: Option<&'a [Completion]>,
     pub plain_tps: f64,
+    /// The slowest and fastest plain-decoding run (tokens/s) of the same setting.
+    pub plain_range: (f64, f64),
 }
 
 impl Row {
@@ -260,6 +271,9 @@ impl Row {
                 identical: setting.reference.map(|_| m),
             })
             .collect();
+        let (lo, hi) = tps_range(runs);
+        let (plain_lo, plain_hi) = setting.plain_range;
+        let (speedup_min, speedup_max) = (lo / plain_hi.max(1e-9), hi / plain_lo.max(1e-9));
         let s = &run.stats;
         let per_round = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.rounds.max(1) as f64;
         Row {
@@ -277,7 +291,12 @@ impl Row {
             seconds: run.seconds,
             prefill_seconds: s.prefill_time.as_secs_f64(),
             tokens_per_second: run.tokens_per_second(),
+            tokens_per_second_min: lo,
+            tokens_per_second_max: hi,
             speedup: run.tokens_per_second() / setting.plain_tps.max(1e-9),
+            speedup_min,
+            speedup_max,
+            within_noise: drafter != "none" && speedup_min <= 1.0 && 1.0 <= speedup_max,
             draft_ms_per_round: per_round(s.draft_time),
             verify_ms_per_round: per_round(s.verify_time),
             rounds: s.rounds,
@@ -298,6 +317,12 @@ fn median_run(runs: &[Run]) -> &Run {
     let mut order: Vec<&Run> = runs.iter().collect();
     order.sort_by(|a, b| a.tokens_per_second().total_cmp(&b.tokens_per_second()));
     order[order.len() / 2]
+}
+
+/// The slowest and fastest of `runs` (tokens/s).
+pub fn tps_range(runs: &[Run]) -> (f64, f64) {
+    let tps = runs.iter().map(Run::tokens_per_second);
+    (tps.clone().fold(f64::INFINITY, f64::min), tps.fold(0.0, f64::max))
 }
 
 /// The median tokens/s of `runs`.
@@ -323,7 +348,7 @@ pub fn markdown(rows: &[Row]) -> String {
         let pos: Vec<String> = r.per_position_acceptance.iter().map(|p| format!("{p:.2}")).collect();
         let dash = r.drafter == "none";
         s += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2}x | {:.2} | {:.2} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} ({:.0}-{:.0}) | {} | {:.2} | {:.2} | {} |\n",
             r.constraint,
             if r.sampling == "greedy" {
                 "greedy".to_string()
@@ -337,7 +362,19 @@ pub fn markdown(rows: &[Row]) -> String {
             if dash { "1.00".into() } else { format!("{:.2}", r.mean_accepted_length) },
             if dash { "-".into() } else { pos.join(" ") },
             r.tokens_per_second,
-            r.speedup,
+            r.tokens_per_second_min,
+            r.tokens_per_second_max,
+            if dash {
+                "1.00x".to_string()
+            } else {
+                format!(
+                    "{:.2}x ({:.2}-{:.2}){}",
+                    r.speedup,
+                    r.speedup_min,
+                    r.speedup_max,
+                    if r.within_noise { " ~" } else { "" }
+                )
+            },
             r.draft_ms_per_round,
             r.verify_ms_per_round,
             match r.identical {
@@ -347,6 +384,9 @@ pub fn markdown(rows: &[Row]) -> String {
             },
         );
     }
+    s += "\ntokens/s and speedup: the median run (the slowest-fastest of the repeats); a speedup's spread is\n\
+          the row's slowest run over plain's fastest to its fastest over plain's slowest; ~: the spread\n\
+          includes 1.00x, so the row cannot be told from plain decoding on this host.\n";
     s
 }
 

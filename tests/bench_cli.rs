@@ -75,6 +75,16 @@ fn default_run_covers_every_drafter_and_is_identical() {
         }
         assert!(r["drafter"] == "none" || r["k"] == "auto", "{r}");
         assert!(r["tokens_per_second"].as_f64().unwrap() > 0.0 && r["speedup"].as_f64().unwrap() > 0.0);
+        // The median lies within the repeats' spread, and so does the speedup.
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {r}"));
+        assert!(
+            f("tokens_per_second_min") <= f("tokens_per_second")
+                && f("tokens_per_second") <= f("tokens_per_second_max"),
+            "{r}"
+        );
+        assert!(f("speedup_min") <= f("speedup") && f("speedup") <= f("speedup_max"), "{r}");
+        let spans_one = f("speedup_min") <= 1.0 && 1.0 <= f("speedup_max");
+        assert_eq!(r["within_noise"], r["drafter"] != "none" && spans_one, "{r}");
         // Rejection rows at the first batch size are the reference of later ones.
         let own_reference = r["sampling"] == "rejection" && r["batch"] == 1;
         assert_eq!(r["reference"], own_reference, "{r}");

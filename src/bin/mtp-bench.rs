@@ -11,8 +11,8 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use mtp::base::Tokenizer;
 use mtp::bench::{
-    markdown, median_tps, parse_constraint, prompts_from_dir, run, DrafterFactory, DrafterSpec, Row, Run,
-    Setting,
+    markdown, median_tps, parse_constraint, prompts_from_dir, run, tps_range, DrafterFactory, DrafterSpec,
+    Row, Run, Setting,
 };
 use mtp::engine::{Completion, DraftLen, Request, SamplingMode, SamplingParams};
 use mtp::kernels::Backend;
@@ -185,6 +185,9 @@ fn bench(cli: Cli) -> Result<bool> {
     );
     let mut rows = Vec::new();
     let tok = tokenizer.as_ref();
+    // Warm-up, untimed: the first timed run would otherwise pay for cold caches and pages.
+    bar.set_message("warm-up");
+    run(&model, tok, None, &requests, cli.batch[0], DraftLen::Fixed(0), SamplingMode::Exact)?;
     for ((label, constraint), &temperature) in
         constraints.iter().flat_map(|c| cli.temperatures.iter().map(move |t| (c, t)))
     {
@@ -252,12 +255,14 @@ fn bench(cli: Cli) -> Result<bool> {
             let reference = &*reference.get_or_insert_with(|| plain_runs[0].completions.clone());
             let plain_label = if temperature == 0.0 { "greedy" } else { "plain" };
             let plain_tps = median_tps(&plain_runs);
+            let plain_range = tps_range(&plain_runs);
             let setting = Setting {
                 constraint: label,
                 temperature,
                 sampling: plain_label,
                 reference: Some(reference),
                 plain_tps,
+                plain_range,
             };
             rows.push(Row::new("none", "0", batch, &plain_runs, &setting));
             for (((mode, f, k), r), alone) in configs.iter().zip(&runs).zip(&mut rejection_alone) {
@@ -273,6 +278,7 @@ fn bench(cli: Cli) -> Result<bool> {
                     sampling: name(*mode),
                     reference: against,
                     plain_tps,
+                    plain_range,
                 };
                 rows.push(Row::new(&f.spec().label(), &k.label(), batch, r, &setting));
                 if rejection && b == 0 {
