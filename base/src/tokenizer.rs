@@ -186,9 +186,8 @@ impl Tokenizer {
         if let Some(id) = ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
             return self.decode(&[*id]);
         }
-        let special: std::collections::HashSet<u32> = self.specials.iter().map(|(_, id)| id).collect();
         let kept: Vec<u32> =
-            ids.iter().copied().filter(|id| !special.contains(id) || keep.contains(id)).collect();
+            ids.iter().copied().filter(|&id| !self.specials.has_id(id) || keep.contains(&id)).collect();
         self.inner
             .decode(&kept, false)
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("decode: {e}") })

@@ -134,8 +134,8 @@ impl Server {
         if template.is_none() {
             tracing::warn!("{}: no chat template; /v1/chat/completions will refuse requests", dir.display());
         }
-        let tool_syntax = tools::choose(&opts.tool_parser, template.as_ref().map(ChatTemplate::source))?;
         let source = template.as_ref().map(ChatTemplate::source);
+        let tool_syntax = tools::choose(&opts.tool_parser, source)?;
         let reasoning = match opts.reasoning_parser.as_str() {
             "none" => None,
             "auto" => source.and_then(Reasoning::detect),
@@ -143,7 +143,7 @@ impl Server {
                 format!("--reasoning-parser {name}: not one of auto, none, {}", Reasoning::NAMES.join(", "))
             })?),
         };
-        let mut markers: Vec<&str> = tool_syntax.as_deref().map(tools::markers).unwrap_or_default().to_vec();
+        let mut markers: Vec<&str> = tool_syntax.as_deref().map(|s| s.markers().to_vec()).unwrap_or_default();
         if let Some(r) = reasoning {
             markers.extend(r.markers());
         }

@@ -67,8 +67,7 @@ fn call_id(app: &AppState) -> String {
 /// A finished chat reply: its message and whether it made calls.
 fn chat_message(app: &AppState, plan: &Plan, text: String) -> (Value, bool) {
     let (reasoning, text) = match plan.reasoning {
-        Some((r, true)) => r.split(&format!("{}{text}", r.open_tag())),
-        Some((r, false)) => r.split(&text),
+        Some((r, opened)) => r.split_reply(&text, opened),
         None => (None, text),
     };
     let syntax = app.tool_syntax.as_deref().filter(|_| plan.tool_calls);
@@ -226,6 +225,14 @@ fn response_id(app: &AppState, kind: Kind) -> String {
     format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed))
 }
 
+/// A choice's new output for one chunk.
+#[derive(Default)]
+struct Delta {
+    reasoning: String,
+    text: String,
+    calls: Vec<Value>,
+}
+
 /// What the SSE stream holds between chunks.
 struct Streaming {
     app: Arc<AppState>,
@@ -265,7 +272,9 @@ pub(crate) fn stream_response(
         texts: (0..plan.n).map(|_| TextState::new(plan.stop.clone()).keeping(kept(&app, &plan))).collect(),
         calls: (0..plan.n).map(|_| CallStream::default()).collect(),
         reasoning: (0..plan.n)
-            .map(|_| (plan.reasoning.map(|(r, _)| ReasoningStream::new(r)), String::new()))
+            .map(|_| {
+                (plan.reasoning.map(|(r, opened)| ReasoningStream::new(r).opened(opened)), String::new())
+            })
             .collect(),
         open: plan.n,
         _slots: slots,
@@ -307,12 +316,10 @@ impl Streaming {
         v
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn choice_delta(
         &self,
         i: usize,
-        text: String,
-        calls: Vec<Value>,
+        d: Delta,
         tokens: &[u32],
         lps: &[f32],
         top: &[Vec<(u32, f32)>],
@@ -325,15 +332,18 @@ impl Streaming {
             .map_or(Value::Null, |k| logprobs_json(&self.app, self.plan.kind, k, tokens, lps, top));
         let mut v = match self.plan.kind {
             Kind::Completion => {
-                json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+                json!({"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Chat => {
                 let mut delta = json!({});
-                if !text.is_empty() || (finish.is_none() && calls.is_empty()) {
-                    delta["content"] = json!(text);
+                if !d.reasoning.is_empty() {
+                    delta["reasoning_content"] = json!(d.reasoning);
                 }
-                if !calls.is_empty() {
-                    delta["tool_calls"] = Value::Array(calls);
+                if !d.text.is_empty() || (finish.is_none() && d.calls.is_empty()) {
+                    delta["content"] = json!(d.text);
+                }
+                if !d.calls.is_empty() {
+                    delta["tool_calls"] = Value::Array(d.calls);
                 }
                 json!({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
@@ -345,28 +355,27 @@ impl Streaming {
     }
 
     /// Choice `i`'s new reasoning, content and tool-call deltas.
-    fn deltas(&mut self, i: usize, finished: bool) -> (String, String, Vec<Value>) {
+    fn deltas(&mut self, i: usize, finished: bool) -> Delta {
         let Some(tok) = self.app.tokenizer.clone() else { return Default::default() };
         let syntax = self.app.tool_syntax.as_deref().filter(|_| self.plan.tool_calls);
         let (stream, content) = &mut self.reasoning[i];
         if syntax.is_none() && stream.is_none() {
-            return (String::new(), self.texts[i].delta(&tok, finished), Vec::new());
+            return Delta { text: self.texts[i].delta(&tok, finished), ..Delta::default() };
         }
         let (text, safe) = self.texts[i].visible(&tok, finished);
-        let (reasoning, new) = match (stream, self.plan.reasoning) {
-            (Some(s), Some((r, true))) => s.push(&format!("{}{}", r.open_tag(), &text[..safe]), finished),
-            (Some(s), _) => s.push(&text[..safe], finished),
-            (None, _) => {
+        let (reasoning, new) = match stream {
+            Some(s) => s.push(&text[..safe], finished),
+            None => {
                 // No reasoning: the content is the text so far.
                 content.clear();
                 (String::new(), text[..safe].to_string())
             }
         };
         content.push_str(&new);
-        let Some(syntax) = syntax else { return (reasoning, new, Vec::new()) };
+        let Some(syntax) = syntax else { return Delta { reasoning, text: new, calls: Vec::new() } };
         let app = self.app.clone();
         let (text, calls) = self.calls[i].push(syntax, content, finished, &mut || call_id(&app));
-        (reasoning, text, calls)
+        Delta { reasoning, text, calls }
     }
 
     /// The SSE events for the next update (several at the end of the stream).
@@ -381,45 +390,23 @@ impl Streaming {
         match update {
             Update::Token { token, logprob, top } => {
                 self.texts[i].push(token);
-                let (reasoning, text, calls) = self.deltas(i, false);
-                let mut choice = self.choice_delta(i, text, calls, &[token], &[logprob], &[top], None);
-                if !reasoning.is_empty() {
-                    choice["delta"]["reasoning_content"] = json!(reasoning);
-                }
+                let d = self.deltas(i, false);
+                let choice = self.choice_delta(i, d, &[token], &[logprob], &[top], None);
                 out.push(data(self.chunk(json!([choice]))));
             }
             Update::Finished(reason) => {
-                let (reasoning, text, calls) = self.deltas(i, true);
-                let made_calls = self.calls[i].made_calls();
-                if !calls.is_empty() || !reasoning.is_empty() {
-                    // The last reasoning and calls first, then the finish on its own chunk.
-                    let mut choice = self.choice_delta(i, text, calls, &[], &[], &[], None);
-                    if !reasoning.is_empty() {
-                        choice["delta"]["reasoning_content"] = json!(reasoning);
-                    }
-                    out.push(data(self.chunk(json!([choice]))));
-                    let choice = self.choice_delta(
-                        i,
-                        String::new(),
-                        Vec::new(),
-                        &[],
-                        &[],
-                        &[],
-                        Some(finish_reason(reason, made_calls)),
-                    );
-                    out.push(data(self.chunk(json!([choice]))));
+                let d = self.deltas(i, true);
+                let finish = Some(finish_reason(reason, self.calls[i].made_calls()));
+                // The last reasoning and calls on a chunk of their own, then the finish.
+                let last = if d.reasoning.is_empty() && d.calls.is_empty() {
+                    Some(d)
                 } else {
-                    let choice = self.choice_delta(
-                        i,
-                        text,
-                        calls,
-                        &[],
-                        &[],
-                        &[],
-                        Some(finish_reason(reason, made_calls)),
-                    );
+                    let choice = self.choice_delta(i, d, &[], &[], &[], None);
                     out.push(data(self.chunk(json!([choice]))));
-                }
+                    None
+                };
+                let choice = self.choice_delta(i, last.unwrap_or_default(), &[], &[], &[], finish);
+                out.push(data(self.chunk(json!([choice]))));
                 self.open -= 1;
             }
             Update::Failed(msg) => {

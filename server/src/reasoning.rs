@@ -77,6 +77,15 @@ impl Reasoning {
         self.tags().0
     }
 
+    /// [`Reasoning::split`] of a reply whose prompt opened the block when `opened`.
+    pub fn split_reply(self, text: &str, opened: bool) -> (Option<String>, String) {
+        if opened {
+            self.split(&format!("{}{text}", self.open_tag()))
+        } else {
+            self.split(text)
+        }
+    }
+
     /// (reasoning, content) of a finished output.
     pub fn split(self, text: &str) -> (Option<String>, String) {
         let (reasoning, content) = self.parts(text);
@@ -142,18 +151,34 @@ fn hold_back<'a>(text: &'a str, tag: &str) -> &'a str {
 #[derive(Clone, Debug)]
 pub struct ReasoningStream {
     reasoning: Reasoning,
+    /// The prompt opened the block: the output is read with the opening tag before it.
+    opened: bool,
     /// Bytes of reasoning and of content sent so far.
     sent: (usize, usize),
 }
 
 impl ReasoningStream {
     pub fn new(reasoning: Reasoning) -> Self {
-        ReasoningStream { reasoning, sent: (0, 0) }
+        ReasoningStream { reasoning, opened: false, sent: (0, 0) }
+    }
+
+    /// A stream whose output starts inside the block when `opened` (see
+    /// [`Reasoning::opened_by`]).
+    pub fn opened(mut self, opened: bool) -> Self {
+        self.opened = opened;
+        self
     }
 
     /// (reasoning_delta, content_delta) for the text so far, which extends the last one
     /// pushed; `finished` on the last push, which sends all that is left.
     pub fn push(&mut self, text: &str, finished: bool) -> (String, String) {
+        let with_tag;
+        let text = if self.opened {
+            with_tag = format!("{}{text}", self.reasoning.open_tag());
+            &with_tag
+        } else {
+            text
+        };
         let (r, c) = if finished { self.reasoning.parts(text) } else { self.reasoning.sure(text) };
         // Both are prefixes of the final parts, so what was sent is a prefix of each.
         let delta = |s: &str, sent: &mut usize| {

@@ -63,12 +63,6 @@ pub(crate) struct Plan {
     pub(crate) reasoning: Option<(Reasoning, bool)>,
 }
 
-/// What a chat request's tools ask for.
-pub(crate) struct ToolPlan {
-    /// The grammar the calls are generated under (none for `tool_choice: none`).
-    grammar: Option<String>,
-}
-
 pub(crate) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
@@ -113,12 +107,12 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
         Kind::Chat => audit::check_chat(&body)?,
     }
     let common: Common = api::fields(&body)?;
-    let (source, max_completion_tokens, logprobs, tools) = match kind {
+    let (source, max_completion_tokens, logprobs, tool_grammar) = match kind {
         Kind::Completion => completion_source(app, api::fields(&body)?)?,
         Kind::Chat => chat_source(app, api::fields(&body)?)?,
     };
     // Everything cheap is checked before the prompt is tokenized.
-    let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tools)?;
+    let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tool_grammar)?;
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let prompt = prompt::tokenize(app, source, param).await?;
     fit(app, &mut plan, prompt, asked)?;
@@ -163,7 +157,9 @@ fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, Ap
 }
 
 /// A request's prompt, max_completion_tokens, logprobs and tools.
-type Sourced = (Source, Option<u64>, Option<usize>, Option<ToolPlan>);
+/// The last is the grammar a chat's tool calls are generated under (none without tools or
+/// with `tool_choice: none`).
+type Sourced = (Source, Option<u64>, Option<usize>, Option<String>);
 
 /// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming the index.
 fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
@@ -206,9 +202,9 @@ fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, ApiError> {
         Some(v) => tools::read_tools(v)?,
     };
     let choice = tools::read_choice(r.tool_choice.as_ref(), &tools)?;
-    let plan = match (&choice, &app.tool_syntax) {
+    let grammar = match (&choice, &app.tool_syntax) {
+        (ToolChoice::None, _) => None,
         _ if tools.is_empty() => None,
-        (ToolChoice::None, _) => Some(ToolPlan { grammar: None }),
         (_, None) => {
             return Err(ApiError::bad(
                 "tools",
@@ -223,16 +219,19 @@ fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, ApiError> {
                 None => tools::quoted(text),
             };
             let parallel = r.parallel_tool_calls.unwrap_or(true);
-            let grammar =
-                syntax.grammar(&tools, choice, parallel, &lit).map_err(|e| ApiError::bad("tools", e))?;
-            Some(ToolPlan { grammar: Some(grammar) })
+            Some(syntax.grammar(&tools, choice, parallel, &lit).map_err(|e| ApiError::bad("tools", e))?)
         }
     };
     let raw_tools = match r.tools {
         Some(Value::Array(list)) => list,
         _ => Vec::new(),
     };
-    Ok((Source::Chat(Conversation { messages, tools: raw_tools }), r.max_completion_tokens, logprobs, plan))
+    Ok((
+        Source::Chat(Conversation { messages, tools: raw_tools }),
+        r.max_completion_tokens,
+        logprobs,
+        grammar,
+    ))
 }
 
 /// The output length asked for (none: the endpoint's default).
@@ -245,7 +244,7 @@ fn plan(
     c: Common,
     max_completion_tokens: Option<u64>,
     logprobs: Option<usize>,
-    tools: Option<ToolPlan>,
+    tool_grammar: Option<String>,
 ) -> Result<(Plan, Asked), ApiError> {
     if let Some(m) = &c.model {
         if *m != app.model_name {
@@ -323,7 +322,7 @@ fn plan(
         reasoning: None,
     };
     let mut plan = plan;
-    if let Some(ToolPlan { grammar: Some(g) }) = tools {
+    if let Some(g) = tool_grammar {
         if plan.constraint.is_some() {
             return Err(ApiError::bad(
                 "response_format",

@@ -75,6 +75,10 @@ pub trait ToolSyntax: Send + Sync {
     /// The text that starts the calls; everything before it is content.
     fn trigger(&self) -> &'static str;
 
+    /// The texts its parser must see: markers that tokenizers may hold as special tokens
+    /// (decoded as nothing unless kept).
+    fn markers(&self) -> &'static [&'static str];
+
     /// A Lark grammar over the whole output: for [`ToolChoice::Required`] one call or more
     /// (exactly one unless `parallel`), for [`ToolChoice::Named`] one call of that tool, for
     /// [`ToolChoice::Auto`] text without the trigger or text, the trigger, then calls.
@@ -129,17 +133,6 @@ pub fn choose(flag: &str, template: Option<&str>) -> anyhow::Result<Option<Box<d
         name => syntax(name).map(Some).ok_or_else(|| {
             anyhow::anyhow!("--tool-parser {name}: not one of auto, none, {}", SYNTAXES.join(", "))
         }),
-    }
-}
-
-/// The texts a syntax's parser must see: its markers, which tokenizers may hold as special
-/// tokens (decoded as nothing unless kept).
-pub fn markers(syntax: &dyn ToolSyntax) -> &'static [&'static str] {
-    match syntax.name() {
-        "hermes" => &["<tool_call>", "</tool_call>"],
-        "llama3-json" => &["<|python_tag|>"],
-        "gemma4" => &["<|tool_call>", "<tool_call|>", "<|\"|>"],
-        _ => &[],
     }
 }
 

@@ -6,6 +6,8 @@ pub struct Specials {
     tokens: Vec<(String, u32)>,
     /// For each first byte, the indices into `tokens` of the texts starting with it.
     by_first: Vec<Vec<usize>>,
+    /// The ids, sorted.
+    ids: Vec<u32>,
 }
 
 impl Specials {
@@ -18,7 +20,14 @@ impl Specials {
         for (i, (t, _)) in tokens.iter().enumerate() {
             by_first[t.as_bytes()[0] as usize].push(i);
         }
-        Specials { tokens, by_first }
+        let mut ids: Vec<u32> = tokens.iter().map(|(_, id)| *id).collect();
+        ids.sort_unstable();
+        Specials { tokens, by_first, ids }
+    }
+
+    /// Whether `id` is a special token's.
+    pub fn has_id(&self, id: u32) -> bool {
+        self.ids.binary_search(&id).is_ok()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -31,6 +31,10 @@ impl ToolSyntax for Gemma4 {
         OPEN
     }
 
+    fn markers(&self) -> &'static [&'static str] {
+        &[OPEN, CLOSE, QUOTE]
+    }
+
     fn grammar(
         &self,
         tools: &[Tool],

@@ -21,6 +21,10 @@ impl ToolSyntax for Hermes {
         OPEN
     }
 
+    fn markers(&self) -> &'static [&'static str] {
+        &[OPEN, CLOSE]
+    }
+
     fn grammar(
         &self,
         tools: &[Tool],

@@ -25,6 +25,10 @@ impl ToolSyntax for Llama3Json {
         TRIGGER
     }
 
+    fn markers(&self) -> &'static [&'static str] {
+        &["<|python_tag|>"]
+    }
+
     fn grammar(
         &self,
         tools: &[Tool],
