@@ -1,6 +1,7 @@
-//! The row-invariant CUDA matmul on Qwen3-8B's shapes (bf16 weights, f32 activations) at
-//! M in {1, 8, 40, 64, 512} (40: a verify of 8 rows x 5 tokens): median milliseconds of GPU
-//! time (events around the launches, as torch's numbers beside it) and weight bandwidth.
+//! The row-invariant CUDA matmul on Qwen3-8B's shapes (bf16 weights) at M in {1, 8, 40, 64,
+//! 128, 512, 4096} (40: a verify of 8 rows x 5 tokens), in both activation modes side by
+//! side (bf16: rounded, one MMA a product; f32: three exact terms): median milliseconds of
+//! GPU time (events around the launches, as torch's numbers beside it) and weight bandwidth.
 //! Each repetition reads another of 4 weight copies, so the 50 MB L2 never holds the
 //! weights being timed. `scripts/gpu-run.sh` prints torch.matmul (cuBLAS) on the same
 //! shapes beside it.
@@ -15,7 +16,7 @@ use std::time::Instant;
 
 use mtp::base::{Weight, WeightDtype};
 use mtp::cuda::{Cuda, TcKernel};
-use mtp::kernels::{Kernels, Out};
+use mtp::kernels::{Activations, Kernels, Out};
 
 /// The comma-separated list after `name`, each item parsed by `parse`, or `default`.
 fn list<T>(
@@ -43,7 +44,7 @@ fn main() -> anyhow::Result<()> {
         |s| s.split_once('x').and_then(|(n, k)| Some((n.parse().ok()?, k.parse().ok()?))),
         vec![(4096usize, 4096usize), (12288, 4096), (4096, 12288)],
     )?;
-    let ms = list(&args, "--m", |s| s.parse().ok(), vec![1usize, 8, 40, 64, 512])?;
+    let ms = list(&args, "--m", |s| s.parse().ok(), vec![1usize, 8, 40, 64, 128, 512, 4096])?;
     let reps = list(&args, "--reps", |s| s.parse().ok(), vec![20usize])?[0].max(1);
     let cuda = Cuda::shared()?;
     println!("device: {}", cuda.device_name());
@@ -51,8 +52,10 @@ fn main() -> anyhow::Result<()> {
         return stacked(&cuda, reps);
     }
     let every_kernel = args.iter().any(|a| a == "--kernels");
-    println!("| N x K | M | kernel | ms (median of {reps}) | weight GB/s |");
-    println!("| --- | --- | --- | --- | --- |");
+    // Both modes' kernel sets (one stream): a matrix loaded by one serves the other.
+    let modes = [Activations::Bf16, Activations::F32].map(Cuda::shared_with);
+    println!("| N x K | M | kernel | bf16 activations, ms (median of {reps}) | f32 activations, ms | bf16 GB/s of weights |");
+    println!("| --- | --- | --- | --- | --- | --- |");
     for (n, k) in shapes {
         let weight = bf16_weight(n, k);
         let copies = (0..4).map(|_| cuda.matrix(&weight)).collect::<Result<Vec<_>, _>>()?;
@@ -62,22 +65,29 @@ fn main() -> anyhow::Result<()> {
             let picked = TcKernel::for_shape(m, n);
             let kernels = if every_kernel { TcKernel::ALL.to_vec() } else { vec![picked] };
             for kernel in kernels {
-                let mut times = Vec::new();
+                let mut times = [Vec::new(), Vec::new()];
                 for rep in 0..reps + 3 {
-                    cuda.synchronize()?;
-                    let ms = cuda.gpu_time_ms(|| {
-                        cuda.linear_tc_with(kernel, &x, m, &copies[rep % 4], None, &mut out, Out::Write)
-                    })?;
-                    if rep >= 3 {
-                        times.push(ms / 1e3);
+                    for (i, (mode, times)) in modes.iter().zip(&mut times).enumerate() {
+                        let cuda = mode.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+                        cuda.synchronize()?;
+                        // Every launch reads another copy than the one before it (the modes
+                        // alternate), so neither mode finds its weights in L2.
+                        let w = &copies[(2 * rep + i) % 4];
+                        let ms = cuda.gpu_time_ms(|| {
+                            cuda.linear_tc_with(kernel, &x, m, w, None, &mut out, Out::Write)
+                        })?;
+                        if rep >= 3 {
+                            times.push(ms / 1e3);
+                        }
                     }
                 }
-                let t = median(&mut times);
+                let [t16, t32] = times.map(|mut t| median(&mut t));
                 let mark = if kernel == picked && every_kernel { " (picked)" } else { "" };
                 println!(
-                    "| {n} x {k} | {m} | {kernel:?}{mark} | {:.3} | {:.0} |",
-                    t * 1e3,
-                    (n * k * 2) as f64 / t / 1e9
+                    "| {n} x {k} | {m} | {kernel:?}{mark} | {:.3} | {:.3} | {:.0} |",
+                    t16 * 1e3,
+                    t32 * 1e3,
+                    (n * k * 2) as f64 / t16 / 1e9
                 );
             }
         }

@@ -32,7 +32,11 @@
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B and 8B shapes, B=1 (and 8B B=8) plain decode's wall time per
 #          token beside the GPU time of each forward's kernels (ncu, one metric), by kernel.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|kernels|profile|profile-matmul. Logs go to $OUT
+#   numerics: the activation modes (bf16, the default; f32) side by side: the matmul at M = 1
+#          to 4,096 beside cuBLAS, prefill of 2,048 and 16,384 tokens beside transformers,
+#          decode and speculation (plain, oracle:1.0, oracle:0.7; k=4 and adaptive) on the
+#          Qwen3-8B shape.
+# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +61,7 @@ print("torch.matmul (cuBLAS), bf16 x bf16 -> bf16, median ms of 20 (4 weight cop
 print("| N x K | M | ms | weight GB/s |")
 for n, k in [(4096, 4096), (12288, 4096), (4096, 12288)]:
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    for m in [1, 8, 40, 64, 512]:
+    for m in [1, 8, 40, 64, 128, 512, 4096]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ts = []
         for i in range(23):
@@ -156,10 +160,10 @@ if [ "$what" = anchors ]; then
 fi
 
 # Seconds of one `mtp generate` (after loading) on prompt file $1 with $2 new tokens and
-# prefill chunk $3, on checkpoint $4.
+# prefill chunk $3, on checkpoint $4 (further arguments: more flags).
 mtp_seconds() {
     "$bin/mtp" generate --target "$4" --backend cuda --drafter none --max-batch 1 --prompts "$1" \
-        --max-tokens "$2" --ignore-eos --prefill-chunk "$3" 2>&1 >/dev/null |
+        --max-tokens "$2" --ignore-eos --prefill-chunk "$3" "${@:5}" 2>&1 >/dev/null |
         sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1
 }
 
@@ -213,6 +217,33 @@ PY
     done
     python3 scripts/long_context_anchors.py attention --keys 4096 32768 2>&1 | tee -a "$llog"
     rm -rf /tmp/qwen3-8b-1
+fi
+
+if [ "$what" = numerics ]; then
+    # The activation modes side by side (bf16, the default, and f32): the matmul at M = 1 to
+    # 4,096 beside cuBLAS, prefill of 2,048 and 16,384 tokens beside transformers, and
+    # decode and speculation on the 8B shape (a `cli` or `all` bundle; `all` for the matmul).
+    nlog="$OUT/numerics.log"
+    [ -x "$bin/gpu_matmul" ] && "$bin/gpu_matmul" 2>&1 | tee -a "$nlog"
+    [ -x "$bin/gpu_matmul" ] && torch_matmul 2>&1 | tee -a "$nlog"
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    for tokens in 2048 16384; do
+        prompt_of /tmp/pp.jsonl $tokens
+        for act in bf16 f32; do
+            for r in $(seq $((tokens > 2048 ? 1 : 2))); do
+                s=$(mtp_seconds /tmp/pp.jsonl 1 2048 /tmp/qwen3-8b --activations $act)
+                echo "mtp prefill $tokens tokens, chunk 2048, $act activations, run $r: $s s" | tee -a "$nlog"
+            done
+        done
+        python3 scripts/long_context_anchors.py prefill /tmp/qwen3-8b --tokens $tokens --runs 3 2>&1 | grep -v Warning | tee -a "$nlog"
+    done
+    for act in bf16 f32; do
+        echo "== qwen3-8b, $act activations" | tee -a "$nlog"
+        "$bin/mtp-bench" --target /tmp/qwen3-8b --backend cuda --activations $act --drafters oracle:1.0,oracle:0.7 \
+            --k 4,auto --batch 1,8 --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 \
+            --prompt-tokens 32 --max-tokens 64 --repeats 2 2>&1 | tee -a "$nlog"
+    done
+    rm -rf /tmp/qwen3-8b
 fi
 
 if [ "$what" = kernels ]; then

@@ -97,8 +97,19 @@ pub fn seconds(s: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_secs_f64(v))
 }
 
+/// The numerics from `--kv-dtype` and `--kv-bits` (which cannot both be given) and
+/// `--activations`.
+pub fn numerics(
+    kv_dtype: &str,
+    kv_bits: Option<usize>,
+    activations: &str,
+) -> anyhow::Result<kernels::Numerics> {
+    let activations = activations.parse::<kernels::Activations>()?;
+    Ok(kernels::Numerics { kv: kv_format(kv_dtype, kv_bits)?, activations })
+}
+
 /// The K/V format from `--kv-dtype` and `--kv-bits` (which cannot both be given).
-pub fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<kernels::KvDtype> {
+fn kv_format(kv_dtype: &str, kv_bits: Option<usize>) -> anyhow::Result<kernels::KvDtype> {
     use kernels::KvDtype;
     Ok(match (kv_bits, kv_dtype) {
         (None, d) => d.parse::<KvDtype>()?,

@@ -10,7 +10,7 @@ use common::{fixture, trained, FAMILIES};
 use mtp::base::logits::argmax;
 use mtp::drafter::{Commit, DraftAsk, Drafter, MtpDrafter};
 use mtp::engine::{prefill, EngineOptions, Request};
-use mtp::kernels::{Backend, KvDtype};
+use mtp::kernels::{Activations, Backend, KvDtype, Numerics};
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -24,22 +24,24 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 /// How far this backend's logits may sit from transformers' float32 ones for `model`:
-/// 1e-4 with f32 K/V, 6e-2 with K/V stored in bf16 (CUDA's default for 16-bit checkpoints:
+/// 1e-4 in f32, plus 6e-2 with K/V stored in bf16 (CUDA's default for 16-bit checkpoints:
 /// rounding each cached key and value to 8 bits of mantissa moves the trained family's
-/// logits by up to 3.7e-2, as measured on an H100).
+/// logits by up to 3.7e-2, as measured on an H100), plus 6e-2 with activations rounded to
+/// bf16 at each matmul (CUDA's default for bf16 weights: 4.2e-2 on the trained target when
+/// the CPU's matmul rounds its inputs the same way).
 fn tolerance(model: &Model) -> f32 {
-    match model.kv_dtype() {
-        KvDtype::Bf16 => 6e-2,
-        _ => 1e-4,
-    }
+    let n = model.numerics();
+    let kv = if n.kv == KvDtype::Bf16 { 6e-2 } else { 0.0 };
+    let act = if n.activations == Activations::Bf16 { 6e-2 } else { 0.0 };
+    1e-4 + kv + act
 }
 
-/// The test backend's K/V dtypes: its default, and on CUDA also f32 K/V, which checks the
-/// GPU kernels against transformers as tightly as the CPU's.
-fn kv_dtypes() -> Vec<KvDtype> {
+/// The test backend's numerics: its default, and on CUDA also f32 K/V and activations,
+/// which checks the GPU kernels against transformers as tightly as the CPU's.
+fn numerics() -> Vec<Numerics> {
     match common::backend() {
-        Backend::Cpu => vec![KvDtype::Auto],
-        _ => vec![KvDtype::Auto, KvDtype::F32],
+        Backend::Cpu => vec![Numerics::default()],
+        _ => vec![Numerics::default(), Numerics { kv: KvDtype::F32, activations: Activations::F32 }],
     }
 }
 
@@ -53,8 +55,8 @@ fn trusted_steps(margins: &Value, tol: f32) -> usize {
 
 /// The logits after each prompt that has recorded ones are within the backend's tolerance
 /// of transformers'.
-fn check_prefill_logits(dir: &Path, kv: KvDtype) {
-    let model = Model::load_with(dir, common::backend(), kv).unwrap();
+fn check_prefill_logits(dir: &Path, numerics: Numerics) {
+    let model = Model::load_with(dir, common::backend(), numerics).unwrap();
     let tol = tolerance(&model);
     let g = golden(dir);
     let wants = g["prefill_last_logits"].as_array().unwrap();
@@ -67,16 +69,16 @@ fn check_prefill_logits(dir: &Path, kv: KvDtype) {
         assert_eq!(got.len(), want.len());
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         println!(
-            "{} ({:?} K/V): prefill logits within {worst:e} of transformers (tolerance {tol:e})",
+            "{} ({:?}): prefill logits within {worst:e} of transformers (tolerance {tol:e})",
             dir.display(),
-            model.kv_dtype()
+            model.numerics()
         );
         assert!(worst < tol, "{}: prefill logits differ by {worst}", dir.display());
     }
 }
 
-fn check_greedy(dir: &Path, kv: KvDtype) {
-    let model = Model::load_with(dir, common::backend(), kv).unwrap();
+fn check_greedy(dir: &Path, numerics: Numerics) {
+    let model = Model::load_with(dir, common::backend(), numerics).unwrap();
     let g = golden(dir);
     let prompts = g["prompts"].as_array().unwrap();
     let n = g["greedy"][0].as_array().unwrap().len();
@@ -84,20 +86,26 @@ fn check_greedy(dir: &Path, kv: KvDtype) {
         prompts.iter().enumerate().map(|(i, p)| common::request(&i.to_string(), ids(p), n)).collect();
     let opts = EngineOptions { max_batch: 3, prefill_chunk: 5, ..EngineOptions::default() };
     let out = common::run(&model, None, opts, &requests, &[]);
+    // A prompt whose first step is a near-tie at this tolerance checks nothing (the trained
+    // draft's third prompt opens with a margin of 0.128: any bf16 rounding may flip it), but
+    // the checkpoint's prompts together must check some tokens.
+    let mut checked = 0;
     for (i, res) in out.into_iter().enumerate() {
         let got = res.unwrap().tokens;
         let want = ids(&g["greedy"][i]);
         let upto = trusted_steps(&g["margins"][i], tolerance(&model));
-        assert!(upto > 0);
+        checked += upto;
         assert_eq!(got[..upto], want[..upto], "{} prompt {i}: greedy tokens differ", dir.display());
     }
+    println!("{} ({:?}): {checked} greedy tokens checked", dir.display(), model.numerics());
+    assert!(checked > 0, "{}: no greedy token is past a near-tie at this tolerance", dir.display());
 }
 
 #[test]
 fn prefill_logits_match_transformers() {
     for name in FAMILIES {
-        for kv in kv_dtypes() {
-            check_prefill_logits(&fixture(name), kv);
+        for n in numerics() {
+            check_prefill_logits(&fixture(name), n);
         }
     }
 }
@@ -105,8 +113,8 @@ fn prefill_logits_match_transformers() {
 #[test]
 fn greedy_tokens_match_transformers() {
     for name in FAMILIES {
-        for kv in kv_dtypes() {
-            check_greedy(&fixture(name), kv);
+        for n in numerics() {
+            check_greedy(&fixture(name), n);
         }
     }
 }
@@ -114,9 +122,9 @@ fn greedy_tokens_match_transformers() {
 #[test]
 fn trained_family_matches_transformers() {
     for name in ["target", "draft"] {
-        for kv in kv_dtypes() {
-            check_prefill_logits(&trained(name), kv);
-            check_greedy(&trained(name), kv);
+        for n in numerics() {
+            check_prefill_logits(&trained(name), n);
+            check_greedy(&trained(name), n);
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The CUDA kernels, bit for bit, each check beside a negative control that must fail it:
-//! every row of a matmul gets the same bits whatever M is (cuBLAS does not), and a query
+//! every row of a matmul gets the same bits whatever M is, in both activation modes (bf16,
+//! f32: `Activations`) (cuBLAS does not), and a query
 //! gets the same attention bits alone as in a batch of eight (a split-KV kernel whose split
 //! count follows the batch does not). Built with `--features cuda`; run on a GPU by
 //! `scripts/gpu-run.sh tests`.
@@ -16,12 +17,20 @@ use common::invariance::{
 use common::{bits, fixture, trained, Lcg};
 use mtp::base::WeightDtype;
 use mtp::cuda::{Cuda, TcKernel};
-use mtp::kernels::{Backend, Kernels, Out};
+use mtp::kernels::{Activations, Backend, Kernels, KvDtype, Numerics, Out};
 use mtp::model::{Logits, Model, RowInput};
+
+/// Both activation modes' kernel sets.
+const MODES: [Activations; 2] = [Activations::Bf16, Activations::F32];
 
 #[test]
 fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
-    let cuda = Cuda::shared().unwrap();
+    for mode in MODES {
+        rows_do_not_depend_on_m(&Cuda::shared_with(mode).unwrap(), mode);
+    }
+}
+
+fn rows_do_not_depend_on_m(cuda: &Cuda, mode: Activations) {
     let mut rng = Lcg(3);
     // Every variant of both matmuls the host picks by shape (CUDA cores: 4, 8, 16 rows a
     // pass; tensor cores: passes of 8 to 64 tokens, shared-memory tiles), several passes
@@ -32,8 +41,8 @@ fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
     for (n, k) in [(4096, 4096), (12288, 4096), (4096, 12288), (200, 1056), (96, 100)] {
         let w = weight(&mut rng, WeightDtype::Bf16, n, k);
         let x = rng.vec(512 * k);
-        let (ours, stock) = rows_invariant_and_control(&*cuda, &w, &x, &ms);
-        assert!(ours, "{n}x{k}: a row's bits depend on M");
+        let (ours, stock) = rows_invariant_and_control(cuda, &w, &x, &ms);
+        assert!(ours, "{n}x{k}, {mode:?} activations: a row's bits depend on M");
         assert!(
             !stock,
             "{n}x{k}: cuBLAS gave every M the same bits: the check cannot see shape-dependent kernels"
@@ -47,7 +56,12 @@ fn matmul_rows_do_not_depend_on_m_and_cublas_rows_do() {
 /// without chunks (K < 1024). Control: cuBLAS's product, compared the same way, must differ.
 #[test]
 fn every_tensor_core_kernel_gives_the_same_bits() {
-    let cuda = Cuda::shared().unwrap();
+    for mode in MODES {
+        every_kernel_same_bits(&Cuda::shared_with(mode).unwrap(), mode);
+    }
+}
+
+fn every_kernel_same_bits(cuda: &Cuda, mode: Activations) {
     let mut rng = Lcg(11);
     for (n, k) in [(200, 1056), (100, 96), (4096, 4096)] {
         let w = weight(&mut rng, WeightDtype::Bf16, n, k);
@@ -63,7 +77,7 @@ fn every_tensor_core_kernel_gives_the_same_bits() {
             };
             let reference = run(TcKernel::Pass8);
             for kernel in TcKernel::ALL {
-                assert!(run(kernel) == reference, "{n}x{k}, M={m}: {kernel:?} differs from Pass8");
+                assert!(run(kernel) == reference, "{n}x{k}, M={m}, {mode:?}: {kernel:?} differs from Pass8");
             }
             if m == 64 {
                 mtp::kernels::negative_control::set_stock_matmul(true);
@@ -89,7 +103,12 @@ fn every_tensor_core_kernel_gives_the_same_bits() {
 /// against cuBLAS's products (the stock-matmul control) must differ at some M.
 #[test]
 fn stacked_projections_give_each_weight_its_own_bits() {
-    let cuda = Cuda::shared().unwrap();
+    for mode in MODES {
+        stacked_own_bits(&Cuda::shared_with(mode).unwrap());
+    }
+}
+
+fn stacked_own_bits(cuda: &Cuda) {
     let mut rng = Lcg(29);
     let k = 1056;
     let mut control_differs = false;
@@ -184,7 +203,6 @@ fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
 /// batched and decoded after a prefill. Control: batch-sized splits must break the latter.
 #[test]
 fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
-    use mtp::kernels::KvDtype;
     use mtp::synth::SynthSpec;
     let base = common::load(&fixture("qwen3-target")).config;
     // (query heads, KV heads, head size): the kernel it takes.
@@ -222,7 +240,9 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
         let want: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_then_decode(&cpu, p)).collect();
         let shape = format!("{heads} heads, {kv_heads} KV heads, head size {head_dim}");
         for (kv, tolerance) in [(KvDtype::F32, 1e-4), (KvDtype::Bf16, 2e-2)] {
-            let model = Model::load_with(&dir, Backend::Cuda, kv).unwrap();
+            // f32 activations: the CPU's function exactly, so the bound sees attention alone.
+            let model = Model::load_with(&dir, Backend::Cuda, Numerics { kv, activations: Activations::F32 })
+                .unwrap();
             for (p, want) in prompts.iter().zip(&want) {
                 let got = prefill_then_decode(&model, p);
                 let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
@@ -322,12 +342,72 @@ fn device_out_of_memory_is_a_clear_error() {
     assert_eq!(model.forward(&mut rows).unwrap()[0].logits.len(), 1);
 }
 
-/// The GPU computes the CPU's function: for f32, bf16 and f16 weights (every widening path
-/// of the kernels) and f32 K/V, the logits after a prompt agree within 1e-4 of their scale.
+/// With f32 activations the GPU computes the CPU's function: for f32, bf16 and f16 weights
+/// (every widening path of the kernels) and f32 K/V, the logits after a prompt agree within
+/// 1e-4 of their scale. With bf16 activations (the default) f32 and f16 weights still do,
+/// and bf16 weights' logits move by the rounding: more than 1e-4 of their scale (the
+/// rounding happened) and less than 3e-2 (nothing else changed).
 #[test]
 fn gpu_logits_agree_with_the_cpu_for_every_weight_dtype() {
-    for (dtype, worst, scale) in logits_vs_cpu(Backend::Cuda) {
+    for (dtype, worst, scale) in logits_vs_cpu(Backend::Cuda, Activations::F32) {
         assert!(worst <= 1e-4 * scale.max(1.0), "{}: GPU and CPU logits differ by {worst}", dtype.name());
+    }
+    for (dtype, worst, scale) in logits_vs_cpu(Backend::Cuda, Activations::Bf16) {
+        let scale = scale.max(1.0);
+        if dtype == WeightDtype::Bf16 {
+            assert!(
+                worst > 1e-4 * scale && worst <= 3e-2 * scale,
+                "bf16 weights, bf16 activations: logits {worst} off the CPU's (scale {scale})"
+            );
+        } else {
+            assert!(worst <= 1e-4 * scale, "{}: bf16 activations changed f32 math by {worst}", dtype.name());
+        }
+    }
+}
+
+/// Each mode computes what it says, on every path (passes, tiles, phase splits): with bf16
+/// activations every output is within f32 accumulation error of the f64 sum of
+/// bf16(x) w, and far from that of x w; with f32 activations the other way round. So a
+/// kernel that skipped the rounding, or rounded in the exact mode, fails.
+#[test]
+fn each_activation_mode_computes_its_own_function() {
+    let mut rng = Lcg(53);
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    for (n, k) in [(200, 1056), (4096, 4096)] {
+        let w = weight(&mut rng, WeightDtype::Bf16, n, k);
+        let wf = w.to_f32();
+        for m in [1, 40, 129] {
+            let x = rng.vec(m * k);
+            // Per output: (f64 sum of bf16(x) w, of x w, of |x w|).
+            let refs: Vec<(f64, f64, f64)> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    let (xr, wr) = (&x[r * k..(r + 1) * k], &wf[c * k..(c + 1) * k]);
+                    xr.iter().zip(wr).fold((0.0, 0.0, 0.0), |(a, b, s), (&xv, &wv)| {
+                        let (xv, wv) = (xv as f64, wv as f64);
+                        (a + round(xv as f32) as f64 * wv, b + xv * wv, s + (xv * wv).abs())
+                    })
+                })
+                .collect();
+            for mode in MODES {
+                let cuda = Cuda::shared_with(mode).unwrap();
+                let mat = cuda.matrix(&w).unwrap();
+                let got = common::invariance::product(&*cuda, &mat, n, &x, m);
+                // The worst distance from each reference, relative to the sum of |terms|.
+                let worst = |f: fn(&(f64, f64, f64)) -> f64| {
+                    got.iter()
+                        .zip(&refs)
+                        .map(|(&g, r)| (g as f64 - f(r)).abs() / r.2.max(1e-30))
+                        .fold(0.0, f64::max)
+                };
+                let (to_rounded, to_exact) = (worst(|r| r.0), worst(|r| r.1));
+                println!("{n}x{k}, M={m}, {mode:?}: {to_rounded:e} from bf16(x) w, {to_exact:e} from x w");
+                let (near, far) =
+                    if mode == Activations::Bf16 { (to_rounded, to_exact) } else { (to_exact, to_rounded) };
+                assert!(near < 2e-5, "{n}x{k}, M={m}, {mode:?}: {near:e} off its own function");
+                assert!(far > 4.0 * near, "{n}x{k}, M={m}, {mode:?}: cannot tell the modes apart ({far:e})");
+            }
+        }
     }
 }
 

@@ -84,7 +84,7 @@ fn vs_cpu<M: Kernels>(
 #[test]
 fn metal_kernels_agree_with_the_cpu() {
     let (metal, backend) = metal();
-    for (dtype, worst, scale) in logits_vs_cpu(backend) {
+    for (dtype, worst, scale) in logits_vs_cpu(backend, mtp::kernels::Activations::Auto) {
         assert!(worst <= 1e-4 * scale.max(1.0), "{}: Metal and CPU logits differ by {worst}", dtype.name());
     }
     let swiglu = vs_cpu(&*metal, |g, u| Cpu.swiglu(g, u).unwrap(), |g, u| metal.swiglu(g, u).unwrap());

@@ -4,8 +4,9 @@
 // constants (a warp of 32 lanes, chunks of 8 elements per lane, key chunks of 32 anchored
 // at position 0), never on how many tokens or rows share a launch. Activations are f32;
 // weights are read in their checkpoint dtype and widened in registers (bf16 weights go to
-// the tensor cores with each activation split exactly into three bf16 terms); K/V are stored in
-// the model's KV dtype (f32 or bf16). No headers: bf16/f16 are widened by hand.
+// the tensor cores with each activation either rounded to bf16, the default, or split
+// exactly into three bf16 terms, `--activations f32`); K/V are stored in the model's KV
+// dtype (f32 or bf16). No headers: bf16/f16 are widened by hand.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -222,15 +223,19 @@ LINEAR_Q(linear_q8_16, 8, 16)
 // ---------------------------------------------------------------------------------------
 // Tensor-core matmul for bf16 weights with K % 32 == 0 (the weight alone picks this path,
 // never M). mma.sync m16n8k16 (bf16 in, f32 accumulate): A = 16 weight rows (16 output
-// columns) x 16 k, B = 16 k x 8 tokens. Each f32 activation is split exactly into three
-// bf16 terms x = h + m + l (so every product with a bf16 weight is exact and activations
-// keep f32 precision; only the accumulation differs from an f32 dot product).
+// columns) x 16 k, B = 16 k x 8 tokens. TERMS = 3: each f32 activation is split exactly
+// into three bf16 terms x = h + m + l (so every product with a bf16 weight is exact and
+// activations keep f32 precision; only the accumulation differs from an f32 dot product).
+// TERMS = 1: each activation is rounded to bf16 (h alone, round to nearest even), one MMA a
+// product, as transformers and vLLM compute bf16 models. The two are two numerics; within
+// each, every kernel below gives the same bits.
 //
 // A block of KWARPS warps owns 16 output columns. Canonical order of one output: K is cut
 // into 128-wide chunks of four 32-wide blocks, chunk i accumulated by warp i % KWARPS (a
 // warp streams 256 contiguous bytes of each weight row), blocks in increasing k; within a
 // block two MMA steps (k 0..15 and 16..31 of a fixed permutation: lane 4g + t holds k
-// 8t..8t+3 in step 0 and 8t+4..8t+7 in step 1), each step the h, m, l MMAs in that order;
+// 8t..8t+3 in step 0 and 8t+4..8t+7 in step 1), each step the h, m, l MMAs in that order
+// (h alone with TERMS = 1);
 // then the KWARPS warp sums added in warp order. The MMA's internal order is fixed by the hardware and
 // does not depend on which of the 8 token columns a row occupies, so a row's bits do not
 // depend on M, on the tokens per pass (8 MT) or on its place in a tile.
@@ -265,7 +270,7 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
 
 // MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
 // `block`: which 16 columns (blockIdx.x, or its place among a multi-weight launch's parts).
-template <int MT>
+template <int MT, int TERMS>
 __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
                                int block) {
@@ -308,15 +313,16 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
                     const float keep = r < m ? 1.0f : 0.0f;
                     float4 p = *reinterpret_cast<const float4*>(xr), q = *reinterpret_cast<const float4*>(xr + 4);
                     u32 b[3][4];  // [h, m, l][k pairs 0-1, 2-3, 4-5, 6-7 of this lane's 8]
+                    // (with TERMS = 1 the m and l terms are dead code, never computed)
                     split3(p.x * keep, p.y * keep, b[0][0], b[1][0], b[2][0]);
                     split3(p.z * keep, p.w * keep, b[0][1], b[1][1], b[2][1]);
                     split3(q.x * keep, q.y * keep, b[0][2], b[1][2], b[2][2]);
                     split3(q.z * keep, q.w * keep, b[0][3], b[1][3], b[2][3]);
                     const uint4 a = wv[u][0], a8 = wv[u][1];
 #pragma unroll
-                    for (int sp = 0; sp < 3; sp++) mma_bf16(acc[j], a.x, a8.x, a.y, a8.y, b[sp][0], b[sp][1]);
+                    for (int sp = 0; sp < TERMS; sp++) mma_bf16(acc[j], a.x, a8.x, a.y, a8.y, b[sp][0], b[sp][1]);
 #pragma unroll
-                    for (int sp = 0; sp < 3; sp++) mma_bf16(acc[j], a.z, a8.z, a.w, a8.w, b[sp][2], b[sp][3]);
+                    for (int sp = 0; sp < TERMS; sp++) mma_bf16(acc[j], a.z, a8.z, a.w, a8.w, b[sp][2], b[sp][3]);
                 }
             }
         }
@@ -348,11 +354,14 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
     }
 }
 
-#define LINEAR_TC(NAME, MT)                                                                               \
+// Each kernel in two numerics: NAME_x3 (activations as three exact bf16 terms) and NAME_x1
+// (activations rounded to bf16).
+#define LINEAR_TC_T(NAME, MT, TERMS)                                                                      \
     extern "C" __global__ void NAME(const float* x, int m, int k, const u16* w, int n, const float* bias,  \
                                     float* out, int accumulate) {                                         \
-        linear_tc_impl<MT>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);                             \
+        linear_tc_impl<MT, TERMS>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);                      \
     }
+#define LINEAR_TC(NAME, MT) LINEAR_TC_T(NAME##_x3, MT, 3) LINEAR_TC_T(NAME##_x1, MT, 1)
 LINEAR_TC(linear_tc_bf16_8, 1)
 LINEAR_TC(linear_tc_bf16_16, 2)
 LINEAR_TC(linear_tc_bf16_32, 4)
@@ -371,13 +380,14 @@ struct TcParts {
 };
 // Part i's field, chosen by conditionals (a dynamic index would copy the struct to the stack).
 #define TC_PART(p, field, i) ((i) == 0 ? (p).field[0] : (i) == 1 ? (p).field[1] : (p).field[2])
-#define LINEAR_TC_PARTS(NAME, MT)                                                                \
+#define LINEAR_TC_PARTS_T(NAME, MT, TERMS)                                                       \
     extern "C" __global__ void NAME(const float* x, int m, int k, TcParts p) {                  \
         const int b = blockIdx.x;                                                               \
         const int i = (p.parts > 2 && b >= p.first_block[2]) ? 2 : (p.parts > 1 && b >= p.first_block[1]) ? 1 : 0; \
-        linear_tc_impl<MT>(x, m, k, TC_PART(p, w, i), TC_PART(p, n, i), TC_PART(p, bias, i),    \
-                           TC_PART(p, out, i), 0, b - TC_PART(p, first_block, i));              \
+        linear_tc_impl<MT, TERMS>(x, m, k, TC_PART(p, w, i), TC_PART(p, n, i), TC_PART(p, bias, i), \
+                                  TC_PART(p, out, i), 0, b - TC_PART(p, first_block, i));       \
     }
+#define LINEAR_TC_PARTS(NAME, MT) LINEAR_TC_PARTS_T(NAME##_x3, MT, 3) LINEAR_TC_PARTS_T(NAME##_x1, MT, 1)
 LINEAR_TC_PARTS(linear_tc_parts_bf16_8, 1)
 LINEAR_TC_PARTS(linear_tc_parts_bf16_16, 2)
 LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
@@ -394,13 +404,23 @@ LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
 // in increasing k and is then added to the running sum.
 
 // x (n f32, n even) split exactly into three bf16 planes h, m, l of n each: x = h + m + l,
-// the terms linear_tc's split3 makes.
-extern "C" __global__ void split_activations(const float* x, long long n, u32* out) {
+// the terms linear_tc's split3 makes (_x3); or rounded to bf16, the plane h alone (_x1).
+template <int TERMS>
+__device__ void split_activations_impl(const float* x, long long n, u32* out) {
     const long long pairs = n / 2;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
         const float2 v = reinterpret_cast<const float2*>(x)[i];
-        split3(v.x, v.y, out[i], out[pairs + i], out[2 * pairs + i]);
+        u32 t[3];
+        split3(v.x, v.y, t[0], t[1], t[2]);
+#pragma unroll
+        for (int sp = 0; sp < TERMS; sp++) out[sp * pairs + i] = t[sp];
     }
+}
+extern "C" __global__ void split_activations_x3(const float* x, long long n, u32* out) {
+    split_activations_impl<3>(x, n, out);
+}
+extern "C" __global__ void split_activations_x1(const float* x, long long n, u32* out) {
+    split_activations_impl<1>(x, n, out);
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -438,21 +458,21 @@ struct TtPos {
     __device__ int kb() const { return 128 * c + 32 * u; }
 };
 
-// xs: split_activations of the m x k activations (planes h, m, l of m k each). PHASED: the
+// xs: split_activations of the m x k activations (TERMS planes h, m, l of m k each). PHASED: the
 // grid's y holds 8 blocks per token tile, block y walking phase y % 8 alone and writing its
 // partial to out[phase][m][n] (no bias), for linear_merge_phases to add in phase order:
 // 8 times the blocks, for grids too small to fill the GPU (and no running sum held).
 // The STAGES live in dynamic shared memory, weights [STAGES][COLS][32] then activations
-// [STAGES][3][TOKS][32]: (COLS + 3 TOKS) 64 STAGES bytes, which the host passes (and
+// [STAGES][TERMS][TOKS][32]: (COLS + TERMS TOKS) 64 STAGES bytes, which the host passes (and
 // raises the kernel's limit to, past 48 KB).
-template <int WCOLS, int WN, int STAGES, bool PHASED>
+template <int WCOLS, int WN, int STAGES, bool PHASED, int TERMS>
 __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
                                int col_block) {
     constexpr int COLS = 32 * WCOLS, TOKS = 8 * WN * (8 / WCOLS);
     extern __shared__ __align__(16) unsigned char tt_smem[];
     auto ws = reinterpret_cast<u16 (*)[COLS][32]>(tt_smem);
-    auto xsh = reinterpret_cast<u16 (*)[3][TOKS][32]>(tt_smem + STAGES * COLS * 32 * 2);
+    auto xsh = reinterpret_cast<u16 (*)[TERMS][TOKS][32]>(tt_smem + STAGES * COLS * 32 * 2);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wc = warp % WCOLS, wt = warp / WCOLS;
@@ -477,10 +497,10 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
                 cp_async16(&ws[s][p / 4][8 * (p % 4)], w + (long long)min(c0 + p / 4, n - 1) * k + kb + 8 * (p % 4));
         }
 #pragma unroll
-        for (int i = 0; i < (TOKS * 12 + 255) / 256; i++) {
+        for (int i = 0; i < (TOKS * 4 * TERMS + 255) / 256; i++) {
             const int p = tid + 256 * i;
             const int sp = p / (TOKS * 4), tok = p % (TOKS * 4) / 4, piece = p % 4;
-            if ((TOKS * 12) % 256 == 0 || p < TOKS * 12)
+            if ((TOKS * 4 * TERMS) % 256 == 0 || p < TOKS * 4 * TERMS)
                 cp_async16(&xsh[s][sp][tok][8 * piece],
                            xs + sp * plane + (long long)min(r0 + tok, m - 1) * k + kb + 8 * piece);
         }
@@ -522,17 +542,17 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
                 a[mt][h] = *reinterpret_cast<const uint4*>(&ws[st][32 * wc + 16 * mt + 8 * h + g][8 * t]);
 #pragma unroll
         for (int j = 0; j < WN; j++) {
-            uint4 b[3];
+            uint4 b[TERMS];
 #pragma unroll
-            for (int sp = 0; sp < 3; sp++)
+            for (int sp = 0; sp < TERMS; sp++)
                 b[sp] = *reinterpret_cast<const uint4*>(&xsh[st][sp][8 * (WN * wt + j) + g][8 * t]);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
                 const uint4 lo = a[mt][0], hi = a[mt][1];
 #pragma unroll
-                for (int sp = 0; sp < 3; sp++) mma_bf16(acc[mt][j], lo.x, hi.x, lo.y, hi.y, b[sp].x, b[sp].y);
+                for (int sp = 0; sp < TERMS; sp++) mma_bf16(acc[mt][j], lo.x, hi.x, lo.y, hi.y, b[sp].x, b[sp].y);
 #pragma unroll
-                for (int sp = 0; sp < 3; sp++) mma_bf16(acc[mt][j], lo.z, hi.z, lo.w, hi.w, b[sp].z, b[sp].w);
+                for (int sp = 0; sp < TERMS; sp++) mma_bf16(acc[mt][j], lo.z, hi.z, lo.w, hi.w, b[sp].z, b[sp].w);
             }
         }
         // The end of a phase: its partial joins the running sum, as linear_tc's warp sums do.
@@ -582,17 +602,22 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
 
 // Unphased tiles: out (+)= x w^T + bias. Phased: `out` holds the 8 phases' partials
 // (8 m n), for linear_merge_phases.
-#define LINEAR_TT(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                                    \
+#define LINEAR_TT_T(NAME, WCOLS, WN, STAGES, MIN_BLOCKS, TERMS)                                          \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, const u16* w,     \
                                                            int n, const float* bias, float* out,         \
                                                            int accumulate) {                             \
-        linear_tt_impl<WCOLS, WN, STAGES, false>(xs, m, k, w, n, bias, out, accumulate, blockIdx.x);     \
+        linear_tt_impl<WCOLS, WN, STAGES, false, TERMS>(xs, m, k, w, n, bias, out, accumulate, blockIdx.x); \
     }
-#define LINEAR_TT_PHASES(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                             \
+#define LINEAR_TT_PHASES_T(NAME, WCOLS, WN, STAGES, MIN_BLOCKS, TERMS)                                   \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, const u16* w,     \
                                                            int n, float* part) {                         \
-        linear_tt_impl<WCOLS, WN, STAGES, true>(xs, m, k, w, n, nullptr, part, 0, blockIdx.x);           \
+        linear_tt_impl<WCOLS, WN, STAGES, true, TERMS>(xs, m, k, w, n, nullptr, part, 0, blockIdx.x);    \
     }
+#define LINEAR_TT(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                                    \
+    LINEAR_TT_T(NAME##_x3, WCOLS, WN, STAGES, MIN_BLOCKS, 3) LINEAR_TT_T(NAME##_x1, WCOLS, WN, STAGES, MIN_BLOCKS, 1)
+#define LINEAR_TT_PHASES(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                             \
+    LINEAR_TT_PHASES_T(NAME##_x3, WCOLS, WN, STAGES, MIN_BLOCKS, 3)                                       \
+    LINEAR_TT_PHASES_T(NAME##_x1, WCOLS, WN, STAGES, MIN_BLOCKS, 1)
 LINEAR_TT(linear_tt_bf16_256x16, 8, 2, 2, 2)
 LINEAR_TT(linear_tt_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT(linear_tt_bf16_64x64, 2, 2, 3, 2)
@@ -608,13 +633,16 @@ LINEAR_TT_PHASES(linear_tt_phases_bf16_128x48, 4, 3, 3, 2)
 // [first_block[i], first_block[i + 1]) of the grid's x write part i's phase partials to
 // out[i] exactly as its own phased launch would, for linear_merge_phases (bias unused). Each
 // takes its single-weight phased kernel's shape and stages (the host sizes both alike).
-#define LINEAR_TT_PARTS(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                              \
+#define LINEAR_TT_PARTS_T(NAME, WCOLS, WN, STAGES, MIN_BLOCKS, TERMS)                                    \
     extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const u16* xs, int m, int k, TcParts p) { \
         const int b = blockIdx.x;                                                                         \
         const int i = (p.parts > 2 && b >= p.first_block[2]) ? 2 : (p.parts > 1 && b >= p.first_block[1]) ? 1 : 0; \
-        linear_tt_impl<WCOLS, WN, STAGES, true>(xs, m, k, TC_PART(p, w, i), TC_PART(p, n, i), nullptr,     \
+        linear_tt_impl<WCOLS, WN, STAGES, true, TERMS>(xs, m, k, TC_PART(p, w, i), TC_PART(p, n, i), nullptr, \
                                                 TC_PART(p, out, i), 0, b - TC_PART(p, first_block, i));   \
     }
+#define LINEAR_TT_PARTS(NAME, WCOLS, WN, STAGES, MIN_BLOCKS)                                              \
+    LINEAR_TT_PARTS_T(NAME##_x3, WCOLS, WN, STAGES, MIN_BLOCKS, 3)                                        \
+    LINEAR_TT_PARTS_T(NAME##_x1, WCOLS, WN, STAGES, MIN_BLOCKS, 1)
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x64, 4, 4, 3, 2)
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x48, 4, 3, 3, 2)

@@ -1,7 +1,8 @@
 //! The CUDA backend: the kernels of `kernels.cu` (compiled to PTX by `build.rs`), launched
-//! through cudarc on one stream of GPU 0. Activations are f32 device buffers, weights stay
-//! in their checkpoint dtype on the device, K/V live in a [`CudaKv`] per row (bf16 for
-//! 16-bit checkpoints, f32 for f32 ones). The driver is loaded at run time, so a binary
+//! through cudarc on one stream of GPU 0. Activations are f32 device buffers, rounded to
+//! bf16 where they meet a bf16 weight (or, `--activations f32`, split exactly into three
+//! bf16 terms: [`Activations`]); weights stay in their checkpoint dtype on the device, K/V
+//! live in a [`CudaKv`] per row (bf16 for 16-bit checkpoints, f32 for f32 ones). The driver is loaded at run time, so a binary
 //! built with `--features cuda` starts (and reports a clear error) on a machine without one.
 //!
 //! The crate compiles to nothing without its `cuda` feature, so `cargo test --workspace`
@@ -52,8 +53,8 @@ use mtp_base::weights::{Weight, WeightDtype};
 use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    check_gpu_heads, device_kv_dtype, held_keys, linear_each, open_windows, AssistantKernels, Backend,
-    ForwardBody, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    check_gpu_heads, device_kv_dtype, held_keys, linear_each, open_windows, Activations, AssistantKernels,
+    Backend, ForwardBody, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
@@ -112,10 +113,19 @@ struct Tile {
 }
 
 impl Tile {
-    /// kernels.cu's linear_tt_impl: per stage, 32 k of COLS weight rows and of 3 TOKS split
-    /// activation rows, 2 bytes each.
-    fn smem_bytes(self) -> u32 {
-        (self.stages * (self.cols + 3 * self.toks) * 64) as u32
+    /// kernels.cu's linear_tt_impl: per stage, 32 k of COLS weight rows and of `terms` TOKS
+    /// activation rows (one bf16 plane a term), 2 bytes each.
+    fn smem_bytes(self, terms: usize) -> u32 {
+        (self.stages * (self.cols + terms * self.toks) * 64) as u32
+    }
+}
+
+/// bf16 planes a tensor-core matmul takes of each activation: 1 (rounded) or 3 (exact).
+fn activation_terms(a: Activations) -> usize {
+    if a == Activations::Bf16 {
+        1
+    } else {
+        3
     }
 }
 
@@ -220,11 +230,14 @@ struct Functions {
     linear: [[CudaFunction; 3]; 3],
     /// MLX-quantized weights by bits (2, 4, 8), then rows per pass.
     linear_q: [[CudaFunction; 3]; 3],
-    /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64).
+    /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64); the
+    /// variants of this instance's [`Activations`] (kernels.cu's `_x1` or `_x3`), as every
+    /// tensor-core function below.
     linear_tc: [CudaFunction; 4],
     /// The same, up to 3 weights in one launch, by tokens per pass (8, 16, 32).
     linear_tc_parts: [CudaFunction; 3],
-    /// The same, tiled in shared memory, on activations split by `split_activations`: by
+    /// The same, tiled in shared memory, on activations split (or rounded) by
+    /// `split_activations`: by
     /// [`TcKernel::tile`]'s index, unphased and phase-split.
     linear_tt: [CudaFunction; 4],
     linear_tt_phases: [CudaFunction; 5],
@@ -254,11 +267,14 @@ struct Functions {
     logit_summaries: CudaFunction,
 }
 
-/// GPU 0, its stream and the loaded kernels. One per process ([`Cuda::shared`]): every
-/// model and cache uses the same stream, so their work is ordered without events.
+/// GPU 0, its stream and the loaded kernels. One per process and [`Activations`] mode
+/// ([`Cuda::shared_with`]); both modes share the process's one stream, so every model's
+/// and cache's work is ordered without events.
 pub struct Cuda {
     stream: Arc<CudaStream>,
     f: Functions,
+    /// `Bf16` or `F32`, never `Auto`: which tensor-core kernels `f` holds.
+    activations: Activations,
     device: String,
     /// cuBLAS, loaded only for the negative control.
     blas: OnceLock<std::result::Result<cudarc::cublas::CudaBlas, String>>,
@@ -266,6 +282,9 @@ pub struct Cuda {
     /// the largest download so far.
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
+
+/// GPU 0's stream and the module of every kernel.
+type Device = (Arc<CudaStream>, Arc<cudarc::driver::CudaModule>);
 
 // SAFETY: the cuBLAS handle is used only from the thread running a forward, behind &self,
 // and cuBLAS handles may be shared between host threads that do not call it concurrently
@@ -279,30 +298,59 @@ fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 }
 
 impl Cuda {
-    /// The process's CUDA backend on GPU 0, started on first use. Fails with a clear
-    /// message when there is no driver, no GPU, or the kernels cannot be loaded.
+    /// The process's CUDA backend on GPU 0 in the default numerics (bf16 activations),
+    /// started on first use. Fails with a clear message when there is no driver, no GPU, or
+    /// the kernels cannot be loaded.
     pub fn shared() -> Result<Arc<Cuda>> {
-        static SHARED: OnceLock<std::result::Result<Arc<Cuda>, String>> = OnceLock::new();
-        SHARED.get_or_init(|| Cuda::start(0).map(Arc::new)).clone().map_err(Error::Backend)
+        Cuda::shared_with(Activations::Auto)
     }
 
-    fn start(ordinal: usize) -> std::result::Result<Cuda, String> {
-        // SAFETY: only probes whether the driver library can be loaded.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err("no NVIDIA driver found (libcuda.so could not be loaded): \
-                        this machine has no GPU driver, or LD_LIBRARY_PATH does not reach it"
-                .into());
-        }
-        let ctx = cudarc::driver::CudaContext::new(ordinal)
-            .map_err(|e| format!("cannot open GPU {ordinal}: {e:?}"))?;
-        // One stream for everything: no cross-stream events needed.
-        // SAFETY: every buffer is used on `stream` only.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream: {e:?}"))?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(PTX))
-            .map_err(|e| format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}"))?;
+    /// The same, with activations as `activations` says (`Auto`: bf16).
+    pub fn shared_with(activations: Activations) -> Result<Arc<Cuda>> {
+        type Slot = OnceLock<std::result::Result<Arc<Cuda>, String>>;
+        static SHARED: [Slot; 2] = [OnceLock::new(), OnceLock::new()];
+        let activations = match activations {
+            Activations::F32 => Activations::F32,
+            Activations::Auto | Activations::Bf16 => Activations::Bf16,
+        };
+        SHARED[(activations == Activations::Bf16) as usize]
+            .get_or_init(|| Cuda::start(activations).map(Arc::new))
+            .clone()
+            .map_err(Error::Backend)
+    }
+
+    /// GPU 0's one stream and the loaded kernels, shared by both modes.
+    fn device() -> std::result::Result<Device, String> {
+        static DEVICE: OnceLock<std::result::Result<Device, String>> = OnceLock::new();
+        DEVICE
+            .get_or_init(|| {
+                // SAFETY: only probes whether the driver library can be loaded.
+                if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                    return Err("no NVIDIA driver found (libcuda.so could not be loaded): \
+                                this machine has no GPU driver, or LD_LIBRARY_PATH does not reach it"
+                        .into());
+                }
+                let ctx =
+                    cudarc::driver::CudaContext::new(0).map_err(|e| format!("cannot open GPU 0: {e:?}"))?;
+                // One stream for everything: no cross-stream events needed.
+                // SAFETY: every buffer is used on `stream` only.
+                unsafe { ctx.disable_event_tracking() };
+                let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream: {e:?}"))?;
+                let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).map_err(|e| {
+                    format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}")
+                })?;
+                Ok((stream, module))
+            })
+            .clone()
+    }
+
+    fn start(activations: Activations) -> std::result::Result<Cuda, String> {
+        let (stream, module) = Cuda::device()?;
+        let ctx = stream.context();
         let get = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
+        // The tensor-core kernels of this mode: activations as 1 or 3 bf16 terms.
+        let terms = activation_terms(activations);
+        let tc = |name: &str| get(&format!("{name}_x{terms}"));
         let f = Functions {
             linear: [
                 [get("linear_f32_4")?, get("linear_f32_8")?, get("linear_f32_16")?],
@@ -315,35 +363,35 @@ impl Cuda {
                 [get("linear_q8_4")?, get("linear_q8_8")?, get("linear_q8_16")?],
             ],
             linear_tc: [
-                get("linear_tc_bf16_8")?,
-                get("linear_tc_bf16_16")?,
-                get("linear_tc_bf16_32")?,
-                get("linear_tc_bf16_64")?,
+                tc("linear_tc_bf16_8")?,
+                tc("linear_tc_bf16_16")?,
+                tc("linear_tc_bf16_32")?,
+                tc("linear_tc_bf16_64")?,
             ],
             linear_tc_parts: [
-                get("linear_tc_parts_bf16_8")?,
-                get("linear_tc_parts_bf16_16")?,
-                get("linear_tc_parts_bf16_32")?,
+                tc("linear_tc_parts_bf16_8")?,
+                tc("linear_tc_parts_bf16_16")?,
+                tc("linear_tc_parts_bf16_32")?,
             ],
             linear_tt: [
-                get("linear_tt_bf16_256x16")?,
-                get("linear_tt_bf16_128x32")?,
-                get("linear_tt_bf16_64x64")?,
-                get("linear_tt_bf16_128x64")?,
+                tc("linear_tt_bf16_256x16")?,
+                tc("linear_tt_bf16_128x32")?,
+                tc("linear_tt_bf16_64x64")?,
+                tc("linear_tt_bf16_128x64")?,
             ],
             linear_tt_phases: [
-                get("linear_tt_phases_bf16_256x16")?,
-                get("linear_tt_phases_bf16_128x32")?,
-                get("linear_tt_phases_bf16_64x64")?,
-                get("linear_tt_phases_bf16_128x64")?,
-                get("linear_tt_phases_bf16_128x48")?,
+                tc("linear_tt_phases_bf16_256x16")?,
+                tc("linear_tt_phases_bf16_128x32")?,
+                tc("linear_tt_phases_bf16_64x64")?,
+                tc("linear_tt_phases_bf16_128x64")?,
+                tc("linear_tt_phases_bf16_128x48")?,
             ],
             linear_tt_parts: [
-                get("linear_tt_parts_bf16_128x32")?,
-                get("linear_tt_parts_bf16_128x64")?,
-                get("linear_tt_parts_bf16_128x48")?,
+                tc("linear_tt_parts_bf16_128x32")?,
+                tc("linear_tt_parts_bf16_128x64")?,
+                tc("linear_tt_parts_bf16_128x48")?,
             ],
-            split_activations: get("split_activations")?,
+            split_activations: tc("split_activations")?,
             linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
@@ -386,14 +434,21 @@ impl Cuda {
             let parts = PARTS_TILES.iter().position(|k| *k == kernel).map(|p| &f.linear_tt_parts[p]);
             for func in std::iter::once(single).chain(parts) {
                 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
-                func.set_attribute(MAX, tile.smem_bytes() as i32).map_err(|e| {
-                    format!("shared memory for {kernel:?} ({} bytes): {e:?}", tile.smem_bytes())
-                })?;
+                let bytes = tile.smem_bytes(terms);
+                func.set_attribute(MAX, bytes as i32)
+                    .map_err(|e| format!("shared memory for {kernel:?} ({bytes} bytes): {e:?}"))?;
             }
         }
-        let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
+        let device = ctx.name().unwrap_or_else(|_| "GPU 0".into());
         tracing::info!("CUDA backend on {device}");
-        Ok(Cuda { stream, f, device, blas: OnceLock::new(), staging: std::sync::Mutex::new(None) })
+        Ok(Cuda {
+            stream,
+            f,
+            activations,
+            device,
+            blas: OnceLock::new(),
+            staging: std::sync::Mutex::new(None),
+        })
     }
 
     /// `x` in host memory: copied into page-locked staging memory (a pageable destination
@@ -476,11 +531,13 @@ impl Cuda {
         self.linear_tile(kernel, &split, m, w, bias, out, mode)
     }
 
-    /// `len` f32 activations split exactly into the three bf16 planes the tiles read.
+    /// `len` f32 activations as the bf16 planes the tiles read: split exactly into three, or
+    /// rounded into one (this instance's [`Activations`]).
     fn split_activations(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
         let s = &self.stream;
-        // SAFETY: split_activations writes all 3 len elements before the matmul reads them.
-        let split = unsafe { s.alloc::<u16>(3 * len) }.map_err(driver("split activations"))?;
+        let planes = activation_terms(self.activations) * len;
+        // SAFETY: split_activations writes all `planes` elements before the matmul reads them.
+        let split = unsafe { s.alloc::<u16>(planes) }.map_err(driver("split activations"))?;
         let (xp, sp, n) = (ptr(x, s), ptr(&split, s), len as i64);
         let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
         launch!(self, &self.f.split_activations, (blocks, 1), 256, "split", [xp, n, sp])?;
@@ -520,7 +577,8 @@ impl Cuda {
         }
         let (sp, mi, k) = (ptr(split, s), m as i32, parts[0].0.cols as i32);
         let grid = (blocks as u32, 8 * m.div_ceil(toks) as u32);
-        launch!(self, f, grid, LINEAR_THREADS, tile.smem_bytes(), "linear", [sp, mi, k, p])?;
+        let smem = tile.smem_bytes(activation_terms(self.activations));
+        launch!(self, f, grid, LINEAR_THREADS, smem, "linear", [sp, mi, k, p])?;
         for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
             let (pp, op, bp, n, write) =
                 (p.out[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
@@ -556,8 +614,11 @@ impl Cuda {
         let Some((i, tile)) = kernel.tile() else {
             return Err(Error::Backend(format!("{kernel:?} is not a tile kernel")));
         };
-        let (smem, cols_grid, token_tiles) =
-            (tile.smem_bytes(), w.rows.div_ceil(tile.cols) as u32, m.div_ceil(tile.toks) as u32);
+        let (smem, cols_grid, token_tiles) = (
+            tile.smem_bytes(activation_terms(self.activations)),
+            w.rows.div_ceil(tile.cols) as u32,
+            m.div_ceil(tile.toks) as u32,
+        );
         if !tile.phased {
             let f = &self.f.linear_tt[i];
             return launch!(
@@ -723,6 +784,10 @@ impl Kernels for Cuda {
 
     fn backend(&self) -> Backend {
         Backend::Cuda
+    }
+
+    fn activations(&self) -> Activations {
+        self.activations
     }
 
     fn matrix(&self, w: &Weight) -> Result<CudaMat> {

@@ -61,7 +61,7 @@ impl DraftModelDrafter {
             msg: format!("{msg} ({})", target_dir.display()),
         };
         let drafter = DraftModelDrafter::new(
-            Arc::new(Model::load_with(draft_dir, target.backend(), target.kv_dtype())?),
+            Arc::new(Model::load_with(draft_dir, target.backend(), target.numerics())?),
             target,
         )
         .map_err(|e| match e {

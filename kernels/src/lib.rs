@@ -118,6 +118,79 @@ impl KvDtype {
     }
 }
 
+/// The precision of activations at the input of a matmul. `Auto` is each backend's
+/// default: on CUDA, `Bf16`; on the CPU and Metal, `F32`. `Bf16` rounds each activation to
+/// bf16 (nearest even) where it meets a bf16 weight, one tensor-core MMA a product with f32
+/// accumulation, as transformers, vLLM and SGLang compute bf16 models. `F32` keeps f32
+/// activations (CUDA splits each exactly into three bf16 terms: three MMAs a product).
+/// f32, f16 and quantized weights take f32 activations in every mode. Within a mode every
+/// guarantee holds for every M (batched == alone, speculative == plain, decode ==
+/// prefill); the two modes give different bits, as two backends do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Activations {
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for Activations {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Activations> {
+        match s {
+            "auto" => Ok(Activations::Auto),
+            "f32" => Ok(Activations::F32),
+            "bf16" => Ok(Activations::Bf16),
+            other => Err(Error::Backend(format!("unknown activation precision `{other}` (auto, f32, bf16)"))),
+        }
+    }
+}
+
+impl Activations {
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::Auto => "auto",
+            Activations::F32 => "f32",
+            Activations::Bf16 => "bf16",
+        }
+    }
+
+    /// What a kernel set in mode `self` (resolved) does where it meets `w`: `Bf16` only for
+    /// unquantized bf16 weights.
+    pub fn for_weight(self, w: &Weight) -> Activations {
+        match self {
+            Activations::Bf16 if w.dtype == WeightDtype::Bf16 && w.quant().is_none() => Activations::Bf16,
+            _ => Activations::F32,
+        }
+    }
+
+    /// `self` on a backend that computes activations in f32 only (the CPU, Metal): `Auto`
+    /// is `F32`, and `Bf16` is refused by name.
+    pub fn f32_only(self, backend: Backend) -> Result<Activations> {
+        match self {
+            Activations::Bf16 => Err(Error::Backend(format!(
+                "--activations bf16: the {} backend computes matmul activations in f32 only \
+                 (bf16 activations are CUDA's; use --activations auto or f32)",
+                backend.name()
+            ))),
+            _ => Ok(Activations::F32),
+        }
+    }
+}
+
+/// How a model computes on its backend: the K/V format and the matmuls' activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Numerics {
+    pub kv: KvDtype,
+    pub activations: Activations,
+}
+
+impl From<KvDtype> for Numerics {
+    fn from(kv: KvDtype) -> Numerics {
+        Numerics { kv, activations: Activations::Auto }
+    }
+}
+
 /// Where each token of a batched forward sits: its row and logical position.
 #[derive(Clone, Copy, Debug)]
 pub struct Slot {
@@ -161,6 +234,11 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     type Recordings: Default + Send + Sync;
 
     fn backend(&self) -> Backend;
+    /// How this kernel set's matmuls take activations where they meet bf16 weights
+    /// (resolved: `F32` or `Bf16`).
+    fn activations(&self) -> Activations {
+        Activations::F32
+    }
 
     fn matrix(&self, w: &Weight) -> Result<Self::Mat>;
     fn vector(&self, v: &[f32]) -> Result<Self::Vec>;

@@ -9,7 +9,10 @@ use mtp_base::logits::LogitSummary;
 use mtp_base::Checkpoint;
 use mtp_cache::RowCache;
 use mtp_kernels::negative_control;
-use mtp_kernels::{host_summaries, summaries_from, Backend, Kernels, KvDtype, Out, Slot, SUMMARY_VALUES};
+use mtp_kernels::{
+    host_summaries, summaries_from, Activations, Backend, Kernels, KvDtype, Numerics, Out, Slot,
+    SUMMARY_VALUES,
+};
 
 use crate::mtp::{MtpLayout, MtpNet};
 
@@ -241,6 +244,8 @@ pub(crate) trait Net: Send + Sync {
     }
     fn backend(&self) -> Backend;
     fn kv_dtype(&self) -> KvDtype;
+    /// The kernel set's activations where they meet bf16 weights (resolved).
+    fn activations(&self) -> Activations;
     fn max_positions(&self) -> usize;
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
@@ -263,6 +268,13 @@ impl Model {
     /// How this model stores K/V (resolved: `F32` or `Bf16`).
     pub fn kv_dtype(&self) -> KvDtype {
         self.net.kv_dtype()
+    }
+
+    /// How this model computes (resolved): its K/V dtype, and its kernel set's activations
+    /// where they meet bf16 weights (`Bf16` on CUDA by default; f32 weights compute in f32
+    /// whatever this says). A drafter loads with its target's.
+    pub fn numerics(&self) -> Numerics {
+        Numerics { kv: self.net.kv_dtype(), activations: self.net.activations() }
     }
 
     /// An empty cache for one row of this model, on its backend.

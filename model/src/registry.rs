@@ -10,7 +10,7 @@ use std::sync::Arc;
 use mtp_base::config::{count_key, read_json, Arch, Config, MAX_LAYERS};
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
-use mtp_kernels::{Backend, KvDtype};
+use mtp_kernels::{Activations, Backend, KvDtype, Numerics};
 
 use crate::accounting;
 use crate::forward::Model;
@@ -18,27 +18,32 @@ use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
 use crate::mtp::{MtpHead, MtpLayout};
 
-/// Runs `$body` with `$be` bound to the `Arc` of `$backend`'s kernel set (each backend this
-/// build has), or returns an error naming what is missing.
+/// Runs `$body` with `$be` bound to the `Arc` of `$backend`'s kernel set computing
+/// activations as `$activations` says (each backend this build has), or returns an error
+/// naming what is missing or refused.
 macro_rules! on_backend {
-    ($backend:expr, $be:ident => $body:expr) => {{
+    ($backend:expr, $activations:expr, $be:ident => $body:expr) => {{
+        let activations: Activations = $activations;
         match $backend {
             Backend::Cpu => {
+                activations.f32_only(Backend::Cpu)?;
                 let $be = Arc::new(mtp_kernels::cpu::Cpu);
                 $body
             }
             #[cfg(feature = "cuda")]
             Backend::Cuda => {
-                let $be = mtp_cuda::Cuda::shared()?;
+                let $be = mtp_cuda::Cuda::shared_with(activations)?;
                 $body
             }
             #[cfg(all(feature = "metal", target_os = "macos"))]
             Backend::Metal => {
+                activations.f32_only(Backend::Metal)?;
                 let $be = mtp_metal::apple::Apple::shared()?;
                 $body
             }
             #[cfg(all(feature = "metal-emulator", not(target_os = "macos")))]
             Backend::MetalEmulated => {
+                activations.f32_only(Backend::MetalEmulated)?;
                 let $be = mtp_metal::emulated::Emulator::shared();
                 $body
             }
@@ -98,25 +103,33 @@ impl Model {
     }
 
     /// Loads `dir` onto `backend` (weights copied to the device for a GPU backend), K/V
-    /// in the backend's default dtype.
+    /// and activations in the backend's defaults.
     pub fn load_on(dir: &Path, backend: Backend) -> Result<Model> {
         Model::load_with(dir, backend, KvDtype::Auto)
     }
 
-    /// Loads `dir` onto `backend` with K/V stored as `kv`.
-    pub fn load_with(dir: &Path, backend: Backend, kv: KvDtype) -> Result<Model> {
+    /// Loads `dir` onto `backend` computing as `numerics` says (a [`KvDtype`] alone: K/V
+    /// stored so, activations in the backend's default).
+    pub fn load_with(dir: &Path, backend: Backend, numerics: impl Into<Numerics>) -> Result<Model> {
         let config = Config::from_dir(dir)?;
         let ck = Checkpoint::open(dir)?;
-        Model::from_checkpoint(config, &ck, backend, kv)
+        Model::from_checkpoint(config, &ck, backend, numerics.into())
     }
 
     /// Loads `ck` (whose `config.json` gave `config`) onto `backend`: the one place that
     /// maps an architecture to its family.
-    pub fn from_checkpoint(config: Config, ck: &Checkpoint, backend: Backend, kv: KvDtype) -> Result<Model> {
-        let c = config.clone();
+    pub fn from_checkpoint(
+        config: Config,
+        ck: &Checkpoint,
+        backend: Backend,
+        numerics: Numerics,
+    ) -> Result<Model> {
+        let (c, kv, act) = (config.clone(), numerics.kv, numerics.activations);
         let net = match config.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => on_backend!(backend, be => llama::load(be, c, ck, kv)),
-            Arch::Gemma4 => on_backend!(backend, be => gemma4::load(be, c, ck, kv)),
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+                on_backend!(backend, act, be => llama::load(be, c, ck, kv))
+            }
+            Arch::Gemma4 => on_backend!(backend, act, be => gemma4::load(be, c, ck, kv)),
         }?;
         accounting::check_target(ck, &config)?;
         Ok(Model { config, net })
@@ -183,6 +196,6 @@ impl Gemma4Assistant {
     /// Loads the assistant in `dir` to draft for `target` (a Gemma 4 model), on the
     /// target's backend.
     pub fn load(dir: &Path, target: Arc<Model>) -> Result<Gemma4Assistant> {
-        on_backend!(target.backend(), be => Gemma4Assistant::load_on(dir, target, be))
+        on_backend!(target.backend(), target.numerics().activations, be => Gemma4Assistant::load_on(dir, target, be))
     }
 }

@@ -74,6 +74,10 @@ struct Cli {
     /// Quantized K/V: 8 or 4 bits (as for `mtp generate`).
     #[arg(long)]
     kv_bits: Option<usize>,
+    /// Matmul activations: auto (bf16 on CUDA, f32 elsewhere), bf16 or f32 (as for `mtp
+    /// generate`).
+    #[arg(long, default_value = "auto")]
+    activations: String,
     /// Runs of every setting, taken in turn; the table shows the median (the machine is
     /// noisy) and every run must be identical.
     #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
@@ -116,8 +120,11 @@ fn bench(cli: Cli) -> Result<bool> {
     mtp::model::registry::check(backend)?;
     #[cfg(feature = "cuda")]
     mtp::cuda::Cuda::set_graphs(!cli.no_cuda_graphs);
-    let model =
-        Arc::new(Model::load_with(&target_dir, backend, mtp::kv_format(&cli.kv_dtype, cli.kv_bits)?)?);
+    let model = Arc::new(Model::load_with(
+        &target_dir,
+        backend,
+        mtp::numerics(&cli.kv_dtype, cli.kv_bits, &cli.activations)?,
+    )?);
     let tokenizer = Tokenizer::for_model(&target_dir, &model.config)?;
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,
@@ -175,13 +182,17 @@ fn bench(cli: Cli) -> Result<bool> {
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),
     );
+    let numerics = model.numerics();
     eprintln!(
-        "target {} ({:?}, {} layers), {} requests x {} tokens",
+        "target {} ({:?}, {} layers), {} requests x {} tokens; {} backend, {:?} K/V, {} activations",
         target_dir.display(),
         model.config.arch,
         model.config.num_hidden_layers,
         requests.len(),
-        cli.max_tokens
+        cli.max_tokens,
+        backend.name(),
+        numerics.kv,
+        numerics.activations.name()
     );
     let mut rows = Vec::new();
     let tok = tokenizer.as_ref();

@@ -251,6 +251,12 @@ struct ModelArgs {
     /// per head_dim values). Rollback and batching stay exact.
     #[arg(long)]
     kv_bits: Option<usize>,
+    /// Matmul activations where they meet bf16 weights: auto (bf16 on CUDA, f32 on the CPU
+    /// and Metal), bf16 (CUDA: rounded to bf16, one tensor-core MMA a product, as
+    /// transformers computes bf16 models), or f32 (CUDA: exact, three MMAs a product).
+    /// Every guarantee holds in each; the two give different bits.
+    #[arg(long, default_value = "auto")]
+    activations: String,
 }
 
 impl ModelArgs {
@@ -260,8 +266,11 @@ impl ModelArgs {
         let backend = self.backend.parse::<Backend>()?;
         mtp::model::registry::check(backend)?;
         let target = mtp::target_dir(self.target.as_deref())?;
-        let model =
-            Arc::new(Model::load_with(&target, backend, mtp::kv_format(&self.kv_dtype, self.kv_bits)?)?);
+        let model = Arc::new(Model::load_with(
+            &target,
+            backend,
+            mtp::numerics(&self.kv_dtype, self.kv_bits, &self.activations)?,
+        )?);
         let tokenizer = Tokenizer::for_model(&target, &model.config)?;
         if tokenizer.is_none() {
             tracing::warn!(

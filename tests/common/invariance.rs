@@ -2,7 +2,7 @@
 //! property, asserted on each backend's kernels.
 
 use mtp::base::{Weight, WeightDtype};
-use mtp::kernels::{Backend, Kernels, KvDtype, Out};
+use mtp::kernels::{Activations, Backend, Kernels, KvDtype, Numerics, Out};
 use mtp::model::{Logits, Model, RowInput};
 
 use super::{bits, fixture, Lcg};
@@ -107,9 +107,9 @@ pub fn prompts(model: &Model, seed: u64) -> Vec<Vec<u32>> {
 }
 
 /// For f32, bf16 and f16 weights (every widening path of the kernels) and f32 K/V, the
-/// largest difference between `backend`'s logits after a prompt and the CPU's, with the
-/// logits' scale: (dtype, worst, scale).
-pub fn logits_vs_cpu(backend: Backend) -> Vec<(WeightDtype, f32, f32)> {
+/// largest difference between `backend`'s logits after a prompt (its kernels in mode
+/// `activations`) and the CPU's, with the logits' scale: (dtype, worst, scale).
+pub fn logits_vs_cpu(backend: Backend, activations: Activations) -> Vec<(WeightDtype, f32, f32)> {
     use mtp::synth::SynthSpec;
     let base = super::load(&fixture("qwen3-target")).config;
     let prompt: Vec<u32> = (0..37).map(|i| (i * 13 + 5) % base.vocab_size as u32).collect();
@@ -122,15 +122,20 @@ pub fn logits_vs_cpu(backend: Backend) -> Vec<(WeightDtype, f32, f32)> {
             std::process::id()
         ));
         SynthSpec { dtype, seed: 5, ..SynthSpec::from_config(&base) }.write(&dir).unwrap();
-        let logits = |backend: Backend| {
-            let model = Model::load_with(&dir, backend, KvDtype::F32).unwrap();
+        let logits = |backend: Backend, activations| {
+            let model = Model::load_with(&dir, backend, Numerics { kv: KvDtype::F32, activations }).unwrap();
             let mut cache = model.new_cache();
             mtp::engine::prefill(&model, &mut cache, &prompt, 16, false, true).unwrap().logits
         };
-        let (cpu, other) = (logits(Backend::Cpu), logits(backend));
+        let (cpu, other) = (logits(Backend::Cpu, Activations::Auto), logits(backend, activations));
         let scale = cpu.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         let worst = cpu.iter().zip(&other).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        println!("{}: {} logits within {worst:e} of the CPU's (scale {scale})", dtype.name(), backend.name());
+        println!(
+            "{}: {} logits ({} activations) within {worst:e} of the CPU's (scale {scale})",
+            dtype.name(),
+            backend.name(),
+            activations.name()
+        );
         out.push((dtype, worst, scale));
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -29,7 +29,7 @@ use mtp_cache::RowCache;
 use mtp_base::config::{read_json, Config};
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
-use mtp_kernels::{Backend, Kernels, KvDtype, Plane};
+use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Plane};
 
 use crate::forward::{check_tokens, head_outputs, slots_for, Net, Proj, RowInput, RowOutput};
 use crate::mtp::{MtpLayout, MtpNet};
@@ -71,6 +71,8 @@ pub(crate) struct Gemma4<B: Kernels> {
     layout: Layout,
     max_positions: usize,
     kv: KvDtype,
+    /// How the matmuls take activations (resolved for this checkpoint's weights).
+    activations: Activations,
 }
 
 /// The one head shape every layer of `kind` must share (one RoPE table and one store).
@@ -121,6 +123,7 @@ impl<B: Kernels> Gemma4<B> {
         }
         let embed_w = ck.get(&format!("{prefix}embed_tokens.weight"), &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
+        let activations = be.activations().for_weight(&embed_w);
         if kv == KvDtype::Q4 && (full.1 % 2 == 1 || sliding.1 % 2 == 1) {
             return Err(Error::Backend("4-bit K/V packs two values a byte: a head_dim is odd".into()));
         }
@@ -168,6 +171,7 @@ impl<B: Kernels> Gemma4<B> {
             layout,
             max_positions,
             kv,
+            activations,
         })
     }
 
@@ -292,6 +296,10 @@ impl<B: Kernels> Net for Gemma4<B> {
 
     fn kv_dtype(&self) -> KvDtype {
         self.kv
+    }
+
+    fn activations(&self) -> Activations {
+        self.activations
     }
 
     fn max_positions(&self) -> usize {

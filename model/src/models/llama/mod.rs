@@ -14,7 +14,9 @@ use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
 use mtp_cache::RowCache;
 use mtp_kernels::ops::RopeTable;
-use mtp_kernels::{summaries_from, Backend, Heads, Kernels, KvDtype, Out, Plane, SUMMARY_VALUES};
+use mtp_kernels::{
+    summaries_from, Activations, Backend, Heads, Kernels, KvDtype, Out, Plane, SUMMARY_VALUES,
+};
 
 use crate::forward::{
     check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Head, Net, Proj, RowInput, RowOutput,
@@ -145,6 +147,8 @@ pub(crate) struct Decoder<B: Kernels> {
     pub(crate) max_positions: usize,
     /// How this model's K/V are stored (resolved, never `Auto`).
     pub(crate) kv: KvDtype,
+    /// How the matmuls take activations (resolved for this checkpoint's weights).
+    activations: Activations,
     /// Decode and verify forwards recorded by the backend (CUDA graphs), one per shape.
     recordings: B::Recordings,
 }
@@ -164,6 +168,7 @@ impl<B: Kernels> Decoder<B> {
                 c.head_dim
             )));
         }
+        let be_activations = be.activations().for_weight(&embed_w);
         let embed = Arc::new(be.matrix(&embed_w)?);
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
         let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
@@ -184,6 +189,7 @@ impl<B: Kernels> Decoder<B> {
             lm_head,
             max_positions,
             kv,
+            activations: be_activations,
             recordings: B::Recordings::default(),
         })
     }
@@ -263,6 +269,10 @@ impl<B: Kernels> Net for Decoder<B> {
 
     fn kv_dtype(&self) -> KvDtype {
         self.kv
+    }
+
+    fn activations(&self) -> Activations {
+        self.activations
     }
 
     fn max_positions(&self) -> usize {
