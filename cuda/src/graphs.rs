@@ -70,6 +70,10 @@ struct Recorded {
     /// Graphs recorded and replays run (for the debug log).
     recorded: u64,
     replayed: u64,
+    /// Forwards that ran a recordable shape eagerly for the first time or recorded it: each
+    /// paid a one-time cost (no graph yet, or the capture), so its time says little about
+    /// the shape's next run.
+    one_time: u64,
 }
 
 // SAFETY: a recording's graph (raw driver handles) is only touched under the mutex, from
@@ -126,6 +130,7 @@ impl CudaGraphs {
         }
         let sightings = rec.seen.entry(shape.clone()).or_insert(0);
         *sightings += 1;
+        rec.one_time += 1;
         if *sightings < 2 {
             drop(guard);
             return run_body(cuda, batch, out_lens, fetch, body);
@@ -160,6 +165,14 @@ impl CudaGraphs {
         }
         rec.graphs.insert(shape, Recording { graph, batch, outs, last_used: clock });
         host
+    }
+}
+
+impl CudaGraphs {
+    /// Forwards so far that paid a one-time cost: a recordable shape's first (eager) run
+    /// or its recording.
+    pub(super) fn one_time_forwards(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).one_time
     }
 }
 

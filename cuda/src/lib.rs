@@ -152,8 +152,10 @@ impl TcKernel {
     /// (a block alone waits on its loads), a phase-split tile: where N is at least 4,096
     /// one token tile of 32, 48 or 64 tokens (17-32 tokens: 1.4-1.8x faster than Pass32 at
     /// 32 on the 8B's shapes; 48 tokens for 33-48: a verify of 8 rows x 5 stages fewer idle
-    /// token rows), else 128x32 tiles up to 128 tokens (below 4,096 columns, passes up to
-    /// 32 tokens: narrower N unmeasured). Otherwise the plain 128x32 tile.
+    /// token rows; 49-128 tokens the 128x64 tile: at 128 tokens 1.3-1.6x faster than the
+    /// 128x32 one on 4096x4096 and 4096x12288, in both activation modes, 2026-11-25), else
+    /// 128x32 tiles up to 128 tokens (below 4,096 columns, passes up to 32 tokens: narrower
+    /// N unmeasured). Otherwise the plain 128x32 tile.
     pub fn for_shape(m: usize, n: usize) -> TcKernel {
         let phased = n.div_ceil(128) * m.div_ceil(32) < 264;
         let wide = phased && n >= 4096;
@@ -163,7 +165,7 @@ impl TcKernel {
             17..=32 if wide => TcKernel::Phases128x32,
             17..=32 => TcKernel::Pass32,
             33..=48 if wide => TcKernel::Phases128x48,
-            49..=64 if wide => TcKernel::Phases128x64,
+            49..=128 if wide => TcKernel::Phases128x64,
             33..=128 if phased => TcKernel::Phases128x32,
             _ => TcKernel::Tile128x32,
         }
@@ -934,6 +936,15 @@ impl Kernels for Cuda {
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
         recordings.run(self, batch, out_lens, fetch, body)
+    }
+
+    fn token_group(&self) -> usize {
+        // Every tensor-core matmul takes tokens 8 at a time (mma m16n8k16's n).
+        8
+    }
+
+    fn one_time_forwards(&self, recordings: &CudaGraphs) -> u64 {
+        recordings.one_time_forwards()
     }
 
     fn linear(

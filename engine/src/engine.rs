@@ -111,7 +111,8 @@ impl<'a> Engine<'a> {
                 return Err(Error::InvalidOption(format!("engine option `{name}` must be at least 1")));
             }
         }
-        let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()));
+        let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()))
+            .with_token_group(model.verify_token_group());
         // A sliding-window ring forgets old positions, so its rows cannot share a prefix.
         let prefix_cache = opts.prefix_cache_bytes > 0 && !model.new_cache().has_ring();
         if opts.prefix_cache_bytes > 0 && !prefix_cache {
@@ -483,6 +484,7 @@ impl<'a> Engine<'a> {
         let drafts = self.propose(&ks);
         let draft_time = t0.elapsed();
         let t1 = Instant::now();
+        let one_time_before = self.model.one_time_forwards();
         let (masks, walk_errors) = self.walk_masks(&drafts);
         // A constrained row verifies only the drafts its grammar allows.
         let verified: Vec<usize> = drafts
@@ -517,7 +519,16 @@ impl<'a> Engine<'a> {
         let outcomes = self.commit(results, walk_errors, &ks, &drafts, &pending, &starts, events);
         let rest_time = t1.elapsed();
         let emitted: usize = outcomes.iter().map(|o| o.accepted + 1).sum();
-        self.chooser.observe(&outcomes, draft_time.as_secs_f64(), rest_time.as_secs_f64(), verify_tokens);
+        // A verify that ran its shape for the first time or recorded it paid once what the
+        // next will not: not a cost to learn.
+        let steady = self.model.one_time_forwards() == one_time_before;
+        self.chooser.observe(
+            &outcomes,
+            draft_time.as_secs_f64(),
+            rest_time.as_secs_f64(),
+            verify_tokens,
+            steady,
+        );
         self.stats.draft_time += draft_time;
         self.stats.rounds += 1;
         if let Some(plain) = plain_seconds {
@@ -531,6 +542,8 @@ impl<'a> Engine<'a> {
             round = self.stats.rounds,
             rows = batch,
             ?ks,
+            verify_tokens,
+            steady,
             accepted = ?outcomes.iter().map(|o| o.accepted).collect::<Vec<_>>(),
             draft_ms = draft_time.as_secs_f64() * 1e3,
             rest_ms = rest_time.as_secs_f64() * 1e3,

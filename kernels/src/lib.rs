@@ -301,6 +301,18 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     ) -> Result<Vec<Vec<f32>>> {
         run_body(self, batch, out_lens, fetch, body)
     }
+    /// Tokens a forward's matmuls compute as one group: a forward of a partial group costs
+    /// about as much as the whole group (CUDA: 8, an MMA's token width). 1 where each token
+    /// costs its own share.
+    fn token_group(&self) -> usize {
+        1
+    }
+    /// Forwards of `recordings` so far that paid a one-time cost (a shape's first run or
+    /// its recording): a timing of one of them says little about the next (adaptive k
+    /// does not learn from it). None where nothing is recorded.
+    fn one_time_forwards(&self, _recordings: &Self::Recordings) -> u64 {
+        0
+    }
     /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
     fn linear(
         &self,

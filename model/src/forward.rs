@@ -246,6 +246,14 @@ pub(crate) trait Net: Send + Sync {
     fn kv_dtype(&self) -> KvDtype;
     /// The kernel set's activations where they meet bf16 weights (resolved).
     fn activations(&self) -> Activations;
+    /// Forwards so far that paid a one-time cost ([`Kernels::one_time_forwards`]).
+    fn one_time_forwards(&self) -> u64 {
+        0
+    }
+    /// [`Kernels::token_group`] of the model's backend.
+    fn verify_token_group(&self) -> usize {
+        1
+    }
     fn max_positions(&self) -> usize;
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
@@ -275,6 +283,19 @@ impl Model {
     /// whatever this says). A drafter loads with its target's.
     pub fn numerics(&self) -> Numerics {
         Numerics { kv: self.net.kv_dtype(), activations: self.net.activations() }
+    }
+
+    /// Forwards so far that paid a one-time cost: a recordable shape's first run or its
+    /// recording as a CUDA graph (0 where nothing is recorded). The engine's adaptive k
+    /// learns verify cost only from rounds that left this unchanged.
+    pub fn one_time_forwards(&self) -> u64 {
+        self.net.one_time_forwards()
+    }
+
+    /// Tokens a forward computes as one group (CUDA: 8): a verify of a partial group costs
+    /// about a whole one, so adaptive k fills groups.
+    pub fn verify_token_group(&self) -> usize {
+        self.net.verify_token_group()
     }
 
     /// An empty cache for one row of this model, on its backend.

@@ -302,6 +302,10 @@ impl<B: Kernels> Net for Gemma4<B> {
         self.activations
     }
 
+    fn verify_token_group(&self) -> usize {
+        self.be.token_group()
+    }
+
     fn max_positions(&self) -> usize {
         self.max_positions
     }

@@ -275,6 +275,14 @@ impl<B: Kernels> Net for Decoder<B> {
         self.activations
     }
 
+    fn verify_token_group(&self) -> usize {
+        self.be.token_group()
+    }
+
+    fn one_time_forwards(&self) -> u64 {
+        self.be.one_time_forwards(&self.recordings)
+    }
+
     fn max_positions(&self) -> usize {
         self.max_positions
     }
