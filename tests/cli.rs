@@ -438,8 +438,10 @@ fn metal_emulated_backend_is_identical_alone_and_batched() {
 /// A vocabulary padded above the tokenizer runs, but a request whose output holds a padding
 /// id gets an error line naming the id (exit 2) instead of text with the token left out; a
 /// draft model without tokenizer.json is used with a warning naming its directory (before,
-/// the token-map check was skipped silently). Control: the fixture, whose vocabulary is its
-/// tokenizer's, prints text and exits 0, and its draft model with a tokenizer gets no warning.
+/// the token-map check was skipped silently). Controls: the fixture, whose vocabulary is its
+/// tokenizer's, prints text and exits 0, and so does the synthesized checkpoint with the
+/// tokenizer synth wrote (covering its vocabulary); its draft model with a tokenizer gets no
+/// warning.
 #[test]
 fn padding_ids_and_a_draft_without_a_tokenizer_are_named() {
     let prompts = write_prompts("padded", "{\"id\": \"a\", \"prompt_ids\": [5, 9, 7]}\n");
@@ -453,6 +455,13 @@ fn padding_ids_and_a_draft_without_a_tokenizer_are_named() {
     let run = |t: &str| {
         mtp(&["generate", "--target", t, "--prompts", &prompts, "--max-tokens", "8", "--ignore-eos"])
     };
+    let (code, out, err) = run(d);
+    assert_eq!(code, 0, "synth's tokenizer covers its vocabulary: {out} {err}");
+    // The 512-token tokenizer of a 512-id synth over the 4,096 rows: padded.
+    let small = dir.join("small");
+    let (code, _, err) = mtp(&[&synth[..], &["--vocab", "512", "--out", small.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{err}");
+    std::fs::copy(small.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
     let (code, out, _) = run(d);
     assert_eq!(code, 2, "{out}");
     let line: serde_json::Value = serde_json::from_str(out.trim()).unwrap();

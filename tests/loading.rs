@@ -585,7 +585,13 @@ fn tokenizer_and_model_vocabularies_must_fit() {
     let e = Tokenizer::for_model(&dir, &c).err().expect("refused").to_string();
     assert!(e.contains("tokenizer.json") && e.contains("511") && e.contains("vocab_size is 300"), "{e}");
 
+    // synth's own tokenizer covers its whole vocabulary (random weights pick any id)...
+    let tok512 = std::fs::read(dir.join("tokenizer.json")).unwrap();
     let c = with_vocab(600);
+    let tok = Tokenizer::for_model(&dir, &c).unwrap().expect("synth writes a tokenizer");
+    assert_eq!(tok.decode(&[5, 550]).unwrap().matches("<synth_550>").count(), 1);
+    // ...and the 512-token one over those 600 rows is a padded vocabulary.
+    std::fs::write(dir.join("tokenizer.json"), &tok512).unwrap();
     let tok = Tokenizer::for_model(&dir, &c).unwrap().expect("a padded vocabulary is fine");
     let e = tok.decode(&[5, 550]).expect_err("a padding id has no text").to_string();
     assert!(e.contains("token id 550") && e.contains("tokenizer.json"), "{e}");

@@ -10,7 +10,7 @@ use mtp_base::error::{Error, Result};
 use mtp_base::weights::WeightDtype;
 use mtp_model::models::gemma4::config::{Gemma4Config, LayerKind};
 
-use super::{check_free_space, checked_bytes, write_random_safetensors, BYTE_BPE_512, DEFAULT_MAX_BYTES};
+use super::{check_free_space, checked_bytes, synth_tokenizer, write_random_safetensors, DEFAULT_MAX_BYTES};
 
 /// The preset names [`Gemma4Spec::preset`] knows.
 pub const PRESETS: [&str; 2] = ["gemma4-31b", "gemma4-e2b"];
@@ -241,7 +241,7 @@ impl Gemma4Spec {
         let generation = json!({"bos_token_id": 2, "eos_token_id": [1], "pad_token_id": 0});
         write("generation_config.json", &pretty(generation))?;
         if self.vocab_size >= 512 {
-            write("tokenizer.json", BYTE_BPE_512)?;
+            write("tokenizer.json", &synth_tokenizer(self.vocab_size))?;
         }
         write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.dtype, self.seed)
     }

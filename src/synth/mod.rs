@@ -251,14 +251,27 @@ impl SynthSpec {
         write_json("generation_config.json", json!({"bos_token_id": 1, "eos_token_id": [0, 2]}))?;
         if self.vocab_size >= 512 {
             let p = dir.join("tokenizer.json");
-            std::fs::write(&p, BYTE_BPE_512).map_err(|e| Error::io(&p, e))?;
+            std::fs::write(&p, synth_tokenizer(self.vocab_size)).map_err(|e| Error::io(&p, e))?;
         }
         write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.dtype, self.seed)
     }
 }
 
 /// The 512-token byte-level BPE tokenizer synthetic checkpoints ship.
-pub(crate) const BYTE_BPE_512: &str = include_str!("assets/byte-bpe-512.tokenizer.json");
+const BYTE_BPE_512: &str = include_str!("assets/byte-bpe-512.tokenizer.json");
+
+/// [`BYTE_BPE_512`] with its vocabulary extended to `vocab_size` ids by tokens no text
+/// encodes to (`<synth_512>`, ...): random weights pick any id, and a padding id without
+/// text would end the request (a real checkpoint's padding rows are never picked), so
+/// `mtp generate` on a synthesized checkpoint runs every token it is asked for.
+pub(crate) fn synth_tokenizer(vocab_size: usize) -> String {
+    let mut t: serde_json::Value = serde_json::from_str(BYTE_BPE_512).expect("the shipped tokenizer is JSON");
+    let vocab = t["model"]["vocab"].as_object_mut().expect("a BPE vocabulary");
+    for id in vocab.len()..vocab_size {
+        vocab.insert(format!("<synth_{id}>"), id.into());
+    }
+    serde_json::to_string(&t).expect("json")
+}
 
 /// The bytes `tensors` take in `dtype`, counted without overflow, and at most `max_bytes`.
 pub(crate) fn checked_bytes(
