@@ -137,16 +137,16 @@ pub enum Activations {
 impl std::str::FromStr for Activations {
     type Err = Error;
     fn from_str(s: &str) -> Result<Activations> {
-        match s {
-            "auto" => Ok(Activations::Auto),
-            "f32" => Ok(Activations::F32),
-            "bf16" => Ok(Activations::Bf16),
-            other => Err(Error::Backend(format!("unknown activation precision `{other}` (auto, f32, bf16)"))),
-        }
+        Activations::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| Error::Backend(format!("unknown activation precision `{s}` (auto, f32, bf16)")))
     }
 }
 
 impl Activations {
+    const ALL: [Activations; 3] = [Activations::Auto, Activations::F32, Activations::Bf16];
+
     pub fn name(self) -> &'static str {
         match self {
             Activations::Auto => "auto",
@@ -164,17 +164,17 @@ impl Activations {
         }
     }
 
-    /// `self` on a backend that computes activations in f32 only (the CPU, Metal): `Auto`
-    /// is `F32`, and `Bf16` is refused by name.
-    pub fn f32_only(self, backend: Backend) -> Result<Activations> {
-        match self {
-            Activations::Bf16 => Err(Error::Backend(format!(
-                "--activations bf16: the {} backend computes matmul activations in f32 only \
-                 (bf16 activations are CUDA's; use --activations auto or f32)",
-                backend.name()
-            ))),
-            _ => Ok(Activations::F32),
+    /// Refuses `Bf16`, by name, on a backend that computes activations in f32 only (the
+    /// CPU, Metal), where `Auto` means `F32`.
+    pub fn f32_only(self, backend: Backend) -> Result<()> {
+        if self != Activations::Bf16 {
+            return Ok(());
         }
+        Err(Error::Backend(format!(
+            "--activations bf16: the {} backend computes matmul activations in f32 only \
+             (bf16 activations are CUDA's; use --activations auto or f32)",
+            backend.name()
+        )))
     }
 }
 
