@@ -167,6 +167,80 @@ impl Weight {
         crate::quant::dequantize_row(q, row, r * (self.cols / q.group), out);
     }
 
+    /// Rows `r` of this weight (a tensor-parallel rank's outputs): zero-copy for mapped
+    /// bytes; a quantized weight keeps its groups (each row holds whole groups).
+    pub fn slice_rows(&self, r: Range<usize>) -> Result<Weight, String> {
+        if r.start > r.end || r.end > self.rows {
+            return Err(format!("rows {r:?} are outside the weight's {} rows", self.rows));
+        }
+        let row_bytes = self.row_bytes();
+        let bytes = self.byte_range(r.start * row_bytes..r.end * row_bytes);
+        let quant = match &self.quant {
+            Some(q) => Some(Arc::new(Quant {
+                scales: q.scales.slice_rows(r.clone())?,
+                biases: q.biases.as_ref().map(|b| b.slice_rows(r.clone())).transpose()?,
+                ..*q.as_ref()
+            })),
+            None => None,
+        };
+        Ok(Weight { bytes, dtype: self.dtype, rows: r.len(), cols: self.cols, quant })
+    }
+
+    /// Columns `c` of this weight (a tensor-parallel rank's inputs), copied. A quantized
+    /// weight is cut at group boundaries only.
+    pub fn slice_cols(&self, c: Range<usize>) -> Result<Weight, String> {
+        if c.start > c.end || c.end > self.cols {
+            return Err(format!("columns {c:?} are outside the weight's {} columns", self.cols));
+        }
+        let (elem_bits, quant) = match &self.quant {
+            Some(q) => {
+                if !c.start.is_multiple_of(q.group)
+                    || !c.end.is_multiple_of(q.group)
+                    || !(c.start * q.bits).is_multiple_of(8)
+                {
+                    return Err(format!("columns {c:?} cut a quantization group of {} values", q.group));
+                }
+                let groups = c.start / q.group..c.end / q.group;
+                let quant = Quant {
+                    scales: q.scales.slice_cols(groups.clone())?,
+                    biases: q.biases.as_ref().map(|b| b.slice_cols(groups.clone())).transpose()?,
+                    ..**q
+                };
+                (q.bits, Some(Arc::new(quant)))
+            }
+            None => (self.dtype.size() * 8, None),
+        };
+        let (from, to, row_bytes) = (c.start * elem_bits / 8, c.end * elem_bits / 8, self.row_bytes());
+        let all = self.bytes();
+        let mut out = Vec::with_capacity(self.rows * (to - from));
+        for row in 0..self.rows {
+            out.extend_from_slice(&all[row * row_bytes + from..row * row_bytes + to]);
+        }
+        Ok(Weight {
+            bytes: Bytes::Owned(Arc::new(out)),
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: c.len(),
+            quant,
+        })
+    }
+
+    /// Bytes a row takes as stored (packed codes for a quantized weight).
+    fn row_bytes(&self) -> usize {
+        match &self.quant {
+            Some(q) => self.cols * q.bits / 8,
+            None => self.cols * self.dtype.size(),
+        }
+    }
+
+    /// Bytes `r` of this weight's storage, shared with it where it is mapped.
+    fn byte_range(&self, r: Range<usize>) -> Bytes {
+        match &self.bytes {
+            Bytes::Mapped(m, all) => Bytes::Mapped(m.clone(), all.start + r.start..all.start + r.end),
+            Bytes::Owned(v) => Bytes::Owned(Arc::new(v[r].to_vec())),
+        }
+    }
+
     /// The whole tensor widened to f32 (for small tensors: norms, biases).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.rows * self.cols];
@@ -182,5 +256,58 @@ impl Weight {
             *o = unsafe { self.dtype.read(b.as_ptr(), i) };
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows_of(w: &Weight) -> Vec<Vec<f32>> {
+        (0..w.rows)
+            .map(|r| {
+                let mut row = vec![0.0; w.cols];
+                w.row_f32(r, &mut row);
+                row
+            })
+            .collect()
+    }
+
+    #[test]
+    fn slices_hold_the_weights_they_cut() {
+        let (rows, cols) = (6, 8);
+        let w = Weight::from_f32((0..rows * cols).map(|i| i as f32 * 0.5 - 3.0).collect(), rows, cols);
+        let full = rows_of(&w);
+        let r = w.slice_rows(2..5).unwrap();
+        assert_eq!(rows_of(&r), full[2..5].to_vec());
+        let c = w.slice_cols(3..7).unwrap();
+        let want: Vec<Vec<f32>> = full.iter().map(|row| row[3..7].to_vec()).collect();
+        assert_eq!(rows_of(&c), want);
+        assert!(w.slice_rows(4..7).is_err() && w.slice_cols(0..9).is_err());
+    }
+
+    #[test]
+    fn quantized_slices_keep_whole_groups() {
+        // 4 rows of 128 values at 4 bits in groups of 32: 16 words a row, 4 groups.
+        let (rows, cols, bits, group) = (4, 128, 4, 32);
+        let packed: Vec<u8> = (0..rows * cols * bits / 8).map(|i| (i * 37 % 251) as u8).collect();
+        let groups = rows * cols / group;
+        let scales =
+            Weight::from_f32((0..groups).map(|g| 0.01 * (g + 1) as f32).collect(), rows, cols / group);
+        let biases = Weight::from_f32((0..groups).map(|g| -0.1 * g as f32).collect(), rows, cols / group);
+        let quant = Quant { bits, group, scales, biases: Some(biases) };
+        let w = Weight::quantized(
+            Weight::from_le_bytes(packed, WeightDtype::F32, rows, cols / 8),
+            rows,
+            cols,
+            quant,
+        );
+        let full = rows_of(&w);
+        assert_eq!(rows_of(&w.slice_rows(1..3).unwrap()), full[1..3].to_vec());
+        let c = w.slice_cols(32..96).unwrap();
+        let want: Vec<Vec<f32>> = full.iter().map(|row| row[32..96].to_vec()).collect();
+        assert_eq!(rows_of(&c), want);
+        let err = w.slice_cols(16..96).err().unwrap();
+        assert!(err.contains("quantization group of 32"), "{err}");
     }
 }

@@ -21,9 +21,11 @@
 //! is bounded by the window, not the row's length.
 
 mod quant;
+mod ranks;
 mod store;
 
 pub use quant::{QuantKv, QuantLayout};
+pub use ranks::RankKv;
 pub use store::{HostKv, KvError, KvStore};
 
 /// One row's K/V for every layer.
@@ -204,6 +206,11 @@ impl RowCache {
     /// floats per position.
     pub fn new(n_layers: usize, stride: usize) -> Self {
         RowCache::with_store(Box::new(HostKv::new(n_layers, stride)), n_layers, stride)
+    }
+
+    /// The store of an empty cache (to hold it inside another, a tensor-parallel row's).
+    pub fn into_store(self) -> Box<dyn KvStore> {
+        self.store
     }
 
     /// An empty cache whose bytes live in `store` (a backend's device memory).

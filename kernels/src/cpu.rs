@@ -260,6 +260,34 @@ impl Kernels for Cpu {
         Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
     }
 
+    fn concat_columns(
+        &self,
+        parts: &[Vec<f32>],
+        widths: &[usize],
+        m: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let total: usize = widths.iter().sum();
+        let fits = parts.len() == widths.len()
+            && parts.iter().zip(widths).all(|(p, &w)| p.len() == m * w)
+            && out.len() == m * total;
+        if !fits {
+            return Err(Error::Backend(format!(
+                "concat_columns: {} parts of widths {widths:?} over {m} rows into {} values",
+                parts.len(),
+                out.len()
+            )));
+        }
+        for (t, row) in out.chunks_exact_mut(total.max(1)).enumerate() {
+            let mut at = 0;
+            for (p, &w) in parts.iter().zip(widths) {
+                row[at..at + w].copy_from_slice(&p[t * w..(t + 1) * w]);
+                at += w;
+            }
+        }
+        Ok(())
+    }
+
     fn gelu_tanh_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<()> {
         gelu_tanh_mul(gate, up);
         Ok(())

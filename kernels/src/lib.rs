@@ -379,6 +379,21 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
+    /// `out[t][w_0 + .. + w_(r-1) + j] = parts[r][t][j]`: column blocks `widths[r]` wide
+    /// side by side over `m` rows (a tensor-parallel LM head's vocabulary shards).
+    fn concat_columns(
+        &self,
+        parts: &[Self::Act],
+        widths: &[usize],
+        m: usize,
+        out: &mut Self::Act,
+    ) -> Result<()> {
+        let _ = (parts, widths, m, out);
+        Err(Error::Backend(format!(
+            "tensor parallelism is not built for the {} backend",
+            self.backend().name()
+        )))
+    }
     /// `gate <- gelu_tanh(gate) * up`.
     fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
     /// `x <- x * s`.

@@ -9,6 +9,7 @@ thread_local! {
     static PHYSICAL_ROPE: Cell<bool> = const { Cell::new(false) };
     static SPLIT_ATTENTION: Cell<bool> = const { Cell::new(false) };
     static STALE_REPLAY: Cell<bool> = const { Cell::new(false) };
+    static TOKEN_ORDERED_REDUCTION: Cell<bool> = const { Cell::new(false) };
 }
 
 /// When on, `linear` runs a stock matmul whose kernel choice depends on M: candle's on
@@ -50,4 +51,41 @@ pub fn set_stale_replay(on: bool) {
 
 pub fn stale_replay() -> bool {
     STALE_REPLAY.with(|c| c.get())
+}
+
+/// When on, tensor-parallel ranks' partial sums are added in an order chosen from the
+/// forward's token count (as all-reduce algorithms picked by message size do).
+pub fn set_token_ordered_reduction(on: bool) {
+    TOKEN_ORDERED_REDUCTION.with(|c| c.set(on));
+}
+
+pub fn token_ordered_reduction() -> bool {
+    TOKEN_ORDERED_REDUCTION.with(|c| c.get())
+}
+
+/// Every switch of the calling thread, to carry into the threads a forward spawns (the
+/// tensor-parallel ranks).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Switches([bool; 5]);
+
+impl Switches {
+    pub fn current() -> Switches {
+        Switches([
+            stock_matmul(),
+            physical_rope(),
+            split_attention(),
+            stale_replay(),
+            token_ordered_reduction(),
+        ])
+    }
+
+    /// Sets the calling thread's switches to these.
+    pub fn apply(self) {
+        let [a, b, c, d, e] = self.0;
+        set_stock_matmul(a);
+        set_physical_rope(b);
+        set_split_attention(c);
+        set_stale_replay(d);
+        set_token_ordered_reduction(e);
+    }
 }

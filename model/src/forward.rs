@@ -6,6 +6,7 @@
 use mtp_base::config::Config;
 use mtp_base::error::{Error, Result};
 use mtp_base::logits::LogitSummary;
+use mtp_base::weights::Weight;
 use mtp_base::Checkpoint;
 use mtp_cache::RowCache;
 use mtp_kernels::negative_control;
@@ -15,6 +16,20 @@ use mtp_kernels::{
 };
 
 use crate::mtp::{MtpLayout, MtpNet};
+use crate::tensor_parallel::Shard;
+
+/// Which part of a projection's weight a load keeps.
+#[derive(Clone, Debug)]
+pub(crate) enum Cut {
+    Whole,
+    /// Output rows (a rank's heads or MLP columns): its outputs are whole values.
+    Rows(std::ops::Range<usize>),
+    /// Input columns: its outputs are partial sums; `bias_here` on one rank only.
+    Cols {
+        cols: std::ops::Range<usize>,
+        bias_here: bool,
+    },
+}
 
 pub(crate) struct Proj<B: Kernels> {
     pub(crate) w: B::Mat,
@@ -38,14 +53,44 @@ impl<B: Kernels> Proj<B> {
         inp: usize,
         bias: bool,
     ) -> Result<Proj<B>> {
-        let bias = if bias { Some(be.vector(&ck.get_f32(&format!("{name}.bias"), out)?)?) } else { None };
-        Ok(Proj { w: be.matrix(&ck.get(&format!("{name}.weight"), &[out, inp])?)?, bias, out })
+        Proj::load_cut(be, ck, name, out, inp, bias, Cut::Whole)
+    }
+
+    /// The `cut` of an `out x inp` projection a tensor-parallel rank holds.
+    pub(crate) fn load_cut(
+        be: &B,
+        ck: &Checkpoint,
+        name: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+        cut: Cut,
+    ) -> Result<Proj<B>> {
+        let bias = if bias { Some(ck.get_f32(&format!("{name}.bias"), out)?) } else { None };
+        let w = ck.get(&format!("{name}.weight"), &[out, inp])?;
+        let sliced = |r: std::result::Result<Weight, String>| {
+            r.map_err(|e| {
+                Error::Backend(format!("{name}.weight: cannot split between tensor-parallel ranks: {e}"))
+            })
+        };
+        let (w, bias) = match cut {
+            Cut::Whole => (w, bias),
+            Cut::Rows(r) => (sliced(w.slice_rows(r.clone()))?, bias.map(|b| b[r].to_vec())),
+            // Every rank's partial is summed: only rank 0's carries the bias.
+            Cut::Cols { cols, bias_here } => (sliced(w.slice_cols(cols))?, bias.filter(|_| bias_here)),
+        };
+        let bias = bias.map(|b| be.vector(&b)).transpose()?;
+        Ok(Proj { out: w.rows, w: be.matrix(&w)?, bias })
     }
 
     pub(crate) fn forward(&self, be: &B, x: &B::Act, m: usize) -> Result<B::Act> {
         let mut y = be.alloc(m * self.out)?;
         be.linear(x, m, &self.w, self.bias.as_ref(), &mut y, Out::Write)?;
         Ok(y)
+    }
+
+    pub(crate) fn bias(&self) -> Option<&B::Vec> {
+        self.bias.as_ref()
     }
 
     /// The weight and bias, as [`Kernels::linear_parts`] takes them.
@@ -200,7 +245,7 @@ pub(crate) fn head_outputs<B: Kernels>(
     be: &B,
     rows: &[RowInput],
     normed: B::Act,
-    lm_head: &B::Mat,
+    lm_head: LmHead<B>,
     vocab: usize,
     h: usize,
     softcap: Option<f32>,
@@ -212,7 +257,7 @@ pub(crate) fn head_outputs<B: Kernels>(
         // Every token wanted (decode, verify): the rows are already in order.
         let gathered = if want.len() == all { None } else { Some(be.gather(&normed, h, &want)?) };
         let mut logits = be.alloc(want.len() * vocab)?;
-        be.linear(gathered.as_ref().unwrap_or(&normed), want.len(), lm_head, None, &mut logits, Out::Write)?;
+        lm_head.logits(be, gathered.as_ref().unwrap_or(&normed), want.len(), vocab, &mut logits)?;
         if let Some(cap) = softcap {
             // Capped on the host, so summarised there.
             head.logits = be.download(logits)?;
@@ -231,6 +276,33 @@ pub(crate) fn head_outputs<B: Kernels>(
     }
     let hidden = be.download(normed)?;
     Ok(row_outputs(rows, &head, &hidden, vocab, h))
+}
+
+/// A model's LM head: the whole weight, or a tensor-parallel rank's vocabulary rows.
+pub(crate) struct LmHead<'a, B: Kernels> {
+    pub(crate) w: &'a B::Mat,
+    pub(crate) shard: Option<&'a Shard<B>>,
+}
+
+impl<'a, B: Kernels> LmHead<'a, B> {
+    pub(crate) fn whole(w: &'a B::Mat) -> LmHead<'a, B> {
+        LmHead { w, shard: None }
+    }
+
+    /// `out = lm_head(x)` over `n` tokens, `vocab` wide: on a rank, its vocabulary rows'
+    /// logits beside every other rank's.
+    pub(crate) fn logits(&self, be: &B, x: &B::Act, n: usize, vocab: usize, out: &mut B::Act) -> Result<()> {
+        let Some(shard) = self.shard else {
+            return be.linear(x, n, self.w, None, out, Out::Write);
+        };
+        // The ranks hold equal vocabulary rows (the load checked `vocab % ranks == 0`).
+        let width = vocab / shard.ranks;
+        let mut local = be.alloc(n * width)?;
+        be.linear(x, n, self.w, None, &mut local, Out::Write)?;
+        let mut parts = (0..shard.ranks).map(|_| be.alloc(n * width)).collect::<Result<Vec<_>>>()?;
+        shard.collective.all_gather(shard.rank, &local, &mut parts)?;
+        be.concat_columns(&parts, &vec![width; shard.ranks], n, out)
+    }
 }
 
 /// A model on some backend, as the engine sees it.
@@ -255,6 +327,10 @@ pub(crate) trait Net: Send + Sync {
         1
     }
     fn max_positions(&self) -> usize;
+    /// Ranks the model is split between (tensor parallelism; 1 for a whole model).
+    fn tensor_parallel(&self) -> usize {
+        1
+    }
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
     /// The concrete net, for drafters that share a family's internals (Gemma 4's assistant).
@@ -312,6 +388,11 @@ impl Model {
     /// per position: Gemma 4's sliding-window rings (0 for other models).
     pub fn kv_bytes_per_row(&self) -> usize {
         self.net.kv_bytes_per_row()
+    }
+
+    /// Ranks (devices or CPU threads) the model is split between: `--tensor-parallel`.
+    pub fn tensor_parallel(&self) -> usize {
+        self.net.tensor_parallel()
     }
 
     /// The longest sequence (prompt + output) a row may reach.

@@ -11,6 +11,7 @@ pub mod forward;
 pub mod models;
 pub mod mtp;
 pub mod registry;
+mod tensor_parallel;
 
 pub use forward::{Logits, Model, RowInput, RowOutput};
 pub use mtp::{MtpHead, MtpInput, MtpLayout, MtpOutput};

@@ -17,6 +17,10 @@ use crate::forward::Model;
 use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
 use crate::mtp::{MtpHead, MtpLayout};
+use crate::tensor_parallel::{HostCollective, Shard, TensorParallel};
+
+/// The most tensor-parallel ranks a model is split between (GPUs of one host).
+pub const MAX_RANKS: usize = 8;
 
 /// Runs `$body` with `$be` bound to the `Arc` of `$backend`'s kernel set computing
 /// activations as `$activations` says (each backend this build has), or returns an error
@@ -111,9 +115,21 @@ impl Model {
     /// Loads `dir` onto `backend` computing as `numerics` says (a [`KvDtype`] alone: K/V
     /// stored so, activations in the backend's default).
     pub fn load_with(dir: &Path, backend: Backend, numerics: impl Into<Numerics>) -> Result<Model> {
+        Model::load_parallel(dir, backend, numerics, 1)
+    }
+
+    /// Loads `dir` split between `ranks` tensor-parallel ranks (`--tensor-parallel`): on the
+    /// CPU, `ranks` threads. Every row stays invariant for a given rank count; different
+    /// counts add the ranks' partial sums differently (see `crate::tensor_parallel`).
+    pub fn load_parallel(
+        dir: &Path,
+        backend: Backend,
+        numerics: impl Into<Numerics>,
+        ranks: usize,
+    ) -> Result<Model> {
         let config = Config::from_dir(dir)?;
         let ck = Checkpoint::open(dir)?;
-        Model::from_checkpoint(config, &ck, backend, numerics.into())
+        Model::from_checkpoint_parallel(config, &ck, backend, numerics.into(), ranks)
     }
 
     /// Loads `ck` (whose `config.json` gave `config`) onto `backend`: the one place that
@@ -124,7 +140,54 @@ impl Model {
         backend: Backend,
         numerics: Numerics,
     ) -> Result<Model> {
+        Model::from_checkpoint_parallel(config, ck, backend, numerics, 1)
+    }
+
+    /// [`Model::from_checkpoint`] split between `ranks` tensor-parallel ranks.
+    pub fn from_checkpoint_parallel(
+        config: Config,
+        ck: &Checkpoint,
+        backend: Backend,
+        numerics: Numerics,
+        ranks: usize,
+    ) -> Result<Model> {
         let (c, kv, act) = (config.clone(), numerics.kv, numerics.activations);
+        if ranks == 0 || ranks > MAX_RANKS {
+            return Err(Error::InvalidOption(format!(
+                "--tensor-parallel {ranks}: give 1 to {MAX_RANKS} ranks"
+            )));
+        }
+        if ranks > 1 {
+            let net = match config.arch {
+                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => match backend {
+                    Backend::Cpu => {
+                        act.f32_only(Backend::Cpu)?;
+                        let host = Arc::new(HostCollective::new(ranks));
+                        let nets = (0..ranks)
+                            .map(|rank| {
+                                let shard = Shard { rank, ranks, collective: host.clone() };
+                                llama::load_rank(Arc::new(mtp_kernels::cpu::Cpu), c.clone(), ck, kv, shard)
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        TensorParallel::new(nets, host)
+                    }
+                    other => {
+                        return Err(Error::InvalidOption(format!(
+                            "--tensor-parallel {ranks}: not built for the {} backend yet (cpu)",
+                            other.name()
+                        )))
+                    }
+                },
+                Arch::Gemma4 => {
+                    return Err(Error::InvalidOption(format!(
+                        "--tensor-parallel {ranks}: Gemma 4 is not split between ranks yet \
+                         (Llama, Mistral, Qwen2 and Qwen3 are)"
+                    )))
+                }
+            };
+            accounting::check_target(ck, &config)?;
+            return Ok(Model { config, net: Box::new(net) });
+        }
         let net = match config.arch {
             Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
                 on_backend!(backend, act, be => llama::load(be, c, ck, kv))

@@ -78,6 +78,9 @@ struct Cli {
     /// generate`).
     #[arg(long, default_value = "auto")]
     activations: String,
+    /// Split the target between N tensor-parallel ranks (as for `mtp generate`).
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
     /// Runs of every setting, taken in turn; the table shows the median (the machine is
     /// noisy) and every run must be identical.
     #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
@@ -120,21 +123,25 @@ fn bench(cli: Cli) -> Result<bool> {
     mtp::model::registry::check(backend)?;
     #[cfg(feature = "cuda")]
     mtp::cuda::Cuda::set_graphs(!cli.no_cuda_graphs);
-    let model = Arc::new(Model::load_with(
+    let model = Arc::new(Model::load_parallel(
         &target_dir,
         backend,
         mtp::numerics(&cli.kv_dtype, cli.kv_bits, &cli.activations)?,
+        cli.tensor_parallel,
     )?);
+    // MTP heads are not split between ranks yet.
+    let mtp_head = cli.tensor_parallel == 1;
     let tokenizer = Tokenizer::for_model(&target_dir, &model.config)?;
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,
-        (None, true) => vec![
+        (None, true) if mtp_head => vec![
             DrafterSpec::DraftModel(mtp::DEFAULT_DRAFT.into()),
             DrafterSpec::Mtp(Some(mtp::DEFAULT_MTP.into())),
             DrafterSpec::Ngram,
         ],
+        (None, true) => vec![DrafterSpec::DraftModel(mtp::DEFAULT_DRAFT.into()), DrafterSpec::Ngram],
         // Another target: its own MTP head if it has one, and n-gram lookup.
-        (None, false) if model.config.num_nextn_predict_layers > 0 => {
+        (None, false) if mtp_head && model.config.num_nextn_predict_layers > 0 => {
             vec![DrafterSpec::Mtp(None), DrafterSpec::Ngram]
         }
         (None, false) => vec![DrafterSpec::Ngram],
@@ -184,7 +191,7 @@ fn bench(cli: Cli) -> Result<bool> {
     );
     let numerics = model.numerics();
     eprintln!(
-        "target {} ({:?}, {} layers), {} requests x {} tokens; {} backend, {:?} K/V, {} activations",
+        "target {} ({:?}, {} layers), {} requests x {} tokens; {} backend, {:?} K/V, {} activations{}",
         target_dir.display(),
         model.config.arch,
         model.config.num_hidden_layers,
@@ -192,7 +199,11 @@ fn bench(cli: Cli) -> Result<bool> {
         cli.max_tokens,
         backend.name(),
         numerics.kv,
-        numerics.activations.name()
+        numerics.activations.name(),
+        match model.tensor_parallel() {
+            1 => String::new(),
+            n => format!(", tensor parallel over {n} ranks"),
+        }
     );
     let mut rows = Vec::new();
     let tok = tokenizer.as_ref();

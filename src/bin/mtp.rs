@@ -257,6 +257,12 @@ struct ModelArgs {
     /// Every guarantee holds in each; the two give different bits.
     #[arg(long, default_value = "auto")]
     activations: String,
+    /// Split the target between N ranks (tensor parallelism; on the CPU, N threads):
+    /// attention heads, MLP columns and the LM head's vocabulary are divided, and the
+    /// ranks' partial sums are added in rank order, so every row stays invariant for a
+    /// given N (different N give different bits). Llama, Mistral, Qwen2 and Qwen3.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
 }
 
 impl ModelArgs {
@@ -266,10 +272,11 @@ impl ModelArgs {
         let backend = self.backend.parse::<Backend>()?;
         mtp::model::registry::check(backend)?;
         let target = mtp::target_dir(self.target.as_deref())?;
-        let model = Arc::new(Model::load_with(
+        let model = Arc::new(Model::load_parallel(
             &target,
             backend,
             mtp::numerics(&self.kv_dtype, self.kv_bits, &self.activations)?,
+            self.tensor_parallel,
         )?);
         let tokenizer = Tokenizer::for_model(&target, &model.config)?;
         if tokenizer.is_none() {
@@ -291,6 +298,13 @@ impl ModelArgs {
             "none" => None,
             "auto" => {
                 if target.config.num_nextn_predict_layers == 0 {
+                    None
+                } else if target.tensor_parallel() > 1 {
+                    tracing::warn!(
+                        "--tensor-parallel {}: the target's MTP head is not split between ranks yet; \
+                         decoding without a drafter (--drafter draft-model or ngram drafts)",
+                        target.tensor_parallel()
+                    );
                     None
                 } else {
                     Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
@@ -377,8 +391,8 @@ impl SamplingArgs {
 fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
     match (drafter, auto) {
         ("none", true) => {
-            return "plain decoding: the target has no MTP head for --drafter auto (try --drafter ngram, or \
-                    draft-model with --draft DIR)"
+            return "plain decoding: --drafter auto found no MTP head it can use (none in the target, or the target \
+                    is split between ranks); try --drafter ngram, or draft-model with --draft DIR"
                 .into()
         }
         ("none", false) => return "plain decoding (--drafter none)".into(),

@@ -31,7 +31,7 @@ use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Plane};
 
-use crate::forward::{check_tokens, head_outputs, slots_for, Net, Proj, RowInput, RowOutput};
+use crate::forward::{check_tokens, head_outputs, slots_for, LmHead, Net, Proj, RowInput, RowOutput};
 use crate::mtp::{MtpLayout, MtpNet};
 
 pub use config::{Gemma4Config, LayerKind, LayerSpec};
@@ -227,7 +227,7 @@ impl<B: Kernels> Gemma4<B> {
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(&x, &self.norm, eps, &mut normed, h, 0)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head_outputs(be, rows, normed, head, c.vocab_size, h, self.g.final_logit_softcapping)
+        head_outputs(be, rows, normed, LmHead::whole(head), c.vocab_size, h, self.g.final_logit_softcapping)
     }
 
     fn layer_forward(

@@ -19,9 +19,11 @@ use mtp_kernels::{
 };
 
 use crate::forward::{
-    check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Head, Net, Proj, RowInput, RowOutput,
+    check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Cut, Head, LmHead, Net, Proj,
+    RowInput, RowOutput,
 };
 use crate::mtp::{MtpLayout, MtpNet};
+use crate::tensor_parallel::{check_split, Shard};
 
 /// Loads a Llama, Mistral, Qwen2 or Qwen3 checkpoint's decoder onto `be`.
 pub(crate) fn load<B: Kernels>(
@@ -30,7 +32,29 @@ pub(crate) fn load<B: Kernels>(
     ck: &Checkpoint,
     kv: KvDtype,
 ) -> Result<Box<dyn Net>> {
-    Ok(Box::new(Decoder::load(be, config, ck, kv)?))
+    Ok(Box::new(Decoder::load(be, config, ck, kv, None)?))
+}
+
+/// Loads rank `shard.rank` of the decoder split between `shard.ranks` ranks (see
+/// `crate::tensor_parallel`): its heads, MLP columns and vocabulary rows.
+pub(crate) fn load_rank<B: Kernels>(
+    be: Arc<B>,
+    config: Config,
+    ck: &Checkpoint,
+    kv: KvDtype,
+    shard: Shard<B>,
+) -> Result<Box<dyn Net>> {
+    let c = &config;
+    check_split(
+        shard.ranks,
+        &[
+            ("num_attention_heads", c.num_attention_heads),
+            ("num_key_value_heads", c.num_key_value_heads),
+            ("intermediate_size", c.intermediate_size),
+            ("vocab_size", c.vocab_size),
+        ],
+    )?;
+    Ok(Box::new(Decoder::load(be, config, ck, kv, Some(Arc::new(shard)))?))
 }
 
 /// A layer's intermediate activations for `m` tokens, allocated once a forward and reused
@@ -44,6 +68,8 @@ pub(crate) struct Scratch<B: Kernels> {
     attn: B::Act,
     gate: B::Act,
     up: B::Act,
+    /// A tensor-parallel rank's partial sum of o or down, and every rank's (`m x hidden`).
+    part: Option<(B::Act, Vec<B::Act>)>,
 }
 
 /// One decoder layer: attention and SwiGLU MLP, each pre-normed with a residual add.
@@ -58,13 +84,28 @@ pub(crate) struct Block<B: Kernels> {
     gate: Proj<B>,
     up: Proj<B>,
     down: Proj<B>,
+    /// The rank this layer's slice belongs to, when split between ranks.
+    shard: Option<Arc<Shard<B>>>,
 }
 
 impl<B: Kernels> Block<B> {
-    /// Loads the layer whose tensors start with `p` (e.g. `model.layers.3`).
-    pub(crate) fn load(be: &B, ck: &Checkpoint, p: &str, c: &Config) -> Result<Block<B>> {
+    /// Loads the layer whose tensors start with `p` (e.g. `model.layers.3`) of a model
+    /// shaped `c`, whole or (`shard`) the slice one rank holds.
+    pub(crate) fn load(
+        be: &B,
+        ck: &Checkpoint,
+        p: &str,
+        c: &Config,
+        shard: Option<Arc<Shard<B>>>,
+    ) -> Result<Block<B>> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        // A rank's output rows of `n` (heads whole: `n` is a multiple of head_dim x ranks),
+        // or its input columns.
+        let rows = |n: usize| shard.as_ref().map_or(Cut::Whole, |s| Cut::Rows(s.even(n)));
+        let cols = |n: usize| {
+            shard.as_ref().map_or(Cut::Whole, |s| Cut::Cols { cols: s.even(n), bias_here: s.rank == 0 })
+        };
         let a = format!("{p}.self_attn");
         let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
         let qk_norm = if c.arch == Arch::Qwen3 {
@@ -75,14 +116,39 @@ impl<B: Kernels> Block<B> {
         Ok(Block {
             input_norm: norm(format!("{p}.input_layernorm.weight"), h)?,
             post_norm: norm(format!("{p}.post_attention_layernorm.weight"), h)?,
-            q: Proj::load(be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
-            k: Proj::load(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
-            v: Proj::load(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?,
-            o: Proj::load(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
+            q: Proj::load_cut(be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias, rows(qd))?,
+            k: Proj::load_cut(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias, rows(kvd))?,
+            v: Proj::load_cut(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias, rows(kvd))?,
+            o: Proj::load_cut(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias, cols(qd))?,
             qk_norm,
-            gate: Proj::load(be, ck, &format!("{p}.mlp.gate_proj"), c.intermediate_size, h, false)?,
-            up: Proj::load(be, ck, &format!("{p}.mlp.up_proj"), c.intermediate_size, h, false)?,
-            down: Proj::load(be, ck, &format!("{p}.mlp.down_proj"), h, c.intermediate_size, false)?,
+            gate: Proj::load_cut(
+                be,
+                ck,
+                &format!("{p}.mlp.gate_proj"),
+                c.intermediate_size,
+                h,
+                false,
+                rows(c.intermediate_size),
+            )?,
+            up: Proj::load_cut(
+                be,
+                ck,
+                &format!("{p}.mlp.up_proj"),
+                c.intermediate_size,
+                h,
+                false,
+                rows(c.intermediate_size),
+            )?,
+            down: Proj::load_cut(
+                be,
+                ck,
+                &format!("{p}.mlp.down_proj"),
+                h,
+                c.intermediate_size,
+                false,
+                cols(c.intermediate_size),
+            )?,
+            shard,
         })
     }
 
@@ -93,9 +159,16 @@ impl<B: Kernels> Block<B> {
             q: be.alloc(m * self.q.out)?,
             k: be.alloc(m * self.k.out)?,
             v: be.alloc(m * self.v.out)?,
-            attn: be.alloc(m * c.num_attention_heads * c.head_dim)?,
+            attn: be.alloc(m * self.q.out)?,
             gate: be.alloc(m * self.gate.out)?,
             up: be.alloc(m * self.up.out)?,
+            part: match &self.shard {
+                Some(s) => {
+                    let parts = (0..s.ranks).map(|_| be.alloc(m * c.hidden_size)).collect::<Result<_>>()?;
+                    Some((be.alloc(m * c.hidden_size)?, parts))
+                }
+                None => None,
+            },
         })
     }
 
@@ -116,9 +189,9 @@ impl<B: Kernels> Block<B> {
         s: &mut Scratch<B>,
     ) -> Result<()> {
         let h = c.hidden_size;
-        let heads =
-            Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
-        let Scratch { normed, q, k, v, attn, gate, up } = s;
+        let hd = c.head_dim;
+        let heads = Heads { heads: self.q.out / hd, kv_heads: self.k.out / hd, head_dim: hd };
+        let Scratch { normed, q, k, v, attn, gate, up, part } = s;
         be.rms_norm(x, &self.input_norm, c.rms_norm_eps, normed, h, 0)?;
         let qkv = [self.q.part(), self.k.part(), self.v.part()];
         be.linear_parts(normed, m, &qkv, &mut [q, k, v])?;
@@ -126,11 +199,31 @@ impl<B: Kernels> Block<B> {
         be.qk_rope_store(q, Some((k, v)), norms, rope, batch, caches, Plane::Main(li), heads)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         be.attention(q, batch, caches, Plane::Main(li), heads, scale, None, attn)?;
-        self.o.add_to(be, attn, m, x)?;
+        self.residual(be, &self.o, attn, m, x, part)?;
         be.rms_norm(x, &self.post_norm, c.rms_norm_eps, normed, h, 0)?;
         be.linear_parts(normed, m, &[self.gate.part(), self.up.part()], &mut [gate, up])?;
         be.swiglu(gate, up)?;
-        self.down.add_to(be, gate, m, x)
+        self.residual(be, &self.down, gate, m, x, part)
+    }
+
+    /// `x += proj(y)`; on a tensor-parallel rank, `proj(y)` is this rank's partial sum and
+    /// every rank's are added in rank order.
+    fn residual(
+        &self,
+        be: &B,
+        proj: &Proj<B>,
+        y: &B::Act,
+        m: usize,
+        x: &mut B::Act,
+        part: &mut Option<(B::Act, Vec<B::Act>)>,
+    ) -> Result<()> {
+        match (&self.shard, part) {
+            (Some(shard), Some((part, parts))) => {
+                be.linear(y, m, &proj.w, proj.bias(), part, Out::Write)?;
+                shard.reduce(be, part, parts, x, m)
+            }
+            _ => proj.add_to(be, y, m, x),
+        }
     }
 }
 
@@ -151,14 +244,23 @@ pub(crate) struct Decoder<B: Kernels> {
     activations: Activations,
     /// Decode and verify forwards recorded by the backend (CUDA graphs), one per shape.
     recordings: B::Recordings,
+    /// This rank, when the model is split between ranks (its `config` is then the
+    /// rank's: its heads and MLP columns).
+    shard: Option<Arc<Shard<B>>>,
 }
 
 impl<B: Kernels> Decoder<B> {
-    pub(crate) fn load(be: Arc<B>, config: Config, ck: &Checkpoint, kv: KvDtype) -> Result<Decoder<B>> {
+    pub(crate) fn load(
+        be: Arc<B>,
+        mut config: Config,
+        ck: &Checkpoint,
+        kv: KvDtype,
+        shard: Option<Arc<Shard<B>>>,
+    ) -> Result<Decoder<B>> {
         let c = &config;
         let h = c.hidden_size;
         let layers = (0..c.num_hidden_layers)
-            .map(|i| Block::load(&*be, ck, &format!("model.layers.{i}"), c))
+            .map(|i| Block::load(&*be, ck, &format!("model.layers.{i}"), c, shard.clone()))
             .collect::<Result<Vec<_>>>()?;
         let embed_w = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
@@ -171,14 +273,28 @@ impl<B: Kernels> Decoder<B> {
         let be_activations = be.activations().for_weight(&embed_w);
         let embed = Arc::new(be.matrix(&embed_w)?);
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
-        let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
-            Arc::new(be.matrix(&ck.get("lm_head.weight", &[c.vocab_size, h])?)?)
+        let lm_head_w = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
+            Some(ck.get("lm_head.weight", &[c.vocab_size, h])?)
         } else {
-            embed.clone()
+            None
+        };
+        let lm_head = match (&shard, lm_head_w) {
+            (None, Some(w)) => Arc::new(be.matrix(&w)?),
+            (None, None) => embed.clone(),
+            (Some(s), w) => {
+                let rows = s.even(c.vocab_size);
+                let slice = w.as_ref().unwrap_or(&embed_w).slice_rows(rows);
+                Arc::new(be.matrix(&slice.map_err(|e| Error::Backend(format!("lm_head: {e}")))?)?)
+            }
         };
         let table =
             RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
         let max_positions = table.max_positions();
+        if let Some(s) = &shard {
+            config.num_attention_heads /= s.ranks;
+            config.num_key_value_heads /= s.ranks;
+            config.intermediate_size /= s.ranks;
+        }
         Ok(Decoder {
             norm: be.vector(&ck.get_f32("model.norm.weight", h)?)?,
             rope: Arc::new(be.rope_table(table)?),
@@ -191,6 +307,7 @@ impl<B: Kernels> Decoder<B> {
             kv,
             activations: be_activations,
             recordings: B::Recordings::default(),
+            shard,
         })
     }
 
@@ -219,7 +336,8 @@ impl<B: Kernels> Decoder<B> {
             }
             be.rms_norm(&x, &self.norm, c.rms_norm_eps, normed, h, 0)
         };
-        if m > 0 && every_logit {
+        // A rank exchanges partials with the others mid-forward: it is never recorded.
+        if m > 0 && every_logit && self.shard.is_none() {
             // Decode and verify: with the LM head over every token, the whole forward's
             // launches follow the batch's shape, so the backend may record and replay it.
             // The logits come back only when some row wants them whole.
@@ -242,7 +360,15 @@ impl<B: Kernels> Decoder<B> {
         let mut normed = be.alloc(m * h)?;
         hidden_states(&batch, &mut normed)?;
         drop(caches);
-        head_outputs(be, rows, normed, &self.lm_head, vocab, h, None)
+        head_outputs(
+            be,
+            rows,
+            normed,
+            LmHead { w: &self.lm_head, shard: self.shard.as_deref() },
+            vocab,
+            h,
+            None,
+        )
     }
 }
 

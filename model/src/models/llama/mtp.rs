@@ -57,7 +57,7 @@ impl<B: Kernels> MtpBlock<B> {
             hidden_norm: norm(&hn)?,
             proj: be.matrix(&ck.get(&proj, &[h, 2 * h])?)?,
             final_norm: norm(&fnorm)?,
-            block: Block::load(be, ck, p, tc)?,
+            block: Block::load(be, ck, p, tc, None)?,
             embed: own(format!("{p}.embed_tokens.weight"), &target.embed)?,
             head: own(format!("{p}.shared_head.head.weight"), &target.lm_head)?,
             rope: target.rope.clone(),

@@ -1,0 +1,387 @@
+//! Tensor parallelism, Megatron-style: `N` ranks each hold a slice of every layer and run
+//! the same forward side by side, one thread per rank in one process (a rank's device
+//! is driven by its thread; the engine, the cache bookkeeping and the server stay single).
+//!
+//! - Attention: each rank holds `heads / N` query heads and `kv_heads / N` K/V heads
+//!   (whole GQA groups), so attention never crosses ranks; q/k/v are cut by output rows,
+//!   o by input columns. MLP: gate/up by rows, down by columns. The LM head by vocabulary
+//!   (each rank's logits are gathered side by side); the embedding is whole on each rank.
+//! - o and down give each rank a partial sum of the hidden state. [`Shard::reduce`]
+//!   gathers every rank's partial and adds them to the residual **in rank order** on every
+//!   rank: the order of a hidden element's additions is fixed by `N` alone, never by the
+//!   token count or the message size (as an all-reduce that picks its algorithm by size
+//!   would), so every row stays invariant within one rank count: batched == alone,
+//!   speculative == plain, decode == prefill. Different rank counts add differently, as
+//!   different backends do.
+//! - A row's cache holds one K/V store per rank ([`mtp_cache::RankKv`]); its bookkeeping
+//!   (length, window, rollback, compaction) is kept once and applied to every store.
+
+use std::ops::Range;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Condvar, Mutex};
+
+use mtp_base::error::{Error, Result};
+use mtp_base::Checkpoint;
+use mtp_cache::{KvStore, RankKv, RowCache};
+use mtp_kernels::negative_control::{self, Switches};
+use mtp_kernels::{Activations, Backend, Kernels, KvDtype};
+
+use crate::forward::{Net, RowInput, RowOutput};
+use crate::mtp::{MtpLayout, MtpNet};
+
+/// Moves partial results between the ranks of one forward.
+pub(crate) trait Collective<B: Kernels>: RankSync {
+    /// Every rank's `part` (the same length on each), in rank order, into `parts`.
+    fn all_gather(&self, rank: usize, part: &B::Act, parts: &mut [B::Act]) -> Result<()>;
+}
+
+/// What the forward's driver needs of a collective whatever the backend.
+pub(crate) trait RankSync: Send + Sync {
+    /// Wakes every rank waiting on the others with an error: one of them failed.
+    fn abort(&self);
+    /// Forgets an abort and any half-finished exchange, before a forward.
+    fn reset(&self);
+}
+
+/// The error a rank gets when another rank of its forward failed.
+const ABORTED: &str = "another tensor-parallel rank failed";
+
+/// Rank `rank` of `ranks`, with the collective its forward exchanges partials through.
+pub(crate) struct Shard<B: Kernels> {
+    pub(crate) rank: usize,
+    pub(crate) ranks: usize,
+    pub(crate) collective: Arc<dyn Collective<B>>,
+}
+
+impl<B: Kernels> Shard<B> {
+    /// This rank's part of `n` things split evenly (the caller checked `n % ranks == 0`).
+    pub(crate) fn even(&self, n: usize) -> Range<usize> {
+        let each = n / self.ranks;
+        self.rank * each..(self.rank + 1) * each
+    }
+
+    /// `x += part_0 + part_1 + ...`: every rank's `part` (this rank's given), added to `x`
+    /// one rank after another in rank order, the same on every rank. `parts` holds `ranks`
+    /// buffers of `part`'s length.
+    pub(crate) fn reduce(
+        &self,
+        be: &B,
+        part: &B::Act,
+        parts: &mut [B::Act],
+        x: &mut B::Act,
+        m: usize,
+    ) -> Result<()> {
+        self.collective.all_gather(self.rank, part, parts)?;
+        if negative_control::token_ordered_reduction() && m.is_multiple_of(2) {
+            // The control: the order follows the token count.
+            return parts.iter().rev().try_for_each(|p| be.add(x, p));
+        }
+        parts.iter().try_for_each(|p| be.add(x, p))
+    }
+}
+
+/// Refuses `ranks` where a model of these sizes cannot be split evenly, naming the key.
+pub(crate) fn check_split(ranks: usize, sizes: &[(&str, usize)]) -> Result<()> {
+    for &(key, n) in sizes {
+        if !n.is_multiple_of(ranks) {
+            return Err(Error::InvalidOption(format!(
+                "--tensor-parallel {ranks}: config.json's {key} ({n}) does not split evenly between {ranks} ranks"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The host-memory collective: ranks are threads of this process and exchange through a
+/// shared table of slots, two generations deep (a rank may start exchange `g + 1` while
+/// another still reads `g`; none can reach `g + 2` before every rank finished `g`).
+pub(crate) struct HostCollective {
+    ranks: usize,
+    state: Mutex<HostState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct HostState {
+    /// `slots[g % 2][rank]`: rank's part of exchange `g`.
+    slots: [Vec<Vec<f32>>; 2],
+    /// Parts deposited for the exchange in `generation[g % 2]`.
+    arrived: [usize; 2],
+    generation: [u64; 2],
+    /// Exchanges each rank has started this forward.
+    calls: Vec<u64>,
+    aborted: bool,
+}
+
+impl HostCollective {
+    pub(crate) fn new(ranks: usize) -> HostCollective {
+        let c = HostCollective { ranks, state: Mutex::new(HostState::default()), changed: Condvar::new() };
+        c.reset();
+        c
+    }
+
+    fn exchange(&self, rank: usize, part: &[f32], parts: &mut [Vec<f32>]) -> Result<()> {
+        let aborted = || Error::Backend(ABORTED.into());
+        let mut s = self.state.lock().map_err(|_| aborted())?;
+        if s.aborted {
+            return Err(aborted());
+        }
+        let g = s.calls[rank];
+        s.calls[rank] += 1;
+        let p = (g % 2) as usize;
+        if s.generation[p] != g {
+            s.generation[p] = g;
+            s.arrived[p] = 0;
+        }
+        s.slots[p][rank].clear();
+        s.slots[p][rank].extend_from_slice(part);
+        s.arrived[p] += 1;
+        self.changed.notify_all();
+        while s.arrived[p] < self.ranks && !s.aborted {
+            s = self.changed.wait(s).map_err(|_| aborted())?;
+        }
+        if s.aborted {
+            return Err(aborted());
+        }
+        for (dst, src) in parts.iter_mut().zip(&s.slots[p]) {
+            if dst.len() != src.len() {
+                return Err(Error::Backend(format!(
+                    "tensor-parallel exchange: a part of {} values for a buffer of {}",
+                    src.len(),
+                    dst.len()
+                )));
+            }
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+impl RankSync for HostCollective {
+    fn abort(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.aborted = true;
+        }
+        self.changed.notify_all();
+    }
+
+    fn reset(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        *s = HostState {
+            slots: [vec![Vec::new(); self.ranks], vec![Vec::new(); self.ranks]],
+            arrived: [0; 2],
+            generation: [0, 1],
+            calls: vec![0; self.ranks],
+            aborted: false,
+        };
+    }
+}
+
+impl<B: Kernels<Act = Vec<f32>>> Collective<B> for HostCollective {
+    fn all_gather(&self, rank: usize, part: &Vec<f32>, parts: &mut [Vec<f32>]) -> Result<()> {
+        if parts.len() != self.ranks || rank >= self.ranks {
+            return Err(Error::Backend(format!(
+                "tensor-parallel exchange: rank {rank} with {} buffers for {} ranks",
+                parts.len(),
+                self.ranks
+            )));
+        }
+        self.exchange(rank, part, parts)
+    }
+}
+
+/// A model split between ranks: each rank's net computes its slice, all of them for every
+/// forward, and rank 0's outputs (the same on every rank) are the model's.
+pub(crate) struct TensorParallel {
+    ranks: Vec<Box<dyn Net>>,
+    sync: Arc<dyn RankSync>,
+}
+
+impl TensorParallel {
+    pub(crate) fn new(ranks: Vec<Box<dyn Net>>, sync: Arc<dyn RankSync>) -> TensorParallel {
+        TensorParallel { ranks, sync }
+    }
+
+    fn run_ranks(&self, rows: &[RowInput], caches: &mut [Vec<RowCache>]) -> Vec<Result<Vec<RowOutput>>> {
+        let switches = Switches::current();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(net, caches)| {
+                    let sync = &self.sync;
+                    s.spawn(move || {
+                        switches.apply();
+                        let mut inputs: Vec<RowInput> = rows
+                            .iter()
+                            .zip(caches.iter_mut())
+                            .map(|(row, cache)| RowInput {
+                                tokens: row.tokens,
+                                cache,
+                                logits: row.logits,
+                                full_logits: row.full_logits,
+                            })
+                            .collect();
+                        let out = std::panic::catch_unwind(AssertUnwindSafe(|| net.forward(&mut inputs)))
+                            .unwrap_or_else(|_| {
+                                Err(Error::Backend("a tensor-parallel rank panicked".into()))
+                            });
+                        if out.is_err() {
+                            sync.abort();
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| Err(Error::Backend("a tensor-parallel rank panicked".into())))
+                })
+                .collect()
+        })
+    }
+}
+
+impl Net for TensorParallel {
+    fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        self.sync.reset();
+        let n = self.ranks.len();
+        // caches[rank][row]: each row's view for each rank.
+        let mut caches: Vec<Vec<RowCache>> = (0..n).map(|_| Vec::with_capacity(rows.len())).collect();
+        let mut split = 0;
+        let mut refused = None;
+        for (i, row) in rows.iter_mut().enumerate() {
+            match row.cache.split_ranks().filter(|parts| parts.len() == n) {
+                Some(parts) => {
+                    parts.into_iter().zip(caches.iter_mut()).for_each(|(p, c)| c.push(p));
+                    split += 1;
+                }
+                None => {
+                    refused = Some(Error::Request {
+                        request: format!("row {i}"),
+                        msg: format!("its cache was not made by this {n}-rank model (Model::new_cache)"),
+                    });
+                    break;
+                }
+            }
+        }
+        let results = match refused {
+            Some(e) => vec![Err(e)],
+            None => self.run_ranks(rows, &mut caches),
+        };
+        // The stores go back to their rows whatever happened.
+        let mut join_error = None;
+        for (i, row) in rows.iter_mut().enumerate().take(split) {
+            let parts: Vec<RowCache> = caches.iter_mut().map(|c| c.remove(0)).collect();
+            if let Err(e) = row.cache.join_ranks(parts) {
+                join_error.get_or_insert(Error::Backend(format!("row {i}: {e}")));
+            }
+        }
+        let (mut outputs, mut errors) = (Vec::new(), Vec::new());
+        for r in results {
+            match r {
+                Ok(out) => outputs.push(out),
+                Err(e) => errors.push(e),
+            }
+        }
+        // The failing rank's error, not the others' word that it failed.
+        let aborted = |e: &Error| matches!(e, Error::Backend(m) if m == ABORTED);
+        if let Some(i) = errors.iter().position(|e| !aborted(e)).or((!errors.is_empty()).then_some(0)) {
+            return Err(errors.swap_remove(i));
+        }
+        if let Some(e) = join_error {
+            return Err(e);
+        }
+        let outputs = outputs.into_iter().next();
+        outputs.ok_or_else(|| Error::Backend("a tensor-parallel forward with no ranks".into()))
+    }
+
+    fn new_cache(&self) -> RowCache {
+        let parts: Vec<RowCache> = self.ranks.iter().map(|r| r.new_cache()).collect();
+        let (n_layers, stride) = (parts[0].n_layers(), parts[0].stride());
+        let stores: Vec<Box<dyn KvStore>> = parts.into_iter().map(RowCache::into_store).collect();
+        RowCache::with_store(Box::new(RankKv::new(stores, stride)), n_layers, stride * self.ranks.len())
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        self.ranks.iter().map(|r| r.kv_bytes_per_token()).sum()
+    }
+
+    fn backend(&self) -> Backend {
+        self.ranks[0].backend()
+    }
+
+    fn kv_dtype(&self) -> KvDtype {
+        self.ranks[0].kv_dtype()
+    }
+
+    fn activations(&self) -> Activations {
+        self.ranks[0].activations()
+    }
+
+    fn one_time_forwards(&self) -> u64 {
+        self.ranks[0].one_time_forwards()
+    }
+
+    fn verify_token_group(&self) -> usize {
+        self.ranks[0].verify_token_group()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.ranks[0].max_positions()
+    }
+
+    fn tensor_parallel(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn load_mtp(&self, _ck: &Checkpoint, _layout: MtpLayout, _prefix: &str) -> Result<Box<dyn MtpNet>> {
+        Err(Error::InvalidOption(format!(
+            "--tensor-parallel {}: MTP heads are not split between ranks yet; draft with a draft model or n-gram lookup",
+            self.ranks.len()
+        )))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host exchange gives every rank every part in rank order, many times over with
+    /// ranks racing ahead, and an abort wakes the ranks still waiting.
+    #[test]
+    fn host_exchanges_deliver_every_part_in_rank_order() {
+        let ranks = 3;
+        let c = Arc::new(HostCollective::new(ranks));
+        std::thread::scope(|s| {
+            for rank in 0..ranks {
+                let c = c.clone();
+                s.spawn(move || {
+                    for g in 0..200u32 {
+                        let part = vec![(rank as f32) * 1000.0 + g as f32; 5];
+                        let mut parts = vec![vec![0.0; 5]; ranks];
+                        c.exchange(rank, &part, &mut parts).unwrap();
+                        for (r, p) in parts.iter().enumerate() {
+                            assert_eq!(p, &vec![(r as f32) * 1000.0 + g as f32; 5], "exchange {g}");
+                        }
+                    }
+                });
+            }
+        });
+        c.reset();
+        let waiting = {
+            let c = c.clone();
+            std::thread::spawn(move || c.exchange(0, &[1.0], &mut [vec![0.0], vec![0.0], vec![0.0]]))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        c.abort();
+        let err = waiting.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains(ABORTED), "{err}");
+    }
+}

@@ -1,0 +1,164 @@
+//! Tensor parallelism (`--tensor-parallel N`): the model split between N ranks (threads on
+//! the CPU) computes the whole model's function up to float rounding, and within one rank
+//! count every row stays invariant, bit for bit: batched == alone, decode == prefill of
+//! any chunking, speculative == plain after mixed accepts. The negative controls prove the
+//! checks can fail: a reduction whose order follows the token count breaks batched ==
+//! alone, and a rollback that skips compaction in the ranks' stores breaks speculative ==
+//! plain.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::invariance::{last_logits, prompts};
+use common::{bits, first_difference, fixture, plain, request, run, trained, Lcg};
+use mtp::drafter::{DraftModelDrafter, Drafter, NgramDrafter};
+use mtp::engine::{DraftLen, EngineOptions, Request, WindowLayout};
+use mtp::kernels::{negative_control, Backend, KvDtype};
+use mtp::model::{Logits, Model, RowInput};
+
+fn load(dir: &std::path::Path, ranks: usize) -> Model {
+    Model::load_parallel(dir, Backend::Cpu, KvDtype::F32, ranks)
+        .unwrap_or_else(|e| panic!("{} on {ranks} ranks: {e}", dir.display()))
+}
+
+/// Every token's logits of `seq` fed in pieces of `chunks` (cycled), and the final cache.
+fn chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, Vec<u8>) {
+    let mut cache = model.new_cache();
+    let (mut logits, mut at) = (Vec::new(), 0);
+    for &c in chunks.iter().cycle() {
+        if at >= seq.len() {
+            break;
+        }
+        let piece = &seq[at..(at + c).min(seq.len())];
+        let mut rows =
+            [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All, full_logits: true }];
+        let out = model.forward(&mut rows).unwrap();
+        cache.commit_window(piece.len());
+        logits.extend(out[0].logits.iter().map(|l| bits(l)));
+        at += piece.len();
+    }
+    let kv = (0..model.config.num_hidden_layers)
+        .flat_map(|l| {
+            let (k, v) = cache.committed_bytes(l).unwrap();
+            k.into_iter().chain(v)
+        })
+        .collect();
+    (logits, kv)
+}
+
+#[test]
+fn ranks_compute_the_whole_models_function() {
+    let dirs = [fixture("llama-target"), fixture("qwen2-target"), fixture("qwen3-target"), trained("target")];
+    for dir in dirs {
+        let whole = load(&dir, 1);
+        let split = load(&dir, 2);
+        assert_eq!(split.tensor_parallel(), 2);
+        let prompts = prompts(&whole, 5);
+        let (a, b) = (last_logits(&whole, &prompts, true), last_logits(&split, &prompts, true));
+        let (mut worst, mut scale, mut differ) = (0f32, 0f32, false);
+        for (a, b) in a.iter().zip(&b) {
+            for (&x, &y) in a.iter().zip(b) {
+                let (x, y) = (f32::from_bits(x), f32::from_bits(y));
+                worst = worst.max((x - y).abs());
+                scale = scale.max(x.abs());
+                differ |= x.to_bits() != y.to_bits();
+            }
+        }
+        // The ranks' partial sums round differently from one whole sum, and only that.
+        assert!(worst <= 1e-5 * scale.max(1.0), "{}: off by {worst} at scale {scale}", dir.display());
+        assert!(
+            differ,
+            "{}: two ranks gave the whole model's bits: is the model split at all?",
+            dir.display()
+        );
+    }
+}
+
+#[test]
+fn rows_on_ranks_are_batch_and_chunking_invariant() {
+    for name in ["llama-target", "qwen3-target"] {
+        let model = load(&fixture(name), 2);
+        let prompts = prompts(&model, 17);
+        let check = || last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true);
+        assert!(check(), "{name}: a row's logits changed with the batch on 2 ranks");
+        negative_control::set_token_ordered_reduction(true);
+        let control = check();
+        negative_control::set_token_ordered_reduction(false);
+        assert!(!control, "{name}: a reduction ordered by token count went unnoticed");
+
+        let mut rng = Lcg(3);
+        let seq: Vec<u32> = (0..37).map(|_| rng.below(model.config.vocab_size) as u32).collect();
+        let one_by_one = chunked(&model, &seq, &[1]);
+        for chunks in [&[37][..], &[5], &[3, 17, 2]] {
+            assert!(chunked(&model, &seq, chunks) == one_by_one, "{name}: chunks {chunks:?} changed bits");
+        }
+    }
+}
+
+fn workload(vocab: usize) -> (Vec<Request>, Vec<u64>) {
+    let mut rng = Lcg(23);
+    let requests = (0..6)
+        .map(|i| {
+            // Repetitive prompts, so n-gram lookup drafts too.
+            let base: Vec<u32> = (0..5).map(|_| rng.below(vocab) as u32).collect();
+            let prompt = base.iter().cycle().take(9 + 4 * i).copied().collect();
+            request(&format!("r{i}"), prompt, 12 + 3 * i)
+        })
+        .collect();
+    (requests, vec![0, 0, 1, 3, 3, 6])
+}
+
+#[test]
+fn speculation_on_ranks_equals_plain_decoding() {
+    let model = Arc::new(load(&fixture("qwen3-target"), 2));
+    let draft = Arc::new(Model::load_on(&fixture("qwen3-draft"), Backend::Cpu).unwrap());
+    let vocab = model.config.vocab_size;
+    let (requests, arrive_at) = workload(vocab);
+    let reference: Vec<_> = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
+    let opts = |layout| EngineOptions {
+        k: DraftLen::Fixed(3),
+        max_batch: 4,
+        prefill_chunk: 4,
+        layout,
+        ..EngineOptions::default()
+    };
+    let drafter = |kind: &str| -> Box<dyn Drafter> {
+        match kind {
+            "draft-model" => Box::new(DraftModelDrafter::new(draft.clone(), &model).unwrap()),
+            "ngram" => Box::new(NgramDrafter::new(1, 3).unwrap()),
+            _ => Box::new(common::oracle(&requests, &reference, vocab)),
+        }
+    };
+    for kind in ["oracle", "draft-model", "ngram"] {
+        for layout in [WindowLayout::RowTail, WindowLayout::SharedSlots] {
+            let got = run(&model, Some(drafter(kind)), opts(layout), &requests, &arrive_at);
+            assert_eq!(first_difference(&got, &reference), None, "{kind} {layout:?} on 2 ranks");
+        }
+    }
+    mtp::cache::negative_control::set_skip_compaction(true);
+    let got = run(&model, Some(drafter("oracle")), opts(WindowLayout::SharedSlots), &requests, &arrive_at);
+    mtp::cache::negative_control::set_skip_compaction(false);
+    assert!(first_difference(&got, &reference).is_some(), "ranks that skip compaction went unnoticed");
+}
+
+#[test]
+fn splits_the_model_cannot_take_are_refused_by_name() {
+    let err = |dir: std::path::PathBuf, ranks: usize| {
+        Model::load_parallel(&dir, Backend::Cpu, KvDtype::F32, ranks).err().expect("refused").to_string()
+    };
+    let e = err(fixture("qwen3-target"), 3);
+    assert!(e.contains("--tensor-parallel 3") && e.contains("num_attention_heads"), "{e}");
+    let e = err(fixture("qwen3-target"), 4);
+    assert!(e.contains("num_key_value_heads (2)"), "{e}");
+    let e = err(fixture("qwen3-target"), 0);
+    assert!(e.contains("--tensor-parallel 0"), "{e}");
+    let gemma = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gemma4/gemma4-dense-target");
+    let e = err(gemma, 2);
+    assert!(e.contains("Gemma 4"), "{e}");
+    // The trained target's MTP head is not split yet: loading it says so.
+    let model = Arc::new(load(&trained("target"), 2));
+    let e = mtp::drafter::MtpDrafter::load(&trained("target"), model).err().expect("refused").to_string();
+    assert!(e.contains("MTP heads"), "{e}");
+}
