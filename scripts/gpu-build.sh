@@ -16,7 +16,7 @@ export NVCC
 read -r -a tests <<< "${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools}"
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
-cargo build --release --features cuda --bins --example gpu_matmul
+cargo build --release --features cuda --bins --example gpu_matmul --example gpu_collective
 rm -rf gpu-bundle && mkdir -p gpu-bundle/bin
 # `ab` packs test suites only when GPU_TESTS names them (one call can then test and compare).
 [ "$what" = cli ] || { [ "$what" = ab ] && [ -z "${GPU_TESTS:-}" ]; } && tests=()
@@ -32,7 +32,7 @@ for line in sys.stdin:
         print(m['executable'])")
     cp "$exe" "gpu-bundle/bin/test-$t"
 done
-[ "$what" = cli ] || [ "$what" = tests ] || cp target/release/examples/gpu_matmul gpu-bundle/bin/
+[ "$what" = cli ] || [ "$what" = tests ] || cp target/release/examples/gpu_matmul target/release/examples/gpu_collective gpu-bundle/bin/
 [ "$what" = tests ] || cp target/release/mtp target/release/mtp-bench gpu-bundle/bin/
 if [ -n "$base_rev" ]; then
     # The base version, from a worktree at REV, built in target/ab-base.

@@ -32,11 +32,16 @@
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
 #   profile: on the Qwen3-0.6B and 8B shapes, B=1 (and 8B B=8) plain decode's wall time per
 #          token beside the GPU time of each forward's kernels (ncu, one metric), by kernel.
+#   tp:    tensor parallelism over every GPU of the machine (a kind with several): the
+#          tensor_parallel suite on CUDA ranks, the reduction beside NCCL's all-reduce
+#          (examples/gpu_collective.rs), and on the Qwen3-8B shape prefill of 2,048 tokens and
+#          decode (plain and oracle:0.7 k=4, batch 1 and 8) at --tensor-parallel 1 and 2
+#          (GPU_TESTS="tensor_parallel" bundle built with `all`).
 #   numerics: the activation modes (bf16, the default; f32) side by side: the matmul at M = 1
 #          to 4,096 beside cuBLAS, prefill of 2,048 and 16,384 tokens beside transformers,
 #          decode and speculation (plain, oracle:1.0, oracle:0.7; k=4 and adaptive) on the
 #          Qwen3-8B shape.
-# Usage: scripts/gpu-run.sh tests|bench|all|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +58,15 @@ log="$OUT/gpu-tests.log"
 summary="$OUT/summary.txt"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } | tee "$summary"
 status=0
+# NCCL (tensor parallelism): cudarc opens libnccl.so; pip's nvidia-nccl (beside PyTorch)
+# ships libnccl.so.2 only, so a link to it goes on the library path.
+if ! ldconfig -p 2>/dev/null | grep -q "libnccl.so "; then
+    nccl_lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+    if [ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ]; then
+        mkdir -p /tmp/nccl-lib && ln -sf "$nccl_lib/libnccl.so.2" /tmp/nccl-lib/libnccl.so
+        export LD_LIBRARY_PATH="/tmp/nccl-lib:${LD_LIBRARY_PATH:-}"
+    fi
+fi
 
 torch_matmul() {
     python3 - <<'PY'
@@ -171,6 +185,36 @@ mtp_seconds() {
 prompt_of() {
     python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': [3 + i % 1000 for i in range($2)]}))" > "$1"
 }
+
+if [ "$what" = tp ]; then
+    tlog="$OUT/tp.log"
+    nvidia-smi topo -m 2>&1 | tee -a "$tlog"
+    if [ -x "$bin/test-tensor_parallel" ]; then
+        (cd /work/main && MTP_TEST_BACKEND=cuda "$bin/test-tensor_parallel" --test-threads=1 --nocapture) >> "$tlog" 2>&1
+        rc=$?
+        echo "tensor_parallel: rc=$rc $(grep -E "^test result" "$tlog" | tail -1)" | tee -a "$summary"
+        [ $rc -eq 0 ] || status=1
+    fi
+    "$bin/gpu_collective" 2>&1 | tee -a "$tlog"
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    for tokens in 2048 16384; do
+        prompt_of /tmp/pp.jsonl $tokens
+        for tp in 1 2; do
+            for r in 1 2; do
+                s=$(mtp_seconds /tmp/pp.jsonl 1 2048 /tmp/qwen3-8b --tensor-parallel $tp)
+                echo "mtp prefill $tokens tokens, chunk 2048, --tensor-parallel $tp, run $r: $s s" | tee -a "$tlog"
+            done
+        done
+    done
+    for flags in "--tensor-parallel 1" "--tensor-parallel 1 --no-cuda-graphs" "--tensor-parallel 2"; do
+        echo "== qwen3-8b $flags" | tee -a "$tlog"
+        # shellcheck disable=SC2086
+        "$bin/mtp-bench" --target /tmp/qwen3-8b --backend cuda $flags --drafters oracle:0.7 --k 4 --batch 1,8 \
+            --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
+            --repeats 1 2>&1 | tee -a "$tlog"
+    done
+    rm -rf /tmp/qwen3-8b
+fi
 
 if [ "$what" = long ]; then
     llog="$OUT/long.log"

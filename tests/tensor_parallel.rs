@@ -1,5 +1,5 @@
 //! Tensor parallelism (`--tensor-parallel N`): the model split between N ranks (threads on
-//! the CPU) computes the whole model's function up to float rounding, and within one rank
+//! the CPU; GPUs over NCCL with `MTP_TEST_BACKEND=cuda`, `scripts/gpu-run.sh tp`) computes the whole model's function up to float rounding, and within one rank
 //! count every row stays invariant, bit for bit: batched == alone, decode == prefill of
 //! any chunking, speculative == plain after mixed accepts. The negative controls prove the
 //! checks can fail: a reduction whose order follows the token count breaks batched ==
@@ -14,11 +14,16 @@ use common::invariance::{last_logits, prompts};
 use common::{bits, first_difference, fixture, plain, request, run, trained, Lcg};
 use mtp::drafter::{DraftModelDrafter, Drafter, NgramDrafter};
 use mtp::engine::{DraftLen, EngineOptions, Request, WindowLayout};
-use mtp::kernels::{negative_control, Backend, KvDtype};
+use mtp::kernels::{negative_control, Activations, Backend, KvDtype, Numerics};
 use mtp::model::{Logits, Model, RowInput};
 
+/// `dir` on `ranks` ranks of the test backend, in its default numerics.
 fn load(dir: &std::path::Path, ranks: usize) -> Model {
-    Model::load_parallel(dir, Backend::Cpu, KvDtype::F32, ranks)
+    load_with(dir, ranks, KvDtype::Auto.into())
+}
+
+fn load_with(dir: &std::path::Path, ranks: usize, numerics: Numerics) -> Model {
+    Model::load_parallel(dir, common::backend(), numerics, ranks)
         .unwrap_or_else(|e| panic!("{} on {ranks} ranks: {e}", dir.display()))
 }
 
@@ -51,8 +56,10 @@ fn chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, Vec<
 fn ranks_compute_the_whole_models_function() {
     let dirs = [fixture("llama-target"), fixture("qwen2-target"), fixture("qwen3-target"), trained("target")];
     for dir in dirs {
-        let whole = load(&dir, 1);
-        let split = load(&dir, 2);
+        // f32 everywhere (on CUDA too), so rounding is the reduction's alone.
+        let exact = Numerics { kv: KvDtype::F32, activations: Activations::F32 };
+        let whole = load_with(&dir, 1, exact);
+        let split = load_with(&dir, 2, exact);
         assert_eq!(split.tensor_parallel(), 2);
         let prompts = prompts(&whole, 5);
         let (a, b) = (last_logits(&whole, &prompts, true), last_logits(&split, &prompts, true));
@@ -112,7 +119,8 @@ fn workload(vocab: usize) -> (Vec<Request>, Vec<u64>) {
 #[test]
 fn speculation_on_ranks_equals_plain_decoding() {
     let model = Arc::new(load(&fixture("qwen3-target"), 2));
-    let draft = Arc::new(Model::load_on(&fixture("qwen3-draft"), Backend::Cpu).unwrap());
+    let draft =
+        Arc::new(Model::load_with(&fixture("qwen3-draft"), common::backend(), model.numerics()).unwrap());
     let vocab = model.config.vocab_size;
     let (requests, arrive_at) = workload(vocab);
     let reference: Vec<_> = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();

@@ -1400,6 +1400,25 @@ extern "C" __global__ void add_to(float* x, const float* y, long long n) {
     if (i < n) x[i] = x[i] + y[i];
 }
 
+// x <- x + parts[0] + parts[1] + ... + parts[n-1], one part after another in that order
+// (reversed: the negative control's order); parts holds n blocks of len (tensor-parallel
+// ranks' partial sums).
+extern "C" __global__ void add_parts(float* x, const float* parts, long long len, int n, int reversed) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float acc = x[i];
+    for (int k = 0; k < n; ++k) acc = acc + parts[(long long)(reversed ? n - 1 - k : k) * len + i];
+    x[i] = acc;
+}
+
+// out[t][r * width + j] = parts[r][t][j]: n blocks of m x width side by side.
+extern "C" __global__ void concat_columns(float* out, const float* parts, int n, long long width, long long m) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * m * width) return;
+    const long long r = i / (m * width), t = (i / width) % m, j = i % width;
+    out[(t * n + r) * width + j] = parts[i];
+}
+
 // out[rows[i]] += weights[i] * src[i] (rows `width` wide, distinct within a call). grid:
 // rows of src.
 extern "C" __global__ void add_rows_scaled(float* out, const float* src, const int* rows, const float* weights,

@@ -39,6 +39,7 @@ macro_rules! launch {
 
 mod graphs;
 mod kv;
+mod nccl;
 
 use std::sync::{Arc, OnceLock};
 
@@ -47,6 +48,7 @@ use mtp_cache::{KvStore, RowCache};
 
 pub use graphs::CudaGraphs;
 pub use kv::CudaKv;
+pub use nccl::NcclCollective;
 
 use mtp_base::error::{Error, Result};
 use mtp_base::weights::{Weight, WeightDtype};
@@ -264,14 +266,16 @@ struct Functions {
     gelu_tanh_mul: CudaFunction,
     scale_by: CudaFunction,
     add_to: CudaFunction,
+    add_parts: CudaFunction,
+    concat_columns: CudaFunction,
     add_rows_scaled: CudaFunction,
     rope_rows: CudaFunction,
     logit_summaries: CudaFunction,
 }
 
-/// GPU 0, its stream and the loaded kernels. One per process and [`Activations`] mode
-/// ([`Cuda::shared_with`]); both modes share the process's one stream, so every model's
-/// and cache's work is ordered without events.
+/// A GPU, its stream and the loaded kernels. One per GPU and [`Activations`] mode
+/// ([`Cuda::on_device`]; GPU 0 is [`Cuda::shared_with`]'s); both modes share the GPU's one
+/// stream, so every model's and cache's work on it is ordered without events.
 pub struct Cuda {
     stream: Arc<CudaStream>,
     f: Functions,
@@ -285,8 +289,11 @@ pub struct Cuda {
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
 
-/// GPU 0's stream and the module of every kernel.
+/// A GPU's stream and the module of every kernel.
 type Device = (Arc<CudaStream>, Arc<cudarc::driver::CudaModule>);
+
+/// The most GPUs one process drives (tensor-parallel ranks).
+pub const MAX_GPUS: usize = 8;
 
 // SAFETY: the cuBLAS handle is used only from the thread running a forward, behind &self,
 // and cuBLAS handles may be shared between host threads that do not call it concurrently
@@ -309,22 +316,46 @@ impl Cuda {
 
     /// The same, with activations as `activations` says (`Auto`: bf16).
     pub fn shared_with(activations: Activations) -> Result<Arc<Cuda>> {
+        Cuda::on_device(0, activations)
+    }
+
+    /// The backend on GPU `ordinal` (a tensor-parallel rank's), activations as
+    /// `activations` says: one per GPU and mode, each GPU with its own stream.
+    pub fn on_device(ordinal: usize, activations: Activations) -> Result<Arc<Cuda>> {
         type Slot = OnceLock<std::result::Result<Arc<Cuda>, String>>;
-        static SHARED: [Slot; 2] = [OnceLock::new(), OnceLock::new()];
+        static SHARED: [[Slot; 2]; MAX_GPUS] = [const { [const { OnceLock::new() }; 2] }; MAX_GPUS];
         let activations = match activations {
             Activations::F32 => Activations::F32,
             Activations::Auto | Activations::Bf16 => Activations::Bf16,
         };
-        SHARED[(activations == Activations::Bf16) as usize]
-            .get_or_init(|| Cuda::start(activations).map(Arc::new))
+        let slots = SHARED.get(ordinal).ok_or_else(|| {
+            Error::Backend(format!("GPU {ordinal}: this build drives at most {MAX_GPUS} GPUs"))
+        })?;
+        slots[(activations == Activations::Bf16) as usize]
+            .get_or_init(|| Cuda::start(ordinal, activations).map(Arc::new))
             .clone()
             .map_err(Error::Backend)
     }
 
-    /// GPU 0's one stream and the loaded kernels, shared by both modes.
-    fn device() -> std::result::Result<Device, String> {
-        static DEVICE: OnceLock<std::result::Result<Device, String>> = OnceLock::new();
-        DEVICE
+    /// GPUs the driver sees (0 without a driver).
+    pub fn device_count() -> usize {
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return 0;
+        }
+        cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    }
+
+    /// Which GPU this backend runs on.
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// GPU `ordinal`'s one stream and the loaded kernels, shared by both modes.
+    fn device(ordinal: usize) -> std::result::Result<Device, String> {
+        type Slot = OnceLock<std::result::Result<Device, String>>;
+        static DEVICE: [Slot; MAX_GPUS] = [const { OnceLock::new() }; MAX_GPUS];
+        DEVICE[ordinal]
             .get_or_init(|| {
                 // SAFETY: only probes whether the driver library can be loaded.
                 if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -332,8 +363,8 @@ impl Cuda {
                                 this machine has no GPU driver, or LD_LIBRARY_PATH does not reach it"
                         .into());
                 }
-                let ctx =
-                    cudarc::driver::CudaContext::new(0).map_err(|e| format!("cannot open GPU 0: {e:?}"))?;
+                let ctx = cudarc::driver::CudaContext::new(ordinal)
+                    .map_err(|e| format!("cannot open GPU {ordinal}: {e:?}"))?;
                 // One stream for everything: no cross-stream events needed.
                 // SAFETY: every buffer is used on `stream` only.
                 unsafe { ctx.disable_event_tracking() };
@@ -346,8 +377,8 @@ impl Cuda {
             .clone()
     }
 
-    fn start(activations: Activations) -> std::result::Result<Cuda, String> {
-        let (stream, module) = Cuda::device()?;
+    fn start(ordinal: usize, activations: Activations) -> std::result::Result<Cuda, String> {
+        let (stream, module) = Cuda::device(ordinal)?;
         let ctx = stream.context();
         let get = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
         // The tensor-core kernels of this mode: activations as 1 or 3 bf16 terms.
@@ -425,6 +456,8 @@ impl Cuda {
             gelu_tanh_mul: get("gelu_tanh_mul")?,
             scale_by: get("scale_by")?,
             add_to: get("add_to")?,
+            add_parts: get("add_parts")?,
+            concat_columns: get("concat_columns")?,
             add_rows_scaled: get("add_rows_scaled")?,
             rope_rows: get("rope_rows")?,
             logit_summaries: get("logit_summaries")?,
@@ -441,7 +474,7 @@ impl Cuda {
                     .map_err(|e| format!("shared memory for {kernel:?} ({bytes} bytes): {e:?}"))?;
             }
         }
-        let device = ctx.name().unwrap_or_else(|_| "GPU 0".into());
+        let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
         Ok(Cuda {
             stream,
@@ -1150,6 +1183,43 @@ impl Kernels for Cuda {
         let n = x.len().min(y.len());
         let (xp, yp, n64) = (ptr(x, &self.stream), ptr(y, &self.stream), n as i64);
         launch!(self, &self.f.add_to, grid256(n), 256, "add", [xp, yp, n64])
+    }
+
+    fn add_parts(
+        &self,
+        x: &mut CudaSlice<f32>,
+        parts: &CudaSlice<f32>,
+        n: usize,
+        reversed: bool,
+    ) -> Result<()> {
+        let len = x.len();
+        if parts.len() != n * len {
+            return Err(Error::Backend(format!("add_parts: {n} parts of {len} in {} values", parts.len())));
+        }
+        let (xp, pp, len64, n32, rev) =
+            (ptr(x, &self.stream), ptr(parts, &self.stream), len as i64, n as i32, reversed as i32);
+        launch!(self, &self.f.add_parts, grid256(len), 256, "add_parts", [xp, pp, len64, n32, rev])
+    }
+
+    fn concat_columns(
+        &self,
+        parts: &CudaSlice<f32>,
+        n: usize,
+        width: usize,
+        m: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let total = n * m * width;
+        if parts.len() < total || out.len() < total {
+            return Err(Error::Backend(format!(
+                "concat_columns: {n} parts of {m} x {width} in {} values into {}",
+                parts.len(),
+                out.len()
+            )));
+        }
+        let (op, pp, n32, w64, m64) =
+            (ptr(out, &self.stream), ptr(parts, &self.stream), n as i32, width as i64, m as i64);
+        launch!(self, &self.f.concat_columns, grid256(total), 256, "concat_columns", [op, pp, n32, w64, m64])
     }
 
     fn add_rows_scaled(

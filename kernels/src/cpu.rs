@@ -260,29 +260,38 @@ impl Kernels for Cpu {
         Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
     }
 
+    fn add_parts(&self, x: &mut Vec<f32>, parts: &Vec<f32>, n: usize, reversed: bool) -> Result<()> {
+        let len = x.len();
+        if parts.len() != n * len {
+            return Err(Error::Backend(format!("add_parts: {n} parts of {len} in {} values", parts.len())));
+        }
+        let order: Vec<usize> = if reversed { (0..n).rev().collect() } else { (0..n).collect() };
+        x.par_iter_mut().enumerate().for_each(|(i, x)| {
+            for &r in &order {
+                *x += parts[r * len + i];
+            }
+        });
+        Ok(())
+    }
+
     fn concat_columns(
         &self,
-        parts: &[Vec<f32>],
-        widths: &[usize],
+        parts: &Vec<f32>,
+        n: usize,
+        width: usize,
         m: usize,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        let total: usize = widths.iter().sum();
-        let fits = parts.len() == widths.len()
-            && parts.iter().zip(widths).all(|(p, &w)| p.len() == m * w)
-            && out.len() == m * total;
-        if !fits {
+        if parts.len() != n * m * width || out.len() != m * n * width {
             return Err(Error::Backend(format!(
-                "concat_columns: {} parts of widths {widths:?} over {m} rows into {} values",
+                "concat_columns: {n} parts of {m} x {width} in {} values into {}",
                 parts.len(),
                 out.len()
             )));
         }
-        for (t, row) in out.chunks_exact_mut(total.max(1)).enumerate() {
-            let mut at = 0;
-            for (p, &w) in parts.iter().zip(widths) {
-                row[at..at + w].copy_from_slice(&p[t * w..(t + 1) * w]);
-                at += w;
+        for (t, row) in out.chunks_exact_mut((n * width).max(1)).enumerate() {
+            for (r, dst) in row.chunks_exact_mut(width.max(1)).enumerate() {
+                dst.copy_from_slice(&parts[(r * m + t) * width..(r * m + t + 1) * width]);
             }
         }
         Ok(())

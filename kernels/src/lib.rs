@@ -11,6 +11,7 @@
 //! A handful of associated types (activations, weights, vectors, the RoPE table, one
 //! forward's batch layout) keeps each backend's buffers its own and the forward generic.
 
+pub mod collective;
 pub mod cpu;
 pub mod negative_control;
 pub mod ops;
@@ -379,22 +380,32 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn gather(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
-    /// `out[t][w_0 + .. + w_(r-1) + j] = parts[r][t][j]`: column blocks `widths[r]` wide
-    /// side by side over `m` rows (a tensor-parallel LM head's vocabulary shards).
-    fn concat_columns(
-        &self,
-        parts: &[Self::Act],
-        widths: &[usize],
-        m: usize,
-        out: &mut Self::Act,
-    ) -> Result<()> {
-        let _ = (parts, widths, m, out);
+    /// `x += parts[0] + parts[1] + ... + parts[n - 1]`, added one part after another in
+    /// that order (reversed when `reversed`: the negative control's order), where `parts`
+    /// holds `n` blocks of `x`'s length (tensor-parallel ranks' partial sums).
+    fn add_parts(&self, x: &mut Self::Act, parts: &Self::Act, n: usize, reversed: bool) -> Result<()> {
+        let _ = (x, parts, n, reversed);
         Err(Error::Backend(format!(
             "tensor parallelism is not built for the {} backend",
             self.backend().name()
         )))
     }
-    /// `gate <- gelu_tanh(gate) * up`.
+    /// `out[t][r * width + j] = parts[r][t][j]`: `n` blocks of `m x width` side by side
+    /// (a tensor-parallel LM head's vocabulary shards), `out` being `m x n * width`.
+    fn concat_columns(
+        &self,
+        parts: &Self::Act,
+        n: usize,
+        width: usize,
+        m: usize,
+        out: &mut Self::Act,
+    ) -> Result<()> {
+        let _ = (parts, n, width, m, out);
+        Err(Error::Backend(format!(
+            "tensor parallelism is not built for the {} backend",
+            self.backend().name()
+        )))
+    }
     fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
     /// `x <- x * s`.
     fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;

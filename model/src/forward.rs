@@ -299,9 +299,9 @@ impl<'a, B: Kernels> LmHead<'a, B> {
         let width = vocab / shard.ranks;
         let mut local = be.alloc(n * width)?;
         be.linear(x, n, self.w, None, &mut local, Out::Write)?;
-        let mut parts = (0..shard.ranks).map(|_| be.alloc(n * width)).collect::<Result<Vec<_>>>()?;
-        shard.collective.all_gather(shard.rank, &local, &mut parts)?;
-        be.concat_columns(&parts, &vec![width; shard.ranks], n, out)
+        let mut gathered = be.alloc(shard.ranks * n * width)?;
+        shard.collective.all_gather(shard.rank, &local, &mut gathered)?;
+        be.concat_columns(&gathered, shard.ranks, width, n, out)
     }
 }
 

@@ -10,14 +10,15 @@ use std::sync::Arc;
 use mtp_base::config::{count_key, read_json, Arch, Config, MAX_LAYERS};
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
-use mtp_kernels::{Activations, Backend, KvDtype, Numerics};
+use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Numerics};
 
 use crate::accounting;
 use crate::forward::Model;
 use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
 use crate::mtp::{MtpHead, MtpLayout};
-use crate::tensor_parallel::{HostCollective, Shard, TensorParallel};
+use crate::tensor_parallel::{Shard, TensorParallel};
+use mtp_kernels::collective::{Collective, HostCollective};
 
 /// The most tensor-parallel ranks a model is split between (GPUs of one host).
 pub const MAX_RANKS: usize = 8;
@@ -99,6 +100,27 @@ fn feature_of(backend: Backend) -> &'static str {
     }
 }
 
+/// A Llama-family model split between one rank per backend in `backends`, exchanging
+/// partial sums through `collective`.
+fn split<B: Kernels, C: Collective<B> + 'static>(
+    config: &Config,
+    ck: &Checkpoint,
+    kv: KvDtype,
+    backends: Vec<Arc<B>>,
+    collective: Arc<C>,
+) -> Result<TensorParallel> {
+    let ranks = backends.len();
+    let nets = backends
+        .into_iter()
+        .enumerate()
+        .map(|(rank, be)| {
+            let shard = Shard { rank, ranks, collective: collective.clone() };
+            llama::load_rank(be, config.clone(), ck, kv, shard)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(TensorParallel::new(nets, collective, config))
+}
+
 impl Model {
     /// Loads `config.json` (+ `generation_config.json`) and the safetensors weights of
     /// `dir` for the CPU.
@@ -158,30 +180,36 @@ impl Model {
             )));
         }
         if ranks > 1 {
-            let net = match config.arch {
-                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => match backend {
-                    Backend::Cpu => {
-                        act.f32_only(Backend::Cpu)?;
-                        let host = Arc::new(HostCollective::new(ranks));
-                        let nets = (0..ranks)
-                            .map(|rank| {
-                                let shard = Shard { rank, ranks, collective: host.clone() };
-                                llama::load_rank(Arc::new(mtp_kernels::cpu::Cpu), c.clone(), ck, kv, shard)
-                            })
-                            .collect::<Result<Vec<_>>>()?;
-                        TensorParallel::new(nets, host)
-                    }
-                    other => {
+            if config.arch == Arch::Gemma4 {
+                return Err(Error::InvalidOption(format!(
+                    "--tensor-parallel {ranks}: Gemma 4 is not split between ranks yet (Llama, Mistral, Qwen2 \
+                     and Qwen3 are)"
+                )));
+            }
+            let net = match backend {
+                Backend::Cpu => {
+                    act.f32_only(Backend::Cpu)?;
+                    let backends = (0..ranks).map(|_| Arc::new(mtp_kernels::cpu::Cpu)).collect();
+                    split(&config, ck, kv, backends, Arc::new(HostCollective::new(ranks)))?
+                }
+                #[cfg(feature = "cuda")]
+                Backend::Cuda => {
+                    let gpus = mtp_cuda::Cuda::device_count();
+                    if ranks > gpus {
                         return Err(Error::InvalidOption(format!(
-                            "--tensor-parallel {ranks}: not built for the {} backend yet (cpu)",
-                            other.name()
-                        )))
+                            "--tensor-parallel {ranks}: this machine has {gpus} GPU(s) (one rank a GPU)"
+                        )));
                     }
-                },
-                Arch::Gemma4 => {
+                    let backends = (0..ranks)
+                        .map(|gpu| mtp_cuda::Cuda::on_device(gpu, act))
+                        .collect::<Result<Vec<_>>>()?;
+                    let nccl = Arc::new(mtp_cuda::NcclCollective::new(&backends)?);
+                    split(&config, ck, kv, backends, nccl)?
+                }
+                other => {
                     return Err(Error::InvalidOption(format!(
-                        "--tensor-parallel {ranks}: Gemma 4 is not split between ranks yet \
-                         (Llama, Mistral, Qwen2 and Qwen3 are)"
+                        "--tensor-parallel {ranks}: not built for the {} backend (cpu, cuda)",
+                        other.name()
                     )))
                 }
             };

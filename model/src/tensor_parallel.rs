@@ -18,33 +18,18 @@
 
 use std::ops::Range;
 use std::panic::AssertUnwindSafe;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
+use mtp_base::config::Config;
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
 use mtp_cache::{KvStore, RankKv, RowCache};
+use mtp_kernels::collective::{Collective, RankSync, ABORTED};
 use mtp_kernels::negative_control::{self, Switches};
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype};
 
-use crate::forward::{Net, RowInput, RowOutput};
+use crate::forward::{check_tokens, slots_for, Net, RowInput, RowOutput};
 use crate::mtp::{MtpLayout, MtpNet};
-
-/// Moves partial results between the ranks of one forward.
-pub(crate) trait Collective<B: Kernels>: RankSync {
-    /// Every rank's `part` (the same length on each), in rank order, into `parts`.
-    fn all_gather(&self, rank: usize, part: &B::Act, parts: &mut [B::Act]) -> Result<()>;
-}
-
-/// What the forward's driver needs of a collective whatever the backend.
-pub(crate) trait RankSync: Send + Sync {
-    /// Wakes every rank waiting on the others with an error: one of them failed.
-    fn abort(&self);
-    /// Forgets an abort and any half-finished exchange, before a forward.
-    fn reset(&self);
-}
-
-/// The error a rank gets when another rank of its forward failed.
-const ABORTED: &str = "another tensor-parallel rank failed";
 
 /// Rank `rank` of `ranks`, with the collective its forward exchanges partials through.
 pub(crate) struct Shard<B: Kernels> {
@@ -61,22 +46,20 @@ impl<B: Kernels> Shard<B> {
     }
 
     /// `x += part_0 + part_1 + ...`: every rank's `part` (this rank's given), added to `x`
-    /// one rank after another in rank order, the same on every rank. `parts` holds `ranks`
-    /// buffers of `part`'s length.
+    /// one rank after another in rank order, the same on every rank. `gathered` holds
+    /// `ranks` times `part`'s length.
     pub(crate) fn reduce(
         &self,
         be: &B,
         part: &B::Act,
-        parts: &mut [B::Act],
+        gathered: &mut B::Act,
         x: &mut B::Act,
         m: usize,
     ) -> Result<()> {
-        self.collective.all_gather(self.rank, part, parts)?;
-        if negative_control::token_ordered_reduction() && m.is_multiple_of(2) {
-            // The control: the order follows the token count.
-            return parts.iter().rev().try_for_each(|p| be.add(x, p));
-        }
-        parts.iter().try_for_each(|p| be.add(x, p))
+        self.collective.all_gather(self.rank, part, gathered)?;
+        // The control: an order that follows the token count.
+        let reversed = negative_control::token_ordered_reduction() && m.is_multiple_of(2);
+        be.add_parts(x, gathered, self.ranks, reversed)
     }
 }
 
@@ -92,114 +75,19 @@ pub(crate) fn check_split(ranks: usize, sizes: &[(&str, usize)]) -> Result<()> {
     Ok(())
 }
 
-/// The host-memory collective: ranks are threads of this process and exchange through a
-/// shared table of slots, two generations deep (a rank may start exchange `g + 1` while
-/// another still reads `g`; none can reach `g + 2` before every rank finished `g`).
-pub(crate) struct HostCollective {
-    ranks: usize,
-    state: Mutex<HostState>,
-    changed: Condvar,
-}
-
-#[derive(Default)]
-struct HostState {
-    /// `slots[g % 2][rank]`: rank's part of exchange `g`.
-    slots: [Vec<Vec<f32>>; 2],
-    /// Parts deposited for the exchange in `generation[g % 2]`.
-    arrived: [usize; 2],
-    generation: [u64; 2],
-    /// Exchanges each rank has started this forward.
-    calls: Vec<u64>,
-    aborted: bool,
-}
-
-impl HostCollective {
-    pub(crate) fn new(ranks: usize) -> HostCollective {
-        let c = HostCollective { ranks, state: Mutex::new(HostState::default()), changed: Condvar::new() };
-        c.reset();
-        c
-    }
-
-    fn exchange(&self, rank: usize, part: &[f32], parts: &mut [Vec<f32>]) -> Result<()> {
-        let aborted = || Error::Backend(ABORTED.into());
-        let mut s = self.state.lock().map_err(|_| aborted())?;
-        if s.aborted {
-            return Err(aborted());
-        }
-        let g = s.calls[rank];
-        s.calls[rank] += 1;
-        let p = (g % 2) as usize;
-        if s.generation[p] != g {
-            s.generation[p] = g;
-            s.arrived[p] = 0;
-        }
-        s.slots[p][rank].clear();
-        s.slots[p][rank].extend_from_slice(part);
-        s.arrived[p] += 1;
-        self.changed.notify_all();
-        while s.arrived[p] < self.ranks && !s.aborted {
-            s = self.changed.wait(s).map_err(|_| aborted())?;
-        }
-        if s.aborted {
-            return Err(aborted());
-        }
-        for (dst, src) in parts.iter_mut().zip(&s.slots[p]) {
-            if dst.len() != src.len() {
-                return Err(Error::Backend(format!(
-                    "tensor-parallel exchange: a part of {} values for a buffer of {}",
-                    src.len(),
-                    dst.len()
-                )));
-            }
-            dst.copy_from_slice(src);
-        }
-        Ok(())
-    }
-}
-
-impl RankSync for HostCollective {
-    fn abort(&self) {
-        if let Ok(mut s) = self.state.lock() {
-            s.aborted = true;
-        }
-        self.changed.notify_all();
-    }
-
-    fn reset(&self) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        *s = HostState {
-            slots: [vec![Vec::new(); self.ranks], vec![Vec::new(); self.ranks]],
-            arrived: [0; 2],
-            generation: [0, 1],
-            calls: vec![0; self.ranks],
-            aborted: false,
-        };
-    }
-}
-
-impl<B: Kernels<Act = Vec<f32>>> Collective<B> for HostCollective {
-    fn all_gather(&self, rank: usize, part: &Vec<f32>, parts: &mut [Vec<f32>]) -> Result<()> {
-        if parts.len() != self.ranks || rank >= self.ranks {
-            return Err(Error::Backend(format!(
-                "tensor-parallel exchange: rank {rank} with {} buffers for {} ranks",
-                parts.len(),
-                self.ranks
-            )));
-        }
-        self.exchange(rank, part, parts)
-    }
-}
-
 /// A model split between ranks: each rank's net computes its slice, all of them for every
 /// forward, and rank 0's outputs (the same on every rank) are the model's.
 pub(crate) struct TensorParallel {
     ranks: Vec<Box<dyn Net>>,
     sync: Arc<dyn RankSync>,
+    vocab: usize,
 }
 
 impl TensorParallel {
-    pub(crate) fn new(ranks: Vec<Box<dyn Net>>, sync: Arc<dyn RankSync>) -> TensorParallel {
-        TensorParallel { ranks, sync }
+    /// The ranks' nets (in rank order) of a model shaped `config`, exchanging through the
+    /// collective behind `sync`.
+    pub(crate) fn new(ranks: Vec<Box<dyn Net>>, sync: Arc<dyn RankSync>, config: &Config) -> TensorParallel {
+        TensorParallel { ranks, sync, vocab: config.vocab_size }
     }
 
     fn run_ranks(&self, rows: &[RowInput], caches: &mut [Vec<RowCache>]) -> Vec<Result<Vec<RowOutput>>> {
@@ -246,6 +134,11 @@ impl TensorParallel {
 
 impl Net for TensorParallel {
     fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        // What every rank would refuse alike is refused here, before any rank waits on
+        // another (a GPU rank cannot be woken from a peer that never comes).
+        let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
+        slots_for(&sizes, self.max_positions())?;
+        check_tokens(rows.iter().map(|r| r.tokens), self.vocab, "row")?;
         self.sync.reset();
         let n = self.ranks.len();
         // caches[rank][row]: each row's view for each rank.
@@ -346,42 +239,5 @@ impl Net for TensorParallel {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The host exchange gives every rank every part in rank order, many times over with
-    /// ranks racing ahead, and an abort wakes the ranks still waiting.
-    #[test]
-    fn host_exchanges_deliver_every_part_in_rank_order() {
-        let ranks = 3;
-        let c = Arc::new(HostCollective::new(ranks));
-        std::thread::scope(|s| {
-            for rank in 0..ranks {
-                let c = c.clone();
-                s.spawn(move || {
-                    for g in 0..200u32 {
-                        let part = vec![(rank as f32) * 1000.0 + g as f32; 5];
-                        let mut parts = vec![vec![0.0; 5]; ranks];
-                        c.exchange(rank, &part, &mut parts).unwrap();
-                        for (r, p) in parts.iter().enumerate() {
-                            assert_eq!(p, &vec![(r as f32) * 1000.0 + g as f32; 5], "exchange {g}");
-                        }
-                    }
-                });
-            }
-        });
-        c.reset();
-        let waiting = {
-            let c = c.clone();
-            std::thread::spawn(move || c.exchange(0, &[1.0], &mut [vec![0.0], vec![0.0], vec![0.0]]))
-        };
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        c.abort();
-        let err = waiting.join().unwrap().unwrap_err();
-        assert!(err.to_string().contains(ABORTED), "{err}");
     }
 }

@@ -68,8 +68,9 @@ pub(crate) struct Scratch<B: Kernels> {
     attn: B::Act,
     gate: B::Act,
     up: B::Act,
-    /// A tensor-parallel rank's partial sum of o or down, and every rank's (`m x hidden`).
-    part: Option<(B::Act, Vec<B::Act>)>,
+    /// A tensor-parallel rank's partial sum of o or down (`m x hidden`), and every rank's
+    /// (`ranks x m x hidden`).
+    part: Option<(B::Act, B::Act)>,
 }
 
 /// One decoder layer: attention and SwiGLU MLP, each pre-normed with a residual add.
@@ -163,10 +164,7 @@ impl<B: Kernels> Block<B> {
             gate: be.alloc(m * self.gate.out)?,
             up: be.alloc(m * self.up.out)?,
             part: match &self.shard {
-                Some(s) => {
-                    let parts = (0..s.ranks).map(|_| be.alloc(m * c.hidden_size)).collect::<Result<_>>()?;
-                    Some((be.alloc(m * c.hidden_size)?, parts))
-                }
+                Some(s) => Some((be.alloc(m * c.hidden_size)?, be.alloc(s.ranks * m * c.hidden_size)?)),
                 None => None,
             },
         })
@@ -215,12 +213,12 @@ impl<B: Kernels> Block<B> {
         y: &B::Act,
         m: usize,
         x: &mut B::Act,
-        part: &mut Option<(B::Act, Vec<B::Act>)>,
+        part: &mut Option<(B::Act, B::Act)>,
     ) -> Result<()> {
         match (&self.shard, part) {
-            (Some(shard), Some((part, parts))) => {
+            (Some(shard), Some((part, gathered))) => {
                 be.linear(y, m, &proj.w, proj.bias(), part, Out::Write)?;
-                shard.reduce(be, part, parts, x, m)
+                shard.reduce(be, part, gathered, x, m)
             }
             _ => proj.add_to(be, y, m, x),
         }
