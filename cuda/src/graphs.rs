@@ -179,9 +179,10 @@ impl CudaGraphs {
 impl Cuda {
     /// Turns recording and replay of decode and verify forwards on (the default) or off
     /// (every kernel launched from the host each step: for comparisons). A recording
-    /// captures the one stream every model shares, so while graphs are on, forwards must
-    /// come from one thread at a time (as in the CLI and the server's engine thread); a
-    /// program running models on several threads at once turns them off.
+    /// captures its GPU's one stream, which every model on that GPU shares, so while graphs
+    /// are on, forwards on one GPU must come from one thread at a time (as in the CLI, the
+    /// server's engine thread and the tensor-parallel ranks, one thread a GPU); a program
+    /// running models on several threads at once turns them off.
     pub fn set_graphs(on: bool) {
         GRAPHS_ON.store(on, Ordering::Relaxed);
     }

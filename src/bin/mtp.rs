@@ -239,7 +239,7 @@ struct ModelArgs {
     #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
     prefill_chunk: usize,
     /// Where the model runs: cpu; cuda (a build with `--features cuda` and an NVIDIA GPU;
-    /// weights go to GPU 0, K/V stay there); metal (macOS, `--features metal`, Apple GPU);
+    /// weights go to GPU 0, or GPUs 0..N with --tensor-parallel N; K/V stay there); metal (macOS, `--features metal`, Apple GPU);
     /// metal-emulated (the Metal kernels on the CPU emulator: slow, for testing).
     #[arg(long, default_value = "cpu")]
     backend: String,

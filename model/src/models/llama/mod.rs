@@ -321,6 +321,7 @@ impl<B: Kernels> Decoder<B> {
         let fetch = if rows.iter().any(|r| r.full_logits) { 3 } else { 2 };
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
         let batch = be.batch(&slots, &tokens, &mut caches)?;
+        let lm_head = LmHead { w: &*self.lm_head, shard: self.shard.as_deref() };
         // The embedding, the layers and the final norm, into `normed`.
         let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
             let mut x = be.alloc(m * h)?;
@@ -334,8 +335,7 @@ impl<B: Kernels> Decoder<B> {
             }
             be.rms_norm(&x, &self.norm, c.rms_norm_eps, normed, h, 0)
         };
-        // A rank exchanges partials with the others mid-forward: it is never recorded.
-        if m > 0 && every_logit && self.shard.is_none() {
+        if m > 0 && every_logit {
             // Decode and verify: with the LM head over every token, the whole forward's
             // launches follow the batch's shape, so the backend may record and replay it.
             // The logits come back only when some row wants them whole.
@@ -345,7 +345,7 @@ impl<B: Kernels> Decoder<B> {
                     return Err(Error::Backend("a recorded forward got the wrong outputs".into()));
                 };
                 hidden_states(batch, normed)?;
-                be.linear(normed, m, &self.lm_head, None, logits, Out::Write)?;
+                lm_head.logits(be, normed, m, vocab, logits)?;
                 be.logit_summaries(logits, m, vocab, summaries)
             })?;
             drop(caches);
@@ -358,15 +358,7 @@ impl<B: Kernels> Decoder<B> {
         let mut normed = be.alloc(m * h)?;
         hidden_states(&batch, &mut normed)?;
         drop(caches);
-        head_outputs(
-            be,
-            rows,
-            normed,
-            LmHead { w: &self.lm_head, shard: self.shard.as_deref() },
-            vocab,
-            h,
-            None,
-        )
+        head_outputs(be, rows, normed, lm_head, vocab, h, None)
     }
 }
 
