@@ -239,8 +239,9 @@ struct ModelArgs {
     #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
     prefill_chunk: usize,
     /// Where the model runs: cpu; cuda (a build with `--features cuda` and an NVIDIA GPU;
-    /// weights go to GPU 0, or GPUs 0..N with --tensor-parallel N; K/V stay there); metal (macOS, `--features metal`, Apple GPU);
-    /// metal-emulated (the Metal kernels on the CPU emulator: slow, for testing).
+    /// weights go to GPU 0, or GPUs 0 to N-1 with --tensor-parallel N; K/V stay there);
+    /// metal (macOS, `--features metal`, Apple GPU); metal-emulated (the Metal kernels on
+    /// the CPU emulator: slow, for testing).
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// How K/V are stored: auto (f32 on the CPU; on CUDA and Metal bf16 for 16-bit checkpoints,
