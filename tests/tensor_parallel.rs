@@ -103,6 +103,44 @@ fn rows_on_ranks_are_batch_and_chunking_invariant() {
     }
 }
 
+/// A synthesized Qwen3 of 8 query and 4 K/V heads (bf16, 2 layers), whole and on 4 ranks,
+/// where the partial sums of four ranks are added in rank order. CPU threads on every
+/// backend's run: no machine with 4 GPUs was lent.
+#[test]
+fn four_ranks_keep_rows_invariant() {
+    let load =
+        |dir: &std::path::Path, ranks| Model::load_parallel(dir, Backend::Cpu, KvDtype::F32, ranks).unwrap();
+    let load_with = |dir: &std::path::Path, ranks, numerics: Numerics| {
+        Model::load_parallel(dir, Backend::Cpu, numerics, ranks).unwrap()
+    };
+    let dir = std::env::temp_dir().join(format!("mtp-tp4-{}", std::process::id()));
+    let mut s = mtp::synth::SynthSpec::preset("qwen3").unwrap();
+    (s.vocab_size, s.hidden_size, s.num_hidden_layers) = (512, 256, 2);
+    (s.num_attention_heads, s.num_key_value_heads, s.head_dim, s.intermediate_size) = (8, 4, 32, 512);
+    (s.max_position_embeddings, s.dtype, s.seed) = (256, mtp::base::WeightDtype::Bf16, 9);
+    s.write(&dir).unwrap();
+    let model = load(&dir, 4);
+    let prompts = prompts(&model, 29);
+    let check = || last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true);
+    assert!(check(), "a row's logits changed with the batch on 4 ranks");
+    negative_control::set_token_ordered_reduction(true);
+    let control = check();
+    negative_control::set_token_ordered_reduction(false);
+    assert!(!control, "a reduction ordered by token count went unnoticed on 4 ranks");
+    let exact = Numerics { kv: KvDtype::F32, activations: Activations::F32 };
+    let (whole, split) = (load_with(&dir, 1, exact), load_with(&dir, 4, exact));
+    let (a, b) = (last_logits(&whole, &prompts, true), last_logits(&split, &prompts, true));
+    let worst = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(&x, &y)| (f32::from_bits(x) - f32::from_bits(y)).abs());
+    let scale = a.iter().flatten().map(|&x| f32::from_bits(x).abs()).fold(0f32, f32::max);
+    let worst = worst.fold(0f32, f32::max);
+    assert!(worst <= 1e-5 * scale.max(1.0), "4 ranks off by {worst} at scale {scale}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 fn workload(vocab: usize) -> (Vec<Request>, Vec<u64>) {
     let mut rng = Lcg(23);
     let requests = (0..6)
@@ -150,6 +188,23 @@ fn speculation_on_ranks_equals_plain_decoding() {
     assert!(first_difference(&got, &reference).is_some(), "ranks that skip compaction went unnoticed");
 }
 
+/// The trained target's own MTP head (MiMo layout), split with its target: drafting with
+/// it on two ranks gives plain decoding's bits on two ranks.
+#[test]
+fn an_mtp_head_on_ranks_drafts_losslessly() {
+    let model = Arc::new(load(&trained("target"), 2));
+    let vocab = model.config.vocab_size;
+    let (requests, arrive_at) = workload(vocab);
+    let reference: Vec<_> = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
+    let opts =
+        EngineOptions { k: DraftLen::Fixed(3), max_batch: 4, prefill_chunk: 4, ..EngineOptions::default() };
+    let head = mtp::drafter::MtpDrafter::load(&trained("target"), model.clone()).unwrap();
+    let mut engine = mtp::engine::Engine::new(&model, Some(Box::new(head)), opts).unwrap();
+    let got = mtp::engine::generate(&mut engine, &requests, &arrive_at, |_, _| {});
+    assert_eq!(first_difference(&got, &reference), None, "the MTP head on 2 ranks");
+    assert!(engine.stats().accepted > 0, "the head's drafts were never accepted: did it draft at all?");
+}
+
 #[test]
 fn splits_the_model_cannot_take_are_refused_by_name() {
     let err = |dir: std::path::PathBuf, ranks: usize| {
@@ -165,8 +220,19 @@ fn splits_the_model_cannot_take_are_refused_by_name() {
         .join("tests/fixtures/gemma4/gemma4-dense-target");
     let e = err(gemma, 2);
     assert!(e.contains("Gemma 4"), "{e}");
-    // The trained target's MTP head is not split yet: loading it says so.
-    let model = Arc::new(load(&trained("target"), 2));
-    let e = mtp::drafter::MtpDrafter::load(&trained("target"), model).err().expect("refused").to_string();
-    assert!(e.contains("MTP heads"), "{e}");
+    // A bad request fails alone, before any rank waits on another: the model goes on.
+    let model = load(&fixture("qwen3-target"), 2);
+    let mut cache = model.new_cache();
+    let bad = [model.config.vocab_size as u32];
+    let mut rows = [RowInput { tokens: &bad, cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    let e = model.forward(&mut rows).expect_err("refused").to_string();
+    assert!(e.contains("row 0") && e.contains("outside the vocabulary"), "{e}");
+    let mut rows =
+        [RowInput { tokens: &[1, 2, 3], cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    assert_eq!(model.forward(&mut rows).unwrap()[0].logits[0].len(), model.config.vocab_size);
+    // A cache another model made is refused by name.
+    let mut foreign = Model::load_on(&fixture("qwen3-target"), common::backend()).unwrap().new_cache();
+    let mut rows = [RowInput { tokens: &[1], cache: &mut foreign, logits: Logits::Last, full_logits: true }];
+    let e = model.forward(&mut rows).expect_err("refused").to_string();
+    assert!(e.contains("not made by this 2-rank model"), "{e}");
 }

@@ -28,8 +28,8 @@ use mtp_kernels::collective::{Collective, RankSync, ABORTED};
 use mtp_kernels::negative_control::{self, Switches};
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype};
 
-use crate::forward::{check_tokens, slots_for, Net, RowInput, RowOutput};
-use crate::mtp::{MtpLayout, MtpNet};
+use crate::forward::{check_tokens, slots_for, Logits, Net, RowInput, RowOutput};
+use crate::mtp::{MtpInput, MtpLayout, MtpNet, MtpOutput};
 
 /// Rank `rank` of `ranks`, with the collective its forward exchanges partials through.
 pub(crate) struct Shard<B: Kernels> {
@@ -89,113 +89,139 @@ impl TensorParallel {
     pub(crate) fn new(ranks: Vec<Box<dyn Net>>, sync: Arc<dyn RankSync>, config: &Config) -> TensorParallel {
         TensorParallel { ranks, sync, vocab: config.vocab_size }
     }
+}
 
-    fn run_ranks(&self, rows: &[RowInput], caches: &mut [Vec<RowCache>]) -> Vec<Result<Vec<RowOutput>>> {
-        let switches = Switches::current();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .ranks
-                .iter()
-                .zip(caches.iter_mut())
-                .map(|(net, caches)| {
-                    let sync = &self.sync;
-                    s.spawn(move || {
-                        switches.apply();
-                        let mut inputs: Vec<RowInput> = rows
-                            .iter()
-                            .zip(caches.iter_mut())
-                            .map(|(row, cache)| RowInput {
-                                tokens: row.tokens,
-                                cache,
-                                logits: row.logits,
-                                full_logits: row.full_logits,
-                            })
-                            .collect();
-                        let out = std::panic::catch_unwind(AssertUnwindSafe(|| net.forward(&mut inputs)))
-                            .unwrap_or_else(|_| {
-                                Err(Error::Backend("a tensor-parallel rank panicked".into()))
-                            });
-                        if out.is_err() {
-                            sync.abort();
-                        }
-                        out
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| Err(Error::Backend("a tensor-parallel rank panicked".into())))
-                })
-                .collect()
-        })
+/// How long a failed rank waits for the others to finish before aborting the collective
+/// (which on GPUs ends the communicators for good): ranks that fail alike all finish.
+const GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Runs `run(net, caches)` for every rank at once, one thread each, where `caches` is that
+/// rank's view of each row's cache (split from `rows` here and joined back whatever
+/// happens), and returns rank 0's result: the same on every rank. A rank's error is
+/// returned in preference to the others' word that it failed.
+fn on_ranks<N: ?Sized + Sync, O: Send>(
+    nets: &[Box<N>],
+    sync: &dyn RankSync,
+    mut rows: Vec<&mut RowCache>,
+    run: impl Fn(&N, &mut [RowCache]) -> Result<O> + Sync,
+) -> Result<O> {
+    let n = nets.len();
+    // views[rank][row]
+    let mut views: Vec<Vec<RowCache>> = (0..n).map(|_| Vec::with_capacity(rows.len())).collect();
+    let mut split = 0;
+    let mut refused = None;
+    for (i, cache) in rows.iter_mut().enumerate() {
+        match cache.split_ranks().filter(|parts| parts.len() == n) {
+            Some(parts) => {
+                parts.into_iter().zip(views.iter_mut()).for_each(|(p, v)| v.push(p));
+                split += 1;
+            }
+            None => {
+                refused = Some(Error::Request {
+                    request: format!("row {i}"),
+                    msg: format!("its cache was not made by this {n}-rank model (new_cache)"),
+                });
+                break;
+            }
+        }
     }
+    let results = match refused {
+        Some(e) => vec![Err(e)],
+        None => {
+            sync.reset();
+            let switches = Switches::current();
+            let finished = (std::sync::Mutex::new(0usize), std::sync::Condvar::new());
+            std::thread::scope(|s| {
+                let handles: Vec<_> = nets
+                    .iter()
+                    .zip(views.iter_mut())
+                    .map(|(net, views)| {
+                        let (run, finished) = (&run, &finished);
+                        s.spawn(move || {
+                            switches.apply();
+                            let out = std::panic::catch_unwind(AssertUnwindSafe(|| run(net, views)))
+                                .unwrap_or_else(|_| {
+                                    Err(Error::Backend("a tensor-parallel rank panicked".into()))
+                                });
+                            let (count, changed) = finished;
+                            let mut done = count.lock().unwrap_or_else(|e| e.into_inner());
+                            *done += 1;
+                            changed.notify_all();
+                            if out.is_err() {
+                                let (done, _) = changed
+                                    .wait_timeout_while(done, GRACE, |d| *d < n)
+                                    .unwrap_or_else(|e| e.into_inner());
+                                if *done < n {
+                                    // Some rank waits on this one: wake it.
+                                    sync.abort();
+                                }
+                            }
+                            out
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(Error::Backend("a tensor-parallel rank panicked".into())))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        }
+    };
+    // The stores go back to their rows whatever happened.
+    let mut join_error = None;
+    for (i, cache) in rows.iter_mut().enumerate().take(split) {
+        let parts: Vec<RowCache> = views.iter_mut().map(|v| v.remove(0)).collect();
+        if let Err(e) = cache.join_ranks(parts) {
+            join_error.get_or_insert(Error::Backend(format!("row {i}: {e}")));
+        }
+    }
+    let (mut outputs, mut errors) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok(out) => outputs.push(out),
+            Err(e) => errors.push(e),
+        }
+    }
+    let aborted = |e: &Error| matches!(e, Error::Backend(m) if m == ABORTED);
+    if let Some(i) = errors.iter().position(|e| !aborted(e)).or((!errors.is_empty()).then_some(0)) {
+        return Err(errors.swap_remove(i));
+    }
+    if let Some(e) = join_error {
+        return Err(e);
+    }
+    outputs.into_iter().next().ok_or_else(|| Error::Backend("a tensor-parallel forward with no ranks".into()))
 }
 
 impl Net for TensorParallel {
     fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
         // What every rank would refuse alike is refused here, before any rank waits on
-        // another (a GPU rank cannot be woken from a peer that never comes).
+        // another.
         let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
         slots_for(&sizes, self.max_positions())?;
         check_tokens(rows.iter().map(|r| r.tokens), self.vocab, "row")?;
-        self.sync.reset();
-        let n = self.ranks.len();
-        // caches[rank][row]: each row's view for each rank.
-        let mut caches: Vec<Vec<RowCache>> = (0..n).map(|_| Vec::with_capacity(rows.len())).collect();
-        let mut split = 0;
-        let mut refused = None;
-        for (i, row) in rows.iter_mut().enumerate() {
-            match row.cache.split_ranks().filter(|parts| parts.len() == n) {
-                Some(parts) => {
-                    parts.into_iter().zip(caches.iter_mut()).for_each(|(p, c)| c.push(p));
-                    split += 1;
-                }
-                None => {
-                    refused = Some(Error::Request {
-                        request: format!("row {i}"),
-                        msg: format!("its cache was not made by this {n}-rank model (Model::new_cache)"),
-                    });
-                    break;
-                }
-            }
-        }
-        let results = match refused {
-            Some(e) => vec![Err(e)],
-            None => self.run_ranks(rows, &mut caches),
-        };
-        // The stores go back to their rows whatever happened.
-        let mut join_error = None;
-        for (i, row) in rows.iter_mut().enumerate().take(split) {
-            let parts: Vec<RowCache> = caches.iter_mut().map(|c| c.remove(0)).collect();
-            if let Err(e) = row.cache.join_ranks(parts) {
-                join_error.get_or_insert(Error::Backend(format!("row {i}: {e}")));
-            }
-        }
-        let (mut outputs, mut errors) = (Vec::new(), Vec::new());
-        for r in results {
-            match r {
-                Ok(out) => outputs.push(out),
-                Err(e) => errors.push(e),
-            }
-        }
-        // The failing rank's error, not the others' word that it failed.
-        let aborted = |e: &Error| matches!(e, Error::Backend(m) if m == ABORTED);
-        if let Some(i) = errors.iter().position(|e| !aborted(e)).or((!errors.is_empty()).then_some(0)) {
-            return Err(errors.swap_remove(i));
-        }
-        if let Some(e) = join_error {
-            return Err(e);
-        }
-        let outputs = outputs.into_iter().next();
-        outputs.ok_or_else(|| Error::Backend("a tensor-parallel forward with no ranks".into()))
+        let meta: Vec<(&[u32], Logits, bool)> =
+            rows.iter().map(|r| (r.tokens, r.logits, r.full_logits)).collect();
+        let caches = rows.iter_mut().map(|r| &mut *r.cache).collect();
+        on_ranks(&self.ranks, &*self.sync, caches, |net, views| {
+            let mut inputs: Vec<RowInput> = meta
+                .iter()
+                .zip(views.iter_mut())
+                .map(|(&(tokens, logits, full_logits), cache)| RowInput {
+                    tokens,
+                    cache,
+                    logits,
+                    full_logits,
+                })
+                .collect();
+            net.forward(&mut inputs)
+        })
     }
 
     fn new_cache(&self) -> RowCache {
-        let parts: Vec<RowCache> = self.ranks.iter().map(|r| r.new_cache()).collect();
-        let (n_layers, stride) = (parts[0].n_layers(), parts[0].stride());
-        let stores: Vec<Box<dyn KvStore>> = parts.into_iter().map(RowCache::into_store).collect();
-        RowCache::with_store(Box::new(RankKv::new(stores, stride)), n_layers, stride * self.ranks.len())
+        split_cache(self.ranks.iter().map(|r| r.new_cache()).collect())
     }
 
     fn kv_bytes_per_token(&self) -> usize {
@@ -230,14 +256,49 @@ impl Net for TensorParallel {
         self.ranks.len()
     }
 
-    fn load_mtp(&self, _ck: &Checkpoint, _layout: MtpLayout, _prefix: &str) -> Result<Box<dyn MtpNet>> {
-        Err(Error::InvalidOption(format!(
-            "--tensor-parallel {}: MTP heads are not split between ranks yet; draft with a draft model or n-gram lookup",
-            self.ranks.len()
-        )))
+    fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>> {
+        let ranks = self.ranks.iter().map(|r| r.load_mtp(ck, layout, prefix)).collect::<Result<Vec<_>>>()?;
+        Ok(Box::new(TensorParallelMtp { ranks, sync: self.sync.clone() }))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+}
+
+/// An MTP head split between the ranks of its target, as the target is.
+struct TensorParallelMtp {
+    ranks: Vec<Box<dyn MtpNet>>,
+    sync: Arc<dyn RankSync>,
+}
+
+impl MtpNet for TensorParallelMtp {
+    fn forward(&self, rows: &mut [MtpInput]) -> Result<Vec<MtpOutput>> {
+        let meta: Vec<(&[f32], &[u32])> = rows.iter().map(|r| (r.hidden, r.tokens)).collect();
+        let caches = rows.iter_mut().map(|r| &mut *r.cache).collect();
+        on_ranks(&self.ranks, &*self.sync, caches, |net, views| {
+            let mut inputs: Vec<MtpInput> = meta
+                .iter()
+                .zip(views.iter_mut())
+                .map(|(&(hidden, tokens), cache)| MtpInput { hidden, tokens, cache })
+                .collect();
+            net.forward(&mut inputs)
+        })
+    }
+
+    fn new_cache(&self) -> RowCache {
+        split_cache(self.ranks.iter().map(|r| r.new_cache()).collect())
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        self.ranks.iter().map(|r| r.kv_bytes_per_token()).sum()
+    }
+}
+
+/// One row's cache holding each rank's (empty) `parts` store.
+fn split_cache(parts: Vec<RowCache>) -> RowCache {
+    let n = parts.len();
+    let (n_layers, stride) = (parts[0].n_layers(), parts[0].stride());
+    let stores: Vec<Box<dyn KvStore>> = parts.into_iter().map(RowCache::into_store).collect();
+    RowCache::with_store(Box::new(RankKv::new(stores, stride)), n_layers, stride * n)
 }

@@ -129,19 +129,16 @@ fn bench(cli: Cli) -> Result<bool> {
         mtp::numerics(&cli.kv_dtype, cli.kv_bits, &cli.activations)?,
         cli.tensor_parallel,
     )?);
-    // MTP heads are not split between ranks yet.
-    let mtp_head = cli.tensor_parallel == 1;
     let tokenizer = Tokenizer::for_model(&target_dir, &model.config)?;
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,
-        (None, true) if mtp_head => vec![
+        (None, true) => vec![
             DrafterSpec::DraftModel(mtp::DEFAULT_DRAFT.into()),
             DrafterSpec::Mtp(Some(mtp::DEFAULT_MTP.into())),
             DrafterSpec::Ngram,
         ],
-        (None, true) => vec![DrafterSpec::DraftModel(mtp::DEFAULT_DRAFT.into()), DrafterSpec::Ngram],
         // Another target: its own MTP head if it has one, and n-gram lookup.
-        (None, false) if mtp_head && model.config.num_nextn_predict_layers > 0 => {
+        (None, false) if model.config.num_nextn_predict_layers > 0 => {
             vec![DrafterSpec::Mtp(None), DrafterSpec::Ngram]
         }
         (None, false) => vec![DrafterSpec::Ngram],

@@ -300,13 +300,6 @@ impl ModelArgs {
             "auto" => {
                 if target.config.num_nextn_predict_layers == 0 {
                     None
-                } else if target.tensor_parallel() > 1 {
-                    tracing::warn!(
-                        "--tensor-parallel {}: the target's MTP head is not split between ranks yet; \
-                         decoding without a drafter (--drafter draft-model or ngram drafts)",
-                        target.tensor_parallel()
-                    );
-                    None
                 } else {
                     Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
                 }
@@ -392,8 +385,8 @@ impl SamplingArgs {
 fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
     match (drafter, auto) {
         ("none", true) => {
-            return "plain decoding: --drafter auto found no MTP head it can use (none in the target, or the target \
-                    is split between ranks); try --drafter ngram, or draft-model with --draft DIR"
+            return "plain decoding: the target has no MTP head for --drafter auto (try --drafter ngram, or \
+                    draft-model with --draft DIR)"
                 .into()
         }
         ("none", false) => return "plain decoding (--drafter none)".into(),

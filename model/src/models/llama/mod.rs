@@ -243,8 +243,9 @@ pub(crate) struct Decoder<B: Kernels> {
     /// Decode and verify forwards recorded by the backend (CUDA graphs), one per shape.
     recordings: B::Recordings,
     /// This rank, when the model is split between ranks (its `config` is then the
-    /// rank's: its heads and MLP columns).
-    shard: Option<Arc<Shard<B>>>,
+    /// rank's: its heads and MLP columns; `whole_config` the checkpoint's).
+    pub(crate) shard: Option<Arc<Shard<B>>>,
+    pub(crate) whole_config: Config,
 }
 
 impl<B: Kernels> Decoder<B> {
@@ -288,6 +289,7 @@ impl<B: Kernels> Decoder<B> {
         let table =
             RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
         let max_positions = table.max_positions();
+        let whole_config = config.clone();
         if let Some(s) = &shard {
             config.num_attention_heads /= s.ranks;
             config.num_key_value_heads /= s.ranks;
@@ -306,6 +308,7 @@ impl<B: Kernels> Decoder<B> {
             activations: be_activations,
             recordings: B::Recordings::default(),
             shard,
+            whole_config,
         })
     }
 

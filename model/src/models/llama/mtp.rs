@@ -11,8 +11,9 @@ use mtp_cache::RowCache;
 use mtp_kernels::{Kernels, KvDtype, Out};
 
 use super::{Block, Decoder};
-use crate::forward::{check_tokens, slots_for};
+use crate::forward::{check_tokens, slots_for, LmHead};
 use crate::mtp::{MtpInput, MtpLayout, MtpNet, MtpOutput};
+use crate::tensor_parallel::Shard;
 
 /// Module 0's weights on backend `B`, with the target's shared parts.
 pub(crate) struct MtpBlock<B: Kernels> {
@@ -29,6 +30,8 @@ pub(crate) struct MtpBlock<B: Kernels> {
     rope: Arc<B::Rope>,
     max_positions: usize,
     kv: KvDtype,
+    /// The target's rank, when it is split between ranks.
+    shard: Option<Arc<Shard<B>>>,
 }
 
 impl<B: Kernels> MtpBlock<B> {
@@ -41,10 +44,18 @@ impl<B: Kernels> MtpBlock<B> {
         let (be, tc) = (&*target.be, &target.config);
         let [tn, hn, proj, fnorm] = layout.names(p);
         let h = tc.hidden_size;
-        // DeepSeek-V3 heads may carry their own embedding and LM head.
-        let own = |name: String, shared: &Arc<B::Mat>| -> Result<Arc<B::Mat>> {
+        // DeepSeek-V3 heads may carry their own embedding and LM head (on a tensor-parallel
+        // rank, its vocabulary rows of the head, as the target's).
+        let own = |name: String, shared: &Arc<B::Mat>, vocab_rows: bool| -> Result<Arc<B::Mat>> {
             if layout == MtpLayout::DeepSeek && ck.contains(&name) {
-                Ok(Arc::new(be.matrix(&ck.get(&name, &[tc.vocab_size, h])?)?))
+                let w = ck.get(&name, &[tc.vocab_size, h])?;
+                let w = match (&target.shard, vocab_rows) {
+                    (Some(s), true) => w
+                        .slice_rows(s.even(tc.vocab_size))
+                        .map_err(|e| Error::Backend(format!("{name}: {e}")))?,
+                    _ => w,
+                };
+                Ok(Arc::new(be.matrix(&w)?))
             } else {
                 Ok(shared.clone())
             }
@@ -57,9 +68,10 @@ impl<B: Kernels> MtpBlock<B> {
             hidden_norm: norm(&hn)?,
             proj: be.matrix(&ck.get(&proj, &[h, 2 * h])?)?,
             final_norm: norm(&fnorm)?,
-            block: Block::load(be, ck, p, tc, None)?,
-            embed: own(format!("{p}.embed_tokens.weight"), &target.embed)?,
-            head: own(format!("{p}.shared_head.head.weight"), &target.lm_head)?,
+            block: Block::load(be, ck, p, &target.whole_config, target.shard.clone())?,
+            embed: own(format!("{p}.embed_tokens.weight"), &target.embed, false)?,
+            head: own(format!("{p}.shared_head.head.weight"), &target.lm_head, true)?,
+            shard: target.shard.clone(),
             rope: target.rope.clone(),
             max_positions: target.max_positions,
             kv: target.kv,
@@ -123,7 +135,13 @@ impl<B: Kernels> MtpNet for MtpBlock<B> {
         let mut normed = be.alloc(n * h)?;
         be.rms_norm(&lasts, &self.final_norm, c.rms_norm_eps, &mut normed, h, 0)?;
         let mut logits = be.alloc(n * c.vocab_size)?;
-        be.linear(&normed, n, &self.head, None, &mut logits, Out::Write)?;
+        LmHead { w: &*self.head, shard: self.shard.as_deref() }.logits(
+            be,
+            &normed,
+            n,
+            c.vocab_size,
+            &mut logits,
+        )?;
         let (logits, lasts) = (be.download(logits)?, be.download(lasts)?);
         Ok(logits
             .chunks(c.vocab_size)
