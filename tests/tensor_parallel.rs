@@ -17,6 +17,15 @@ use mtp::engine::{DraftLen, EngineOptions, Request, WindowLayout};
 use mtp::kernels::{negative_control, Activations, Backend, KvDtype, Numerics};
 use mtp::model::{Logits, Model, RowInput};
 
+/// The Gemma 4 fixtures that split between 2 ranks: sliding windows, KV-shared layers and
+/// per-layer inputs (E), routed experts (MoE). (The dense fixture's full layers have one
+/// K/V head: refused below.)
+const GEMMA4: [&str; 2] = ["gemma4-e-target", "gemma4-moe-target"];
+
+fn gemma4(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4").join(name)
+}
+
 /// `dir` on `ranks` ranks of the test backend, in its default numerics.
 fn load(dir: &std::path::Path, ranks: usize) -> Model {
     load_with(dir, ranks, KvDtype::Auto.into())
@@ -43,18 +52,17 @@ fn chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, Vec<
         logits.extend(out[0].logits.iter().map(|l| bits(l)));
         at += piece.len();
     }
-    let kv = (0..model.config.num_hidden_layers)
-        .flat_map(|l| {
-            let (k, v) = cache.committed_bytes(l).unwrap();
-            k.into_iter().chain(v)
-        })
-        .collect();
+    let main = (0..cache.n_layers()).map(|l| cache.committed_bytes(l).unwrap());
+    let ring = (0..cache.ring_layers()).map(|l| cache.ring_bytes(l).unwrap());
+    let kv = main.chain(ring).flat_map(|(k, v)| k.into_iter().chain(v)).collect();
     (logits, kv)
 }
 
 #[test]
 fn ranks_compute_the_whole_models_function() {
-    let dirs = [fixture("llama-target"), fixture("qwen2-target"), fixture("qwen3-target"), trained("target")];
+    let mut dirs =
+        vec![fixture("llama-target"), fixture("qwen2-target"), fixture("qwen3-target"), trained("target")];
+    dirs.extend(GEMMA4.map(gemma4));
     for dir in dirs {
         // f32 everywhere (on CUDA too), so rounding is the reduction's alone.
         let exact = Numerics { kv: KvDtype::F32, activations: Activations::F32 };
@@ -84,15 +92,24 @@ fn ranks_compute_the_whole_models_function() {
 
 #[test]
 fn rows_on_ranks_are_batch_and_chunking_invariant() {
-    for name in ["llama-target", "qwen3-target"] {
-        let model = load(&fixture(name), 2);
+    let dirs = [fixture("llama-target"), fixture("qwen3-target")].into_iter().chain(GEMMA4.map(gemma4));
+    for dir in dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let model = load(&dir, 2);
         let prompts = prompts(&model, 17);
         let check = || last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true);
         assert!(check(), "{name}: a row's logits changed with the batch on 2 ranks");
         negative_control::set_token_ordered_reduction(true);
         let control = check();
         negative_control::set_token_ordered_reduction(false);
-        assert!(!control, "{name}: a reduction ordered by token count went unnoticed");
+        if name.starts_with("gemma4") {
+            // Gemma 4 norms o's and down's outputs before the residual, so two ranks' parts
+            // are summed from zero: p0 + p1 == p1 + p0 in any order, and the control cannot
+            // bite at 2 ranks (the Llama path adds them into the residual, where it does).
+            assert!(control, "{name}: two parts summed from zero differ by order");
+        } else {
+            assert!(!control, "{name}: a reduction ordered by token count went unnoticed");
+        }
 
         let mut rng = Lcg(3);
         let seq: Vec<u32> = (0..37).map(|_| rng.below(model.config.vocab_size) as u32).collect();
@@ -188,6 +205,30 @@ fn speculation_on_ranks_equals_plain_decoding() {
     assert!(first_difference(&got, &reference).is_some(), "ranks that skip compaction went unnoticed");
 }
 
+/// Gemma 4 on two ranks: rollback after mixed accepts in the sliding layers' rings and the
+/// full layers' stores of both ranks, routed experts split by columns.
+#[test]
+fn gemma4_speculation_on_ranks_equals_plain_decoding() {
+    for name in GEMMA4 {
+        let model = load(&gemma4(name), 2);
+        let vocab = model.config.vocab_size;
+        let (requests, arrive_at) = workload(vocab);
+        let reference: Vec<_> = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
+        for layout in [WindowLayout::RowTail, WindowLayout::SharedSlots] {
+            let opts = EngineOptions {
+                k: DraftLen::Fixed(3),
+                max_batch: 4,
+                prefill_chunk: 4,
+                layout,
+                ..EngineOptions::default()
+            };
+            let oracle = Box::new(common::oracle(&requests, &reference, vocab));
+            let got = run(&model, Some(oracle), opts, &requests, &arrive_at);
+            assert_eq!(first_difference(&got, &reference), None, "{name} {layout:?} on 2 ranks");
+        }
+    }
+}
+
 /// The trained target's own MTP head (MiMo layout), split with its target: drafting with
 /// it on two ranks gives plain decoding's bits on two ranks.
 #[test]
@@ -216,10 +257,16 @@ fn splits_the_model_cannot_take_are_refused_by_name() {
     assert!(e.contains("num_key_value_heads (2)"), "{e}");
     let e = err(fixture("qwen3-target"), 0);
     assert!(e.contains("--tensor-parallel 0"), "{e}");
-    let gemma = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/gemma4/gemma4-dense-target");
-    let e = err(gemma, 2);
-    assert!(e.contains("Gemma 4"), "{e}");
+    let e = err(gemma4("gemma4-dense-target"), 2);
+    assert!(e.contains("layer 2's K/V heads (1)"), "{e}");
+    // Gemma 4's assistant reads its target's K/V whole: refused on a split target.
+    let target = Arc::new(load(&gemma4("gemma4-e-target"), 2));
+    let e =
+        mtp::model::models::gemma4::assistant::Gemma4Assistant::load(&gemma4("gemma4-e-assistant"), target)
+            .err()
+            .expect("refused")
+            .to_string();
+    assert!(e.contains("assistant does not draft for a target split"), "{e}");
     // A bad request fails alone, before any rank waits on another: the model goes on.
     let model = load(&fixture("qwen3-target"), 2);
     let mut cache = model.new_cache();

@@ -208,11 +208,6 @@ impl RowCache {
         RowCache::with_store(Box::new(HostKv::new(n_layers, stride)), n_layers, stride)
     }
 
-    /// The store of an empty cache (to hold it inside another, a tensor-parallel row's).
-    pub fn into_store(self) -> Box<dyn KvStore> {
-        self.store
-    }
-
     /// An empty cache whose bytes live in `store` (a backend's device memory).
     pub fn with_store(store: Box<dyn KvStore>, n_layers: usize, stride: usize) -> Self {
         RowCache { store, n_layers, len: 0, stride, window: Window::default(), ring: None }

@@ -103,6 +103,25 @@ impl KvStore for RankKv {
 }
 
 impl RowCache {
+    /// One row's empty cache over the empty caches `parts` of each rank (in rank order, all
+    /// of one shape): its stores (and its ring's) become [`RankKv`]s.
+    pub fn from_ranks(parts: Vec<RowCache>) -> RowCache {
+        let n = parts.len();
+        let first = parts.first().expect("from_ranks: no rank caches");
+        let (n_layers, stride) = (first.n_layers, first.stride);
+        let ring_shape = first.ring.as_ref().map(|r| (r.n_layers, r.stride, r.cap));
+        let (mut main, mut rings) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for p in parts {
+            main.push(p.store);
+            rings.extend(p.ring.map(|r| r.store));
+        }
+        let mut row = RowCache::with_store(Box::new(RankKv::new(main, stride)), n_layers, stride * n);
+        if let Some((layers, ring_stride, cap)) = ring_shape {
+            row = row.with_ring(Box::new(RankKv::new(rings, ring_stride)), layers, ring_stride * n, cap);
+        }
+        row
+    }
+
     /// One cache per rank, each holding that rank's stores and this row's bookkeeping, for
     /// a forward that runs the ranks side by side; `None` when this row's stores are not
     /// split between ranks. [`RowCache::join_ranks`] must get them back.

@@ -285,10 +285,6 @@ pub(crate) struct LmHead<'a, B: Kernels> {
 }
 
 impl<'a, B: Kernels> LmHead<'a, B> {
-    pub(crate) fn whole(w: &'a B::Mat) -> LmHead<'a, B> {
-        LmHead { w, shard: None }
-    }
-
     /// `out = lm_head(x)` over `n` tokens, `vocab` wide: on a rank, its vocabulary rows'
     /// logits beside every other rank's.
     pub(crate) fn logits(&self, be: &B, x: &B::Act, n: usize, vocab: usize, out: &mut B::Act) -> Result<()> {

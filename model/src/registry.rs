@@ -100,7 +100,7 @@ fn feature_of(backend: Backend) -> &'static str {
     }
 }
 
-/// A Llama-family model split between one rank per backend in `backends`, exchanging
+/// A model split between one rank per backend in `backends`, exchanging
 /// partial sums through `collective`.
 fn split<B: Kernels, C: Collective<B> + 'static>(
     config: &Config,
@@ -115,7 +115,12 @@ fn split<B: Kernels, C: Collective<B> + 'static>(
         .enumerate()
         .map(|(rank, be)| {
             let shard = Shard { rank, ranks, collective: collective.clone() };
-            llama::load_rank(be, config.clone(), ck, kv, shard)
+            match config.arch {
+                Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
+                    llama::load_rank(be, config.clone(), ck, kv, shard)
+                }
+                Arch::Gemma4 => gemma4::load_rank(be, config.clone(), ck, kv, shard),
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(TensorParallel::new(nets, collective, config))
@@ -180,12 +185,6 @@ impl Model {
             )));
         }
         if ranks > 1 {
-            if config.arch == Arch::Gemma4 {
-                return Err(Error::InvalidOption(format!(
-                    "--tensor-parallel {ranks}: Gemma 4 is not split between ranks yet (Llama, Mistral, Qwen2 \
-                     and Qwen3 are)"
-                )));
-            }
             let net = match backend {
                 Backend::Cpu => {
                     act.f32_only(Backend::Cpu)?;
@@ -287,6 +286,13 @@ impl Gemma4Assistant {
     /// Loads the assistant in `dir` to draft for `target` (a Gemma 4 model), on the
     /// target's backend.
     pub fn load(dir: &Path, target: Arc<Model>) -> Result<Gemma4Assistant> {
+        if target.tensor_parallel() > 1 {
+            return Err(Error::InvalidOption(format!(
+                "--tensor-parallel {}: Gemma 4's assistant does not draft for a target split between ranks yet \
+                 (draft with --drafter ngram, or run the target whole)",
+                target.tensor_parallel()
+            )));
+        }
         on_backend!(target.backend(), target.numerics().activations, be => Gemma4Assistant::load_on(dir, target, be))
     }
 }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use mtp_base::config::Config;
 use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
-use mtp_cache::{KvStore, RankKv, RowCache};
+use mtp_cache::RowCache;
 use mtp_kernels::collective::{Collective, RankSync, ABORTED};
 use mtp_kernels::negative_control::{self, Switches};
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype};
@@ -221,11 +221,15 @@ impl Net for TensorParallel {
     }
 
     fn new_cache(&self) -> RowCache {
-        split_cache(self.ranks.iter().map(|r| r.new_cache()).collect())
+        RowCache::from_ranks(self.ranks.iter().map(|r| r.new_cache()).collect())
     }
 
     fn kv_bytes_per_token(&self) -> usize {
         self.ranks.iter().map(|r| r.kv_bytes_per_token()).sum()
+    }
+
+    fn kv_bytes_per_row(&self) -> usize {
+        self.ranks.iter().map(|r| r.kv_bytes_per_row()).sum()
     }
 
     fn backend(&self) -> Backend {
@@ -287,18 +291,10 @@ impl MtpNet for TensorParallelMtp {
     }
 
     fn new_cache(&self) -> RowCache {
-        split_cache(self.ranks.iter().map(|r| r.new_cache()).collect())
+        RowCache::from_ranks(self.ranks.iter().map(|r| r.new_cache()).collect())
     }
 
     fn kv_bytes_per_token(&self) -> usize {
         self.ranks.iter().map(|r| r.kv_bytes_per_token()).sum()
     }
-}
-
-/// One row's cache holding each rank's (empty) `parts` store.
-fn split_cache(parts: Vec<RowCache>) -> RowCache {
-    let n = parts.len();
-    let (n_layers, stride) = (parts[0].n_layers(), parts[0].stride());
-    let stores: Vec<Box<dyn KvStore>> = parts.into_iter().map(RowCache::into_store).collect();
-    RowCache::with_store(Box::new(RankKv::new(stores, stride)), n_layers, stride * n)
 }

@@ -258,10 +258,10 @@ struct ModelArgs {
     /// Every guarantee holds in each; the two give different bits.
     #[arg(long, default_value = "auto")]
     activations: String,
-    /// Split the target between N ranks (tensor parallelism; on the CPU, N threads):
-    /// attention heads, MLP columns and the LM head's vocabulary are divided, and the
-    /// ranks' partial sums are added in rank order, so every row stays invariant for a
-    /// given N (different N give different bits). Llama, Mistral, Qwen2 and Qwen3.
+    /// Split the target between N ranks (tensor parallelism: N GPUs on CUDA, N threads on
+    /// the CPU): attention heads, MLP columns and the LM head's vocabulary are divided, and
+    /// the ranks' partial sums are added in rank order, so every row stays invariant for a
+    /// given N (different N give different bits).
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
 }

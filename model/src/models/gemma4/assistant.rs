@@ -156,7 +156,7 @@ impl Gemma4Assistant {
                     ),
                 ));
             }
-            layers.push(Layer::load(&*be, &ck, &format!("model.layers.{i}"), spec, plane, &c, &g)?);
+            layers.push(Layer::load(&*be, &ck, &format!("model.layers.{i}"), spec, plane, &c, &g, None)?);
         }
         let h = c.hidden_size;
         let embed = ck.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
@@ -275,7 +275,7 @@ impl<B: AssistantKernels> Steps for Weights<B> {
         let mut x = self.pre_projection.forward(be, &be.upload(&input)?, m)?;
         let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect();
         for l in &self.layers {
-            let heads = l.heads(c);
+            let heads = l.heads();
             let (mut q, _) = l.qkv(be, c, &x, m)?;
             let rope = match l.spec.kind {
                 LayerKind::Sliding => &self.rope_sliding,

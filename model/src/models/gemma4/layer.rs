@@ -2,12 +2,15 @@
 //! [`Layer::finish`] after it. The target's forward and the assistant's steps run the
 //! same two halves around different attention reads.
 
+use std::sync::Arc;
+
 use mtp_base::config::Config;
 use mtp_base::error::Result;
 use mtp_base::Checkpoint;
 use mtp_kernels::{Heads, Kernels, Plane};
 
-use crate::forward::Proj;
+use crate::forward::{Cut, Proj};
+use crate::tensor_parallel::Shard;
 
 use super::config::{Gemma4Config, LayerSpec};
 use super::moe::MoeBlock;
@@ -46,10 +49,15 @@ pub(crate) struct Layer<B: Kernels> {
     moe: Option<MoeBlock<B>>,
     input: Option<LayerInput<B>>,
     scalar: f32,
+    /// The rank this layer's slice belongs to, when split between ranks (its `spec` then
+    /// holds the rank's K/V heads and MLP columns).
+    shard: Option<Arc<Shard<B>>>,
 }
 
 impl<B: Kernels> Layer<B> {
-    /// Loads layer `p` (e.g. `model.layers.3`) whose K/V live in `plane`.
+    /// Loads layer `p` (e.g. `model.layers.3`) whose K/V live in `plane`, whole or
+    /// (`shard`) the slice one rank holds: its query and K/V heads, MLP and expert columns.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn load(
         be: &B,
         ck: &Checkpoint,
@@ -58,8 +66,13 @@ impl<B: Kernels> Layer<B> {
         plane: Plane,
         c: &Config,
         g: &Gemma4Config,
+        shard: Option<Arc<Shard<B>>>,
     ) -> Result<Layer<B>> {
         let h = c.hidden_size;
+        let rows = |n: usize| shard.as_ref().map_or(Cut::Whole, |s| Cut::Rows(s.even(n)));
+        let cols = |n: usize| {
+            shard.as_ref().map_or(Cut::Whole, |s| Cut::Cols { cols: s.even(n), bias_here: s.rank == 0 })
+        };
         let a = format!("{p}.self_attn");
         let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
         let (hd, kvd) = (spec.head_dim, spec.kv_heads * spec.head_dim);
@@ -68,10 +81,10 @@ impl<B: Kernels> Layer<B> {
             let v = if spec.k_eq_v {
                 None
             } else {
-                Some(Proj::load(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias)?)
+                Some(Proj::load_cut(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias, rows(kvd))?)
             };
             Some(OwnKv {
-                k: Proj::load(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias)?,
+                k: Proj::load_cut(be, ck, &format!("{a}.k_proj"), kvd, h, c.qkv_bias, rows(kvd))?,
                 v,
                 k_norm: norm(format!("{a}.k_norm.weight"), hd)?,
             })
@@ -89,32 +102,46 @@ impl<B: Kernels> Layer<B> {
             None
         };
         let moe = match g.moe {
-            Some(m) => Some(MoeBlock::load(be, ck, p, h, m)?),
+            Some(m) => Some(MoeBlock::load(be, ck, p, h, m, shard.as_deref())?),
             None => None,
         };
+        let i = spec.intermediate;
+        let ranks = shard.as_ref().map_or(1, |s| s.ranks);
         Ok(Layer {
-            spec,
+            spec: LayerSpec { kv_heads: spec.kv_heads / ranks, intermediate: i / ranks, ..spec },
             plane,
             input_norm: norm(format!("{p}.input_layernorm.weight"), h)?,
             post_attn_norm: norm(format!("{p}.post_attention_layernorm.weight"), h)?,
             pre_ff_norm: norm(format!("{p}.pre_feedforward_layernorm.weight"), h)?,
             post_ff_norm: norm(format!("{p}.post_feedforward_layernorm.weight"), h)?,
-            q: Proj::load(be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias)?,
+            q: Proj::load_cut(be, ck, &format!("{a}.q_proj"), qd, h, c.qkv_bias, rows(qd))?,
             q_norm: norm(format!("{a}.q_norm.weight"), hd)?,
             kv,
             ones: be.vector(&vec![1.0; hd])?,
-            o: Proj::load(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias)?,
-            gate: Proj::load(be, ck, &format!("{p}.mlp.gate_proj"), spec.intermediate, h, false)?,
-            up: Proj::load(be, ck, &format!("{p}.mlp.up_proj"), spec.intermediate, h, false)?,
-            down: Proj::load(be, ck, &format!("{p}.mlp.down_proj"), h, spec.intermediate, false)?,
+            o: Proj::load_cut(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias, cols(qd))?,
+            gate: Proj::load_cut(be, ck, &format!("{p}.mlp.gate_proj"), i, h, false, rows(i))?,
+            up: Proj::load_cut(be, ck, &format!("{p}.mlp.up_proj"), i, h, false, rows(i))?,
+            down: Proj::load_cut(be, ck, &format!("{p}.mlp.down_proj"), h, i, false, cols(i))?,
             moe,
             input,
             scalar: ck.get_f32(&format!("{p}.layer_scalar"), 1)?[0],
+            shard,
         })
     }
 
-    pub(crate) fn heads(&self, c: &Config) -> Heads {
-        Heads { heads: c.num_attention_heads, kv_heads: self.spec.kv_heads, head_dim: self.spec.head_dim }
+    pub(crate) fn heads(&self) -> Heads {
+        let hd = self.spec.head_dim;
+        Heads { heads: self.q.out / hd, kv_heads: self.spec.kv_heads, head_dim: hd }
+    }
+
+    /// `y` summed over the ranks in rank order (`y` itself on a whole model): what a
+    /// column-split projection gives before a norm may read it.
+    fn reduced(&self, be: &B, y: B::Act, m: usize, h: usize) -> Result<B::Act> {
+        let Some(shard) = &self.shard else { return Ok(y) };
+        let mut sum = be.upload(&vec![0.0; m * h])?;
+        let mut gathered = be.alloc(shard.ranks * m * h)?;
+        shard.reduce(be, &y, &mut gathered, &mut sum, m)?;
+        Ok(sum)
     }
 
     /// `q_norm(q(n(x)))`, and `(k_norm(k(n(x))), v_norm(v(n(x))))` when the layer stores
@@ -131,7 +158,7 @@ impl<B: Kernels> Layer<B> {
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(x, &self.input_norm, eps, &mut normed, h, 0)?;
         let q_raw = self.q.forward(be, &normed, m)?;
-        let mut q = be.alloc(m * c.num_attention_heads * hd)?;
+        let mut q = be.alloc(m * self.q.out)?;
         be.rms_norm(&q_raw, &self.q_norm, eps, &mut q, hd, 0)?;
         let Some(OwnKv { k: k_proj, v: v_proj, k_norm }) = &self.kv else { return Ok((q, None)) };
         let k_raw = k_proj.forward(be, &normed, m)?;
@@ -159,17 +186,17 @@ impl<B: Kernels> Layer<B> {
     ) -> Result<()> {
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let mut normed = be.alloc(m * h)?;
-        let a = self.o.forward(be, attn, m)?;
+        let a = self.reduced(be, self.o.forward(be, attn, m)?, m, h)?;
         be.rms_norm(&a, &self.post_attn_norm, eps, &mut normed, h, 0)?;
         be.add(x, &normed)?;
         be.rms_norm(x, &self.pre_ff_norm, eps, &mut normed, h, 0)?;
         let mut g = self.gate.forward(be, &normed, m)?;
         be.gelu_tanh_mul(&mut g, &self.up.forward(be, &normed, m)?)?;
-        let mut f = self.down.forward(be, &g, m)?;
+        let mut f = self.reduced(be, self.down.forward(be, &g, m)?, m, h)?;
         if let Some(moe) = &self.moe {
             let mut dense = be.alloc(m * h)?;
             be.rms_norm(&f, &moe.post_norm_dense, eps, &mut dense, h, 0)?;
-            let experts = moe.forward(be, x, m, h, eps)?;
+            let experts = self.reduced(be, moe.forward(be, x, m, h, eps)?, m, h)?;
             be.rms_norm(&experts, &moe.post_norm, eps, &mut f, h, 0)?;
             be.add(&mut f, &dense)?;
         }

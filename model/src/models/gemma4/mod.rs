@@ -33,6 +33,7 @@ use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Plane};
 
 use crate::forward::{check_tokens, head_outputs, slots_for, LmHead, Net, Proj, RowInput, RowOutput};
 use crate::mtp::{MtpLayout, MtpNet};
+use crate::tensor_parallel::{check_split, Shard};
 
 pub use config::{Gemma4Config, LayerKind, LayerSpec};
 use layer::Layer;
@@ -73,6 +74,9 @@ pub(crate) struct Gemma4<B: Kernels> {
     kv: KvDtype,
     /// How the matmuls take activations (resolved for this checkpoint's weights).
     activations: Activations,
+    /// This rank, when the model is split between ranks (each layer knows its heads and
+    /// widths on the rank; `config` stays the checkpoint's).
+    shard: Option<Arc<Shard<B>>>,
 }
 
 /// The one head shape every layer of `kind` must share (one RoPE table and one store).
@@ -97,8 +101,10 @@ impl<B: Kernels> Gemma4<B> {
         ck: &Checkpoint,
         prefix: &str,
         kv: KvDtype,
+        shard: Option<Arc<Shard<B>>>,
     ) -> Result<Self> {
         let c = &config;
+        let ranks = shard.as_ref().map_or(1, |s| s.ranks);
         let h = c.hidden_size;
         let path = ck.dir().join("config.json");
         let full = kind_shape(&g, LayerKind::Full, &path)?.expect("the last layer is full");
@@ -111,15 +117,17 @@ impl<B: Kernels> Gemma4<B> {
                 LayerKind::Sliding => Plane::Ring(index(LayerKind::Sliding, src).expect("a stored layer")),
             }
         };
+        // A rank stores its own K/V heads.
         let layout = Layout {
             main_layers: g.stored(LayerKind::Full).count(),
-            main: full,
+            main: (full.0 / ranks, full.1),
             ring_layers: g.stored(LayerKind::Sliding).count(),
-            ring: sliding,
+            ring: (sliding.0 / ranks, sliding.1),
         };
         let mut layers = Vec::with_capacity(g.layers.len());
         for (i, &spec) in g.layers.iter().enumerate() {
-            layers.push(Layer::load(&*be, ck, &format!("{prefix}layers.{i}"), spec, plane_of(i), c, &g)?);
+            let p = format!("{prefix}layers.{i}");
+            layers.push(Layer::load(&*be, ck, &p, spec, plane_of(i), c, &g, shard.clone())?);
         }
         let embed_w = ck.get(&format!("{prefix}embed_tokens.weight"), &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
@@ -150,10 +158,18 @@ impl<B: Kernels> Gemma4<B> {
         } else {
             None
         };
-        let lm_head = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
-            Some(be.matrix(&ck.get("lm_head.weight", &[c.vocab_size, h])?)?)
+        let lm_head_w = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
+            Some(ck.get("lm_head.weight", &[c.vocab_size, h])?)
         } else {
             None
+        };
+        let lm_head = match (&shard, lm_head_w) {
+            (None, w) => w.map(|w| be.matrix(&w)).transpose()?,
+            // A rank's vocabulary rows of the head (tied: of the embedding).
+            (Some(s), w) => {
+                let rows = w.as_ref().unwrap_or(&embed_w).slice_rows(s.even(c.vocab_size));
+                Some(be.matrix(&rows.map_err(|e| Error::Backend(format!("lm_head: {e}")))?)?)
+            }
         };
         let max_positions = c.max_position_embeddings;
         Ok(Gemma4 {
@@ -172,6 +188,7 @@ impl<B: Kernels> Gemma4<B> {
             max_positions,
             kv,
             activations,
+            shard,
         })
     }
 
@@ -226,8 +243,8 @@ impl<B: Kernels> Gemma4<B> {
         drop(caches);
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(&x, &self.norm, eps, &mut normed, h, 0)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head_outputs(be, rows, normed, LmHead::whole(head), c.vocab_size, h, self.g.final_logit_softcapping)
+        let head = LmHead { w: self.lm_head.as_ref().unwrap_or(&self.embed), shard: self.shard.as_deref() };
+        head_outputs(be, rows, normed, head, c.vocab_size, h, self.g.final_logit_softcapping)
     }
 
     fn layer_forward(
@@ -240,7 +257,7 @@ impl<B: Kernels> Gemma4<B> {
         input: Option<&B::Act>,
     ) -> Result<()> {
         let (be, c) = (&*self.be, &self.config);
-        let heads = l.heads(c);
+        let heads = l.heads();
         let (mut q, mut kv) = l.qkv(be, c, x, m)?;
         let (rope, window) = self.rope_of(l.spec.kind);
         let kv = kv.as_mut().map(|(k, v)| (k, &*v));
@@ -330,6 +347,29 @@ pub(crate) fn load<B: Kernels>(
     ck: &Checkpoint,
     kv: KvDtype,
 ) -> Result<Box<dyn Net>> {
+    load_split(be, config, ck, kv, None)
+}
+
+/// Loads rank `shard.rank` of a Gemma 4 decoder split between `shard.ranks` ranks (see
+/// `crate::tensor_parallel`): its query and K/V heads of every layer, MLP and expert
+/// columns, vocabulary rows; the router, the per-layer inputs and the norms whole.
+pub(crate) fn load_rank<B: Kernels>(
+    be: Arc<B>,
+    config: Config,
+    ck: &Checkpoint,
+    kv: KvDtype,
+    shard: Shard<B>,
+) -> Result<Box<dyn Net>> {
+    load_split(be, config, ck, kv, Some(Arc::new(shard)))
+}
+
+fn load_split<B: Kernels>(
+    be: Arc<B>,
+    config: Config,
+    ck: &Checkpoint,
+    kv: KvDtype,
+    shard: Option<Arc<Shard<B>>>,
+) -> Result<Box<dyn Net>> {
     let path = ck.dir().join("config.json");
     let v = read_json(&path)?;
     let wrapped = v.get("text_config").is_some_and(|t| t.is_object());
@@ -338,6 +378,21 @@ pub(crate) fn load<B: Kernels>(
         Gemma4Config::from_value(&path, text)
             .map_err(|e| if wrapped { e.under("text_config") } else { e })?;
     let prefix = if wrapped { "model.language_model." } else { "model." };
+    if let Some(s) = &shard {
+        let mut sizes = vec![
+            ("num_attention_heads".to_string(), config.num_attention_heads),
+            ("vocab_size".to_string(), config.vocab_size),
+        ];
+        for (i, l) in g.layers.iter().enumerate() {
+            sizes.push((format!("layer {i}'s K/V heads"), l.kv_heads));
+            sizes.push((format!("layer {i}'s MLP width"), l.intermediate));
+        }
+        if let Some(m) = g.moe {
+            sizes.push(("moe_intermediate_size".to_string(), m.intermediate));
+        }
+        let sizes: Vec<(&str, usize)> = sizes.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+        check_split(s.ranks, &sizes)?;
+    }
     if wrapped {
         let towers = ck.names_with_prefix("model.vision_tower.").count()
             + ck.names_with_prefix("model.audio_tower.").count()
@@ -348,5 +403,5 @@ pub(crate) fn load<B: Kernels>(
             ck.dir().display()
         );
     }
-    Ok(Box::new(Gemma4::load(be, config, g, ck, prefix, kv)?))
+    Ok(Box::new(Gemma4::load(be, config, g, ck, prefix, kv, shard)?))
 }

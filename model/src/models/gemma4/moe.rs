@@ -6,11 +6,12 @@
 //! tokens routed to it, and a token's terms are added in ascending expert id. So a token's
 //! result never depends on which other tokens share its experts.
 
-use mtp_base::error::Result;
+use mtp_base::error::{Error, Result};
 use mtp_base::Checkpoint;
 use mtp_kernels::{Kernels, Out};
 
 use crate::forward::Proj;
+use crate::tensor_parallel::Shard;
 
 use super::config::Moe;
 
@@ -57,19 +58,33 @@ pub(crate) fn route(scores: &[f32], moe: Moe, per_expert_scale: &[f32]) -> Vec<V
 }
 
 impl<B: Kernels> MoeBlock<B> {
-    /// Loads `{p}.router.*`, `{p}.experts.*` and the block's three extra norms.
-    pub(crate) fn load(be: &B, ck: &Checkpoint, p: &str, h: usize, moe: Moe) -> Result<MoeBlock<B>> {
+    /// Loads `{p}.router.*`, `{p}.experts.*` and the block's three extra norms; on a
+    /// tensor-parallel rank (`shard`), its columns of every expert (the router whole).
+    pub(crate) fn load(
+        be: &B,
+        ck: &Checkpoint,
+        p: &str,
+        h: usize,
+        moe: Moe,
+        shard: Option<&Shard<B>>,
+    ) -> Result<MoeBlock<B>> {
         let (e, i) = (moe.experts, moe.intermediate);
+        // A rank's part of an expert's intermediate columns (of `i`).
+        let part = shard.map_or(0..i, |s| s.even(i));
+        let cols = |w: mtp_base::weights::Weight| -> Result<mtp_base::weights::Weight> {
+            w.slice_cols(part.clone()).map_err(|err| Error::Backend(format!("{p}.experts.down_proj: {err}")))
+        };
         let norm =
             |name: &str, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&format!("{p}.{name}"), n)?) };
         let gate_up = format!("{p}.experts.gate_up_proj");
         let down = format!("{p}.experts.down_proj");
         let experts = (0..e)
             .map(|x| {
+                let (gate, up) = (part.clone(), i + part.start..i + part.end);
                 Ok(Expert {
-                    gate: Proj::from_weight(be, &ck.get_expert(&gate_up, [e, 2 * i, h], x, 0..i)?)?,
-                    up: Proj::from_weight(be, &ck.get_expert(&gate_up, [e, 2 * i, h], x, i..2 * i)?)?,
-                    down: Proj::from_weight(be, &ck.get_expert(&down, [e, h, i], x, 0..h)?)?,
+                    gate: Proj::from_weight(be, &ck.get_expert(&gate_up, [e, 2 * i, h], x, gate)?)?,
+                    up: Proj::from_weight(be, &ck.get_expert(&gate_up, [e, 2 * i, h], x, up)?)?,
+                    down: Proj::from_weight(be, &cols(ck.get_expert(&down, [e, h, i], x, 0..h)?)?)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
