@@ -14,7 +14,7 @@ use common::invariance::{last_logits, prompts};
 use common::{bits, first_difference, fixture, plain, request, run, trained, Lcg};
 use mtp::drafter::{DraftModelDrafter, Drafter, NgramDrafter};
 use mtp::engine::{DraftLen, EngineOptions, Request, WindowLayout};
-use mtp::kernels::{negative_control, Activations, Backend, KvDtype, Numerics};
+use mtp::kernels::{negative_control, Activations, Backend, Kernels, KvDtype, Numerics};
 use mtp::model::{Logits, Model, RowInput};
 
 /// The Gemma 4 fixtures that split between 2 ranks: sliding windows, KV-shared layers and
@@ -156,6 +156,50 @@ fn four_ranks_keep_rows_invariant() {
     let worst = worst.fold(0f32, f32::max);
     assert!(worst <= 1e-5 * scale.max(1.0), "4 ranks off by {worst} at scale {scale}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `add_parts` is the rank-ordered reference, bit for bit: `x + p0 + p1 + ...` folded one
+/// rank after another on the host, on every backend; the control's reversed order is the
+/// reversed fold, and the two differ (the order is visible in the bits). `concat_columns`
+/// lays the ranks' vocabulary blocks side by side.
+fn reduction_is_the_rank_ordered_fold<K: Kernels>(k: &K) {
+    let mut rng = Lcg(41);
+    let (n, len) = (4, 3000);
+    let x: Vec<f32> = rng.vec(len).iter().map(|v| v * 1e3).collect();
+    let parts: Vec<f32> = (0..n * len).map(|i| rng.f32() * 10f32.powi((i % 7) as i32 - 3)).collect();
+    let fold = |order: &[usize]| -> Vec<f32> {
+        (0..len).map(|i| order.iter().fold(x[i], |a, &r| a + parts[r * len + i])).collect()
+    };
+    let mut got = Vec::new();
+    for (reversed, order) in [(false, [0, 1, 2, 3]), (true, [3, 2, 1, 0])] {
+        let mut xd = k.upload(&x).unwrap();
+        k.add_parts(&mut xd, &k.upload(&parts).unwrap(), n, reversed).unwrap();
+        let sum = k.download(xd).unwrap();
+        assert_eq!(bits(&sum), bits(&fold(&order)), "add_parts (reversed: {reversed}) is not the fold");
+        got.push(sum);
+    }
+    assert_ne!(bits(&got[0]), bits(&got[1]), "the order of the parts left no trace: the test cannot tell");
+    let (m, w) = (3, 5);
+    let blocks: Vec<f32> = (0..n * m * w).map(|i| i as f32).collect();
+    let mut out = k.alloc(m * n * w).unwrap();
+    k.concat_columns(&k.upload(&blocks).unwrap(), n, w, m, &mut out).unwrap();
+    let out = k.download(out).unwrap();
+    for t in 0..m {
+        for r in 0..n {
+            for j in 0..w {
+                assert_eq!(out[t * n * w + r * w + j], blocks[(r * m + t) * w + j]);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_reduction_is_the_rank_ordered_reference() {
+    reduction_is_the_rank_ordered_fold(&mtp::kernels::cpu::Cpu);
+    #[cfg(feature = "cuda")]
+    if common::backend() == Backend::Cuda {
+        reduction_is_the_rank_ordered_fold(&*mtp::cuda::Cuda::shared().unwrap());
+    }
 }
 
 fn workload(vocab: usize) -> (Vec<Request>, Vec<u64>) {
