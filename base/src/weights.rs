@@ -225,6 +225,28 @@ impl Weight {
         })
     }
 
+    /// This weight with one more row of zeros after its last (a quantized weight: zero
+    /// codes, scales and biases), copied: the row a tensor-parallel rank's embedding
+    /// gives tokens outside its vocabulary rows.
+    pub fn with_zero_row(&self) -> Weight {
+        let mut bytes = self.bytes().to_vec();
+        bytes.resize(bytes.len() + self.row_bytes(), 0);
+        let quant = self.quant.as_ref().map(|q| {
+            Arc::new(Quant {
+                scales: q.scales.with_zero_row(),
+                biases: q.biases.as_ref().map(Weight::with_zero_row),
+                ..**q
+            })
+        });
+        Weight {
+            bytes: Bytes::Owned(Arc::new(bytes)),
+            dtype: self.dtype,
+            rows: self.rows + 1,
+            cols: self.cols,
+            quant,
+        }
+    }
+
     /// Bytes a row takes as stored (packed codes for a quantized weight).
     fn row_bytes(&self) -> usize {
         match &self.quant {
@@ -309,5 +331,9 @@ mod tests {
         assert_eq!(rows_of(&c), want);
         let err = w.slice_cols(16..96).err().unwrap();
         assert!(err.contains("quantization group of 32"), "{err}");
+        let z = w.slice_rows(2..4).unwrap().with_zero_row();
+        let mut want = full[2..4].to_vec();
+        want.push(vec![0.0; cols]);
+        assert_eq!(rows_of(&z), want);
     }
 }

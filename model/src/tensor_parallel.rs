@@ -4,8 +4,9 @@
 //!
 //! - Attention: each rank holds `heads / N` query heads and `kv_heads / N` K/V heads
 //!   (whole GQA groups), so attention never crosses ranks; q/k/v are cut by output rows,
-//!   o by input columns. MLP: gate/up by rows, down by columns. The LM head by vocabulary
-//!   (each rank's logits are gathered side by side); the embedding is whole on each rank.
+//!   o by input columns. MLP: gate/up by rows, down by columns. The LM head and the
+//!   embedding by vocabulary: each rank's logits are gathered side by side; each rank looks
+//!   up the tokens it holds (zeros for the others) and the ranks' rows are summed.
 //! - o and down give each rank a partial sum of the hidden state. [`Shard::reduce`]
 //!   gathers every rank's partial and adds them to the residual **in rank order** on every
 //!   rank: the order of a hidden element's additions is fixed by `N` alone, never by the
@@ -22,6 +23,7 @@ use std::sync::Arc;
 
 use mtp_base::config::Config;
 use mtp_base::error::{Error, Result};
+use mtp_base::weights::Weight;
 use mtp_base::Checkpoint;
 use mtp_cache::RowCache;
 use mtp_kernels::collective::{Collective, RankSync, ABORTED};
@@ -43,6 +45,34 @@ impl<B: Kernels> Shard<B> {
     pub(crate) fn even(&self, n: usize) -> Range<usize> {
         let each = n / self.ranks;
         self.rank * each..(self.rank + 1) * each
+    }
+
+    /// This rank's rows of an embedding `table` of `vocab` rows, and a row of zeros after
+    /// them: what [`Shard::local_tokens`] maps every other token to.
+    pub(crate) fn embedding_rows(&self, table: &Weight, name: &str) -> Result<Weight> {
+        let rows =
+            table.slice_rows(self.even(table.rows)).map_err(|e| Error::Backend(format!("{name}: {e}")))?;
+        Ok(rows.with_zero_row())
+    }
+
+    /// `tokens` as rows of this rank's [`Shard::embedding_rows`] of a `vocab`-row table:
+    /// its own tokens at their row, every other token at the zero row.
+    pub(crate) fn local_tokens(&self, tokens: &[u32], vocab: usize) -> Vec<u32> {
+        let own = self.even(vocab);
+        let zero = own.len() as u32;
+        tokens
+            .iter()
+            .map(|&t| if own.contains(&(t as usize)) { t - own.start as u32 } else { zero })
+            .collect()
+    }
+
+    /// Every rank's embedding rows for `m` tokens (`part`: this rank's, zeros for tokens it
+    /// does not hold), summed from zero in rank order: each token's one nonzero row.
+    pub(crate) fn gather_embedding(&self, be: &B, part: &B::Act, m: usize, h: usize) -> Result<B::Act> {
+        let mut x = be.upload(&vec![0.0; m * h])?;
+        let mut gathered = be.alloc(self.ranks * m * h)?;
+        self.reduce(be, part, &mut gathered, &mut x, m)?;
+        Ok(x)
     }
 
     /// `x += part_0 + part_1 + ...`: every rank's `part` (this rank's given), added to `x`

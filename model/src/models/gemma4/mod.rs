@@ -175,7 +175,10 @@ impl<B: Kernels> Gemma4<B> {
         Ok(Gemma4 {
             rope_sliding: be.rope_table(g.rope_sliding.table(sliding.1, max_positions))?,
             rope_full: be.rope_table(g.rope_full.table(full.1, max_positions))?,
-            embed: be.matrix(&embed_w)?,
+            embed: match &shard {
+                None => be.matrix(&embed_w)?,
+                Some(s) => be.matrix(&s.embedding_rows(&embed_w, "embed_tokens.weight")?)?,
+            },
             embed_scale,
             norm: be.vector(&ck.get_f32(&format!("{prefix}norm.weight"), h)?)?,
             be,
@@ -218,7 +221,14 @@ impl<B: Kernels> Gemma4<B> {
         let m = slots.len();
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let mut x = be.alloc(m * h)?;
-        be.embed(&self.embed, &tokens, &mut x)?;
+        match &self.shard {
+            None => be.embed(&self.embed, &tokens, &mut x)?,
+            // This rank's vocabulary rows; every rank's summed.
+            Some(s) => {
+                be.embed(&self.embed, &s.local_tokens(&tokens, c.vocab_size), &mut x)?;
+                x = s.gather_embedding(be, &x, m, h)?;
+            }
+        }
         be.scale(&mut x, self.embed_scale)?;
         let inputs = match &self.inputs {
             Some(p) => {

@@ -270,7 +270,10 @@ impl<B: Kernels> Decoder<B> {
             )));
         }
         let be_activations = be.activations().for_weight(&embed_w);
-        let embed = Arc::new(be.matrix(&embed_w)?);
+        let embed = match &shard {
+            None => Arc::new(be.matrix(&embed_w)?),
+            Some(s) => Arc::new(be.matrix(&s.embedding_rows(&embed_w, "model.embed_tokens.weight")?)?),
+        };
         // Some tied checkpoints still ship lm_head.weight; prefer it when present.
         let lm_head_w = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
             Some(ck.get("lm_head.weight", &[c.vocab_size, h])?)
@@ -319,7 +322,11 @@ impl<B: Kernels> Decoder<B> {
         let slots = slots_for(&sizes, self.max_positions)?;
         check_tokens(rows.iter().map(|r| r.tokens), vocab, "row")?;
         let m = slots.len();
-        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let mut tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        if let Some(s) = &self.shard {
+            // The batch's token ids are only the embedding's: a rank's rows of it.
+            tokens = s.local_tokens(&tokens, vocab);
+        }
         let every_logit = wanted_tokens(rows).len() == m;
         let fetch = if rows.iter().any(|r| r.full_logits) { 3 } else { 2 };
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
@@ -329,6 +336,9 @@ impl<B: Kernels> Decoder<B> {
         let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
             let mut x = be.alloc(m * h)?;
             be.embed_batch(&self.embed, batch, &mut x)?;
+            if let Some(s) = &self.shard {
+                x = s.gather_embedding(be, &x, m, h)?;
+            }
             if let Some(first) = self.layers.first() {
                 // Every layer has the first's shape.
                 let mut s = first.scratch(be, c, m)?;

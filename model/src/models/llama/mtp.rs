@@ -46,14 +46,15 @@ impl<B: Kernels> MtpBlock<B> {
         let h = tc.hidden_size;
         // DeepSeek-V3 heads may carry their own embedding and LM head (on a tensor-parallel
         // rank, its vocabulary rows of the head, as the target's).
-        let own = |name: String, shared: &Arc<B::Mat>, vocab_rows: bool| -> Result<Arc<B::Mat>> {
+        let own = |name: String, shared: &Arc<B::Mat>, embedding: bool| -> Result<Arc<B::Mat>> {
             if layout == MtpLayout::DeepSeek && ck.contains(&name) {
                 let w = ck.get(&name, &[tc.vocab_size, h])?;
-                let w = match (&target.shard, vocab_rows) {
-                    (Some(s), true) => w
+                let w = match (&target.shard, embedding) {
+                    (None, _) => w,
+                    (Some(s), true) => s.embedding_rows(&w, &name)?,
+                    (Some(s), false) => w
                         .slice_rows(s.even(tc.vocab_size))
                         .map_err(|e| Error::Backend(format!("{name}: {e}")))?,
-                    _ => w,
                 };
                 Ok(Arc::new(be.matrix(&w)?))
             } else {
@@ -69,8 +70,8 @@ impl<B: Kernels> MtpBlock<B> {
             proj: be.matrix(&ck.get(&proj, &[h, 2 * h])?)?,
             final_norm: norm(&fnorm)?,
             block: Block::load(be, ck, p, &target.whole_config, target.shard.clone())?,
-            embed: own(format!("{p}.embed_tokens.weight"), &target.embed, false)?,
-            head: own(format!("{p}.shared_head.head.weight"), &target.lm_head, true)?,
+            embed: own(format!("{p}.embed_tokens.weight"), &target.embed, true)?,
+            head: own(format!("{p}.shared_head.head.weight"), &target.lm_head, false)?,
             shard: target.shard.clone(),
             rope: target.rope.clone(),
             max_positions: target.max_positions,
@@ -112,7 +113,15 @@ impl<B: Kernels> MtpNet for MtpBlock<B> {
             MtpLayout::DeepSeek => (0, h),
         };
         let mut e = be.alloc(m * h)?;
-        be.embed(&self.embed, &tokens, &mut e)?;
+        match &self.shard {
+            None => be.embed(&self.embed, &tokens, &mut e)?,
+            // A rank's embedding rows (its target's, or its own DeepSeek-V3 ones) hold its
+            // vocabulary's: every rank's rows summed.
+            Some(s) => {
+                be.embed(&self.embed, &s.local_tokens(&tokens, c.vocab_size), &mut e)?;
+                e = s.gather_embedding(be, &e, m, h)?;
+            }
+        }
         let mut cat = be.alloc(m * 2 * h)?;
         be.rms_norm(&e, &self.token_norm, c.rms_norm_eps, &mut cat, 2 * h, emb_at)?;
         be.rms_norm(&be.upload(&hidden)?, &self.hidden_norm, c.rms_norm_eps, &mut cat, 2 * h, hid_at)?;
