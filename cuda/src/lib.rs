@@ -883,6 +883,11 @@ impl Kernels for Cuda {
         self.upload_as(x, "upload")
     }
 
+    fn zeros(&self, len: usize) -> Result<CudaSlice<f32>> {
+        // An allocation and a memset on the stream: both recordable into a CUDA graph.
+        self.stream.alloc_zeros::<f32>(len.max(1)).map_err(driver("out of GPU memory for activations"))
+    }
+
     fn download(&self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
         self.to_host(&x)
     }

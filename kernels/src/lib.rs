@@ -260,6 +260,11 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     /// An activation of `len` values, each to be written before it is read.
     fn alloc(&self, len: usize) -> Result<Self::Act>;
     fn upload(&self, x: &[f32]) -> Result<Self::Act>;
+    /// `len` zeros, made on the device where the backend has one: unlike an upload, safe
+    /// inside a recorded forward (whose host buffers are gone when it is replayed).
+    fn zeros(&self, len: usize) -> Result<Self::Act> {
+        self.upload(&vec![0.0; len])
+    }
     /// The values of `x` in host memory.
     fn download(&self, x: Self::Act) -> Result<Vec<f32>>;
     /// The [`LogitSummary`] of each of the `rows` `vocab`-wide rows of `logits`, written to

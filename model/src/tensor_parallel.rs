@@ -69,7 +69,7 @@ impl<B: Kernels> Shard<B> {
     /// Every rank's embedding rows for `m` tokens (`part`: this rank's, zeros for tokens it
     /// does not hold), summed from zero in rank order: each token's one nonzero row.
     pub(crate) fn gather_embedding(&self, be: &B, part: &B::Act, m: usize, h: usize) -> Result<B::Act> {
-        let mut x = be.upload(&vec![0.0; m * h])?;
+        let mut x = be.zeros(m * h)?;
         let mut gathered = be.alloc(self.ranks * m * h)?;
         self.reduce(be, part, &mut gathered, &mut x, m)?;
         Ok(x)

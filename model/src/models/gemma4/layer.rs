@@ -138,7 +138,7 @@ impl<B: Kernels> Layer<B> {
     /// column-split projection gives before a norm may read it.
     fn reduced(&self, be: &B, y: B::Act, m: usize, h: usize) -> Result<B::Act> {
         let Some(shard) = &self.shard else { return Ok(y) };
-        let mut sum = be.upload(&vec![0.0; m * h])?;
+        let mut sum = be.zeros(m * h)?;
         let mut gathered = be.alloc(shard.ranks * m * h)?;
         shard.reduce(be, &y, &mut gathered, &mut sum, m)?;
         Ok(sum)
