@@ -47,7 +47,7 @@ impl<B: Kernels> Shard<B> {
         self.rank * each..(self.rank + 1) * each
     }
 
-    /// This rank's rows of an embedding `table` of `vocab` rows, and a row of zeros after
+    /// This rank's rows of an embedding `table` (one row a token), and a row of zeros after
     /// them: what [`Shard::local_tokens`] maps every other token to.
     pub(crate) fn embedding_rows(&self, table: &Weight, name: &str) -> Result<Weight> {
         let rows =
