@@ -5,41 +5,12 @@
 
 mod common;
 
+use common::invariance::{cache_bytes, run_chunked};
 use common::{bits, fixture, Lcg};
 use mtp::base::WeightDtype;
 use mtp::kernels::negative_control;
 use mtp::model::{Logits, Model, RowInput};
 use mtp::synth::SynthSpec;
-
-/// Runs `seq` through a fresh cache in pieces of the given sizes and returns the logits
-/// after every token plus the final cache.
-fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, mtp::cache::RowCache) {
-    let mut cache = model.new_cache();
-    let mut logits = Vec::new();
-    let mut at = 0;
-    for &c in chunks.iter().cycle() {
-        if at >= seq.len() {
-            break;
-        }
-        let piece = &seq[at..(at + c).min(seq.len())];
-        let mut rows =
-            [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All, full_logits: true }];
-        let out = model.forward(&mut rows).unwrap();
-        cache.commit_window(piece.len());
-        logits.extend(out[0].logits.iter().map(|l| bits(l)));
-        at += piece.len();
-    }
-    (logits, cache)
-}
-
-fn cache_bits(model: &Model, c: &mtp::cache::RowCache) -> Vec<u8> {
-    (0..model.config.num_hidden_layers)
-        .flat_map(|l| {
-            let (k, v) = c.committed_bytes(l).unwrap();
-            k.into_iter().chain(v)
-        })
-        .collect()
-}
 
 fn random_seq(rng: &mut Lcg, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.below(vocab) as u32).collect()
@@ -50,7 +21,7 @@ fn chunking_invariant(model: &Model, seq: &[u32]) -> bool {
     let (one_by_one, c1) = run_chunked(model, seq, &[1]);
     [&[seq.len()][..], &[5], &[3, 17, 2], &[32, 1]].iter().all(|chunks| {
         let (l, c) = run_chunked(model, seq, chunks);
-        l == one_by_one && cache_bits(model, &c) == cache_bits(model, &c1)
+        l == one_by_one && cache_bytes(&c) == cache_bytes(&c1)
     })
 }
 
@@ -102,7 +73,7 @@ fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
                 at[r] += w.len();
             }
         }
-        got == alone && cache_bits(model, &caches[0]) == cache_bits(model, &alone_cache)
+        got == alone && cache_bytes(&caches[0]) == cache_bytes(&alone_cache)
     }
 }
 

@@ -1,6 +1,7 @@
 //! Tensor parallelism (`--tensor-parallel N`): the model split between N ranks (threads on
-//! the CPU; GPUs over NCCL with `MTP_TEST_BACKEND=cuda`, `scripts/gpu-run.sh tp`) computes the whole model's function up to float rounding, and within one rank
-//! count every row stays invariant, bit for bit: batched == alone, decode == prefill of
+//! the CPU; GPUs over NCCL with `MTP_TEST_BACKEND=cuda`, `scripts/gpu-run.sh tp`) computes
+//! the whole model's function up to float rounding, and within one rank count every row
+//! stays invariant, bit for bit: batched == alone, decode == prefill of
 //! any chunking, speculative == plain after mixed accepts. The negative controls prove the
 //! checks can fail: a reduction whose order follows the token count breaks batched ==
 //! alone, and a rollback that skips compaction in the ranks' stores breaks speculative ==
@@ -10,7 +11,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::invariance::{last_logits, prompts};
+use common::invariance::{cache_bytes, last_logits, prompts, run_chunked};
 use common::{bits, first_difference, fixture, plain, request, run, trained, Lcg};
 use mtp::drafter::{DraftModelDrafter, Drafter, NgramDrafter};
 use mtp::engine::{DraftLen, EngineOptions, Request, WindowLayout};
@@ -36,26 +37,35 @@ fn load_with(dir: &std::path::Path, ranks: usize, numerics: Numerics) -> Model {
         .unwrap_or_else(|e| panic!("{} on {ranks} ranks: {e}", dir.display()))
 }
 
-/// Every token's logits of `seq` fed in pieces of `chunks` (cycled), and the final cache.
+/// Every token's logits of `seq` fed in pieces of `chunks` (cycled), and the final K/V.
 fn chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, Vec<u8>) {
-    let mut cache = model.new_cache();
-    let (mut logits, mut at) = (Vec::new(), 0);
-    for &c in chunks.iter().cycle() {
-        if at >= seq.len() {
-            break;
-        }
-        let piece = &seq[at..(at + c).min(seq.len())];
-        let mut rows =
-            [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All, full_logits: true }];
-        let out = model.forward(&mut rows).unwrap();
-        cache.commit_window(piece.len());
-        logits.extend(out[0].logits.iter().map(|l| bits(l)));
-        at += piece.len();
+    let (logits, cache) = run_chunked(model, seq, chunks);
+    (logits, cache_bytes(&cache))
+}
+
+/// Whether `prompts`' last logits are the same alone and in one batch: on the model as it
+/// is, then with the reduction ordered by the token count (the control).
+fn batch_invariance_and_control(model: &Model, prompts: &[Vec<u32>]) -> (bool, bool) {
+    let check = || last_logits(model, prompts, false) == last_logits(model, prompts, true);
+    let ours = check();
+    negative_control::set_token_ordered_reduction(true);
+    let control = check();
+    negative_control::set_token_ordered_reduction(false);
+    (ours, control)
+}
+
+/// The largest difference between the last logits of `whole` and `split` on `prompts`, the
+/// logits' scale, and whether any bit differs.
+fn split_vs_whole(whole: &Model, split: &Model, prompts: &[Vec<u32>]) -> (f32, f32, bool) {
+    let (a, b) = (last_logits(whole, prompts, true), last_logits(split, prompts, true));
+    let (mut worst, mut scale, mut differ) = (0f32, 0f32, false);
+    for (&x, &y) in a.iter().flatten().zip(b.iter().flatten()) {
+        let (x, y) = (f32::from_bits(x), f32::from_bits(y));
+        worst = worst.max((x - y).abs());
+        scale = scale.max(x.abs());
+        differ |= x.to_bits() != y.to_bits();
     }
-    let main = (0..cache.n_layers()).map(|l| cache.committed_bytes(l).unwrap());
-    let ring = (0..cache.ring_layers()).map(|l| cache.ring_bytes(l).unwrap());
-    let kv = main.chain(ring).flat_map(|(k, v)| k.into_iter().chain(v)).collect();
-    (logits, kv)
+    (worst, scale, differ)
 }
 
 #[test]
@@ -69,17 +79,7 @@ fn ranks_compute_the_whole_models_function() {
         let whole = load_with(&dir, 1, exact);
         let split = load_with(&dir, 2, exact);
         assert_eq!(split.tensor_parallel(), 2);
-        let prompts = prompts(&whole, 5);
-        let (a, b) = (last_logits(&whole, &prompts, true), last_logits(&split, &prompts, true));
-        let (mut worst, mut scale, mut differ) = (0f32, 0f32, false);
-        for (a, b) in a.iter().zip(&b) {
-            for (&x, &y) in a.iter().zip(b) {
-                let (x, y) = (f32::from_bits(x), f32::from_bits(y));
-                worst = worst.max((x - y).abs());
-                scale = scale.max(x.abs());
-                differ |= x.to_bits() != y.to_bits();
-            }
-        }
+        let (worst, scale, differ) = split_vs_whole(&whole, &split, &prompts(&whole, 5));
         // The ranks' partial sums round differently from one whole sum, and only that.
         assert!(worst <= 1e-5 * scale.max(1.0), "{}: off by {worst} at scale {scale}", dir.display());
         assert!(
@@ -96,12 +96,8 @@ fn rows_on_ranks_are_batch_and_chunking_invariant() {
     for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let model = load(&dir, 2);
-        let prompts = prompts(&model, 17);
-        let check = || last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true);
-        assert!(check(), "{name}: a row's logits changed with the batch on 2 ranks");
-        negative_control::set_token_ordered_reduction(true);
-        let control = check();
-        negative_control::set_token_ordered_reduction(false);
+        let (ours, control) = batch_invariance_and_control(&model, &prompts(&model, 17));
+        assert!(ours, "{name}: a row's logits changed with the batch on 2 ranks");
         if name.starts_with("gemma4") {
             // Gemma 4 norms o's and down's outputs before the residual, so two ranks' parts
             // are summed from zero: p0 + p1 == p1 + p0 in any order, and the control cannot
@@ -138,22 +134,12 @@ fn four_ranks_keep_rows_invariant() {
     s.write(&dir).unwrap();
     let model = load(&dir, 4);
     let prompts = prompts(&model, 29);
-    let check = || last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true);
-    assert!(check(), "a row's logits changed with the batch on 4 ranks");
-    negative_control::set_token_ordered_reduction(true);
-    let control = check();
-    negative_control::set_token_ordered_reduction(false);
+    let (ours, control) = batch_invariance_and_control(&model, &prompts);
+    assert!(ours, "a row's logits changed with the batch on 4 ranks");
     assert!(!control, "a reduction ordered by token count went unnoticed on 4 ranks");
     let exact = Numerics { kv: KvDtype::F32, activations: Activations::F32 };
     let (whole, split) = (load_with(&dir, 1, exact), load_with(&dir, 4, exact));
-    let (a, b) = (last_logits(&whole, &prompts, true), last_logits(&split, &prompts, true));
-    let worst = a
-        .iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(&x, &y)| (f32::from_bits(x) - f32::from_bits(y)).abs());
-    let scale = a.iter().flatten().map(|&x| f32::from_bits(x).abs()).fold(0f32, f32::max);
-    let worst = worst.fold(0f32, f32::max);
+    let (worst, scale, _) = split_vs_whole(&whole, &split, &prompts);
     assert!(worst <= 1e-5 * scale.max(1.0), "4 ranks off by {worst} at scale {scale}");
     std::fs::remove_dir_all(&dir).ok();
 }

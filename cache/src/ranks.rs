@@ -21,10 +21,6 @@ impl RankKv {
         RankKv { ranks: stores, rank_stride }
     }
 
-    pub fn ranks(&self) -> usize {
-        self.ranks.len()
-    }
-
     fn checked(&self) -> Result<(), KvError> {
         if self.ranks.is_empty() {
             return Err(KvError("a tensor-parallel row's stores are lent to a forward".into()));

@@ -346,11 +346,6 @@ impl Cuda {
         cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
     }
 
-    /// Which GPU this backend runs on.
-    pub fn ordinal(&self) -> usize {
-        self.stream.context().ordinal()
-    }
-
     /// GPU `ordinal`'s one stream and the loaded kernels, shared by both modes.
     fn device(ordinal: usize) -> std::result::Result<Device, String> {
         type Slot = OnceLock<std::result::Result<Device, String>>;

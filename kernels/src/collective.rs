@@ -38,7 +38,6 @@ pub struct HostCollective {
     changed: Condvar,
 }
 
-#[derive(Default)]
 struct HostState {
     /// `slots[g % 2][rank]`: rank's part of exchange `g`.
     slots: [Vec<Vec<f32>>; 2],
@@ -50,11 +49,22 @@ struct HostState {
     aborted: bool,
 }
 
+impl HostState {
+    /// No exchange started, for `ranks` ranks.
+    fn fresh(ranks: usize) -> HostState {
+        HostState {
+            slots: [vec![Vec::new(); ranks], vec![Vec::new(); ranks]],
+            arrived: [0; 2],
+            generation: [0, 1],
+            calls: vec![0; ranks],
+            aborted: false,
+        }
+    }
+}
+
 impl HostCollective {
     pub fn new(ranks: usize) -> HostCollective {
-        let c = HostCollective { ranks, state: Mutex::new(HostState::default()), changed: Condvar::new() };
-        c.reset();
-        c
+        HostCollective { ranks, state: Mutex::new(HostState::fresh(ranks)), changed: Condvar::new() }
     }
 
     fn exchange(&self, rank: usize, part: &[f32], gathered: &mut [f32]) -> Result<()> {
@@ -103,14 +113,7 @@ impl RankSync for HostCollective {
     }
 
     fn reset(&self) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        *s = HostState {
-            slots: [vec![Vec::new(); self.ranks], vec![Vec::new(); self.ranks]],
-            arrived: [0; 2],
-            generation: [0, 1],
-            calls: vec![0; self.ranks],
-            aborted: false,
-        };
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = HostState::fresh(self.ranks);
     }
 }
 

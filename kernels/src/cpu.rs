@@ -266,11 +266,13 @@ impl Kernels for Cpu {
             return Err(Error::Backend(format!("add_parts: {n} parts of {len} in {} values", parts.len())));
         }
         let order: Vec<usize> = if reversed { (0..n).rev().collect() } else { (0..n).collect() };
-        x.par_iter_mut().enumerate().for_each(|(i, x)| {
-            for &r in &order {
-                *x += parts[r * len + i];
-            }
-        });
+        let add = |(i, x): (usize, &mut f32)| order.iter().for_each(|&r| *x += parts[r * len + i]);
+        // A decode step's few thousand values cost less than waking the pool.
+        if n * len < 1 << 16 {
+            x.iter_mut().enumerate().for_each(add);
+        } else {
+            x.par_iter_mut().enumerate().for_each(add);
+        }
         Ok(())
     }
 

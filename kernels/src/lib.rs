@@ -216,6 +216,11 @@ pub enum Out {
     Add,
 }
 
+/// What a backend without the tensor-parallel kernels answers.
+fn no_tensor_parallel(backend: Backend) -> Error {
+    Error::Backend(format!("tensor parallelism is not built for the {} backend", backend.name()))
+}
+
 /// A row-invariant kernel set and the buffers it works on. Every op treats each token
 /// (row of an activation matrix) on its own, with a reduction order that depends only on
 /// the reduced length, never on how many tokens or rows share the call.
@@ -390,10 +395,7 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     /// holds `n` blocks of `x`'s length (tensor-parallel ranks' partial sums).
     fn add_parts(&self, x: &mut Self::Act, parts: &Self::Act, n: usize, reversed: bool) -> Result<()> {
         let _ = (x, parts, n, reversed);
-        Err(Error::Backend(format!(
-            "tensor parallelism is not built for the {} backend",
-            self.backend().name()
-        )))
+        Err(no_tensor_parallel(self.backend()))
     }
     /// `out[t][r * width + j] = parts[r][t][j]`: `n` blocks of `m x width` side by side
     /// (a tensor-parallel LM head's vocabulary shards), `out` being `m x n * width`.
@@ -406,11 +408,9 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         out: &mut Self::Act,
     ) -> Result<()> {
         let _ = (parts, n, width, m, out);
-        Err(Error::Backend(format!(
-            "tensor parallelism is not built for the {} backend",
-            self.backend().name()
-        )))
+        Err(no_tensor_parallel(self.backend()))
     }
+    /// `gate <- gelu_tanh(gate) * up`.
     fn gelu_tanh_mul(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
     /// `x <- x * s`.
     fn scale(&self, x: &mut Self::Act, s: f32) -> Result<()>;

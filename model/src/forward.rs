@@ -89,10 +89,6 @@ impl<B: Kernels> Proj<B> {
         Ok(y)
     }
 
-    pub(crate) fn bias(&self) -> Option<&B::Vec> {
-        self.bias.as_ref()
-    }
-
     /// The weight and bias, as [`Kernels::linear_parts`] takes them.
     pub(crate) fn part(&self) -> (&B::Mat, Option<&B::Vec>) {
         (&self.w, self.bias.as_ref())

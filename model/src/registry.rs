@@ -13,7 +13,7 @@ use mtp_base::Checkpoint;
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Numerics};
 
 use crate::accounting;
-use crate::forward::Model;
+use crate::forward::{Model, Net};
 use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
 use crate::mtp::{MtpHead, MtpLayout};
@@ -97,6 +97,41 @@ fn feature_of(backend: Backend) -> &'static str {
         Backend::Cuda => "cuda",
         Backend::Metal => "metal",
         Backend::MetalEmulated => "metal-emulator",
+    }
+}
+
+/// A model split between `ranks` ranks of `backend` (CPU threads, or GPUs over NCCL).
+fn split_on(
+    backend: Backend,
+    config: &Config,
+    ck: &Checkpoint,
+    numerics: Numerics,
+    ranks: usize,
+) -> Result<TensorParallel> {
+    let (kv, act) = (numerics.kv, numerics.activations);
+    match backend {
+        Backend::Cpu => {
+            act.f32_only(Backend::Cpu)?;
+            let backends = (0..ranks).map(|_| Arc::new(mtp_kernels::cpu::Cpu)).collect();
+            split(config, ck, kv, backends, Arc::new(HostCollective::new(ranks)))
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => {
+            let gpus = mtp_cuda::Cuda::device_count();
+            if ranks > gpus {
+                return Err(Error::InvalidOption(format!(
+                    "--tensor-parallel {ranks}: this machine has {gpus} GPU(s) (one rank a GPU)"
+                )));
+            }
+            let backends =
+                (0..ranks).map(|gpu| mtp_cuda::Cuda::on_device(gpu, act)).collect::<Result<Vec<_>>>()?;
+            let nccl = Arc::new(mtp_cuda::NcclCollective::new(&backends)?);
+            split(config, ck, kv, backends, nccl)
+        }
+        other => Err(Error::InvalidOption(format!(
+            "--tensor-parallel {ranks}: not built for the {} backend (cpu, cuda)",
+            other.name()
+        ))),
     }
 }
 
@@ -184,43 +219,13 @@ impl Model {
                 "--tensor-parallel {ranks}: give 1 to {MAX_RANKS} ranks"
             )));
         }
-        if ranks > 1 {
-            let net = match backend {
-                Backend::Cpu => {
-                    act.f32_only(Backend::Cpu)?;
-                    let backends = (0..ranks).map(|_| Arc::new(mtp_kernels::cpu::Cpu)).collect();
-                    split(&config, ck, kv, backends, Arc::new(HostCollective::new(ranks)))?
-                }
-                #[cfg(feature = "cuda")]
-                Backend::Cuda => {
-                    let gpus = mtp_cuda::Cuda::device_count();
-                    if ranks > gpus {
-                        return Err(Error::InvalidOption(format!(
-                            "--tensor-parallel {ranks}: this machine has {gpus} GPU(s) (one rank a GPU)"
-                        )));
-                    }
-                    let backends = (0..ranks)
-                        .map(|gpu| mtp_cuda::Cuda::on_device(gpu, act))
-                        .collect::<Result<Vec<_>>>()?;
-                    let nccl = Arc::new(mtp_cuda::NcclCollective::new(&backends)?);
-                    split(&config, ck, kv, backends, nccl)?
-                }
-                other => {
-                    return Err(Error::InvalidOption(format!(
-                        "--tensor-parallel {ranks}: not built for the {} backend (cpu, cuda)",
-                        other.name()
-                    )))
-                }
-            };
-            accounting::check_target(ck, &config)?;
-            return Ok(Model { config, net: Box::new(net) });
-        }
-        let net = match config.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => {
-                on_backend!(backend, act, be => llama::load(be, c, ck, kv))
+        let net: Box<dyn Net> = match (ranks, config.arch) {
+            (1, Arch::Llama | Arch::Qwen2 | Arch::Qwen3) => {
+                on_backend!(backend, act, be => llama::load(be, c, ck, kv))?
             }
-            Arch::Gemma4 => on_backend!(backend, act, be => gemma4::load(be, c, ck, kv)),
-        }?;
+            (1, Arch::Gemma4) => on_backend!(backend, act, be => gemma4::load(be, c, ck, kv))?,
+            _ => Box::new(split_on(backend, &config, ck, numerics, ranks)?),
+        };
         accounting::check_target(ck, &config)?;
         Ok(Model { config, net })
     }

@@ -30,7 +30,7 @@ use mtp_kernels::collective::{Collective, RankSync, ABORTED};
 use mtp_kernels::negative_control::{self, Switches};
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype};
 
-use crate::forward::{check_tokens, slots_for, Logits, Net, RowInput, RowOutput};
+use crate::forward::{check_tokens, slots_for, Cut, Logits, Net, RowInput, RowOutput};
 use crate::mtp::{MtpInput, MtpLayout, MtpNet, MtpOutput};
 
 /// Rank `rank` of `ranks`, with the collective its forward exchanges partials through.
@@ -47,12 +47,27 @@ impl<B: Kernels> Shard<B> {
         self.rank * each..(self.rank + 1) * each
     }
 
+    /// This rank's rows of a `table` with one row a token (an LM head), `name` for errors.
+    pub(crate) fn vocab_rows(&self, table: &Weight, name: &str) -> Result<Weight> {
+        table.slice_rows(self.even(table.rows)).map_err(|e| Error::Backend(format!("{name}: {e}")))
+    }
+
     /// This rank's rows of an embedding `table` (one row a token), and a row of zeros after
     /// them: what [`Shard::local_tokens`] maps every other token to.
     pub(crate) fn embedding_rows(&self, table: &Weight, name: &str) -> Result<Weight> {
-        let rows =
-            table.slice_rows(self.even(table.rows)).map_err(|e| Error::Backend(format!("{name}: {e}")))?;
-        Ok(rows.with_zero_row())
+        Ok(self.vocab_rows(table, name)?.with_zero_row())
+    }
+
+    /// The cut of an `n`-output projection a rank holds by output rows (`shard` absent:
+    /// whole).
+    pub(crate) fn rows_cut(shard: Option<&Self>, n: usize) -> Cut {
+        shard.map_or(Cut::Whole, |s| Cut::Rows(s.even(n)))
+    }
+
+    /// The cut of an `n`-input projection a rank holds by input columns: its outputs are
+    /// partial sums, so rank 0 alone adds the bias.
+    pub(crate) fn cols_cut(shard: Option<&Self>, n: usize) -> Cut {
+        shard.map_or(Cut::Whole, |s| Cut::Cols { cols: s.even(n), bias_here: s.rank == 0 })
     }
 
     /// `tokens` as rows of this rank's [`Shard::embedding_rows`] of a `vocab`-row table:
@@ -66,9 +81,10 @@ impl<B: Kernels> Shard<B> {
             .collect()
     }
 
-    /// Every rank's embedding rows for `m` tokens (`part`: this rank's, zeros for tokens it
-    /// does not hold), summed from zero in rank order: each token's one nonzero row.
-    pub(crate) fn gather_embedding(&self, be: &B, part: &B::Act, m: usize, h: usize) -> Result<B::Act> {
+    /// Every rank's `part` (`m x h`; this rank's given) summed from zero in rank order: a
+    /// column-split projection's output where a norm must read it whole, or the embedding
+    /// (each token's one nonzero row: zeros from the ranks that do not hold it).
+    pub(crate) fn sum(&self, be: &B, part: &B::Act, m: usize, h: usize) -> Result<B::Act> {
         let mut x = be.zeros(m * h)?;
         let mut gathered = be.alloc(self.ranks * m * h)?;
         self.reduce(be, part, &mut gathered, &mut x, m)?;
@@ -93,9 +109,32 @@ impl<B: Kernels> Shard<B> {
     }
 }
 
+/// `tokens`' rows of the embedding `table` of `vocab` rows (`h` wide): looked up whole, or on
+/// a rank (`shard`) its rows' lookup, every rank's summed.
+pub(crate) fn embed_tokens<B: Kernels>(
+    be: &B,
+    shard: Option<&Shard<B>>,
+    table: &B::Mat,
+    tokens: &[u32],
+    vocab: usize,
+    h: usize,
+) -> Result<B::Act> {
+    let m = tokens.len();
+    let mut x = be.alloc(m * h)?;
+    match shard {
+        None => be.embed(table, tokens, &mut x)?,
+        Some(s) => {
+            be.embed(table, &s.local_tokens(tokens, vocab), &mut x)?;
+            x = s.sum(be, &x, m, h)?;
+        }
+    }
+    Ok(x)
+}
+
 /// Refuses `ranks` where a model of these sizes cannot be split evenly, naming the key.
-pub(crate) fn check_split(ranks: usize, sizes: &[(&str, usize)]) -> Result<()> {
-    for &(key, n) in sizes {
+pub(crate) fn check_split<K: AsRef<str>>(ranks: usize, sizes: &[(K, usize)]) -> Result<()> {
+    for (key, n) in sizes {
+        let (key, n) = (key.as_ref(), *n);
         if !n.is_multiple_of(ranks) {
             return Err(Error::InvalidOption(format!(
                 "--tensor-parallel {ranks}: config.json's {key} ({n}) does not split evenly between {ranks} ranks"

@@ -55,6 +55,34 @@ pub fn rows_invariant_and_control<K: Kernels>(
     (ours, stock)
 }
 
+/// Runs `seq` through a fresh cache in pieces of the given sizes (cycled) and returns the
+/// logits after every token plus the final cache.
+pub fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32>>, mtp::cache::RowCache) {
+    let mut cache = model.new_cache();
+    let mut logits = Vec::new();
+    let mut at = 0;
+    for &c in chunks.iter().cycle() {
+        if at >= seq.len() {
+            break;
+        }
+        let piece = &seq[at..(at + c).min(seq.len())];
+        let mut rows =
+            [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All, full_logits: true }];
+        let out = model.forward(&mut rows).unwrap();
+        cache.commit_window(piece.len());
+        logits.extend(out[0].logits.iter().map(|l| bits(l)));
+        at += piece.len();
+    }
+    (logits, cache)
+}
+
+/// Every committed K/V byte of a row: each layer of its main store, then of its ring.
+pub fn cache_bytes(c: &mtp::cache::RowCache) -> Vec<u8> {
+    let main = (0..c.n_layers()).map(|l| c.committed_bytes(l).unwrap());
+    let ring = (0..c.ring_layers()).map(|l| c.ring_bytes(l).unwrap());
+    main.chain(ring).flat_map(|(k, v)| k.into_iter().chain(v)).collect()
+}
+
 /// Logits after each prompt, run alone or all in one forward.
 pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<Vec<u32>> {
     let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache()).collect();

@@ -9,7 +9,7 @@ use mtp_base::error::Result;
 use mtp_base::Checkpoint;
 use mtp_kernels::{Heads, Kernels, Plane};
 
-use crate::forward::{Cut, Proj};
+use crate::forward::Proj;
 use crate::tensor_parallel::Shard;
 
 use super::config::{Gemma4Config, LayerSpec};
@@ -69,10 +69,8 @@ impl<B: Kernels> Layer<B> {
         shard: Option<Arc<Shard<B>>>,
     ) -> Result<Layer<B>> {
         let h = c.hidden_size;
-        let rows = |n: usize| shard.as_ref().map_or(Cut::Whole, |s| Cut::Rows(s.even(n)));
-        let cols = |n: usize| {
-            shard.as_ref().map_or(Cut::Whole, |s| Cut::Cols { cols: s.even(n), bias_here: s.rank == 0 })
-        };
+        let rows = |n: usize| Shard::rows_cut(shard.as_deref(), n);
+        let cols = |n: usize| Shard::cols_cut(shard.as_deref(), n);
         let a = format!("{p}.self_attn");
         let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
         let (hd, kvd) = (spec.head_dim, spec.kv_heads * spec.head_dim);
@@ -137,11 +135,10 @@ impl<B: Kernels> Layer<B> {
     /// `y` summed over the ranks in rank order (`y` itself on a whole model): what a
     /// column-split projection gives before a norm may read it.
     fn reduced(&self, be: &B, y: B::Act, m: usize, h: usize) -> Result<B::Act> {
-        let Some(shard) = &self.shard else { return Ok(y) };
-        let mut sum = be.zeros(m * h)?;
-        let mut gathered = be.alloc(shard.ranks * m * h)?;
-        shard.reduce(be, &y, &mut gathered, &mut sum, m)?;
-        Ok(sum)
+        match &self.shard {
+            Some(shard) => shard.sum(be, &y, m, h),
+            None => Ok(y),
+        }
     }
 
     /// `q_norm(q(n(x)))`, and `(k_norm(k(n(x))), v_norm(v(n(x))))` when the layer stores

@@ -33,7 +33,7 @@ use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Plane};
 
 use crate::forward::{check_tokens, head_outputs, slots_for, LmHead, Net, Proj, RowInput, RowOutput};
 use crate::mtp::{MtpLayout, MtpNet};
-use crate::tensor_parallel::{check_split, Shard};
+use crate::tensor_parallel::{check_split, embed_tokens, Shard};
 
 pub use config::{Gemma4Config, LayerKind, LayerSpec};
 use layer::Layer;
@@ -166,10 +166,7 @@ impl<B: Kernels> Gemma4<B> {
         let lm_head = match (&shard, lm_head_w) {
             (None, w) => w.map(|w| be.matrix(&w)).transpose()?,
             // A rank's vocabulary rows of the head (tied: of the embedding).
-            (Some(s), w) => {
-                let rows = w.as_ref().unwrap_or(&embed_w).slice_rows(s.even(c.vocab_size));
-                Some(be.matrix(&rows.map_err(|e| Error::Backend(format!("lm_head: {e}")))?)?)
-            }
+            (Some(s), w) => Some(be.matrix(&s.vocab_rows(w.as_ref().unwrap_or(&embed_w), "lm_head")?)?),
         };
         let max_positions = c.max_position_embeddings;
         Ok(Gemma4 {
@@ -220,15 +217,7 @@ impl<B: Kernels> Gemma4<B> {
         check_tokens(rows.iter().map(|r| r.tokens), c.vocab_size, "row")?;
         let m = slots.len();
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let mut x = be.alloc(m * h)?;
-        match &self.shard {
-            None => be.embed(&self.embed, &tokens, &mut x)?,
-            // This rank's vocabulary rows; every rank's summed.
-            Some(s) => {
-                be.embed(&self.embed, &s.local_tokens(&tokens, c.vocab_size), &mut x)?;
-                x = s.gather_embedding(be, &x, m, h)?;
-            }
-        }
+        let mut x = embed_tokens(be, self.shard.as_deref(), &self.embed, &tokens, c.vocab_size, h)?;
         be.scale(&mut x, self.embed_scale)?;
         let inputs = match &self.inputs {
             Some(p) => {
@@ -390,18 +379,17 @@ fn load_split<B: Kernels>(
     let prefix = if wrapped { "model.language_model." } else { "model." };
     if let Some(s) = &shard {
         let mut sizes = vec![
-            ("num_attention_heads".to_string(), config.num_attention_heads),
-            ("vocab_size".to_string(), config.vocab_size),
+            ("num_attention_heads".into(), config.num_attention_heads),
+            ("vocab_size".into(), config.vocab_size),
         ];
         for (i, l) in g.layers.iter().enumerate() {
             sizes.push((format!("layer {i}'s K/V heads"), l.kv_heads));
             sizes.push((format!("layer {i}'s MLP width"), l.intermediate));
         }
         if let Some(m) = g.moe {
-            sizes.push(("moe_intermediate_size".to_string(), m.intermediate));
+            sizes.push(("moe_intermediate_size".into(), m.intermediate));
         }
-        let sizes: Vec<(&str, usize)> = sizes.iter().map(|(k, n)| (k.as_str(), *n)).collect();
-        check_split(s.ranks, &sizes)?;
+        check_split::<String>(s.ranks, &sizes)?;
     }
     if wrapped {
         let towers = ck.names_with_prefix("model.vision_tower.").count()

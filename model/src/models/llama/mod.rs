@@ -19,8 +19,8 @@ use mtp_kernels::{
 };
 
 use crate::forward::{
-    check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Cut, Head, LmHead, Net, Proj,
-    RowInput, RowOutput,
+    check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Head, LmHead, Net, Proj, RowInput,
+    RowOutput,
 };
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::{check_split, Shard};
@@ -103,10 +103,9 @@ impl<B: Kernels> Block<B> {
         let (qd, kvd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         // A rank's output rows of `n` (heads whole: `n` is a multiple of head_dim x ranks),
         // or its input columns.
-        let rows = |n: usize| shard.as_ref().map_or(Cut::Whole, |s| Cut::Rows(s.even(n)));
-        let cols = |n: usize| {
-            shard.as_ref().map_or(Cut::Whole, |s| Cut::Cols { cols: s.even(n), bias_here: s.rank == 0 })
-        };
+        let rows = |n: usize| Shard::rows_cut(shard.as_deref(), n);
+        let cols = |n: usize| Shard::cols_cut(shard.as_deref(), n);
+        let i = c.intermediate_size;
         let a = format!("{p}.self_attn");
         let norm = |name: String, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&name, n)?) };
         let qk_norm = if c.arch == Arch::Qwen3 {
@@ -122,33 +121,9 @@ impl<B: Kernels> Block<B> {
             v: Proj::load_cut(be, ck, &format!("{a}.v_proj"), kvd, h, c.qkv_bias, rows(kvd))?,
             o: Proj::load_cut(be, ck, &format!("{a}.o_proj"), h, qd, c.o_bias, cols(qd))?,
             qk_norm,
-            gate: Proj::load_cut(
-                be,
-                ck,
-                &format!("{p}.mlp.gate_proj"),
-                c.intermediate_size,
-                h,
-                false,
-                rows(c.intermediate_size),
-            )?,
-            up: Proj::load_cut(
-                be,
-                ck,
-                &format!("{p}.mlp.up_proj"),
-                c.intermediate_size,
-                h,
-                false,
-                rows(c.intermediate_size),
-            )?,
-            down: Proj::load_cut(
-                be,
-                ck,
-                &format!("{p}.mlp.down_proj"),
-                h,
-                c.intermediate_size,
-                false,
-                cols(c.intermediate_size),
-            )?,
+            gate: Proj::load_cut(be, ck, &format!("{p}.mlp.gate_proj"), i, h, false, rows(i))?,
+            up: Proj::load_cut(be, ck, &format!("{p}.mlp.up_proj"), i, h, false, rows(i))?,
+            down: Proj::load_cut(be, ck, &format!("{p}.mlp.down_proj"), h, i, false, cols(i))?,
             shard,
         })
     }
@@ -217,7 +192,8 @@ impl<B: Kernels> Block<B> {
     ) -> Result<()> {
         match (&self.shard, part) {
             (Some(shard), Some((part, gathered))) => {
-                be.linear(y, m, &proj.w, proj.bias(), part, Out::Write)?;
+                let (w, bias) = proj.part();
+                be.linear(y, m, w, bias, part, Out::Write)?;
                 shard.reduce(be, part, gathered, x, m)
             }
             _ => proj.add_to(be, y, m, x),
@@ -283,11 +259,7 @@ impl<B: Kernels> Decoder<B> {
         let lm_head = match (&shard, lm_head_w) {
             (None, Some(w)) => Arc::new(be.matrix(&w)?),
             (None, None) => embed.clone(),
-            (Some(s), w) => {
-                let rows = s.even(c.vocab_size);
-                let slice = w.as_ref().unwrap_or(&embed_w).slice_rows(rows);
-                Arc::new(be.matrix(&slice.map_err(|e| Error::Backend(format!("lm_head: {e}")))?)?)
-            }
+            (Some(s), w) => Arc::new(be.matrix(&s.vocab_rows(w.as_ref().unwrap_or(&embed_w), "lm_head")?)?),
         };
         let table =
             RopeTable::new(c.head_dim, c.rope_theta, c.rope_scaling.as_ref(), c.max_position_embeddings);
@@ -337,7 +309,7 @@ impl<B: Kernels> Decoder<B> {
             let mut x = be.alloc(m * h)?;
             be.embed_batch(&self.embed, batch, &mut x)?;
             if let Some(s) = &self.shard {
-                x = s.gather_embedding(be, &x, m, h)?;
+                x = s.sum(be, &x, m, h)?;
             }
             if let Some(first) = self.layers.first() {
                 // Every layer has the first's shape.

@@ -13,7 +13,7 @@ use mtp_kernels::{Kernels, KvDtype, Out};
 use super::{Block, Decoder};
 use crate::forward::{check_tokens, slots_for, LmHead};
 use crate::mtp::{MtpInput, MtpLayout, MtpNet, MtpOutput};
-use crate::tensor_parallel::Shard;
+use crate::tensor_parallel::{embed_tokens, Shard};
 
 /// Module 0's weights on backend `B`, with the target's shared parts.
 pub(crate) struct MtpBlock<B: Kernels> {
@@ -52,9 +52,7 @@ impl<B: Kernels> MtpBlock<B> {
                 let w = match (&target.shard, embedding) {
                     (None, _) => w,
                     (Some(s), true) => s.embedding_rows(&w, &name)?,
-                    (Some(s), false) => w
-                        .slice_rows(s.even(tc.vocab_size))
-                        .map_err(|e| Error::Backend(format!("{name}: {e}")))?,
+                    (Some(s), false) => s.vocab_rows(&w, &name)?,
                 };
                 Ok(Arc::new(be.matrix(&w)?))
             } else {
@@ -112,16 +110,8 @@ impl<B: Kernels> MtpNet for MtpBlock<B> {
             MtpLayout::MiMo => (h, 0),
             MtpLayout::DeepSeek => (0, h),
         };
-        let mut e = be.alloc(m * h)?;
-        match &self.shard {
-            None => be.embed(&self.embed, &tokens, &mut e)?,
-            // A rank's embedding rows (its target's, or its own DeepSeek-V3 ones) hold its
-            // vocabulary's: every rank's rows summed.
-            Some(s) => {
-                be.embed(&self.embed, &s.local_tokens(&tokens, c.vocab_size), &mut e)?;
-                e = s.gather_embedding(be, &e, m, h)?;
-            }
-        }
+        // On a rank, its target's embedding rows (or its own DeepSeek-V3 ones).
+        let e = embed_tokens(be, self.shard.as_deref(), &self.embed, &tokens, c.vocab_size, h)?;
         let mut cat = be.alloc(m * 2 * h)?;
         be.rms_norm(&e, &self.token_norm, c.rms_norm_eps, &mut cat, 2 * h, emb_at)?;
         be.rms_norm(&be.upload(&hidden)?, &self.hidden_norm, c.rms_norm_eps, &mut cat, 2 * h, hid_at)?;
