@@ -1,9 +1,10 @@
 //! With the `cuda` feature, compiles `src/kernels.cu` to PTX with nvcc (PTX for compute
-//! capability 8.0, which the driver compiles for the GPU it finds: A100, H100 and later).
+//! capability 8.0, which the driver compiles for the GPU it finds: A100, H100 and later),
+//! and `src/hopper.cu` to PTX for sm_90a (wgmma and TMA: H100, H200).
 //! nvcc comes from `NVCC`, `CUDA_HOME`/`CUDA_PATH`, or `PATH`; `scripts/install-nvcc.sh`
 //! installs the pinned one from PyPI. No GPU is needed to build.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
@@ -15,9 +16,7 @@ fn main() {
 fn cuda() {
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
-    let src = "src/kernels.cu";
-    println!("cargo:rerun-if-changed={src}");
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.ptx");
+    println!("cargo:rerun-if-changed=src/walk.cuh");
     let nvcc = std::env::var_os("NVCC")
         .map(PathBuf::from)
         .or_else(|| {
@@ -28,8 +27,17 @@ fn cuda() {
                 .find(|p| p.exists())
         })
         .unwrap_or_else(|| PathBuf::from("nvcc"));
+    // Every kernel as PTX for compute capability 8.0; the Hopper module (wgmma, TMA) as
+    // PTX for sm_90a, loaded only on such a GPU.
+    ptx(&nvcc, "src/kernels.cu", "kernels.ptx", "compute_80");
+    ptx(&nvcc, "src/hopper.cu", "hopper.ptx", "compute_90a");
+}
+
+fn ptx(nvcc: &Path, src: &str, name: &str, arch: &str) {
+    println!("cargo:rerun-if-changed={src}");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join(name);
     let status =
-        Command::new(&nvcc).args(["--ptx", "-arch=compute_80", "-O3", "-o"]).arg(&out).arg(src).status();
+        Command::new(nvcc).args(["--ptx", &format!("-arch={arch}"), "-O3", "-o"]).arg(&out).arg(src).status();
     match status {
         Ok(s) if s.success() => {}
         Ok(s) => panic!("{} failed on {src} ({s})", nvcc.display()),

@@ -62,12 +62,20 @@ fn main() -> anyhow::Result<()> {
         for &m in &ms {
             let x = cuda.upload(&activations(m, k))?;
             let mut out = cuda.alloc(m * n)?;
-            let picked = TcKernel::for_shape(m, n);
+            let picked = cuda.pick(m, n, k);
             let kernels = if every_kernel { TcKernel::ALL.to_vec() } else { vec![picked] };
             for kernel in kernels {
+                // A kernel a mode cannot run (wgmma with f32 activations): that mode's own
+                // pick when timing the picks, else nothing ("-").
+                let own = |cuda: &Cuda| match cuda.runs(kernel, k) {
+                    true => Some(kernel),
+                    false if !every_kernel => Some(cuda.pick(m, n, k)),
+                    false => None,
+                };
                 let mut times = [Vec::new(), Vec::new()];
                 for rep in 0..reps + 3 {
                     for (i, (cuda, times)) in modes.iter().zip(&mut times).enumerate() {
+                        let Some(kernel) = own(cuda) else { continue };
                         cuda.synchronize()?;
                         // Every launch reads another copy than the one before it (the modes
                         // alternate), so neither mode finds its weights in L2.
@@ -82,10 +90,11 @@ fn main() -> anyhow::Result<()> {
                 }
                 let [t16, t32] = times.map(|mut t| median(&mut t));
                 let mark = if kernel == picked && every_kernel { " (picked)" } else { "" };
+                let ms = |t: f64| if t.is_nan() { "-".to_string() } else { format!("{:.3}", t * 1e3) };
                 println!(
-                    "| {n} x {k} | {m} | {kernel:?}{mark} | {:.3} | {:.3} | {:.0} |",
-                    t16 * 1e3,
-                    t32 * 1e3,
+                    "| {n} x {k} | {m} | {kernel:?}{mark} | {} | {} | {:.0} |",
+                    ms(t16),
+                    ms(t32),
                     (n * k * 2) as f64 / t16 / 1e9
                 );
             }
@@ -107,9 +116,10 @@ fn activations(m: usize, k: usize) -> Vec<f32> {
     (0..m * k).map(|i| ((i % 89) as f32 - 44.0) * 1e-2).collect()
 }
 
+/// The median, NaN for no times.
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The 8B layer's projections over one input: a launch each, then one `linear_parts`

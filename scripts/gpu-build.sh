@@ -2,7 +2,7 @@
 # Builds the GPU test binaries (`tests`), the CLIs alone (`cli`: mtp and mtp-bench, for
 # measurements on synthesized checkpoints), the CLIs plus mtp-bench and the matmul bench as
 # built from git revision REV (`ab REV`: side-by-side runs of two versions, `gpu-run.sh
-# ab`), or both and the matmul bench (`all`, the default) on a machine without a GPU (this
+# ab` or `prefill`; mtp-base too), or both and the matmul bench (`all`, the default) on a machine without a GPU (this
 # one) and packs them into
 # gpu-bundle/bundle.tar.xz, for `scripts/gpu-run.sh` on the GPU machine (which takes at
 # most 64 MiB with the working tree: `tests` and `cli` keep the bundle small).
@@ -40,7 +40,8 @@ if [ -n "$base_rev" ]; then
     git worktree remove --force "$base" 2>/dev/null || rm -rf "$base"
     git worktree add --force --detach "$base" "$base_rev"
     (cd "$base" && CARGO_TARGET_DIR="$OLDPWD/target/ab-base" \
-        cargo build --release --features cuda --bin mtp-bench --example gpu_matmul)
+        cargo build --release --features cuda --bin mtp --bin mtp-bench --example gpu_matmul)
+    cp target/ab-base/release/mtp gpu-bundle/bin/mtp-base
     cp target/ab-base/release/mtp-bench gpu-bundle/bin/mtp-bench-base
     cp target/ab-base/release/examples/gpu_matmul gpu-bundle/bin/gpu_matmul-base
     git worktree remove --force "$base"

@@ -41,7 +41,10 @@
 #          to 4,096 beside cuBLAS, prefill of 2,048 and 16,384 tokens beside transformers,
 #          decode and speculation (plain, oracle:1.0, oracle:0.7; k=4 and adaptive) on the
 #          Qwen3-8B shape.
-# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|kernels|profile|profile-matmul. Logs go to $OUT
+#   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
+#          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
+#          transformers; with an `ab REV` bundle also the base's prefill and decode.
+# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -287,6 +290,43 @@ if [ "$what" = numerics ]; then
             --k 4,auto --batch 1,8 --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 \
             --prompt-tokens 32 --max-tokens 64 --repeats 2 2>&1 | tee -a "$nlog"
     done
+    rm -rf /tmp/qwen3-8b
+fi
+
+if [ "$what" = prefill ]; then
+    # The prefill goals, bf16 activations: the matmul at prefill sizes beside cuBLAS, and
+    # the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS: more sizes) beside
+    # transformers'; with an `ab REV` bundle, the base's prefill and both versions' plain
+    # and oracle:1.0 k=4 decode (batch 1 and 8) alternated twice.
+    plog="$OUT/prefill.log"
+    "$bin/gpu_matmul" --m 128,256,512,2048,4096 2>&1 | tee -a "$plog"
+    torch_matmul 2>&1 | tee -a "$plog"
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    for tokens in ${PREFILL_TOKENS:-2048}; do
+        prompt_of /tmp/pp.jsonl $tokens
+        for r in 1 2; do
+            for v in base new; do
+                m="$bin/mtp"; [ $v = base ] && m="$bin/mtp-base"
+                [ -x "$m" ] || continue
+                s=$("$m" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
+                    --prompts /tmp/pp.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
+                    sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
+                echo "mtp prefill $tokens tokens, chunk 2048, $v, run $r: $s s" | tee -a "$plog"
+            done
+        done
+        python3 scripts/long_context_anchors.py prefill /tmp/qwen3-8b --tokens $tokens --runs 3 2>&1 | grep -v Warning | tee -a "$plog"
+    done
+    if [ -x "$bin/mtp-bench-base" ]; then
+        for round in 1 2; do
+            for v in base new; do
+                b="$bin/mtp-bench"; [ $v = base ] && b="$bin/mtp-bench-base"
+                echo "== qwen3-8b $v (round $round)" | tee -a "$plog"
+                "$b" --target /tmp/qwen3-8b --backend cuda --drafters oracle:1.0 --k 4 --batch 1,8 --temperatures 0 \
+                    --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 1 \
+                    2>&1 | tee -a "$plog"
+            done
+        done
+    fi
     rm -rf /tmp/qwen3-8b
 fi
 

@@ -38,6 +38,7 @@ macro_rules! launch {
 }
 
 mod graphs;
+mod hopper;
 mod kv;
 mod nccl;
 
@@ -102,6 +103,9 @@ pub enum TcKernel {
     /// 48 tokens a tile: a verify of 33-48 tokens (8 rows x 5) stages and multiplies fewer
     /// idle token rows than a 64-token tile.
     Phases128x48,
+    /// wgmma over TMA-fed 128x128 tiles (`hopper.cu`): compute capability 9.0, bf16
+    /// activations and K % 64 == 0 only ([`Cuda::runs`]).
+    Wgmma128x128,
 }
 
 /// A tile kernel's shape: output columns and tokens per block, stages of loads in
@@ -132,7 +136,7 @@ fn activation_terms(a: Activations) -> usize {
 }
 
 impl TcKernel {
-    pub const ALL: [TcKernel; 13] = [
+    pub const ALL: [TcKernel; 14] = [
         TcKernel::Pass8,
         TcKernel::Pass16,
         TcKernel::Pass32,
@@ -146,6 +150,7 @@ impl TcKernel {
         TcKernel::Phases64x64,
         TcKernel::Phases128x64,
         TcKernel::Phases128x48,
+        TcKernel::Wgmma128x128,
     ];
 
     /// The fastest kernel for M tokens and N output columns, as measured on an H100
@@ -174,11 +179,15 @@ impl TcKernel {
     }
 
     /// The tile kernel's shape, and its function's index in `Functions::linear_tt`
-    /// (unphased) or `linear_tt_phases`; None for the pass kernels.
+    /// (unphased) or `linear_tt_phases`; None for the pass kernels and wgmma.
     fn tile(self) -> Option<(usize, Tile)> {
         let t = |cols, toks, stages, phased| Tile { cols, toks, stages, phased };
         Some(match self {
-            TcKernel::Pass8 | TcKernel::Pass16 | TcKernel::Pass32 | TcKernel::Pass64 => return None,
+            TcKernel::Pass8
+            | TcKernel::Pass16
+            | TcKernel::Pass32
+            | TcKernel::Pass64
+            | TcKernel::Wgmma128x128 => return None,
             TcKernel::Tile256x16 => (0, t(256, 16, 2, false)),
             TcKernel::Tile128x32 => (1, t(128, 32, 3, false)),
             TcKernel::Tile64x64 => (2, t(64, 64, 3, false)),
@@ -247,6 +256,8 @@ struct Functions {
     linear_tt_phases: [CudaFunction; 5],
     /// Phase-split tiles over up to 3 weights, as `PARTS_TILES`.
     linear_tt_parts: [CudaFunction; 3],
+    /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only.
+    linear_wg: Option<CudaFunction>,
     split_activations: CudaFunction,
     linear_merge_phases: CudaFunction,
     embed: [CudaFunction; 3],
@@ -289,8 +300,9 @@ pub struct Cuda {
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
 
-/// A GPU's stream and the module of every kernel.
-type Device = (Arc<CudaStream>, Arc<cudarc::driver::CudaModule>);
+/// A GPU's stream, the module of every kernel, and the Hopper module on compute
+/// capability 9.0.
+type Device = (Arc<CudaStream>, Arc<cudarc::driver::CudaModule>, Option<Arc<cudarc::driver::CudaModule>>);
 
 /// The most GPUs one process drives (tensor-parallel ranks).
 pub const MAX_GPUS: usize = 8;
@@ -367,13 +379,13 @@ impl Cuda {
                 let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).map_err(|e| {
                     format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}")
                 })?;
-                Ok((stream, module))
+                Ok((stream, module, hopper::load(&ctx)?))
             })
             .clone()
     }
 
     fn start(ordinal: usize, activations: Activations) -> std::result::Result<Cuda, String> {
-        let (stream, module) = Cuda::device(ordinal)?;
+        let (stream, module, hopper) = Cuda::device(ordinal)?;
         let ctx = stream.context();
         let get = |name: &str| module.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
         // The tensor-core kernels of this mode: activations as 1 or 3 bf16 terms.
@@ -419,6 +431,13 @@ impl Cuda {
                 tc("linear_tt_parts_bf16_128x64")?,
                 tc("linear_tt_parts_bf16_128x48")?,
             ],
+            linear_wg: match &hopper {
+                Some(h) if terms == 1 => Some(
+                    h.load_function("linear_wg_bf16_128x128_x1")
+                        .map_err(|e| format!("kernel linear_wg_bf16_128x128_x1: {e:?}"))?,
+                ),
+                _ => None,
+            },
             split_activations: tc("split_activations")?,
             linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
@@ -468,6 +487,12 @@ impl Cuda {
                 func.set_attribute(MAX, bytes as i32)
                     .map_err(|e| format!("shared memory for {kernel:?} ({bytes} bytes): {e:?}"))?;
             }
+        }
+        if let Some(func) = &f.linear_wg {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+            func.set_attribute(MAX, hopper::SMEM_BYTES as i32).map_err(|e| {
+                format!("shared memory for the wgmma matmul ({} bytes): {e:?}", hopper::SMEM_BYTES)
+            })?;
         }
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
@@ -527,7 +552,7 @@ impl Cuda {
 
     /// `out` (+)= `x` (M rows) times `w`'s transpose by one tensor-core kernel: what
     /// [`Kernels::linear`] does for a bf16 weight with K % 32 == 0 (it picks the kernel by
-    /// [`TcKernel::for_shape`]), open to benchmarks and tests of each kernel.
+    /// [`Cuda::pick`]), open to benchmarks and tests of each kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn linear_tc_with(
         &self,
@@ -549,7 +574,13 @@ impl Cuda {
         if m == 0 || w.rows == 0 {
             return Ok(());
         }
-        if kernel.tile().is_none() {
+        if !self.runs(kernel, w.cols) {
+            return Err(Error::Backend(format!(
+                "{kernel:?} does not run here (compute capability 9.0, bf16 activations and K % 64 == 0), K = {}",
+                w.cols
+            )));
+        }
+        if kernel.tile().is_none() && kernel != TcKernel::Wgmma128x128 {
             let s = &self.stream;
             let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
             let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
@@ -559,6 +590,24 @@ impl Cuda {
         }
         let split = self.split_activations(x, m * w.cols)?;
         self.linear_tile(kernel, &split, m, w, bias, out, mode)
+    }
+
+    /// Whether `kernel` runs on this GPU and mode for a K-wide weight: every kernel does but
+    /// wgmma, which needs compute capability 9.0, bf16 activations and K % 64 == 0.
+    pub fn runs(&self, kernel: TcKernel, k: usize) -> bool {
+        kernel != TcKernel::Wgmma128x128 || (self.f.linear_wg.is_some() && k.is_multiple_of(64))
+    }
+
+    /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
+    /// [`TcKernel::for_shape`], except that past 128 tokens wgmma takes the plain tiles'
+    /// place where it runs.
+    pub fn pick(&self, m: usize, n: usize, k: usize) -> TcKernel {
+        let kernel = TcKernel::for_shape(m, n);
+        if m > 128 && kernel == TcKernel::Tile128x32 && self.runs(TcKernel::Wgmma128x128, k) {
+            TcKernel::Wgmma128x128
+        } else {
+            kernel
+        }
     }
 
     /// `len` f32 activations as the bf16 planes the tiles read: split exactly into three, or
@@ -641,6 +690,9 @@ impl Cuda {
         let s = &self.stream;
         let (sp, wp, op, bp) = (ptr(split, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
+        if kernel == TcKernel::Wgmma128x128 {
+            return self.linear_wgmma(split, m, w, bias, out, mode);
+        }
         let Some((i, tile)) = kernel.tile() else {
             return Err(Error::Backend(format!("{kernel:?} is not a tile kernel")));
         };
@@ -999,7 +1051,7 @@ impl Kernels for Cuda {
             return launch!(self, &self.f.add_into, (m as u32, 1), 256, "add", [op, yp, bp, mi, n, acc]);
         }
         if tensor_core_path(w) {
-            return self.linear_tc_with(TcKernel::for_shape(m, w.rows), x, m, w, bias, out, mode);
+            return self.linear_tc_with(self.pick(m, w.rows, w.cols), x, m, w, bias, out, mode);
         }
         let (xp, wp, op) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s));
         let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
@@ -1045,7 +1097,7 @@ impl Kernels for Cuda {
         if m == 0 || !tensor_cores || (m <= 32 && !stackable) {
             return linear_each(self, x, m, parts, outs);
         }
-        let kernel = TcKernel::for_shape(m, parts.iter().map(|(w, _)| w.rows).sum());
+        let kernel = self.pick(m, parts.iter().map(|(w, _)| w.rows).sum(), k);
         let tile_parts = stackable && PARTS_TILES.contains(&kernel);
         if tile_parts || m > 32 {
             let split = self.split_activations(x, m * k)?;
@@ -1055,7 +1107,7 @@ impl Kernels for Cuda {
             for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
                 if w.rows > 0 {
                     // Past 32 tokens every width takes a tile kernel.
-                    self.linear_tile(TcKernel::for_shape(m, w.rows), &split, m, w, *bias, out, Out::Write)?;
+                    self.linear_tile(self.pick(m, w.rows, k), &split, m, w, *bias, out, Out::Write)?;
                 }
             }
             return Ok(());

@@ -1,0 +1,119 @@
+//! The Hopper matmul (`hopper.cu`, compiled for sm_90a): its module, loaded only on a GPU of
+//! compute capability 9.0, and its launch, whose operands the TMA reads through descriptors
+//! made here. It sums every output in the canonical order of the other tensor-core kernels
+//! (`kernels.cu`), so picking it changes the speed, never the bits.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice};
+use mtp_base::error::{Error, Result};
+use mtp_kernels::Out;
+
+use crate::{ptr, Cuda, CudaMat};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
+
+/// `linear_wg_bf16_128x128_x1`'s block: 128 weight rows (output columns) x 128 tokens, a
+/// warpgroup loading and two multiplying; blocks in clusters of 2 over neighbouring
+/// columns, each loading half of the shared activation tile into both.
+const COLS: usize = 128;
+const TOKS: usize = 128;
+const THREADS: u32 = 384;
+/// K per stage (one 128-byte swizzled row), stages in flight.
+const STAGE_K: usize = 64;
+const STAGES: usize = 4;
+/// Its dynamic shared memory: the stages, 1,024 bytes to align them to the swizzle's
+/// period, and the 2 x STAGES barriers.
+pub(crate) const SMEM_BYTES: u32 = (STAGES * (COLS + TOKS) * STAGE_K * 2 + 1024 + 16 * STAGES) as u32;
+
+/// The Hopper module on a GPU of compute capability 9.0 (H100, H200), None elsewhere.
+pub(crate) fn load(ctx: &Arc<CudaContext>) -> std::result::Result<Option<Arc<CudaModule>>, String> {
+    let (major, _) = ctx.compute_capability().map_err(|e| format!("compute capability: {e:?}"))?;
+    if major != 9 {
+        return Ok(None);
+    }
+    ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX))
+        .map(Some)
+        .map_err(|e| format!("cannot load the Hopper kernels' PTX (sm_90a): {e:?}"))
+}
+
+/// A TMA descriptor, passed to the kernel by value.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct TensorMap(sys::CUtensorMap);
+
+// SAFETY: the driver's opaque 128-byte descriptor, read by the kernel as its own
+// 128-byte, 64-aligned `TensorMap` parameter.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+/// `rows` x `k` bf16 elements at `addr` (row-major) as boxes of 64 k x `box_rows` rows in
+/// the 128-byte swizzle wgmma reads, zeros past the edges.
+fn tensor_map(addr: u64, rows: usize, k: usize, box_rows: usize, what: &str) -> Result<TensorMap> {
+    use sys::{
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 as BF16,
+        CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE as ZEROS,
+        CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as PLAIN,
+        CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as L2_256,
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as SWIZZLE_128,
+    };
+    let dims = [k as u64, rows as u64];
+    let row_bytes = [(2 * k) as u64];
+    let boxes = [STAGE_K as u32, box_rows as u32];
+    let steps = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: the arrays hold rank (2) and rank - 1 entries as the call requires; `map` is
+    // written by the call before it is read, and only when it succeeds.
+    let status = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            BF16,
+            2,
+            addr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            row_bytes.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            PLAIN,
+            SWIZZLE_128,
+            L2_256,
+            ZEROS,
+        )
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Backend(format!(
+            "CUDA: TMA descriptor of {what} ({rows} x {k} bf16): {status:?}"
+        )));
+    }
+    // SAFETY: written by the successful call above.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
+impl Cuda {
+    /// `out` (+)= `split` (M x K bf16: activations rounded by `split_activations`) times
+    /// `w`'s transpose by wgmma (`linear_wg_bf16_128x128_x1`). The caller checked
+    /// [`Cuda::runs`].
+    pub(crate) fn linear_wgmma(
+        &self,
+        split: &CudaSlice<u16>,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        let f = self.f.linear_wg.as_ref().ok_or_else(|| {
+            Error::Backend(
+                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
+            )
+        })?;
+        let s = &self.stream;
+        let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, COLS, "the weight")?;
+        let xmap = tensor_map(ptr(split, s), m, w.cols, TOKS / 2, "the activations")?;
+        let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
+        let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+        // Whole clusters: a block past the last column loads zeros and stores nothing.
+        let grid = (2 * w.rows.div_ceil(2 * COLS) as u32, m.div_ceil(TOKS) as u32);
+        launch!(self, f, grid, THREADS, SMEM_BYTES, "linear", [wmap, xmap, mi, k, n, bp, op, acc])
+    }
+}
