@@ -41,10 +41,11 @@
 #          to 4,096 beside cuBLAS, prefill of 2,048 and 16,384 tokens beside transformers,
 #          decode and speculation (plain, oracle:1.0, oracle:0.7; k=4 and adaptive) on the
 #          Qwen3-8B shape.
+#   profile-prefill: the 8B shape's 2,048-token prefill, its GPU time by kernel (ncu).
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -327,6 +328,33 @@ if [ "$what" = prefill ]; then
             done
         done
     fi
+    rm -rf /tmp/qwen3-8b
+fi
+
+if [ "$what" = profile-prefill ]; then
+    # Where the 8B shape's 2,048-token prefill spends its GPU time: every kernel's time
+    # (ncu, real clocks, warm caches), summed by kernel, beside the wall time.
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    prompt_of /tmp/pp.jsonl 2048
+    gen=("$bin/mtp" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1
+        --prompts /tmp/pp.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048)
+    echo "wall: $("${gen[@]}" 2>&1 >/dev/null | sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1) s" | tee -a "$OUT/profile-prefill.log"
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    "$ncu" --metrics gpu__time_duration.sum --clock-control none --cache-control none --csv -c 2000 \
+        "${gen[@]}" > "$OUT/ncu-prefill.csv" 2>/dev/null
+    python3 - "$OUT/ncu-prefill.csv" <<'PY' 2>&1 | tee -a "$OUT/profile-prefill.log"
+import csv, sys, collections
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+head, rows = rows[0], rows[1:]
+name, val = head.index("Kernel Name"), head.index("Metric Value")
+agg, count = collections.Counter(), collections.Counter()
+for r in rows:
+    k = r[name].split("(")[0]
+    agg[k] += float(r[val].replace(",", "")); count[k] += 1
+print(f"{len(rows)} launches, {sum(agg.values()) / 1e6:.1f} ms of kernel time")
+for k, v in agg.most_common(14):
+    print(f"  {k}: {v / 1e6:.2f} ms ({count[k]} launches)")
+PY
     rm -rf /tmp/qwen3-8b
 fi
 

@@ -251,3 +251,67 @@ fn a_row_whose_logits_are_not_finite_fails_alone() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// The tokens and logprob bits streamed for `id`, in order.
+fn stream_of(events: &[Event], id: u64) -> Vec<(u32, u32)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token { request, token, logprob, .. } if *request == id => {
+                Some((*token, logprob.to_bits()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A prompt admitted while another row decodes goes in one prefill chunk a round: the
+/// decoding row streams a token in every round of it, and both rows stream the tokens and
+/// logprobs of each request alone. Control: a chunk as long as the prompt takes it in the
+/// round it arrives (no round waits on it).
+#[test]
+fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
+    let model = common::load(&fixture("qwen2-target"));
+    let short = request("short", vec![30, 41, 52], 24);
+    let long = request("long", (0..40).map(|t| 20 + t * 7).collect(), 6);
+    let want: Vec<Vec<(u32, u32)>> = plain(&model, &[short.clone(), long.clone()], 1)
+        .into_iter()
+        .map(|c| {
+            let c = c.unwrap();
+            c.tokens.into_iter().zip(c.logprobs.iter().map(|l| l.to_bits())).collect()
+        })
+        .collect();
+    // Rounds stepped before the long prompt's first token, the short row's tokens in them,
+    // and both rows' whole streams.
+    let run = |chunk: usize| {
+        let opts = EngineOptions { max_batch: 2, prefill_chunk: chunk, ..EngineOptions::default() };
+        let mut engine = Engine::new(&model, None, opts).unwrap();
+        let a = engine.submit(short.clone()).unwrap();
+        let mut events = engine.step();
+        let b = engine.submit(long.clone()).unwrap();
+        let (mut waited, mut meanwhile) = (0, 0);
+        loop {
+            let step = engine.step();
+            let started = !stream_of(&step, b).is_empty();
+            if !started {
+                waited += 1;
+                meanwhile += stream_of(&step, a).len();
+            }
+            events.extend(step);
+            if started {
+                break;
+            }
+        }
+        while !engine.is_idle() {
+            events.extend(engine.step());
+        }
+        (waited, meanwhile, stream_of(&events, a), stream_of(&events, b))
+    };
+    // 40 prompt tokens in chunks of 8: four rounds go by, the fifth chunk starts the row.
+    let (waited, meanwhile, a, b) = run(8);
+    assert_eq!((waited, meanwhile), (4, 4), "the short row should stream a token in each of 4 rounds");
+    assert_eq!([a, b], [want[0].clone(), want[1].clone()]);
+    let (waited, _, a, b) = run(64);
+    assert_eq!(waited, 0, "a prompt within one chunk starts in the round it arrives");
+    assert_eq!([a, b], [want[0].clone(), want[1].clone()]);
+}

@@ -3,10 +3,13 @@
 // operands brought into shared memory by the tensor memory accelerator (TMA).
 //
 // Every output is summed in kernels.cu's canonical order (walk.cuh's phases, 128-wide
-// chunks, 16-k MMA steps in increasing k), so with the bits of every other tensor-core
-// kernel: a wgmma over 16 k gives the bits of mma.sync over the same 16 k
-// (cuda/probes/mma_bits.cu). bf16 activations only (the `_x1` numerics); the exact
-// three-term split keeps kernels.cu's tiles.
+// chunks, two 16-k MMA steps a 32-wide block), so with the bits of every other tensor-core
+// kernel: a wgmma over 16 k gives the bits of mma.sync over the same 16 k, whichever
+// register or shared-memory place holds which k (cuda/probes/mma_bits.cu). The weights'
+// fragments come from registers, loaded as linear_tc loads them (lane 4g + t: k 8t..8t+7 of
+// rows g and g + 8 a block); the activations come from shared memory, written by
+// split_activations_steps in the matching order. bf16 activations only (the `_x1`
+// numerics); the exact three-term split keeps kernels.cu's tiles.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -18,18 +21,18 @@ struct alignas(64) TensorMap {
     u64 opaque[16];
 };
 
-// A block: 128 weight rows (output columns) x 128 tokens, K staged 64 at a time (one
-// 128-byte row a weight row and a token, the TMA's 128-byte swizzle), WG_STAGES deep.
-// Warpgroup 0 issues the loads (one thread); warpgroups 1 and 2 each multiply 64 weight
-// rows by the 128 tokens (wgmma m64n128k16) and hold the phase's sum and the running sum.
-// Blocks come in clusters of 2 over neighbouring columns and the same tokens: each loads
-// half of the activation tile into both (TMA multicast), so a stage reads 24 KB from L2
-// instead of 32 (128x128 tiles alone are bound by L2's bandwidth: 6.9 TB/s measured).
+// A block: 128 weight rows (output columns) x 128 tokens, K staged 64 at a time, WG_STAGES
+// deep: the weights as two 32-k boxes of 128 rows x 64 bytes (rows g and g + 1 of a warp's
+// loads side by side: no bank conflicts), the tokens as one box of 128-byte rows in the
+// 128-byte swizzle wgmma reads. Warpgroup 0 issues the loads (one thread); warpgroups 1 and
+// 2 each multiply 64 weight rows by the 128 tokens (wgmma m64n128k16) and hold the phase's
+// sum and the running sum.
 #define WG_COLS 128
 #define WG_TOKS 128
 #define WG_K 64
 #define WG_STAGES 4
-#define WG_W_BYTES (WG_COLS * WG_K * 2)
+#define WG_BOX_BYTES (WG_COLS * 32 * 2)
+#define WG_W_BYTES (2 * WG_BOX_BYTES)
 #define WG_STAGE_BYTES ((WG_COLS + WG_TOKS) * WG_K * 2)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -40,20 +43,8 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
 __device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// Arrives on the barrier at `bar`'s place in block `cta` of the cluster.
-__device__ __forceinline__ void mbar_arrive_in(u64* bar, u32 cta) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of the cluster's blocks that has not exited.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     u32 done = 0;
@@ -71,24 +62,18 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* b
         ::"r"(smem_addr(dst)), "l"((u64)map), "r"(k), "r"(row), "r"(smem_addr(bar))
         : "memory");
 }
-// The same into `dst` and `bar`'s places in every block of the cluster named in `mask`.
-__device__ __forceinline__ void tma_load_all(void* dst, const TensorMap* map, u64* bar, int k, int row, u16 mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
-        "[%0], [%1, {%2, %3}], [%4], %5;"
-        ::"r"(smem_addr(dst)), "l"((u64)map), "r"(k), "r"(row), "r"(smem_addr(bar)), "h"(mask)
-        : "memory");
-}
 // A K-major operand tile in the 128-byte swizzle (rows of 128 bytes, 8-row groups 1,024
 // bytes apart); + 2 j addresses its k 16 j..16 j + 15.
 __device__ __forceinline__ u64 sw128_desc(const void* p) {
     return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
-__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], u64 da, u64 db) {
+// d (+)= a b over 16 k: a, this lane's fragment of 64 weight rows (mma.sync's A layout,
+// warp w holding rows 16 w..), b the tokens' tile in shared memory.
+__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
     asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1, 0, 0;"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -102,36 +87,47 @@ __device__ __forceinline__ void fence_regs(float (&d)[64]) {
     for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The stages of the K walk: each chunk (walk.cuh's order) in 64-k halves. K % 64 == 0 (the
-// host's condition), so every half holds 4 MMA steps.
+// The K walk: chunks in walk.cuh's order, each two 64-k stages. K % 128 == 0 (the host's
+// condition), so every chunk is whole.
 struct WgWalk {
-    int nb, nch, i, c, h;
-    __device__ explicit WgWalk(int k) : nb(k / 32), nch((k / 32 + 3) / 4), i(0), c(tt_chunk(0, (k / 32 + 3) / 4)), h(0) {}
+    int nch, i, c;
+    __device__ explicit WgWalk(int k) : nch(k / 128), i(0), c(tt_chunk(0, k / 128)) {}
     __device__ bool more() const { return i < nch; }
-    __device__ int kb() const { return 128 * c + 64 * h; }
-    __device__ bool ends_chunk() const { return 2 * (h + 1) >= min(4, nb - 4 * c); }
-    __device__ bool ends_phase() const { return ends_chunk() && c + 8 >= nch; }
+    __device__ int kb(int h) const { return 128 * c + 64 * h; }
+    __device__ bool ends_phase() const { return c + 8 >= nch; }
     __device__ void next() {
-        if (!ends_chunk()) {
-            h++;
-            return;
-        }
-        h = 0;
         if (++i < nch) c = tt_chunk(i, nch);
     }
 };
 
-// Column pairs a group of the grid's walk: the clusters running at once cover a few pairs'
-// weights (read from DRAM once while every token tile passes) rather than one token tile
-// of every weight row.
-#define WG_GROUP 4
+// This lane's weight fragments of a stage (`w`: its two 32-k boxes): k 8t..8t+7 of rows g
+// and g + 8 (`row`, `row` + 8) of each box, as linear_tc loads them.
+struct WgFrag {
+    uint4 lo[2], hi[2];
+    __device__ void load(const unsigned char* w, int row, int t) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            lo[u] = *reinterpret_cast<const uint4*>(w + u * WG_BOX_BYTES + row * 64 + 16 * t);
+            hi[u] = *reinterpret_cast<const uint4*>(w + u * WG_BOX_BYTES + (row + 8) * 64 + 16 * t);
+        }
+    }
+    // The stage's 4 MMA steps: block u, step s (linear_tc's a.x, a8.x, a.y, a8.y in step 0,
+    // .z, .w in step 1) against the tokens' stored k 16 (2u + s)...
+    __device__ void mma(float (&d)[64], u64 db) const {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            wgmma_m64n128(d, lo[u].x, hi[u].x, lo[u].y, hi[u].y, db + 2 * (2 * u));
+            wgmma_m64n128(d, lo[u].z, hi[u].z, lo[u].w, hi[u].w, db + 2 * (2 * u + 1));
+        }
+    }
+};
 
-// out (+)= x w^T + bias for x (m x k, bf16: split_activations_x1) and w (n x k, bf16), k % 64 == 0,
-// through their TMA maps (boxes of 64 k x 128 weight rows and x 64 tokens, 128-byte swizzle,
-// zeros past the edges). grid: (2 ceil(n / 256), ceil(m / 128)) in clusters of 2 along x;
+// out (+)= x w^T + bias for x (m x k, bf16: split_activations_steps) and w (n x k, bf16),
+// k % 128 == 0, through their TMA maps (w: boxes of 32 k x 128 rows, no swizzle; x: 64 k x
+// 128 tokens, 128-byte swizzle; zeros past the edges). grid: (ceil(n / 128), ceil(m / 128));
 // block: 384; dynamic shared memory: WG_STAGES * WG_STAGE_BYTES + 1,024 (alignment) + the
 // barriers.
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(384, 1)
     linear_wg_bf16_128x128_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
                               int m, int k, int n, const float* __restrict__ bias, float* __restrict__ out,
                               int accumulate) {
@@ -140,75 +136,73 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
     u64* full = reinterpret_cast<u64*>(base + WG_STAGES * WG_STAGE_BYTES);
     u64* empty = full + WG_STAGES;
     const int wg = threadIdx.x / 128;
-    // This cluster's column pair and token tile, in groups of WG_GROUP pairs.
-    const u32 rank = cluster_rank();
-    const int pairs = gridDim.x / 2, group_size = WG_GROUP * gridDim.y;
-    const int walk = blockIdx.y * pairs + blockIdx.x / 2, group = walk / group_size;
-    const int in_group = walk % group_size, width = min(WG_GROUP, pairs - group * WG_GROUP);
-    const int col0 = (2 * (group * WG_GROUP + in_group % width) + rank) * WG_COLS;
-    const int tok0 = in_group / width * WG_TOKS;
+    const int col0 = blockIdx.x * WG_COLS, tok0 = blockIdx.y * WG_TOKS;
     if (threadIdx.x == 0) {
         for (int s = 0; s < WG_STAGES; s++) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 16);  // one arrival a consumer warp of either block
+            mbar_init(&empty[s], 8);  // one arrival a consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    cluster_sync();  // both blocks' barriers exist before either loads into the other
+    __syncthreads();
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {
             int s = 0;
-            for (WgWalk at(k); at.more(); at.next(), s++) {
-                const int slot = s % WG_STAGES, round = s / WG_STAGES;
-                if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
-                unsigned char* st = base + slot * WG_STAGE_BYTES;
-                mbar_expect_tx(&full[slot], WG_STAGE_BYTES);
-                tma_load(st, &wmap, &full[slot], at.kb(), col0);
-                // This block's half of the tokens, into both blocks.
-                tma_load_all(st + WG_W_BYTES + rank * (WG_TOKS / 2) * 128, &xmap, &full[slot], at.kb(),
-                             tok0 + rank * (WG_TOKS / 2), 3);
-            }
+            for (WgWalk at(k); at.more(); at.next())
+                for (int h = 0; h < 2; h++, s++) {
+                    const int slot = s % WG_STAGES, round = s / WG_STAGES;
+                    if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
+                    unsigned char* st = base + slot * WG_STAGE_BYTES;
+                    mbar_expect_tx(&full[slot], WG_STAGE_BYTES);
+                    tma_load(st, &wmap, &full[slot], at.kb(h), col0);
+                    tma_load(st + WG_BOX_BYTES, &wmap, &full[slot], at.kb(h) + 32, col0);
+                    tma_load(st + WG_W_BYTES, &xmap, &full[slot], at.kb(h), tok0);
+                }
         }
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int row = 64 * cw + 16 * warp + g;
     float acc[64], sum[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = sum[i] = 0.0f;
-    // A slot is free once both blocks' consumers are done with it (both load into it).
-    auto release = [&](int slot) {
-        mbar_arrive_in(&empty[slot], 0);
-        mbar_arrive_in(&empty[slot], 1);
+    // A chunk's two stages load their weight fragments into two register sets: a stage's
+    // stay untouched until its MMAs are done (the wait_group 1 after the next stage's MMAs
+    // are queued).
+    WgFrag first, second;
+    int s = 0, held = -1;  // held: the slot whose MMAs may still run
+    // A stage: its fragments loaded, its 4 MMAs queued, the slot before it released.
+    auto stage = [&](WgFrag& frag) {
+        const int slot = s % WG_STAGES;
+        mbar_wait(&full[slot], (s / WG_STAGES) & 1);
+        unsigned char* st = base + slot * WG_STAGE_BYTES;
+        frag.load(st, row, t);
+        wgmma_fence();
+        frag.mma(acc, sw128_desc(st + WG_W_BYTES));
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (held >= 0 && lane == 0) mbar_arrive(&empty[held]);
+        held = slot;
+        s++;
     };
-    int s = 0;
     WgWalk at(k);
     while (at.more()) {
-        // One phase: its stages' MMAs queued back to back, a slot released once the MMAs
-        // after it are queued (wait_group 1).
-        int held = -1, c;
+        // One phase: its chunks' MMAs queued back to back.
+        int c;
         bool ends;
         do {
-            const int slot = s % WG_STAGES;
-            mbar_wait(&full[slot], (s / WG_STAGES) & 1);
-            unsigned char* st = base + slot * WG_STAGE_BYTES;
-            const u64 da = sw128_desc(st + cw * 64 * 128), db = sw128_desc(st + WG_W_BYTES);
-            wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < 4; j++) wgmma_m64n128(acc, da + 2 * j, db + 2 * j);
-            wgmma_commit();
+            stage(first);
+            stage(second);
             c = at.c;
             ends = at.ends_phase();
             at.next();
-            s++;
-            wgmma_wait<1>();
-            if (held >= 0 && lane == 0) release(held);
-            held = slot;
         } while (!ends);
         wgmma_wait<0>();
         fence_regs(acc);
-        if (lane == 0) release(held);
+        if (lane == 0) mbar_arrive(&empty[held]);
+        held = -1;
         // The end of a phase: its partial joins the running sum, as linear_tc's warp sums do.
 #pragma unroll
         for (int i = 0; i < 64; i++) {
@@ -233,5 +227,4 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
         float* o = out + (long long)r * n + col;
         *o = accumulate ? *o + y : y;
     }
-    cluster_sync();  // the other block may still arrive on this one's barriers until here
 }

@@ -15,8 +15,7 @@ use crate::{ptr, Cuda, CudaMat};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
 /// `linear_wg_bf16_128x128_x1`'s block: 128 weight rows (output columns) x 128 tokens, a
-/// warpgroup loading and two multiplying; blocks in clusters of 2 over neighbouring
-/// columns, each loading half of the shared activation tile into both.
+/// warpgroup loading and two multiplying.
 const COLS: usize = 128;
 const TOKS: usize = 128;
 const THREADS: u32 = 384;
@@ -47,19 +46,29 @@ struct TensorMap(sys::CUtensorMap);
 // 128-byte, 64-aligned `TensorMap` parameter.
 unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
 
-/// `rows` x `k` bf16 elements at `addr` (row-major) as boxes of 64 k x `box_rows` rows in
-/// the 128-byte swizzle wgmma reads, zeros past the edges.
-fn tensor_map(addr: u64, rows: usize, k: usize, box_rows: usize, what: &str) -> Result<TensorMap> {
+/// `rows` x `k` bf16 elements at `addr` (row-major) as boxes of `box_k` x `box_rows`,
+/// plain (the weights, read into registers) or in the 128-byte swizzle wgmma reads (the
+/// activations), zeros past the edges.
+fn tensor_map(
+    addr: u64,
+    rows: usize,
+    k: usize,
+    (box_k, box_rows): (usize, usize),
+    swizzled: bool,
+    what: &str,
+) -> Result<TensorMap> {
     use sys::{
         CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 as BF16,
         CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE as ZEROS,
         CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as PLAIN,
         CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as L2_256,
-        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as SWIZZLE_128,
+        CUtensorMapSwizzle::{
+            CU_TENSOR_MAP_SWIZZLE_128B as SWIZZLE_128, CU_TENSOR_MAP_SWIZZLE_NONE as NO_SWIZZLE,
+        },
     };
     let dims = [k as u64, rows as u64];
     let row_bytes = [(2 * k) as u64];
-    let boxes = [STAGE_K as u32, box_rows as u32];
+    let boxes = [box_k as u32, box_rows as u32];
     let steps = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
     // SAFETY: the arrays hold rank (2) and rank - 1 entries as the call requires; `map` is
@@ -75,7 +84,7 @@ fn tensor_map(addr: u64, rows: usize, k: usize, box_rows: usize, what: &str) -> 
             boxes.as_ptr(),
             steps.as_ptr(),
             PLAIN,
-            SWIZZLE_128,
+            if swizzled { SWIZZLE_128 } else { NO_SWIZZLE },
             L2_256,
             ZEROS,
         )
@@ -90,9 +99,9 @@ fn tensor_map(addr: u64, rows: usize, k: usize, box_rows: usize, what: &str) -> 
 }
 
 impl Cuda {
-    /// `out` (+)= `split` (M x K bf16: activations rounded by `split_activations`) times
-    /// `w`'s transpose by wgmma (`linear_wg_bf16_128x128_x1`). The caller checked
-    /// [`Cuda::runs`].
+    /// `out` (+)= `split` (M x K bf16: activations rounded in MMA-step order by
+    /// [`Cuda::split_steps`]) times `w`'s transpose by wgmma (`linear_wg_bf16_128x128_x1`).
+    /// The caller checked [`Cuda::runs`].
     pub(crate) fn linear_wgmma(
         &self,
         split: &CudaSlice<u16>,
@@ -108,12 +117,11 @@ impl Cuda {
             )
         })?;
         let s = &self.stream;
-        let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, COLS, "the weight")?;
-        let xmap = tensor_map(ptr(split, s), m, w.cols, TOKS / 2, "the activations")?;
+        let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (32, COLS), false, "the weight")?;
+        let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, TOKS), true, "the activations")?;
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
         let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
-        // Whole clusters: a block past the last column loads zeros and stores nothing.
-        let grid = (2 * w.rows.div_ceil(2 * COLS) as u32, m.div_ceil(TOKS) as u32);
+        let grid = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS) as u32);
         launch!(self, f, grid, THREADS, SMEM_BYTES, "linear", [wmap, xmap, mi, k, n, bp, op, acc])
     }
 }

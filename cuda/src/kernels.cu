@@ -235,14 +235,15 @@ LINEAR_Q(linear_q8_16, 8, 16)
 // A block of KWARPS warps owns 16 output columns. Canonical order of one output: K is cut
 // into 128-wide chunks of four 32-wide blocks, chunk i accumulated by warp i % KWARPS (a
 // warp streams 256 contiguous bytes of each weight row), blocks in increasing k; within a
-// block two MMA steps, k 0..15 then k 16..31 (each lane holding 4 k of each), each step
-// the h, m, l MMAs in that order (h alone with TERMS = 1);
+// block two MMA steps (k 0..15 and 16..31 of a fixed permutation: lane 4g + t holds k
+// 8t..8t+3 in step 0 and 8t+4..8t+7 in step 1), each step the h, m, l MMAs in that order
+// (h alone with TERMS = 1);
 // then the KWARPS warp sums added in warp order. One MMA adds its 16 products and the
-// accumulator as a set: which lane or register holds which k does not change its bits, and
+// accumulator as a set, in an order fixed by the hardware: which of the 8 token columns a
+// row occupies does not change its bits, so a row's bits do not depend on M, on the tokens
+// per pass (8 MT) or on its place in a tile; nor does which register holds which k, and
 // wgmma (hopper.cu) gives the bits of mma.sync over the same 16 k (cuda/probes/mma_bits.cu,
-// H200, 2026-11-26). The hardware's order does not depend on which of the 8 token columns
-// a row occupies, so a row's bits do not depend on M, on the tokens per pass (8 MT) or on
-// its place in a tile.
+// H200, 2026-11-26).
 #define TC_COLS 16
 #define TC_CHUNK 128
 
@@ -287,11 +288,6 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
     const u16* wr[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) wr[h] = w + (long long)min(c0 + 8 * h + g, n - 1) * k + 8 * t;
-    // Lane t loads k 8t..8t+7 of a block (16 bytes a row: half the load instructions of
-    // 8-byte loads, which cost 5% of decode) and swaps its upper 4 with lane t ^ 2's, so it
-    // holds k 8t..8t+3 and 8(t ^ 2)+4.. : lanes 0-3 then hold k 0-3, 8-11, 4-7, 12-15 of
-    // step 0 and 20-23, 28-31, 16-19, 24-27 of step 1. Its activations' offsets alike:
-    const int xo0 = t < 2 ? 8 * t : 8 * t - 12, xo1 = t < 2 ? 8 * t + 20 : 8 * t;
     for (int r0 = 0; r0 < m; r0 += 8 * MT) {
         float acc[MT][4];
 #pragma unroll
@@ -299,8 +295,7 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
         for (int kc = warp * TC_CHUNK; kc < k; kc += TC_CHUNK * KWARPS) {
-            // The chunk's blocks, loaded before their MMAs, then this lane's 4 k of step 0 in
-            // .x, .y and of step 1 in .z, .w.
+            // The chunk's blocks, loaded before their MMAs.
             uint4 wv[TC_CHUNK / 32][2];
 #pragma unroll
             for (int u = 0; u < TC_CHUNK / 32; u++) {
@@ -312,17 +307,6 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
             }
 #pragma unroll
             for (int u = 0; u < TC_CHUNK / 32; u++) {
-                if (kc + u * 32 < k) {  // the same for the whole warp
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const uint4 v = wv[u][h];
-                        const u32 z = __shfl_xor_sync(0xffffffffu, v.z, 2), ww = __shfl_xor_sync(0xffffffffu, v.w, 2);
-                        wv[u][h] = t < 2 ? make_uint4(v.x, v.y, z, ww) : make_uint4(z, ww, v.x, v.y);
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < TC_CHUNK / 32; u++) {
                 const int kb = kc + u * 32;
                 if (kb >= k) break;
 #pragma unroll
@@ -330,10 +314,10 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
                     if (r0 + 8 * j >= m) break;
                     const int r = r0 + 8 * j + g;
                     // Rows past m read row m - 1 and count as zero (no branch before the MMAs).
-                    const float* xr = x + (long long)min(r, m - 1) * k + kb;
+                    const float* xr = x + (long long)min(r, m - 1) * k + kb + 8 * t;
                     const float keep = r < m ? 1.0f : 0.0f;
-                    float4 p = *reinterpret_cast<const float4*>(xr + xo0), q = *reinterpret_cast<const float4*>(xr + xo1);
-                    u32 b[3][4];  // [h, m, l][k pairs 0-1, 2-3 of step 0, then of step 1]
+                    float4 p = *reinterpret_cast<const float4*>(xr), q = *reinterpret_cast<const float4*>(xr + 4);
+                    u32 b[3][4];  // [h, m, l][k pairs 0-1, 2-3, 4-5, 6-7 of this lane's 8]
                     // (with TERMS = 1 the m and l terms are dead code, never computed)
                     split3(p.x * keep, p.y * keep, b[0][0], b[1][0], b[2][0]);
                     split3(p.z * keep, p.w * keep, b[0][1], b[1][1], b[2][1]);
@@ -444,6 +428,20 @@ extern "C" __global__ void split_activations_x1(const float* x, long long n, u32
     split_activations_impl<1>(x, n, out);
 }
 
+// x (n f32, n % 32 == 0, rows of k % 32 == 0) rounded to bf16 for the wgmma matmul
+// (hopper.cu), each 32-wide block of k stored in its two MMA steps' order: step s at 16 s..,
+// its logical k 2t, 2t + 1 (t = 0..3) holding k 8t + 4s, + 1 and its logical k 8 + 2t, + 1
+// holding k 8t + 4s + 2, + 3: what lane 4g + t of linear_tc holds in step s. A wgmma over 16
+// stored k then meets each activation with the weight linear_tc's MMA meets it with.
+extern "C" __global__ void split_activations_steps(const float* x, long long n, u32* out) {
+    const long long pairs = n / 2;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
+        const int q = (int)(i % 16), s = q / 8, t = q % 4, h = q % 8 / 4;
+        const float2 v = reinterpret_cast<const float2*>(x)[i - q + 4 * t + 2 * s + h];
+        out[i] = pack_bf16x2(v.x, v.y);
+    }
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
@@ -451,11 +449,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-// Where element kel of a staged 32-wide row r sits: its 16-byte piece swapped with the
-// piece two over on rows 2-3 of every 4, so the 16 lanes of a half-warp reading 8 bytes of
-// 4 rows each (k 4t.. of one MMA step) hit 32 distinct banks.
-__device__ __forceinline__ int tt_swizzle(int r, int kel) { return kel ^ ((r & 2) << 3); }
 
 
 // The walk's position: chunk number i (chunk c) and its 32-wide block u. The walk covers
@@ -512,21 +505,16 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
         for (int i = 0; i < (COLS * 4 + 255) / 256; i++) {
             const int p = tid + 256 * i;
             if ((COLS * 4) % 256 == 0 || p < COLS * 4)
-                cp_async16(&ws[s][p / 4][tt_swizzle(p / 4, 8 * (p % 4))],
-                           w + (long long)min(c0 + p / 4, n - 1) * k + kb + 8 * (p % 4));
+                cp_async16(&ws[s][p / 4][8 * (p % 4)], w + (long long)min(c0 + p / 4, n - 1) * k + kb + 8 * (p % 4));
         }
 #pragma unroll
         for (int i = 0; i < (TOKS * 4 * TERMS + 255) / 256; i++) {
             const int p = tid + 256 * i;
             const int sp = p / (TOKS * 4), tok = p % (TOKS * 4) / 4, piece = p % 4;
             if ((TOKS * 4 * TERMS) % 256 == 0 || p < TOKS * 4 * TERMS)
-                cp_async16(&xsh[s][sp][tok][tt_swizzle(tok, 8 * piece)],
+                cp_async16(&xsh[s][sp][tok][8 * piece],
                            xs + sp * plane + (long long)min(r0 + tok, m - 1) * k + kb + 8 * piece);
         }
-    };
-    // Lane 4g + t's k 4t..4t+3 of MMA step `step` in a staged row: x, y of a uint4.
-    auto pick = [&](const u16* row, int r, int step) {
-        return *reinterpret_cast<const uint2*>(row + tt_swizzle(r, 16 * step + 4 * t));
     };
 
     TtPos fetch(phase, nch);
@@ -556,26 +544,19 @@ __device__ void linear_tt_impl(const u16* __restrict__ xs, int m, int k, const u
         cp_async_commit();
         const int st = s % STAGES;
         // Lane 4g + t: weight rows g and g + 8 of each 16-column tile and token g of each
-        // 8-token tile, k 4t..4t+3 of MMA step 0 (.x, .y) and of step 1 (.z, .w), as in
-        // linear_tc.
+        // 8-token tile, k 8t..8t+7 (as in linear_tc: 8t..8t+3 in MMA step 0, the rest in 1).
         uint4 a[2][2];
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = 32 * wc + 16 * mt + 8 * h + g;
-                const uint2 s0 = pick(ws[st][r], r, 0), s1 = pick(ws[st][r], r, 1);
-                a[mt][h] = make_uint4(s0.x, s0.y, s1.x, s1.y);
-            }
+            for (int h = 0; h < 2; h++)
+                a[mt][h] = *reinterpret_cast<const uint4*>(&ws[st][32 * wc + 16 * mt + 8 * h + g][8 * t]);
 #pragma unroll
         for (int j = 0; j < WN; j++) {
             uint4 b[TERMS];
 #pragma unroll
-            for (int sp = 0; sp < TERMS; sp++) {
-                const int r = 8 * (WN * wt + j) + g;
-                const uint2 s0 = pick(xsh[st][sp][r], r, 0), s1 = pick(xsh[st][sp][r], r, 1);
-                b[sp] = make_uint4(s0.x, s0.y, s1.x, s1.y);
-            }
+            for (int sp = 0; sp < TERMS; sp++)
+                b[sp] = *reinterpret_cast<const uint4*>(&xsh[st][sp][8 * (WN * wt + j) + g][8 * t]);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
                 const uint4 lo = a[mt][0], hi = a[mt][1];

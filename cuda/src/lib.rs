@@ -104,7 +104,7 @@ pub enum TcKernel {
     /// idle token rows than a 64-token tile.
     Phases128x48,
     /// wgmma over TMA-fed 128x128 tiles (`hopper.cu`): compute capability 9.0, bf16
-    /// activations and K % 64 == 0 only ([`Cuda::runs`]).
+    /// activations and K % 128 == 0 only ([`Cuda::runs`]).
     Wgmma128x128,
 }
 
@@ -259,6 +259,8 @@ struct Functions {
     /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only.
     linear_wg: Option<CudaFunction>,
     split_activations: CudaFunction,
+    /// bf16 activations in MMA-step order, for wgmma.
+    split_activations_steps: CudaFunction,
     linear_merge_phases: CudaFunction,
     embed: [CudaFunction; 3],
     embed_q: [CudaFunction; 3],
@@ -439,6 +441,7 @@ impl Cuda {
                 _ => None,
             },
             split_activations: tc("split_activations")?,
+            split_activations_steps: get("split_activations_steps")?,
             linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
@@ -576,11 +579,15 @@ impl Cuda {
         }
         if !self.runs(kernel, w.cols) {
             return Err(Error::Backend(format!(
-                "{kernel:?} does not run here (compute capability 9.0, bf16 activations and K % 64 == 0), K = {}",
+                "{kernel:?} does not run here (compute capability 9.0, bf16 activations and K % 128 == 0), K = {}",
                 w.cols
             )));
         }
-        if kernel.tile().is_none() && kernel != TcKernel::Wgmma128x128 {
+        if kernel == TcKernel::Wgmma128x128 {
+            let split = self.split_steps(x, m * w.cols)?;
+            return self.linear_wgmma(&split, m, w, bias, out, mode);
+        }
+        if kernel.tile().is_none() {
             let s = &self.stream;
             let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
             let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
@@ -593,9 +600,9 @@ impl Cuda {
     }
 
     /// Whether `kernel` runs on this GPU and mode for a K-wide weight: every kernel does but
-    /// wgmma, which needs compute capability 9.0, bf16 activations and K % 64 == 0.
+    /// wgmma, which needs compute capability 9.0, bf16 activations and K % 128 == 0.
     pub fn runs(&self, kernel: TcKernel, k: usize) -> bool {
-        kernel != TcKernel::Wgmma128x128 || (self.f.linear_wg.is_some() && k.is_multiple_of(64))
+        kernel != TcKernel::Wgmma128x128 || (self.f.linear_wg.is_some() && k.is_multiple_of(128))
     }
 
     /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
@@ -675,6 +682,18 @@ impl Cuda {
         Ok(())
     }
 
+    /// `len` f32 activations rounded to bf16 in the order wgmma reads them
+    /// (`split_activations_steps`: each 32-wide block as its two MMA steps).
+    fn split_steps(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
+        let s = &self.stream;
+        // SAFETY: split_activations_steps writes all `len` elements before the matmul reads them.
+        let split = unsafe { s.alloc::<u16>(len) }.map_err(driver("split activations"))?;
+        let (xp, sp, n) = (ptr(x, s), ptr(&split, s), len as i64);
+        let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
+        launch!(self, &self.f.split_activations_steps, (blocks, 1), 256, "split", [xp, n, sp])?;
+        Ok(split)
+    }
+
     /// [`Cuda::linear_tc_with`] by a tile kernel, over activations already split.
     #[allow(clippy::too_many_arguments)]
     fn linear_tile(
@@ -690,9 +709,6 @@ impl Cuda {
         let s = &self.stream;
         let (sp, wp, op, bp) = (ptr(split, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
-        if kernel == TcKernel::Wgmma128x128 {
-            return self.linear_wgmma(split, m, w, bias, out, mode);
-        }
         let Some((i, tile)) = kernel.tile() else {
             return Err(Error::Backend(format!("{kernel:?} is not a tile kernel")));
         };
@@ -1098,16 +1114,31 @@ impl Kernels for Cuda {
             return linear_each(self, x, m, parts, outs);
         }
         let kernel = self.pick(m, parts.iter().map(|(w, _)| w.rows).sum(), k);
-        let tile_parts = stackable && PARTS_TILES.contains(&kernel);
-        if tile_parts || m > 32 {
+        if stackable && PARTS_TILES.contains(&kernel) {
             let split = self.split_activations(x, m * k)?;
-            if tile_parts {
-                return self.linear_tile_parts(kernel, &split, m, parts, outs);
-            }
+            return self.linear_tile_parts(kernel, &split, m, parts, outs);
+        }
+        if m > 32 {
+            // Past 32 tokens every width takes a tile kernel or wgmma, each kind's split made
+            // once.
+            let (mut split, mut steps) = (None, None);
             for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
-                if w.rows > 0 {
-                    // Past 32 tokens every width takes a tile kernel.
-                    self.linear_tile(self.pick(m, w.rows, k), &split, m, w, *bias, out, Out::Write)?;
+                if w.rows == 0 {
+                    continue;
+                }
+                let kernel = self.pick(m, w.rows, k);
+                if kernel == TcKernel::Wgmma128x128 {
+                    let steps = match &steps {
+                        Some(s) => s,
+                        None => steps.insert(self.split_steps(x, m * k)?),
+                    };
+                    self.linear_wgmma(steps, m, w, *bias, out, Out::Write)?;
+                } else {
+                    let split = match &split {
+                        Some(s) => s,
+                        None => split.insert(self.split_activations(x, m * k)?),
+                    };
+                    self.linear_tile(kernel, split, m, w, *bias, out, Out::Write)?;
                 }
             }
             return Ok(());

@@ -8,17 +8,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mtp_base::logits::top_logprobs;
-use mtp_base::{Error, LogitSummary, Tokenizer};
+use mtp_base::{Error, Tokenizer};
 use mtp_cache::RowCache;
 use mtp_constraint::{Grammars, Guide, TokenMask};
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
-use mtp_model::{Logits, Model, RowInput};
+use mtp_model::Model;
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
 
 use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
 use crate::guided::{first_masked, grammar_error, walk_masks};
 use crate::metrics::SpecStats;
+use crate::prefill::{Prefilled, Prompt};
 use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
 
@@ -26,7 +27,8 @@ use crate::request::{Event, FinishReason, Request, RequestId};
 pub struct EngineOptions {
     /// Rows decoded together; further requests wait in a queue.
     pub max_batch: usize,
-    /// Prompt tokens per prefill forward.
+    /// Prompt tokens per prefill forward. While other rows decode, an admitted prompt runs
+    /// one chunk a round, so this is also the most a prompt delays their next token.
     pub prefill_chunk: usize,
     /// Draft tokens per row per round (ignored without a drafter): fixed, or adaptive up
     /// to a maximum (the default).
@@ -89,6 +91,8 @@ pub struct Engine<'a> {
     grammars: Option<Result<Arc<Grammars>, String>>,
     opts: EngineOptions,
     queue: VecDeque<(RequestId, Request, Option<Guide>)>,
+    /// Admitted, reserved, their prompts going into their caches, oldest first.
+    prompts: VecDeque<Prompt>,
     active: Vec<Row>,
     outbox: Vec<Event>,
     next_id: RequestId,
@@ -124,6 +128,7 @@ impl<'a> Engine<'a> {
             tokenizer: None,
             grammars: None,
             queue: VecDeque::new(),
+            prompts: VecDeque::new(),
             active: Vec::new(),
             outbox: Vec::new(),
             next_id: 0,
@@ -150,9 +155,9 @@ impl<'a> Engine<'a> {
         &self.stats
     }
 
-    /// Requests decoding now.
+    /// Requests admitted: decoding, or their prompts going into their caches.
     pub fn running(&self) -> usize {
-        self.active.len()
+        self.active.len() + self.prompts.len()
     }
 
     /// Requests queued for admission.
@@ -162,7 +167,8 @@ impl<'a> Engine<'a> {
 
     /// K/V bytes the running rows hold (their own caches, open windows included).
     pub fn kv_bytes(&self) -> usize {
-        self.active.iter().map(|r| r.cache.bytes()).sum()
+        let prompts: usize = self.prompts.iter().map(|p| p.cache.bytes()).sum();
+        prompts + self.active.iter().map(|r| r.cache.bytes()).sum::<usize>()
     }
 
     /// Bytes the prefix cache holds (0 when it is off).
@@ -172,7 +178,7 @@ impl<'a> Engine<'a> {
 
     /// No request waiting or running.
     pub fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.active.is_empty() && self.outbox.is_empty()
+        self.queue.is_empty() && self.prompts.is_empty() && self.active.is_empty() && self.outbox.is_empty()
     }
 
     fn per_token_bytes(&self) -> usize {
@@ -261,6 +267,9 @@ impl<'a> Engine<'a> {
     pub fn cancel(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.queue.iter().position(|(q, _, _)| *q == id) {
             self.queue.remove(i);
+        } else if let Some(i) = self.prompts.iter().position(|p| p.id == id) {
+            let p = self.prompts.remove(i).expect("found");
+            self.reserved -= p.reserved;
         } else if let Some(i) = self.active.iter().position(|r| r.id == id) {
             let row = self.active.swap_remove(i);
             self.release(&row);
@@ -282,15 +291,19 @@ impl<'a> Engine<'a> {
     /// Runs one round and returns what happened, in order.
     pub fn step(&mut self) -> Vec<Event> {
         let mut events = std::mem::take(&mut self.outbox);
-        self.admit(&mut events);
+        self.admit();
+        self.advance_prompts(&mut events);
         if !self.active.is_empty() {
             self.round(&mut events);
         }
         events
     }
 
-    fn admit(&mut self, events: &mut Vec<Event>) {
-        while self.active.len() < self.opts.max_batch {
+    /// Moves queued requests in while the batch and the KV budget have room: each reserves
+    /// its worst case and loads its longest cached prefix; its prompt goes in by
+    /// [`Engine::advance_prompts`].
+    fn admit(&mut self) {
+        while self.active.len() + self.prompts.len() < self.opts.max_batch {
             let Some((_, front, _)) = self.queue.front() else { break };
             let need = self.reservation(front);
             if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
@@ -301,91 +314,121 @@ impl<'a> Engine<'a> {
             if let Some(p) = self.prefix.as_mut() {
                 p.evict_to(room);
             }
-            let (id, r, guide) = self.queue.pop_front().expect("front exists");
+            let (id, request, guide) = self.queue.pop_front().expect("front exists");
             let t0 = Instant::now();
             let mut cache = self.model.new_cache();
             let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
-            let (reused, mut hidden) = match self.prefix.as_mut() {
-                Some(p) => p.load(&r.prompt, &mut cache, want_hidden),
+            let (reused, hidden) = match self.prefix.as_mut() {
+                Some(p) => p.load(&request.prompt, &mut cache, want_hidden),
                 None => (0, Vec::new()),
             };
-            let rest = &r.prompt[reused..];
+            self.stats.prefill_time += t0.elapsed();
             // A greedy row that reports no alternatives and has no grammar reads the summary
             // alone.
-            let full_logits = !r.sampling.is_greedy() || r.top_logprobs > 0 || guide.is_some();
-            let prefilled =
-                prefill(self.model, &mut cache, rest, self.opts.prefill_chunk, want_hidden, full_logits);
+            let full_logits = !request.sampling.is_greedy() || request.top_logprobs > 0 || guide.is_some();
+            self.reserved += need;
+            self.prompts.push_back(Prompt {
+                id,
+                request,
+                guide,
+                cache,
+                reserved: need,
+                reused,
+                hidden,
+                want_hidden,
+                full_logits,
+            });
+        }
+    }
+
+    /// Admitted prompts into their caches: all of them when no row is decoding (nothing
+    /// waits on them), else one chunk of the oldest, so that a decoding row's next token
+    /// waits for one chunk's forward at most. A prompt done starts decoding.
+    fn advance_prompts(&mut self, events: &mut Vec<Event>) {
+        let decoding = !self.active.is_empty();
+        while let Some(p) = self.prompts.front_mut() {
+            let t0 = Instant::now();
+            let advanced = p.advance(self.model, self.opts.prefill_chunk);
             self.stats.prefill_time += t0.elapsed();
-            self.stats.prompt_tokens += r.prompt.len() as u64;
-            self.stats.prompt_tokens_cached += reused as u64;
-            let last = match prefilled {
-                Ok(p) => {
-                    hidden.extend_from_slice(&p.hidden);
-                    if let Some(prefix) = self.prefix.as_mut() {
-                        prefix.insert(&r.prompt, &cache, &hidden, room);
-                    }
-                    p
+            match advanced {
+                Ok(None) => {}
+                Ok(Some(prefilled)) => {
+                    let p = self.prompts.pop_front().expect("front exists");
+                    self.start(p, prefilled, events);
                 }
                 Err(e) => {
-                    events.push(Event::Failed { request: id, error: with_request(e, &r.id) });
-                    continue;
+                    let p = self.prompts.pop_front().expect("front exists");
+                    self.reserved -= p.reserved;
+                    events.push(Event::Failed { request: p.id, error: with_request(e, &p.request.id) });
                 }
-            };
-            let mut row = Row {
-                id,
-                name: r.id,
-                cache,
-                prompt_len: r.prompt.len(),
-                tokens: Vec::new(),
-                max_tokens: r.max_tokens,
-                ignore_eos: r.ignore_eos,
-                stop: r.stop,
-                sampling: r.sampling,
-                top_logprobs: r.top_logprobs,
-                reserved: need,
-                drafting: self.drafter.is_some(),
-                behind: r.prompt.len(),
-                guide,
-            };
-            self.reserved += need;
-            let first = match row
-                .guide
-                .as_mut()
-                .map(|g| first_masked(g, &last.logits, &r.sampling, row.prompt_len))
-            {
+            }
+            if decoding {
+                break;
+            }
+        }
+    }
+
+    /// A prompt wholly in its cache: its first token, then a decoding row (or its end).
+    fn start(&mut self, p: Prompt, last: Prefilled, events: &mut Vec<Event>) {
+        let Prompt { id, request: r, guide, cache, reserved, reused, .. } = p;
+        self.stats.prompt_tokens += r.prompt.len() as u64;
+        self.stats.prompt_tokens_cached += reused as u64;
+        let hidden = &last.hidden;
+        if let Some(prefix) = self.prefix.as_mut() {
+            // What the budget leaves beside every reservation (this row's included).
+            let room = self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b.saturating_sub(self.reserved));
+            prefix.insert(&r.prompt, &cache, hidden, room);
+        }
+        let mut row = Row {
+            id,
+            name: r.id,
+            cache,
+            prompt_len: r.prompt.len(),
+            tokens: Vec::new(),
+            max_tokens: r.max_tokens,
+            ignore_eos: r.ignore_eos,
+            stop: r.stop,
+            sampling: r.sampling,
+            top_logprobs: r.top_logprobs,
+            reserved,
+            drafting: self.drafter.is_some(),
+            behind: r.prompt.len(),
+            guide,
+        };
+        let first =
+            match row.guide.as_mut().map(|g| first_masked(g, &last.logits, &r.sampling, row.prompt_len)) {
                 None if r.sampling.is_greedy() => Ok((last.summary.argmax, None)),
                 None => Ok((pick(&last.logits, &r.sampling, r.prompt.len() as u64), None)),
                 Some(picked) => picked,
             };
-            let (first, grammar_end) = match first {
-                Ok(f) => f,
-                Err(msg) => {
-                    events.push(Event::Failed { request: id, error: grammar_error(&row.name, msg) });
-                    self.release(&row);
-                    continue;
-                }
-            };
-            // Logprobs stay the target's unmasked log-softmax.
-            let logprob = if r.sampling.is_greedy() && row.guide.is_none() {
-                last.summary.argmax_logprob()
-            } else {
-                last.summary.logprob(last.logits[first as usize])
-            };
-            if let Err(e) = self.sane(&[first], &[logprob], row.prompt_len, &row.name) {
-                events.push(Event::Failed { request: id, error: e });
+        let (first, grammar_end) = match first {
+            Ok(f) => f,
+            Err(msg) => {
+                events.push(Event::Failed { request: id, error: grammar_error(&row.name, msg) });
                 self.release(&row);
-                continue;
+                return;
             }
-            let top = vec![top_logprobs(&last.logits, &last.summary, row.top_logprobs)];
-            if let Some(reason) = self.emit(&mut row, &[first], &[logprob], top, grammar_end, events) {
-                events.push(Event::Finished { request: id, reason });
-                self.release(&row);
-                continue;
-            }
-            let commit = Commit { start: 0, tokens: &r.prompt, hidden: &hidden, next: first };
-            self.drafter_commit(&mut row, commit);
-            self.active.push(row);
+        };
+        // Logprobs stay the target's unmasked log-softmax.
+        let logprob = if r.sampling.is_greedy() && row.guide.is_none() {
+            last.summary.argmax_logprob()
+        } else {
+            last.summary.logprob(last.logits[first as usize])
+        };
+        if let Err(e) = self.sane(&[first], &[logprob], row.prompt_len, &row.name) {
+            events.push(Event::Failed { request: id, error: e });
+            self.release(&row);
+            return;
         }
+        let top = vec![top_logprobs(&last.logits, &last.summary, row.top_logprobs)];
+        if let Some(reason) = self.emit(&mut row, &[first], &[logprob], top, grammar_end, events) {
+            events.push(Event::Finished { request: id, reason });
+            self.release(&row);
+            return;
+        }
+        let commit = Commit { start: 0, tokens: &r.prompt, hidden, next: first };
+        self.drafter_commit(&mut row, commit);
+        self.active.push(row);
     }
 
     fn drafter_commit(&mut self, row: &mut Row, c: Commit) {
@@ -708,61 +751,4 @@ fn with_request(e: Error, name: &str) -> Error {
         Error::Request { msg, .. } => Error::Request { request: name.to_string(), msg },
         other => Error::Request { request: name.to_string(), msg: other.to_string() },
     }
-}
-
-/// What a prompt run through a cache leaves: the LM head's reading after its last token.
-#[derive(Clone, Debug)]
-pub struct Prefilled {
-    /// The summary of the logits after the last token.
-    pub summary: LogitSummary,
-    /// Those logits, when asked for (empty otherwise).
-    pub logits: Vec<f32>,
-    /// The final-normed hidden state of every prompt position, when asked for.
-    pub hidden: Vec<f32>,
-}
-
-/// Runs `prompt` (not empty) through `cache` in chunks of `chunk` tokens.
-pub fn prefill(
-    model: &Model,
-    cache: &mut RowCache,
-    prompt: &[u32],
-    chunk: usize,
-    want_hidden: bool,
-    full_logits: bool,
-) -> Result<Prefilled, Error> {
-    if prompt.is_empty() {
-        return Err(Error::InvalidOption("cannot prefill an empty prompt".into()));
-    }
-    if let Err(e) = cache.try_reserve_window(cache.len(), prompt.len()) {
-        return Err(Error::Request {
-            request: String::new(),
-            msg: format!(
-                "out of memory: cannot allocate {} bytes of KV for the prompt ({e})",
-                prompt.len() * model.kv_bytes_per_token()
-            ),
-        });
-    }
-    if chunk == 0 {
-        return Err(Error::InvalidOption("prefill chunk must be at least 1 token".into()));
-    }
-    let (mut last, mut hidden) = (None, Vec::new());
-    let n_chunks = prompt.len().div_ceil(chunk);
-    for (i, piece) in prompt.chunks(chunk).enumerate() {
-        let want = if i + 1 == n_chunks { Logits::Last } else { Logits::None };
-        let mut rows = [RowInput { tokens: piece, cache: &mut *cache, logits: want, full_logits }];
-        let out = model.forward(&mut rows);
-        let committed = if out.is_ok() { piece.len() } else { 0 };
-        cache.commit_window(committed);
-        let mut out = out?;
-        let o = out.pop().expect("one row in, one row out");
-        if want_hidden {
-            hidden.extend_from_slice(&o.hidden);
-        }
-        if let Some(&summary) = o.summaries.first() {
-            last = Some((summary, o.logits.into_iter().next().unwrap_or_default()));
-        }
-    }
-    let (summary, logits) =
-        last.ok_or_else(|| Error::Backend("the prompt's last forward returned no logits".into()))?;
-    Ok(Prefilled { summary, logits, hidden })
 }

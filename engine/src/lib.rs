@@ -10,11 +10,12 @@ mod engine;
 mod generate;
 mod guided;
 mod metrics;
+mod prefill;
 mod prefix_cache;
 mod request;
 
 pub use adaptive::DraftLen;
-pub use engine::{prefill, Engine, EngineOptions, Prefilled};
+pub use engine::{Engine, EngineOptions};
 pub use generate::generate;
 pub use metrics::SpecStats;
 pub use mtp_constraint::{
@@ -22,5 +23,6 @@ pub use mtp_constraint::{
 };
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
+pub use prefill::{prefill, Prefilled};
 pub use prefix_cache::{PrefixCache, BLOCK_TOKENS};
 pub use request::{Completion, Constraint, Event, FinishReason, Request, RequestId};

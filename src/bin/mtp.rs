@@ -235,9 +235,11 @@ struct ModelArgs {
     /// is refused (default: no limit).
     #[arg(long, value_parser = mtp::mib_at_least_one)]
     kv_budget_mib: Option<usize>,
-    /// Prompt tokens per prefill forward.
-    #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill forward (default: 2048 on cuda, 64 elsewhere). While other
+    /// rows decode, a new prompt goes in one chunk a round, so this is also the longest a
+    /// prompt delays their next token.
+    #[arg(long, value_parser = mtp::at_least_one)]
+    prefill_chunk: Option<usize>,
     /// Where the model runs: cpu; cuda (a build with `--features cuda` and an NVIDIA GPU;
     /// weights go to GPU 0, or GPUs 0 to N-1 with --tensor-parallel N; K/V stay there);
     /// metal (macOS, `--features metal`, Apple GPU); metal-emulated (the Metal kernels on
@@ -335,7 +337,7 @@ impl ModelArgs {
     fn engine_options(&self) -> EngineOptions {
         EngineOptions {
             max_batch: self.max_batch,
-            prefill_chunk: self.prefill_chunk,
+            prefill_chunk: self.prefill_chunk.unwrap_or(if self.backend == "cuda" { 2048 } else { 64 }),
             k: self.k.with_max(self.max_k),
             kv_budget_bytes: self.kv_budget_mib.map(|m| m << 20),
             ..EngineOptions::default()
