@@ -124,19 +124,24 @@ struct WgFrag {
 
 // out (+)= x w^T + bias for x (m x k, bf16: split_activations_steps) and w (n x k, bf16),
 // k % 128 == 0, through their TMA maps (w: boxes of 32 k x 128 rows, no swizzle; x: 64 k x
-// 128 tokens, 128-byte swizzle; zeros past the edges). grid: (ceil(n / 128), ceil(m / 128));
+// 128 tokens, 128-byte swizzle; zeros past the edges). grid: (ceil(m / 128), ceil(n / 128))
+// with `tokens_first`, else (ceil(n / 128), ceil(m / 128));
 // block: 384; dynamic shared memory: WG_STAGES * WG_STAGE_BYTES + 1,024 (alignment) + the
 // barriers.
 extern "C" __global__ void __launch_bounds__(384, 1)
     linear_wg_bf16_128x128_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
                               int m, int k, int n, const float* __restrict__ bias, float* __restrict__ out,
-                              int accumulate) {
+                              int accumulate, int tokens_first) {
     extern __shared__ unsigned char wg_raw[];
     unsigned char* base = wg_raw + ((1024 - (smem_addr(wg_raw) & 1023)) & 1023);
     u64* full = reinterpret_cast<u64*>(base + WG_STAGES * WG_STAGE_BYTES);
     u64* empty = full + WG_STAGES;
     const int wg = threadIdx.x / 128;
-    const int col0 = blockIdx.x * WG_COLS, tok0 = blockIdx.y * WG_TOKS;
+    // The grid's x walks the smaller operand's tiles (`tokens_first`: the tokens' when the
+    // weight has more rows than there are tokens), so the blocks running at once share a
+    // few tiles of the larger, each read from DRAM once, while the smaller stays in L2.
+    const int tile_c = tokens_first ? blockIdx.y : blockIdx.x, tile_t = tokens_first ? blockIdx.x : blockIdx.y;
+    const int col0 = tile_c * WG_COLS, tok0 = tile_t * WG_TOKS;
     if (threadIdx.x == 0) {
         for (int s = 0; s < WG_STAGES; s++) {
             mbar_init(&full[s], 1);

@@ -121,7 +121,21 @@ impl Cuda {
         let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, TOKS), true, "the activations")?;
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
         let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
-        let grid = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS) as u32);
-        launch!(self, f, grid, THREADS, SMEM_BYTES, "linear", [wmap, xmap, mi, k, n, bp, op, acc])
+        // The grid's x walks the smaller operand's tiles, so the blocks running together share
+        // a few tiles of the larger, each read from DRAM once (measured both ways on an H200,
+        // notes v18: token tiles first at 12288 x 4096 and M = 2,048, 0.489 -> 0.435 ms;
+        // column tiles first at 4096 x 12288 and M = 4,096, 0.950 -> 0.894 ms).
+        let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS) as u32);
+        let tokens_first = (w.rows > m) as i32;
+        let grid = if tokens_first == 1 { (toks, cols) } else { (cols, toks) };
+        launch!(
+            self,
+            f,
+            grid,
+            THREADS,
+            SMEM_BYTES,
+            "linear",
+            [wmap, xmap, mi, k, n, bp, op, acc, tokens_first]
+        )
     }
 }
