@@ -19,8 +19,11 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 const COLS: usize = 128;
 const TOKS: usize = 128;
 const THREADS: u32 = 384;
-/// K per stage (one 128-byte swizzled row), stages in flight.
+/// K per stage (one 128-byte swizzled row of the tokens' tile), stages in flight.
 const STAGE_K: usize = 64;
+/// K per box of the weights' tile: two 64-byte rows a stage, unswizzled (a warp's 16-byte
+/// fragment loads from rows g and g + 1 then sit side by side: no bank conflicts).
+const WEIGHT_BOX_K: usize = 32;
 const STAGES: usize = 4;
 /// Its dynamic shared memory: the stages, 1,024 bytes to align them to the swizzle's
 /// period, and the 2 x STAGES barriers.
@@ -117,7 +120,7 @@ impl Cuda {
             )
         })?;
         let s = &self.stream;
-        let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (32, COLS), false, "the weight")?;
+        let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
         let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, TOKS), true, "the activations")?;
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
         let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
@@ -126,8 +129,9 @@ impl Cuda {
         // notes v18: token tiles first at 12288 x 4096 and M = 2,048, 0.489 -> 0.435 ms;
         // column tiles first at 4096 x 12288 and M = 4,096, 0.950 -> 0.894 ms).
         let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS) as u32);
-        let tokens_first = (w.rows > m) as i32;
-        let grid = if tokens_first == 1 { (toks, cols) } else { (cols, toks) };
+        let tokens_first = w.rows > m;
+        let grid = if tokens_first { (toks, cols) } else { (cols, toks) };
+        let tokens_first = tokens_first as i32;
         launch!(
             self,
             f,

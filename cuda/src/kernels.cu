@@ -450,7 +450,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-
 // The walk's position: chunk number i (chunk c) and its 32-wide block u. The walk covers
 // every phase in order (phase < 0) or one phase's chunks.
 struct TtPos {

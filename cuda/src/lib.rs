@@ -620,13 +620,25 @@ impl Cuda {
     /// `len` f32 activations as the bf16 planes the tiles read: split exactly into three, or
     /// rounded into one (this instance's [`Activations`]).
     fn split_activations(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
+        let planes = activation_terms(self.activations);
+        self.split_into(&self.f.split_activations, x, len, planes)
+    }
+
+    /// `len` f32 activations into `planes` bf16 planes of `len` by `f` (a `split_activations`
+    /// kernel: x, n, out).
+    fn split_into(
+        &self,
+        f: &CudaFunction,
+        x: &CudaSlice<f32>,
+        len: usize,
+        planes: usize,
+    ) -> Result<CudaSlice<u16>> {
         let s = &self.stream;
-        let planes = activation_terms(self.activations) * len;
-        // SAFETY: split_activations writes all `planes` elements before the matmul reads them.
-        let split = unsafe { s.alloc::<u16>(planes) }.map_err(driver("split activations"))?;
+        // SAFETY: the split kernels write all `planes * len` elements before a matmul reads them.
+        let split = unsafe { s.alloc::<u16>(planes * len) }.map_err(driver("split activations"))?;
         let (xp, sp, n) = (ptr(x, s), ptr(&split, s), len as i64);
         let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
-        launch!(self, &self.f.split_activations, (blocks, 1), 256, "split", [xp, n, sp])?;
+        launch!(self, f, (blocks, 1), 256, "split", [xp, n, sp])?;
         Ok(split)
     }
 
@@ -685,13 +697,7 @@ impl Cuda {
     /// `len` f32 activations rounded to bf16 in the order wgmma reads them
     /// (`split_activations_steps`: each 32-wide block as its two MMA steps).
     fn split_steps(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
-        let s = &self.stream;
-        // SAFETY: split_activations_steps writes all `len` elements before the matmul reads them.
-        let split = unsafe { s.alloc::<u16>(len) }.map_err(driver("split activations"))?;
-        let (xp, sp, n) = (ptr(x, s), ptr(&split, s), len as i64);
-        let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
-        launch!(self, &self.f.split_activations_steps, (blocks, 1), 256, "split", [xp, n, sp])?;
-        Ok(split)
+        self.split_into(&self.f.split_activations_steps, x, len, 1)
     }
 
     /// [`Cuda::linear_tc_with`] by a tile kernel, over activations already split.
