@@ -17,6 +17,7 @@ fn cuda() {
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=src/walk.cuh");
+    println!("cargo:rerun-if-changed=src/flash.cuh");
     let nvcc = std::env::var_os("NVCC")
         .map(PathBuf::from)
         .or_else(|| {

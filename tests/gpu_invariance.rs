@@ -277,6 +277,83 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
     }
 }
 
+/// The tensor-core attention (bf16 activations and bf16 K/V), for every head-size tier and
+/// group size it takes: head size 16 to 128 (24 and 120: dims padded to the 16-wide MMA
+/// step), 1 to 8 query heads per KV head (one warp to eight a block). f32 weights, so the
+/// matmuls are the CPU's exactly and the bound sees attention's roundings alone (q, K, V
+/// and the probabilities in bf16): decoded logits within 2e-2 of the CPU's f32 scale (a
+/// wrong head, dim or key would be off by the scale). At 37 to 600 keys a query's bits are
+/// the same alone, batched, and decoded after a prefill (the decode past 256 keys takes
+/// the split launch and the merge, the prefill the walking one). Control: a chunk anchor
+/// that follows the batch must break both.
+#[test]
+fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
+    use mtp::synth::SynthSpec;
+    let base = common::load(&fixture("qwen3-target")).config;
+    // (query heads, KV heads, head size): tier, warps a 16-token tile.
+    let shapes = [
+        (8, 2, 32),   // 32, 4 warps
+        (6, 2, 24),   // 32, 3 warps, padded dims
+        (4, 4, 16),   // 32, 1 warp
+        (16, 2, 64),  // 64, 8 warps
+        (4, 2, 128),  // 128, 2 warps
+        (4, 1, 120),  // 128, 4 warps, padded dims
+    ];
+    let mut rng = Lcg(43);
+    for (heads, kv_heads, head_dim) in shapes {
+        let spec = SynthSpec {
+            vocab_size: 256,
+            hidden_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            intermediate_size: 96,
+            seed: 9,
+            dtype: WeightDtype::F32,
+            ..SynthSpec::from_config(&base)
+        };
+        let dir = std::env::temp_dir()
+            .join(format!("mtp-flash-{heads}-{kv_heads}-{head_dim}-{}", std::process::id()));
+        spec.write(&dir).unwrap();
+        let prompts: Vec<Vec<u32>> = [600usize, 37, 530]
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.below(spec.vocab_size) as u32).collect())
+            .collect();
+        let cpu = Model::load_with(&dir, Backend::Cpu, KvDtype::F32).unwrap();
+        let numerics = Numerics { kv: KvDtype::Bf16, activations: Activations::Bf16 };
+        let model = Model::load_with(&dir, Backend::Cuda, numerics).unwrap();
+        let shape = format!("{heads} heads, {kv_heads} KV heads, head size {head_dim}");
+        for p in &prompts {
+            let want = prefill_then_decode(&cpu, p);
+            let got = prefill_then_decode(&model, p);
+            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
+            let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            println!("{shape}, tensor cores, {} keys: within {worst:e} of the CPU (scale {scale})", p.len());
+            assert!(worst <= 2e-2 * scale, "{shape}, tensor cores, {} keys: off the CPU by {worst}", p.len());
+        }
+        let (ours, control) = with_split_attention_control(|| alone_batched_decoded(&model, &prompts));
+        assert_eq!(ours, (true, true), "{shape}, tensor cores: (alone == batched, decode == prefill)");
+        assert_eq!(control, (false, false), "{shape}, tensor cores: a batch-sized chunk anchor went unseen");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+/// The same on a fixture written by transformers (qwen3-target, loaded with bf16 K/V in the
+/// bf16 mode): eight prompts of 40 to 117 tokens alone as in one forward; the control breaks
+/// it.
+#[test]
+fn tensor_core_attention_alone_equals_batched() {
+    let numerics = Numerics { kv: KvDtype::Bf16, activations: Activations::Bf16 };
+    let model = Model::load_with(&fixture("qwen3-target"), Backend::Cuda, numerics).unwrap();
+    let prompts = common::invariance::prompts(&model, 19);
+    let (ours, control) = with_split_attention_control(|| {
+        last_logits(&model, &prompts, false) == last_logits(&model, &prompts, true)
+    });
+    assert!(ours, "a query's tensor-core attention bits depend on the batch");
+    assert!(!control, "a batch-sized chunk anchor went unnoticed");
+}
+
 /// The GPU's logit summaries: each row's argmax and max are the host's exactly (ties to the
 /// lowest id, NaN never wins, 0 when nothing beats -inf), its ln-sum-exp within 1e-6 of the
 /// host's, and a row's summary bits are the same alone as among 40 rows. Control: the host's

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
-use super::{driver, Cuda, CudaBatch, ATTENTION_SEGMENT};
+use super::{driver, flash, Cuda, CudaBatch};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::negative_control;
 use mtp_kernels::{run_body, ForwardBody, Kernels};
@@ -36,9 +36,12 @@ static GRAPHS_ON: AtomicBool = AtomicBool::new(true);
 struct Shape {
     tokens: usize,
     rows: usize,
-    /// Attention's 512-key segments for the most keys a token reads: the split launch's
-    /// grid follows it.
+    /// Attention's segments (256 keys, the tensor-core kernel's; a 512-key segment of the
+    /// CUDA-core kernel is two) for the most keys a token reads: the split launch's grid
+    /// follows it.
     segments: usize,
+    /// The tensor-core attention's tiles and the most tokens one holds (its grid and block).
+    tiles: (usize, usize),
     ring: bool,
     bf16_kv: bool,
     out_lens: Vec<usize>,
@@ -103,7 +106,8 @@ impl CudaGraphs {
         let shape = Shape {
             tokens: batch.m,
             rows: batch.rows.len() / 5,
-            segments: batch.most_keys.div_ceil(ATTENTION_SEGMENT),
+            segments: batch.most_keys.div_ceil(flash::SEGMENT),
+            tiles: (batch.tiles.count, batch.tiles.most),
             ring: batch.ring_rows.is_some(),
             bf16_kv: batch.kv == mtp_kernels::KvDtype::Bf16,
             out_lens: out_lens.to_vec(),
@@ -217,6 +221,7 @@ impl Cuda {
         s.memcpy_dtod(&step.toks, &mut recorded.toks).map_err(driver("graph tables"))?;
         s.memcpy_dtod(&step.rows, &mut recorded.rows).map_err(driver("graph tables"))?;
         s.memcpy_dtod(&step.tokens, &mut recorded.tokens).map_err(driver("graph tables"))?;
+        s.memcpy_dtod(&step.tiles.buf, &mut recorded.tiles.buf).map_err(driver("graph tables"))?;
         if let (Some(dst), Some(src)) = (recorded.ring_rows.as_mut(), step.ring_rows.as_ref()) {
             s.memcpy_dtod(src, dst).map_err(driver("graph tables"))?;
         }

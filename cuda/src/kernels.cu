@@ -1453,3 +1453,6 @@ extern "C" __global__ void rope_rows(float* x, int width, int hd, const int* pos
         h[i + half] = x2 * c[i] + x1 * s[i];
     }
 }
+
+// Attention on the tensor cores (bf16 activations and K/V).
+#include "flash.cuh"

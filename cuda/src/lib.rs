@@ -37,6 +37,7 @@ macro_rules! launch {
     }};
 }
 
+mod flash;
 mod graphs;
 mod hopper;
 mod kv;
@@ -274,6 +275,9 @@ struct Functions {
     /// Per K/V dtype: head size 128 serving 1, 2 or 4 query heads a block, 256, 512.
     attention: [[CudaFunction; 5]; 2],
     attention_merge: CudaFunction,
+    /// Tensor-core attention (flash.cuh) by head-size tier, and its merge.
+    flash: [CudaFunction; 3],
+    flash_merge: CudaFunction,
     kv_move: [CudaFunction; 2],
     kv_copy: [CudaFunction; 2],
     gelu_tanh_mul: CudaFunction,
@@ -468,6 +472,8 @@ impl Cuda {
                 ],
             ],
             attention_merge: get("attention_merge")?,
+            flash: [get("flash_attention_32")?, get("flash_attention_64")?, get("flash_attention_128")?],
+            flash_merge: get("flash_merge")?,
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
             kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
             gelu_tanh_mul: get("gelu_tanh_mul")?,
@@ -490,6 +496,12 @@ impl Cuda {
                 func.set_attribute(MAX, bytes as i32)
                     .map_err(|e| format!("shared memory for {kernel:?} ({bytes} bytes): {e:?}"))?;
             }
+        }
+        for (func, max_hd) in f.flash.iter().zip(flash::TIERS) {
+            use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+            let bytes = flash::most_smem_bytes(max_hd);
+            func.set_attribute(MAX, bytes as i32)
+                .map_err(|e| format!("shared memory for the tensor-core attention ({bytes} bytes): {e:?}"))?;
         }
         if let Some(func) = &f.linear_wg {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
@@ -876,6 +888,8 @@ pub struct CudaBatch {
     kv: KvDtype,
     /// Key segments per query: 1, except under the split-attention negative control.
     splits: i32,
+    /// The tokens cut into the tensor-core attention's tiles.
+    tiles: flash::FlashTiles,
 }
 
 impl Kernels for Cuda {
@@ -1013,6 +1027,7 @@ impl Kernels for Cuda {
             None
         };
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
+        let tiles = self.flash_tiles(&slots.iter().map(|s| s.row).collect::<Vec<_>>())?;
         Ok(CudaBatch {
             toks: self.upload_as(&toks, "batch layout")?,
             rows: self.upload_as(&rows, "batch layout")?,
@@ -1022,6 +1037,7 @@ impl Kernels for Cuda {
             most_keys: slots.iter().map(|s| s.pos + 1).max().unwrap_or(0),
             kv: kv.unwrap_or(KvDtype::F32),
             splits: splits as i32,
+            tiles,
         })
     }
 
@@ -1244,7 +1260,7 @@ impl Kernels for Cuda {
         let win = window.map_or(0, |w| w as i32);
         let keys =
             AttentionKeys { tokens: batch.m, most: batch.most_keys, splits: batch.splits, window: win };
-        self.launch_attention(q, out, &batch.toks, rows, li, heads, scale, batch.kv, keys)
+        self.launch_attention(q, out, &batch.toks, rows, &batch.tiles, li, heads, scale, batch.kv, keys)
     }
 
     fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
@@ -1389,12 +1405,18 @@ impl Cuda {
         out: &mut CudaSlice<f32>,
         toks: &CudaSlice<i32>,
         rows: &CudaSlice<i64>,
+        tiles: &flash::FlashTiles,
         li: i32,
         heads: Heads,
         scale: f32,
         kv: KvDtype,
         keys: AttentionKeys,
     ) -> Result<()> {
+        if flash::runs(self.activations, kv, heads) {
+            let tier = flash::tier(heads).unwrap_or(0);
+            let (f, max_hd) = (&self.f.flash[tier], flash::TIERS[tier]);
+            return self.launch_flash(f, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
+        }
         let s = &self.stream;
         let (variant, group) = attention_variant(heads);
         let f = &self.f.attention[kv_index(kv)][variant];
@@ -1444,6 +1466,12 @@ impl Cuda {
             return launch!(self, f, (n as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
         }
         launch!(self, &self.f.embed[weight_index(table.dtype)], (n as u32, 1), 256, "embed", [t, tk, cols, o])
+    }
+
+    /// The tensor-core attention's tiles of a batch whose tokens sit in `rows`.
+    fn flash_tiles(&self, rows: &[usize]) -> Result<flash::FlashTiles> {
+        let (pairs, most) = flash::tiles(rows);
+        Ok(flash::FlashTiles { buf: self.upload_as(&pairs, "batch layout")?, count: pairs.len() / 2, most })
     }
 
     /// The row layout of `plane` and the layer within it.
@@ -1520,7 +1548,8 @@ impl AssistantKernels for Cuda {
         let (toks, rows) = (self.upload_as(&toks, "key ranges")?, self.upload_as(&rows, "key ranges")?);
         let keys = AttentionKeys { tokens: caches.len(), most, splits: 1, window: 0 };
         let kv = kv.unwrap_or(KvDtype::F32);
-        self.launch_attention(q, out, &toks, &rows, plane.layer() as i32, heads, scale, kv, keys)
+        let tiles = self.flash_tiles(&(0..caches.len()).collect::<Vec<_>>())?;
+        self.launch_attention(q, out, &toks, &rows, &tiles, plane.layer() as i32, heads, scale, kv, keys)
     }
 }
 

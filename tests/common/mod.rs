@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use mtp::base::Error;
 use mtp::drafter::Drafter;
 use mtp::engine::{generate, Completion, Engine, EngineOptions, Request};
-use mtp::kernels::Backend;
+use mtp::kernels::{Backend, KvDtype};
 use mtp::model::Model;
 
 /// The backend the model-level tests run on: the CPU, or what `MTP_TEST_BACKEND` names
@@ -21,9 +21,19 @@ pub fn backend() -> Backend {
     }
 }
 
+/// The K/V dtype the model-level tests load with: the backend's default, or what
+/// `MTP_TEST_KV` names (`scripts/gpu-run.sh tests` runs some suites again with `bf16`, so
+/// the f32 fixtures take CUDA's tensor-core attention too).
+pub fn test_kv() -> KvDtype {
+    match std::env::var("MTP_TEST_KV") {
+        Ok(name) => name.parse().unwrap_or_else(|e| panic!("MTP_TEST_KV: {e}")),
+        Err(_) => KvDtype::Auto,
+    }
+}
+
 /// Loads a checkpoint on the test backend.
 pub fn load(dir: &Path) -> Model {
-    Model::load_on(dir, backend()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    Model::load_with(dir, backend(), test_kv()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 pub const FAMILIES: [&str; 6] =

@@ -1,0 +1,394 @@
+// Attention on the tensor cores, included by kernels.cu after the CUDA-core attention.
+//
+// Taken where activations are bf16 and K/V are stored in bf16 (CUDA's default for 16-bit
+// checkpoints), for head sizes that are multiples of 8 up to 128 and at most 8 query heads
+// per KV head (`Cuda::flash_runs`); other shapes keep the CUDA-core kernels. Every query,
+// in prefill, verify and decode alike, gets one arithmetic, fixed by positions alone:
+//   - q is rounded to bf16 (nearest even); keys are cut into chunks of FA_CHUNK (64)
+//     anchored at position 0, chunks into segments of FA_SEG_CHUNKS (4: 256 keys);
+//   - a chunk's scores are one mma.sync m16n8k16 chain over the head dims in increasing
+//     16-wide steps (dims past hd are zero), times scale log2(e); the chunk's maximum and
+//     its sum of 2^(s - m) (each lane its 16 values in key order, then the quad's
+//     butterfly) update an online softmax; the probabilities, rounded to bf16, meet V in
+//     one mma chain over the chunk's four 16-key steps, into the running output scaled by
+//     the maximum's change (a chunk without any of the query's keys leaves it as it was);
+//   - a segment's state is merged into the query's in segment order (`fa_merge`, which
+//     `flash_merge` repeats for the split launch), then normalised.
+// An mma computes each output row from that row's inputs alone (cuda/probes/mma_bits.cu),
+// so a query's bits do not depend on the other queries in its 16-row tile. A block takes
+// one tile of a row's consecutive tokens (host-built `tiles`: first token, count, at most
+// FA_TILE) times the G query heads of one KV head, 16 (token, head) rows a warp, and each
+// K/V chunk it loads feeds them all. Keys outside a query's range score -inf (probability
+// exactly 0). Keys outside every query's range of the block load as zeros.
+// Two launches compute the same bits, as for the CUDA-core kernel: a block per (tile, KV
+// head) walking the segments (`partial` null), or a block per (tile, KV head, segment)
+// writing each query's segment state to `partial` for `flash_merge`.
+// `splits` > 1 is the negative control only: the chunks' anchor moves by a batch-sized
+// offset (64 - 2 splits), so a query's chunking follows the batch.
+// grid: (tiles, kv_heads * segments), block: 32 W (W warps: 16 W >= the tile's tokens x
+// G), dynamic shared memory `flash_smem_bytes`.
+#define FA_CHUNK 64
+#define FA_SEG_CHUNKS 4
+#define FA_TILE 16
+#define FA_MAX_WARPS 8
+
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ u32 fa_pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void fa_ldsm_x4(u32* r, const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fa_ldsm_x4_trans(u32* r, const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// d = a b + c (m16n8k16, bf16 in, f32 accumulate).
+__device__ __forceinline__ void fa_mma(float* d, const u32* a, u32 b0, u32 b1, const float* c) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+// 16 bytes from global memory, or zeros where `size` is 0.
+__device__ __forceinline__ void fa_cp16(u16* smem, const u16* gmem, int size) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(size));
+}
+
+// Element (r, d) of a [rows][hdp] bf16 tile in shared memory: 16-byte pieces swizzled by the
+// row (so ldmatrix's eight rows hit different banks).
+__device__ __forceinline__ int fa_at(int r, int d, int hdp) {
+    const int mask = min(hdp / 8, 8) - 1;
+    return r * hdp + (((d >> 3) ^ (r & mask)) << 3) + (d & 7);
+}
+
+// Merges the state (m2, l2, acc2) of later keys into (m, l, acc) (maxima in log2 units): taken
+// as is into an empty state, else both scaled to the larger maximum. A state without keys
+// (l2 == 0) adds nothing. `flash_attention` and `flash_merge` both merge with it: either
+// launch gives the same bits.
+template <int N>
+__device__ __forceinline__ void fa_merge(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+    if (l2 == 0.0f) return;
+    if (l == 0.0f) {
+        m = m2;
+        l = l2;
+#pragma unroll
+        for (int i = 0; i < N; i++) acc[i] = acc2[i];
+        return;
+    }
+    const float nm = fmaxf(m, m2);
+    const float a = fa_exp2(m - nm), b = fa_exp2(m2 - nm);
+    l = fmaf(l2, b, __fmul_rn(l, a));
+#pragma unroll
+    for (int i = 0; i < N; i++) acc[i] = fmaf(acc2[i], b, __fmul_rn(acc[i], a));
+    m = nm;
+}
+
+// Dynamic shared memory of a launch: q tile, two K/V stages, each lane's merged outputs.
+__host__ __device__ constexpr int flash_smem_bytes(int max_hd, int hdp, int warps) {
+    return 16 * warps * hdp * 2 + 2 * 2 * FA_CHUNK * hdp * 2 + warps * 32 * (max_hd / 2) * 4;
+}
+
+template <int MAX_HD>
+__device__ void flash_impl(const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows,
+                           const int* tiles, int layer, int heads, int kv_heads, int hd, float scale, int splits,
+                           int window) {
+    constexpr int NT = MAX_HD / 8;  // 8-dim output tiles a row holds at most
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    const int hdp = (hd + 15) & ~15, ks_n = hdp / 16, nt_n = hdp / 8, cpr = hdp / 8;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    u16* qs = reinterpret_cast<u16*>(fa_smem);
+    u16* kvs = qs + 16 * warps * hdp;  // [stage][K, V][FA_CHUNK][hdp]
+    float* tot = reinterpret_cast<float*>(kvs + 2 * 2 * FA_CHUNK * hdp) + warp * 32 * (MAX_HD / 2);
+
+    const int t0 = tiles[2 * blockIdx.x], nt = tiles[2 * blockIdx.x + 1];
+    const int kvh = blockIdx.y % kv_heads, seg = blockIdx.y / kv_heads, max_segs = gridDim.y / kv_heads;
+    const int G = heads / kv_heads, n_rows = nt * G;
+    const int shift = splits > 1 ? FA_CHUNK - 2 * splits : 0;
+    const RowKv row = rows[toks[t0].row];
+    const int kvd = kv_heads * hd;
+    const u16* kbuf = reinterpret_cast<const u16*>(row.base) + (long long)(2 * layer) * row.plane + kvh * hd;
+    const u16* vbuf = reinterpret_cast<const u16*>(row.base) + (long long)(2 * layer + 1) * row.plane + kvh * hd;
+
+    // The block's keys: the union of its tokens' ranges.
+    int lo = 0x7fffffff, hi = 0;
+    for (int i = 0; i < nt; i++) {
+        const Tok tk = toks[t0 + i];
+        const int n_keys = tk.pos + 1;
+        lo = min(lo, max(tk.first, window > 0 ? n_keys - window : 0));
+        hi = max(hi, n_keys);
+    }
+    // This lane's two rows (g and g + 8 of its warp's 16): token, head, key range.
+    int tok[2], head[2], first[2], n_keys[2];
+    int w_lo = 0x7fffffff, w_hi = 0;
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const int r = 16 * warp + g + 8 * rr;
+        tok[rr] = t0 + r / G;
+        head[rr] = kvh * G + r % G;
+        first[rr] = n_keys[rr] = 0;
+        if (r < n_rows) {
+            const Tok tk = toks[tok[rr]];
+            n_keys[rr] = tk.pos + 1;
+            first[rr] = max(tk.first, window > 0 ? n_keys[rr] - window : 0);
+        }
+    }
+    // The warp's keys (every lane: the same rows, by the quads' butterfly).
+    for (int i = 0; i < 16 && 16 * warp + i < n_rows; i++) {
+        const Tok tk = toks[t0 + (16 * warp + i) / G];
+        const int nk = tk.pos + 1;
+        w_lo = min(w_lo, max(tk.first, window > 0 ? nk - window : 0));
+        w_hi = max(w_hi, nk);
+    }
+
+    // q rounded to bf16, rows past the tile's and dims past hd zero.
+    for (int i = threadIdx.x; i < 16 * warps * (hdp / 2); i += blockDim.x) {
+        const int r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
+        float a = 0.0f, b = 0.0f;
+        if (r < n_rows && d < hd) {
+            const float* src = q + ((long long)(t0 + r / G) * heads + kvh * G + r % G) * hd + d;
+            a = src[0];
+            b = src[1];
+        }
+        *reinterpret_cast<u32*>(qs + fa_at(r, d, hdp)) = fa_pack(a, b);
+    }
+
+    // The chunks this block walks (in the shifted key space of the negative control).
+    int c_begin = (lo + shift) / FA_CHUNK, c_end = hi > lo ? (hi - 1 + shift) / FA_CHUNK : c_begin - 1;
+    if (partial) {
+        c_begin = max(c_begin, seg * FA_SEG_CHUNKS);
+        c_end = min(c_end, seg * FA_SEG_CHUNKS + FA_SEG_CHUNKS - 1);
+    }
+    // Chunk c's K and V into `stage`: keys outside [lo, hi) and dims past hd as zeros.
+    auto load = [&](int c, int stage) {
+        u16* ks = kvs + stage * 2 * FA_CHUNK * hdp;
+        u16* vs = ks + FA_CHUNK * hdp;
+        const int c0 = c * FA_CHUNK - shift;
+        for (int i = threadIdx.x; i < FA_CHUNK * cpr; i += blockDim.x) {
+            const int key = i / cpr, piece = i % cpr, p = c0 + key;
+            const bool ok = p >= lo && p < hi && 8 * piece < hd;
+            const long long at = ok ? kv_slot(row, p) * kvd + 8 * piece : 0;
+            fa_cp16(ks + fa_at(key, 8 * piece, hdp), kbuf + at, ok ? 16 : 0);
+            fa_cp16(vs + fa_at(key, 8 * piece, hdp), vbuf + at, ok ? 16 : 0);
+        }
+    };
+
+    const float scale2 = __fmul_rn(scale, 1.4426950408889634f);
+    const float NEG_INF = __int_as_float(0xff800000);
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};      // the segment's state
+    float tm[2] = {NEG_INF, NEG_INF}, tl[2] = {0.0f, 0.0f};    // the query's merged state
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
+    const bool warp_live = 16 * warp < n_rows;
+
+    if (c_begin <= c_end) {
+        load(c_begin, 0);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int c = c_begin, stage = 0; c <= c_end; c++, stage ^= 1) {
+        if (c < c_end) {
+            load(c + 1, stage ^ 1);
+            asm volatile("cp.async.commit_group;");
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncthreads();
+        const int c0 = c * FA_CHUNK - shift;
+        if (warp_live && c0 < w_hi && c0 + FA_CHUNK > w_lo) {
+            const u16* ks = kvs + stage * 2 * FA_CHUNK * hdp;
+            const u16* vs = ks + FA_CHUNK * hdp;
+            // Scores: 16 rows x 64 keys, one chain over the dims a key tile.
+            float s[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < MAX_HD / 16; kk++) {
+                if (kk >= ks_n) break;
+                u32 a[4];
+                fa_ldsm_x4(a, qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) {
+                    u32 b[4];
+                    fa_ldsm_x4(b, ks + fa_at(16 * jj + (lane & 7) + 8 * (lane >> 4), 16 * kk + 8 * ((lane >> 3) & 1), hdp));
+                    fa_mma(s[2 * jj], a, b[0], b[1], s[2 * jj]);
+                    fa_mma(s[2 * jj + 1], a, b[2], b[3], s[2 * jj + 1]);
+                }
+            }
+            // Scale, mask, the chunk's maxima (rows g, g + 8).
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int rr = e >> 1, p = c0 + 8 * j + 2 * t4 + (e & 1);
+                    const bool ok = p >= first[rr] && p < n_keys[rr];
+                    s[j][e] = ok ? __fmul_rn(s[j][e], scale2) : NEG_INF;
+                    mx[rr] = fmaxf(mx[rr], s[j][e]);
+                }
+            bool keep[2];
+            float alpha[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+                keep[rr] = mx[rr] == NEG_INF;  // none of the row's keys: its state stays
+                const float mn = fmaxf(m[rr], mx[rr]);
+                alpha[rr] = keep[rr] ? 1.0f : fa_exp2(m[rr] - mn);
+                m[rr] = mn;
+            }
+            float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int rr = e >> 1;
+                    s[j][e] = s[j][e] == NEG_INF ? 0.0f : fa_exp2(s[j][e] - m[rr]);
+                    sum[rr] = __fadd_rn(sum[rr], s[j][e]);
+                }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 1));
+                sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 2));
+                l[rr] = __fadd_rn(__fmul_rn(l[rr], alpha[rr]), sum[rr]);
+            }
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[n][e] = __fmul_rn(acc[n][e], alpha[e >> 1]);
+            // Output += P V: four 16-key steps, P rounded to bf16.
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const u32 a[4] = {fa_pack(s[2 * kk][0], s[2 * kk][1]), fa_pack(s[2 * kk][2], s[2 * kk][3]),
+                                  fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                  fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+                for (int nn = 0; nn < NT / 2; nn++) {
+                    if (2 * nn >= nt_n) break;
+                    u32 b[4];
+                    fa_ldsm_x4_trans(b, vs + fa_at(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * nn + 8 * (lane >> 4), hdp));
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        float d[4];
+                        fa_mma(d, a, b[2 * h], b[2 * h + 1], acc[2 * nn + h]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) acc[2 * nn + h][e] = keep[e >> 1] ? acc[2 * nn + h][e] : d[e];
+                    }
+                }
+            }
+        }
+        // A segment ends: merge its state into the query's, start the next one empty.
+        if (!partial && warp_live && (c == c_end || (c + 1) % FA_SEG_CHUNKS == 0)) {
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float part[NT * 2], merged[NT * 2];
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    part[2 * n] = acc[n][2 * rr];
+                    part[2 * n + 1] = acc[n][2 * rr + 1];
+                    merged[2 * n] = tot[(4 * n + 2 * rr) * 32 + lane];
+                    merged[2 * n + 1] = tot[(4 * n + 2 * rr + 1) * 32 + lane];
+                }
+                fa_merge<NT * 2>(tm[rr], tl[rr], merged, m[rr], l[rr], part);
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    tot[(4 * n + 2 * rr) * 32 + lane] = merged[2 * n];
+                    tot[(4 * n + 2 * rr + 1) * 32 + lane] = merged[2 * n + 1];
+                }
+                m[rr] = NEG_INF;
+                l[rr] = 0.0f;
+            }
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
+        }
+        __syncthreads();  // the stage just read is the next load's
+    }
+    if (!warp_live) return;
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const int r = 16 * warp + g + 8 * rr;
+        if (r >= n_rows) continue;
+        if (partial) {
+            float* dst = partial + (((long long)tok[rr] * heads + head[rr]) * max_segs + seg) * (hd + 2);
+            if (t4 == 0) {
+                dst[0] = m[rr];
+                dst[1] = l[rr];
+            }
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int d = 8 * n + 2 * t4 + e;
+                    if (d < hd) dst[2 + d] = acc[n][2 * rr + e];
+                }
+        } else {
+            float* o = out + ((long long)tok[rr] * heads + head[rr]) * hd;
+            const float inv = 1.0f / tl[rr];
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int d = 8 * n + 2 * t4 + e;
+                    if (d < hd) o[d] = __fmul_rn(tot[(4 * n + 2 * rr + e) * 32 + lane], inv);
+                }
+        }
+    }
+}
+
+#define FLASH_KERNEL(name, MAX_HD)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * FA_MAX_WARPS) name(                                    \
+        const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows, const int* tiles,    \
+        int layer, int heads, int kv_heads, int hd, float scale, int splits, int window) {                   \
+        flash_impl<MAX_HD>(q, out, partial, toks, rows, tiles, layer, heads, kv_heads, hd, scale, splits,     \
+                           window);                                                                          \
+    }
+FLASH_KERNEL(flash_attention_32, 32)
+FLASH_KERNEL(flash_attention_64, 64)
+FLASH_KERNEL(flash_attention_128, 128)
+
+// Merges the segment states `flash_attention` stored in `partial` (tokens x heads x max_segs
+// states of hd + 2 floats), in segment order, with `fa_merge`; lane j
+// keeps dims j + 32 i. grid: (tokens, heads), block: 32.
+extern "C" __global__ void flash_merge(const float* partial, float* out, int heads, int hd, int max_segs) {
+    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    const float* src = partial + ((long long)t * heads + head) * max_segs * (hd + 2);
+    float m = __int_as_float(0xff800000), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < max_segs; s++) {
+        const float* p = src + (long long)s * (hd + 2);
+        float a[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = lane + 32 * i < hd ? p[2 + lane + 32 * i] : 0.0f;
+        fa_merge<4>(m, l, acc, p[0], p[1], a);
+    }
+    float* o = out + ((long long)t * heads + head) * hd;
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (lane + 32 * i < hd) o[lane + 32 * i] = __fmul_rn(acc[i], inv);
+}

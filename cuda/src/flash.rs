@@ -1,0 +1,169 @@
+//! Attention on the tensor cores (`flash.cuh`): which layers take it, the tiles a batch gives
+//! it, and its two launches. With bf16 activations and bf16 K/V (CUDA's defaults for 16-bit
+//! checkpoints) every layer whose head shape fits takes it, in every forward; other layers
+//! and modes keep the CUDA-core kernels. The choice follows the mode and the model's shape
+//! alone, so each guarantee holds within a mode.
+
+use cudarc::driver::{CudaFunction, CudaSlice};
+
+use super::{ptr, AttentionKeys, Cuda};
+use mtp_base::error::Result;
+use mtp_kernels::{Activations, Heads, Kernels, KvDtype};
+
+/// Keys a chunk, chunks a segment, tokens a tile, warps a block (`FA_*` in flash.cuh).
+const CHUNK: usize = 64;
+pub(super) const SEGMENT: usize = 4 * CHUNK;
+const TILE: usize = 16;
+const MAX_WARPS: usize = 8;
+/// Head-size tiers, one kernel each: `flash_attention_{32, 64, 128}`.
+pub(super) const TIERS: [usize; 3] = [32, 64, 128];
+
+/// The rows of a batch, cut for the kernel: each run of consecutive tokens of one row in
+/// pieces of at most [`TILE`] tokens, as (first token, count) pairs on the device.
+pub(super) struct FlashTiles {
+    pub(super) buf: CudaSlice<i32>,
+    pub(super) count: usize,
+    /// The most tokens a tile holds (sets the block's warps).
+    pub(super) most: usize,
+}
+
+/// The (first token, count) pairs of `rows` (each token's row, in batch order), and the
+/// most tokens a tile holds.
+pub(super) fn tiles(rows: &[usize]) -> (Vec<i32>, usize) {
+    let mut out = Vec::new();
+    let mut most = 0;
+    let mut t = 0;
+    while t < rows.len() {
+        let mut n = 1;
+        while t + n < rows.len() && n < TILE && rows[t + n] == rows[t] {
+            n += 1;
+        }
+        out.extend([t as i32, n as i32]);
+        most = most.max(n);
+        t += n;
+    }
+    (out, most)
+}
+
+/// The kernel tier (index into [`TIERS`]) for `heads`, or `None` where the CUDA-core
+/// kernels run: head size a multiple of 8 up to 128, at most 8 query heads per KV head.
+pub(super) fn tier(heads: Heads) -> Option<usize> {
+    let per_kv = heads.heads / heads.kv_heads.max(1);
+    if heads.head_dim == 0 || !heads.head_dim.is_multiple_of(8) || per_kv == 0 || per_kv > MAX_WARPS {
+        return None;
+    }
+    TIERS.iter().position(|&t| heads.head_dim <= t)
+}
+
+/// Whether a layer of shape `heads` takes the tensor-core attention in `activations` mode
+/// with `kv` K/V.
+pub(super) fn runs(activations: Activations, kv: KvDtype, heads: Heads) -> bool {
+    activations == Activations::Bf16 && kv == KvDtype::Bf16 && tier(heads).is_some()
+}
+
+/// Dynamic shared memory of a block (`flash_smem_bytes` in flash.cuh).
+pub(super) fn smem_bytes(max_hd: usize, head_dim: usize, warps: usize) -> usize {
+    let hdp = head_dim.next_multiple_of(16);
+    16 * warps * hdp * 2 + 2 * 2 * CHUNK * hdp * 2 + warps * 32 * (max_hd / 2) * 4
+}
+
+/// The most shared memory a tier's kernel asks for (every warp, the widest head).
+pub(super) fn most_smem_bytes(max_hd: usize) -> usize {
+    smem_bytes(max_hd, max_hd, MAX_WARPS)
+}
+
+/// The segments of the split launch, when it pays: few tokens over more than one segment,
+/// its scratch under 256 MiB. Either launch gives the same bits.
+fn split_segments(keys: &AttentionKeys, heads: Heads) -> Option<usize> {
+    let segs = keys.most.div_ceil(SEGMENT);
+    let scratch = keys.tokens * heads.heads * segs * (heads.head_dim + 2) * 4;
+    (keys.splits == 1
+        && segs >= 2
+        && keys.tokens <= 64
+        && heads.kv_heads * segs <= 65_535
+        && scratch <= 256 << 20)
+        .then_some(segs)
+}
+
+impl Cuda {
+    /// Tensor-core attention of `keys.tokens` queries over their rows' K/V: a block per
+    /// (tile, KV head), or per (tile, KV head, segment) and the merge.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_flash(
+        &self,
+        f: &CudaFunction,
+        max_hd: usize,
+        q: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        toks: &CudaSlice<i32>,
+        rows: &CudaSlice<i64>,
+        tiles: &FlashTiles,
+        li: i32,
+        heads: Heads,
+        scale: f32,
+        keys: AttentionKeys,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let per_kv = heads.heads / heads.kv_heads;
+        let warps = (tiles.most * per_kv).div_ceil(16).clamp(1, MAX_WARPS);
+        let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
+        let segs = split_segments(&keys, heads);
+        let partial =
+            segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
+        let (qp, op, pp, tp, rp, tl) = (
+            ptr(q, s),
+            ptr(out, s),
+            partial.as_ref().map_or(0, |p| ptr(p, s)),
+            ptr(toks, s),
+            ptr(rows, s),
+            ptr(&tiles.buf, s),
+        );
+        let (nh, nkv, hd) = (heads.heads as i32, heads.kv_heads as i32, heads.head_dim as i32);
+        let (splits, win) = (keys.splits, keys.window);
+        let grid = (tiles.count as u32, (heads.kv_heads * segs.unwrap_or(1)) as u32);
+        launch!(
+            self,
+            f,
+            grid,
+            (32 * warps) as u32,
+            smem,
+            "tensor-core attention",
+            [qp, op, pp, tp, rp, tl, li, nh, nkv, hd, scale, splits, win]
+        )?;
+        let Some(segs) = segs else { return Ok(()) };
+        let ms = segs as i32;
+        launch!(
+            self,
+            &self.f.flash_merge,
+            (keys.tokens as u32, heads.heads as u32),
+            32,
+            "tensor-core attention merge",
+            [pp, op, nh, hd, ms]
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_cut_runs_of_one_row_at_sixteen_tokens() {
+        assert_eq!(tiles(&[]), (vec![], 0));
+        assert_eq!(tiles(&[0, 1, 2]), (vec![0, 1, 1, 1, 2, 1], 1));
+        let rows: Vec<usize> = [vec![0; 20], vec![1; 3], vec![0; 2]].concat();
+        assert_eq!(tiles(&rows), (vec![0, 16, 16, 4, 20, 3, 23, 2], 16));
+    }
+
+    #[test]
+    fn tiers_follow_the_head_shape() {
+        let h = |heads, kv_heads, head_dim| Heads { heads, kv_heads, head_dim };
+        assert_eq!(tier(h(32, 8, 128)), Some(2));
+        assert_eq!(tier(h(4, 2, 24)), Some(0));
+        assert_eq!(tier(h(6, 2, 64)), Some(1));
+        assert_eq!(tier(h(2, 1, 136)), None, "past 128");
+        assert_eq!(tier(h(8, 2, 12)), None, "not a multiple of 8");
+        assert_eq!(tier(h(16, 1, 64)), None, "16 query heads per KV head");
+        assert!(smem_bytes(128, 128, MAX_WARPS) <= 227 * 1024);
+    }
+}
