@@ -13,8 +13,9 @@ NVCC="${NVCC:-$(scripts/install-nvcc.sh)}"
 export NVCC
 # GPU_TESTS (space-separated) packs some suites only: all ten no longer fit the 64 MiB a
 # device call carries beside the tree, so `tests` is packed in two halves (see gpu-run.sh).
-read -r -a tests <<< "${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools parity:bf16 gemma4:bf16}"
-# A suite named `name:KV` (rerun with MTP_TEST_KV=KV by gpu-run.sh) is built once, as `name`.
+read -r -a tests <<< "${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools parity:bf16 gemma4:bf16:gate}"
+# A suite named `name:KV[:FILTER]` (rerun with MTP_TEST_KV=KV by gpu-run.sh) is built once,
+# as `name`.
 read -r -a tests <<< "$(for t in "${tests[@]}"; do echo "${t%%:*}"; done | awk '!seen[$0]++' | tr '\n' ' ')"
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done

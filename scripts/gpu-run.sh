@@ -2,7 +2,7 @@
 # On the GPU machine, from the repository root (no Rust or network there): unpacks the
 # binaries `scripts/gpu-build.sh` packed, then
 #   tests: every GPU test with MTP_TEST_BACKEND=cuda (golden, parity gate, invariance,
-#          a suite named `name:bf16` again with MTP_TEST_KV=bf16,
+#          a suite named `name:bf16[:filter]` again with MTP_TEST_KV=bf16,
 #          rollback, engine, kernel negative controls, prefix cache, the server); with
 #          GPU_TESTS set, those suites only: the ten no longer fit one call's 64 MiB, so
 #          build and run two halves, GPU_TESTS="gpu_invariance parity golden
@@ -95,15 +95,14 @@ PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
     : > "$log"
     # GPU_TESTS picks suites (a bundle split in two to fit the 64 MiB a call carries).
-    for t in ${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools parity:bf16 gemma4:bf16}; do
-        # `name:KV`: the suite again with its models' K/V in KV (bf16: the f32 fixtures then
-        # take the tensor-core attention too).
-        suite=${t%%:*}
-        kv=auto
-        [ "$suite" = "$t" ] || kv=${t#*:}
+    for t in ${GPU_TESTS:-golden parity model_invariance rollback engine gpu_invariance prefix_cache server quantized gemma4 constrained tools server_tools parity:bf16 gemma4:bf16:gate}; do
+        # `name:KV[:FILTER]`: the suite again (its tests whose names hold FILTER) with its
+        # models' K/V in KV (bf16: the f32 fixtures then take the tensor-core attention too;
+        # FILTER leaves out the golden tests, whose tolerances are f32 K/V's).
+        IFS=: read -r suite kv filter <<< "$t"
         echo "== $t" >> "$log"
         start=$(date +%s)
-        (cd /work/main && MTP_TEST_BACKEND=cuda MTP_TEST_KV=$kv "$bin/test-$suite" --test-threads=1 --nocapture) >> "$log" 2>&1
+        (cd /work/main && MTP_TEST_BACKEND=cuda MTP_TEST_KV=${kv:-auto} "$bin/test-$suite" ${filter:-} --test-threads=1 --nocapture) >> "$log" 2>&1
         rc=$?
         res=$(grep -E "^test result" "$log" | tail -1)
         echo "$t: rc=$rc $(( $(date +%s) - start ))s $res" | tee -a "$summary"

@@ -292,12 +292,12 @@ fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
     let base = common::load(&fixture("qwen3-target")).config;
     // (query heads, KV heads, head size): tier, warps a 16-token tile.
     let shapes = [
-        (8, 2, 32),   // 32, 4 warps
-        (6, 2, 24),   // 32, 3 warps, padded dims
-        (4, 4, 16),   // 32, 1 warp
-        (16, 2, 64),  // 64, 8 warps
-        (4, 2, 128),  // 128, 2 warps
-        (4, 1, 120),  // 128, 4 warps, padded dims
+        (8, 2, 32),  // 32, 4 warps
+        (6, 2, 24),  // 32, 3 warps, padded dims
+        (4, 4, 16),  // 32, 1 warp
+        (16, 2, 64), // 64, 8 warps
+        (4, 2, 128), // 128, 2 warps
+        (4, 1, 120), // 128, 4 warps, padded dims
     ];
     let mut rng = Lcg(43);
     for (heads, kv_heads, head_dim) in shapes {

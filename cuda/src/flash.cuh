@@ -25,8 +25,9 @@
 // writing each query's segment state to `partial` for `flash_merge`.
 // `splits` > 1 is the negative control only: the chunks' anchor moves by a batch-sized
 // offset (64 - 2 splits), so a query's chunking follows the batch.
-// grid: (tiles, kv_heads * segments), block: 32 W (W warps: 16 W >= the tile's tokens x
-// G), dynamic shared memory `flash_smem_bytes`.
+// grid: (tiles, kv_heads * segments), block: 32 W (W warps, 16 W >= the tile's tokens x
+// G; at least 4, so that a decode step's few rows still load with 128 threads), dynamic
+// shared memory `flash_smem_bytes`.
 #define FA_CHUNK 64
 #define FA_SEG_CHUNKS 4
 #define FA_TILE 16
@@ -160,16 +161,27 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         w_hi = max(w_hi, nk);
     }
 
-    // q rounded to bf16, rows past the tile's and dims past hd zero.
-    for (int i = threadIdx.x; i < 16 * warps * (hdp / 2); i += blockDim.x) {
-        const int r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
-        float a = 0.0f, b = 0.0f;
-        if (r < n_rows && d < hd) {
-            const float* src = q + ((long long)(t0 + r / G) * heads + kvh * G + r % G) * hd + d;
-            a = src[0];
-            b = src[1];
+    // q rounded to bf16, rows past the tile's and dims past hd zero: QU pairs' loads issued
+    // before any is stored (one at a time, each waited for its load).
+    {
+        constexpr int QU = 8;
+        const int pairs = 16 * warps * (hdp / 2);
+        for (int i0 = threadIdx.x; i0 < pairs; i0 += QU * blockDim.x) {
+            float2 v[QU];
+#pragma unroll
+            for (int u = 0; u < QU; u++) {
+                const int i = i0 + u * blockDim.x, r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
+                v[u] = make_float2(0.0f, 0.0f);
+                if (i < pairs && r < n_rows && d < hd)
+                    v[u] = __ldg(reinterpret_cast<const float2*>(
+                        q + ((long long)(t0 + r / G) * heads + kvh * G + r % G) * hd + d));
+            }
+#pragma unroll
+            for (int u = 0; u < QU; u++) {
+                const int i = i0 + u * blockDim.x, r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
+                if (i < pairs) *reinterpret_cast<u32*>(qs + fa_at(r, d, hdp)) = fa_pack(v[u].x, v[u].y);
+            }
         }
-        *reinterpret_cast<u32*>(qs + fa_at(r, d, hdp)) = fa_pack(a, b);
     }
 
     // The chunks this block walks (in the shifted key space of the negative control).

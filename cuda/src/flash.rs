@@ -105,7 +105,8 @@ impl Cuda {
     ) -> Result<()> {
         let s = &self.stream;
         let per_kv = heads.heads / heads.kv_heads;
-        let warps = (tiles.most * per_kv).div_ceil(16).clamp(1, MAX_WARPS);
+        // At least 4 warps: a decode step's few rows need one, its K/V loads more threads.
+        let warps = (tiles.most * per_kv).div_ceil(16).clamp(4, MAX_WARPS);
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads);
         let partial =
