@@ -382,7 +382,6 @@ impl Cuda {
                 // SAFETY: every buffer is used on `stream` only.
                 unsafe { ctx.disable_event_tracking() };
                 let stream = ctx.new_stream().map_err(|e| format!("cannot create a stream: {e:?}"))?;
-                keep_freed_memory(&ctx)?;
                 let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).map_err(|e| {
                     format!("cannot load the kernels' PTX (driver too old for CUDA 13 PTX?): {e:?}")
                 })?;
@@ -1484,34 +1483,6 @@ impl Cuda {
                 None => Err(Error::Backend("a sliding-window layer ran over rows without a ring".into())),
             },
         }
-    }
-}
-
-/// Keeps memory freed to the device's stream-ordered pool for the next allocation instead
-/// of handing it back to the driver at every synchronisation (the pool's default), as
-/// PyTorch's caching allocator does: otherwise each forward maps its activations' pages
-/// afresh. Memory reserved by freed K/V and activations stays with this process.
-fn keep_freed_memory(ctx: &cudarc::driver::CudaContext) -> std::result::Result<(), String> {
-    use cudarc::driver::sys;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold = u64::MAX;
-    // SAFETY: `pool` receives the device's default pool, which lives as long as the
-    // context; the attribute's value is a u64 read during the call.
-    let status = unsafe {
-        let got = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
-        if got != sys::CUresult::CUDA_SUCCESS {
-            got
-        } else {
-            sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            )
-        }
-    };
-    match status {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        e => Err(format!("cannot set the GPU memory pool's release threshold: {e:?}")),
     }
 }
 
