@@ -191,8 +191,12 @@ mtp_seconds() {
 }
 
 # A prompt file of $2 token ids at $1.
+# prompt_of FILE TOKENS [PROMPTS]: PROMPTS (default 1) prompts of TOKENS ids, each its own
+# (no prefix shared: the prefix cache cannot serve one from another).
 prompt_of() {
-    python3 -c "import json; print(json.dumps({'id': 'p', 'prompt_ids': [3 + i % 1000 for i in range($2)]}))" > "$1"
+    python3 -c "
+import json
+for p in range(${3:-1}): print(json.dumps({'id': f'p{p}', 'prompt_ids': [3 + (i + 7 * p) % 1000 for i in range($2)]}))" > "$1"
 }
 
 if [ "$what" = tp ]; then
@@ -319,6 +323,20 @@ if [ "$what" = prefill ]; then
                     sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
                 echo "mtp prefill $tokens tokens, chunk 2048, $v, run $r: $s s" | tee -a "$plog"
             done
+        done
+        # Warm: three prompts in turn, the first one's run taken away (the process's first
+        # forward maps its memory and loads its kernels; transformers' number is warm too).
+        prompt_of /tmp/pp3.jsonl $tokens 3
+        for v in base new; do
+            m="$bin/mtp"; [ $v = base ] && m="$bin/mtp-base"
+            [ -x "$m" ] || continue
+            one=$("$m" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
+                --prompts /tmp/pp.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
+                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
+            three=$("$m" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
+                --prompts /tmp/pp3.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
+                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
+            echo "mtp prefill $tokens tokens, $v, warm: $(python3 -c "print(f'{($three - $one) / 2:.4f}')") s (1 prompt $one s, 3 prompts $three s)" | tee -a "$plog"
         done
         python3 scripts/long_context_anchors.py prefill /tmp/qwen3-8b --tokens $tokens --runs 3 2>&1 | grep -v Warning | tee -a "$plog"
     done
