@@ -121,7 +121,10 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     u16* kvs = qs + 16 * warps * hdp;  // [stage][K, V][FA_CHUNK][hdp]
     float* tot = reinterpret_cast<float*>(kvs + 2 * 2 * FA_CHUNK * hdp) + warp * 32 * (MAX_HD / 2);
 
-    const int t0 = tiles[2 * blockIdx.x], nt = tiles[2 * blockIdx.x + 1];
+    // The last tiles first: a prompt's later tokens read the most keys (the long blocks start
+    // early, the short ones fill the tail).
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int t0 = tiles[2 * tile], nt = tiles[2 * tile + 1];
     const int kvh = blockIdx.y % kv_heads, seg = blockIdx.y / kv_heads, max_segs = gridDim.y / kv_heads;
     const int G = heads / kv_heads, n_rows = nt * G;
     const int shift = splits > 1 ? FA_CHUNK - 2 * splits : 0;
@@ -214,6 +217,12 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
     const bool warp_live = 16 * warp < n_rows;
+    // The warp's q fragments, held in registers for every chunk.
+    __syncthreads();
+    u32 qf[MAX_HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < MAX_HD / 16; kk++)
+        if (warp_live && kk < ks_n) fa_ldsm_x4(qf[kk], qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
 
     if (c_begin <= c_end) {
         load(c_begin, 0);
@@ -241,8 +250,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #pragma unroll
             for (int kk = 0; kk < MAX_HD / 16; kk++) {
                 if (kk >= ks_n) break;
-                u32 a[4];
-                fa_ldsm_x4(a, qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
+                const u32* a = qf[kk];
 #pragma unroll
                 for (int jj = 0; jj < 4; jj++) {
                     u32 b[4];
