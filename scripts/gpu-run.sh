@@ -314,14 +314,17 @@ if [ "$what" = prefill ]; then
     "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
     for tokens in ${PREFILL_TOKENS:-2048}; do
         prompt_of /tmp/pp.jsonl $tokens
+        # The seconds `mtp` (or `mtp-base`) takes to prefill the prompts of FILE in turn.
+        prefill_seconds() {
+            "$1" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
+                --prompts "$2" --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
+                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1
+        }
         for r in 1 2; do
             for v in base new; do
                 m="$bin/mtp"; [ $v = base ] && m="$bin/mtp-base"
                 [ -x "$m" ] || continue
-                s=$("$m" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
-                    --prompts /tmp/pp.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
-                    sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
-                echo "mtp prefill $tokens tokens, chunk 2048, $v, run $r: $s s" | tee -a "$plog"
+                echo "mtp prefill $tokens tokens, chunk 2048, $v, run $r: $(prefill_seconds "$m" /tmp/pp.jsonl) s" | tee -a "$plog"
             done
         done
         # Warm: three prompts in turn, the first one's run taken away (the process's first
@@ -330,12 +333,8 @@ if [ "$what" = prefill ]; then
         for v in base new; do
             m="$bin/mtp"; [ $v = base ] && m="$bin/mtp-base"
             [ -x "$m" ] || continue
-            one=$("$m" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
-                --prompts /tmp/pp.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
-                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
-            three=$("$m" generate --target /tmp/qwen3-8b --backend cuda --drafter none --max-batch 1 \
-                --prompts /tmp/pp3.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
-                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
+            one=$(prefill_seconds "$m" /tmp/pp.jsonl)
+            three=$(prefill_seconds "$m" /tmp/pp3.jsonl)
             echo "mtp prefill $tokens tokens, $v, warm: $(python3 -c "print(f'{($three - $one) / 2:.4f}')") s (1 prompt $one s, 3 prompts $three s)" | tee -a "$plog"
         done
         python3 scripts/long_context_anchors.py prefill /tmp/qwen3-8b --tokens $tokens --runs 3 2>&1 | grep -v Warning | tee -a "$plog"

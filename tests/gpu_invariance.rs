@@ -8,17 +8,19 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::invariance::{
     attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
     with_split_attention_control,
 };
 use common::{bits, fixture, trained, Lcg};
+use mtp::base::config::Config;
 use mtp::base::WeightDtype;
 use mtp::cuda::{Cuda, TcKernel};
 use mtp::kernels::{Activations, Backend, Kernels, KvDtype, Numerics, Out};
 use mtp::model::{Logits, Model, RowInput};
+use mtp::synth::SynthSpec;
 
 /// Both activation modes' kernel sets.
 const MODES: [Activations; 2] = [Activations::Bf16, Activations::F32];
@@ -212,7 +214,6 @@ fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
 /// batched and decoded after a prefill. Control: batch-sized splits must break the latter.
 #[test]
 fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
-    use mtp::synth::SynthSpec;
     let base = common::load(&fixture("qwen3-target")).config;
     // (query heads, KV heads, head size): the kernel it takes.
     let shapes = [
@@ -227,24 +228,8 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
     ];
     let mut rng = Lcg(41);
     for (heads, kv_heads, head_dim) in shapes {
-        let spec = SynthSpec {
-            vocab_size: 256,
-            hidden_size: 64,
-            num_hidden_layers: 2,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
-            intermediate_size: 96,
-            seed: 7,
-            ..SynthSpec::from_config(&base)
-        };
-        let dir = std::env::temp_dir()
-            .join(format!("mtp-att-{heads}-{kv_heads}-{head_dim}-{}", std::process::id()));
-        spec.write(&dir).unwrap();
-        let prompts: Vec<Vec<u32>> = [600usize, 37, 530]
-            .iter()
-            .map(|&n| (0..n).map(|_| rng.below(spec.vocab_size) as u32).collect())
-            .collect();
+        let (dir, prompts) =
+            attention_checkpoint(&base, (heads, kv_heads, head_dim), 7, None, "att", &mut rng);
         let cpu = Model::load_with(&dir, Backend::Cpu, KvDtype::F32).unwrap();
         let want: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_then_decode(&cpu, p)).collect();
         let shape = format!("{heads} heads, {kv_heads} KV heads, head size {head_dim}");
@@ -277,6 +262,39 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
     }
 }
 
+/// A two-layer checkpoint of `base`'s family with the head shape (query heads, KV heads,
+/// head size), weights in `dtype` (else `base`'s), written to a temporary folder named by
+/// `tag`, and three prompts of 600, 37 and 530 tokens for it: the attention kernels' tests.
+fn attention_checkpoint(
+    base: &Config,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    seed: u64,
+    dtype: Option<WeightDtype>,
+    tag: &str,
+    rng: &mut Lcg,
+) -> (PathBuf, Vec<Vec<u32>>) {
+    let spec = SynthSpec {
+        vocab_size: 256,
+        hidden_size: 64,
+        num_hidden_layers: 2,
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        intermediate_size: 96,
+        seed,
+        ..SynthSpec::from_config(base)
+    };
+    let spec = SynthSpec { dtype: dtype.unwrap_or(spec.dtype), ..spec };
+    let dir =
+        std::env::temp_dir().join(format!("mtp-{tag}-{heads}-{kv_heads}-{head_dim}-{}", std::process::id()));
+    spec.write(&dir).unwrap();
+    let prompts = [600usize, 37, 530]
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.below(spec.vocab_size) as u32).collect())
+        .collect();
+    (dir, prompts)
+}
+
 /// The tensor-core attention (bf16 activations and bf16 K/V), for every head-size tier and
 /// group size it takes: head size 16 to 128 (24 and 120: dims padded to the 16-wide MMA
 /// step), 1 to 8 query heads per KV head (one warp to eight a block). f32 weights, so the
@@ -288,7 +306,6 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
 /// that follows the batch must break both.
 #[test]
 fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
-    use mtp::synth::SynthSpec;
     let base = common::load(&fixture("qwen3-target")).config;
     // (query heads, KV heads, head size): tier, warps a 16-token tile.
     let shapes = [
@@ -301,25 +318,14 @@ fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
     ];
     let mut rng = Lcg(43);
     for (heads, kv_heads, head_dim) in shapes {
-        let spec = SynthSpec {
-            vocab_size: 256,
-            hidden_size: 64,
-            num_hidden_layers: 2,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
-            intermediate_size: 96,
-            seed: 9,
-            dtype: WeightDtype::F32,
-            ..SynthSpec::from_config(&base)
-        };
-        let dir = std::env::temp_dir()
-            .join(format!("mtp-flash-{heads}-{kv_heads}-{head_dim}-{}", std::process::id()));
-        spec.write(&dir).unwrap();
-        let prompts: Vec<Vec<u32>> = [600usize, 37, 530]
-            .iter()
-            .map(|&n| (0..n).map(|_| rng.below(spec.vocab_size) as u32).collect())
-            .collect();
+        let (dir, prompts) = attention_checkpoint(
+            &base,
+            (heads, kv_heads, head_dim),
+            9,
+            Some(WeightDtype::F32),
+            "flash",
+            &mut rng,
+        );
         let cpu = Model::load_with(&dir, Backend::Cpu, KvDtype::F32).unwrap();
         let numerics = Numerics { kv: KvDtype::Bf16, activations: Activations::Bf16 };
         let model = Model::load_with(&dir, Backend::Cuda, numerics).unwrap();

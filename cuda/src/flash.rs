@@ -6,7 +6,7 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice};
 
-use super::{ptr, AttentionKeys, Cuda};
+use super::{ptr, split_segments, AttentionKeys, Cuda};
 use mtp_base::error::Result;
 use mtp_kernels::{Activations, Heads, Kernels, KvDtype};
 
@@ -72,19 +72,6 @@ pub(super) fn most_smem_bytes(max_hd: usize) -> usize {
     smem_bytes(max_hd, max_hd, MAX_WARPS)
 }
 
-/// The segments of the split launch, when it pays: few tokens over more than one segment,
-/// its scratch under 256 MiB. Either launch gives the same bits.
-fn split_segments(keys: &AttentionKeys, heads: Heads) -> Option<usize> {
-    let segs = keys.most.div_ceil(SEGMENT);
-    let scratch = keys.tokens * heads.heads * segs * (heads.head_dim + 2) * 4;
-    (keys.splits == 1
-        && segs >= 2
-        && keys.tokens <= 64
-        && heads.kv_heads * segs <= 65_535
-        && scratch <= 256 << 20)
-        .then_some(segs)
-}
-
 impl Cuda {
     /// Tensor-core attention of `keys.tokens` queries over their rows' K/V: a block per
     /// (tile, KV head), or per (tile, KV head, segment) and the merge.
@@ -108,7 +95,7 @@ impl Cuda {
         // At least 4 warps: a decode step's few rows need one, its K/V loads more threads.
         let warps = (tiles.most * per_kv).div_ceil(16).clamp(4, MAX_WARPS);
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
-        let segs = split_segments(&keys, heads);
+        let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
         let partial =
             segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
         let (qp, op, pp, tp, rp, tl) = (

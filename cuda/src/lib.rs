@@ -1379,17 +1379,18 @@ fn attention_variant(h: Heads) -> (usize, usize) {
 /// Keys per attention segment (`ATT_SEG` in kernels.cu).
 const ATTENTION_SEGMENT: usize = 512;
 
-/// The segments a block per (token, head, segment) launch would cover, when that launch
-/// pays: few tokens over more than one segment (one block per (token, head) would leave
-/// most of the GPU idle), with its scratch under 256 MiB. Either launch gives the same
-/// bits, so this choice may follow the batch.
-fn split_segments(keys: &AttentionKeys, heads: Heads) -> Option<usize> {
-    let segs = keys.most.div_ceil(ATTENTION_SEGMENT);
+/// The segments (of `segment` keys) a block-per-segment launch would cover, when that
+/// launch pays: few tokens over more than one segment (one block per (token, head) would
+/// leave most of the GPU idle), at most 65,535 grid rows (`per_segment` a segment), its
+/// scratch under 256 MiB. Either launch gives the same bits, so this choice may follow
+/// the batch. For both attention kernels.
+fn split_segments(keys: &AttentionKeys, heads: Heads, segment: usize, per_segment: usize) -> Option<usize> {
+    let segs = keys.most.div_ceil(segment);
     let scratch = keys.tokens * heads.heads * segs * (heads.head_dim + 2) * 4;
     (keys.splits == 1
         && segs >= 2
         && keys.tokens <= 64
-        && heads.heads * segs <= 65_535
+        && per_segment * segs <= 65_535
         && scratch <= 256 << 20)
         .then_some(segs)
 }
@@ -1425,7 +1426,7 @@ impl Cuda {
         let (splits, win) = (keys.splits, keys.window);
         let tokens = keys.tokens as u32;
         // Split: a block per segment, its state in `partial` for the merge launch.
-        let segs = split_segments(&keys, heads);
+        let segs = split_segments(&keys, heads, ATTENTION_SEGMENT, heads.heads);
         let partial =
             segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
         let pp = partial.as_ref().map_or(0, |p| ptr(p, s));
