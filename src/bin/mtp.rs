@@ -256,8 +256,9 @@ struct ModelArgs {
     kv_bits: Option<usize>,
     /// Matmul activations where they meet bf16 weights: auto (bf16 on CUDA, f32 on the CPU
     /// and Metal), bf16 (CUDA: rounded to bf16, one tensor-core MMA a product, as
-    /// transformers computes bf16 models), or f32 (CUDA: exact, three MMAs a product).
-    /// Every guarantee holds in each; the two give different bits.
+    /// transformers computes bf16 models; with bf16 K/V attention runs on the tensor cores
+    /// too), or f32 (CUDA: exact, three MMAs a product; attention in f32). Every guarantee
+    /// holds in each; the two give different bits.
     #[arg(long, default_value = "auto")]
     activations: String,
     /// Split the target between N ranks (tensor parallelism: N GPUs on CUDA, N threads on
