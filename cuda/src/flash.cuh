@@ -17,8 +17,8 @@
 // An mma computes each output row from that row's inputs alone (cuda/probes/mma_bits.cu),
 // so a query's bits do not depend on the other queries in its 16-row tile. A block takes
 // one tile of a row's consecutive tokens (host-built `tiles`: first token, count, at most
-// FA_TILE) times the G query heads of one KV head, 16 (token, head) rows a warp, and each
-// K/V chunk it loads feeds them all. Keys outside a query's range score -inf (probability
+// 16: `TILE` in flash.rs) times the G query heads of one KV head, 16 (token, head) rows a
+// warp, and each K/V chunk it loads feeds them all. Keys outside a query's range score -inf (probability
 // exactly 0). Keys outside every query's range of the block load as zeros.
 // Two launches compute the same bits, as for the CUDA-core kernel: a block per (tile, KV
 // head) walking the segments (`partial` null), or a block per (tile, KV head, segment)
@@ -27,10 +27,10 @@
 // offset (64 - 2 splits), so a query's chunking follows the batch.
 // grid: (tiles, kv_heads * segments), block: 32 W (W warps, 16 W >= the tile's tokens x
 // G; at least 4, so that a decode step's few rows still load with 128 threads), dynamic
-// shared memory `flash_smem_bytes`.
+// shared memory as `smem_bytes` in flash.rs lays it out (q tile, two K/V stages, each
+// lane's merged outputs).
 #define FA_CHUNK 64
 #define FA_SEG_CHUNKS 4
-#define FA_TILE 16
 #define FA_MAX_WARPS 8
 
 __device__ __forceinline__ float fa_exp2(float x) {
@@ -101,11 +101,6 @@ __device__ __forceinline__ void fa_merge(float& m, float& l, float* acc, float m
 #pragma unroll
     for (int i = 0; i < N; i++) acc[i] = fmaf(acc2[i], b, __fmul_rn(acc[i], a));
     m = nm;
-}
-
-// Dynamic shared memory of a launch: q tile, two K/V stages, each lane's merged outputs.
-__host__ __device__ constexpr int flash_smem_bytes(int max_hd, int hdp, int warps) {
-    return 16 * warps * hdp * 2 + 2 * 2 * FA_CHUNK * hdp * 2 + warps * 32 * (max_hd / 2) * 4;
 }
 
 template <int MAX_HD>

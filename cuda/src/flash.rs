@@ -10,7 +10,8 @@ use super::{ptr, split_segments, AttentionKeys, Cuda};
 use mtp_base::error::Result;
 use mtp_kernels::{Activations, Heads, Kernels, KvDtype};
 
-/// Keys a chunk, chunks a segment, tokens a tile, warps a block (`FA_*` in flash.cuh).
+/// Keys a chunk, chunks a segment, tokens a tile, warps a block (`FA_CHUNK`, `FA_SEG_CHUNKS`,
+/// `FA_MAX_WARPS` in flash.cuh; the tile is the host's).
 const CHUNK: usize = 64;
 pub(super) const SEGMENT: usize = 4 * CHUNK;
 const TILE: usize = 16;
@@ -55,13 +56,14 @@ pub(super) fn tier(heads: Heads) -> Option<usize> {
     TIERS.iter().position(|&t| heads.head_dim <= t)
 }
 
-/// Whether a layer of shape `heads` takes the tensor-core attention in `activations` mode
-/// with `kv` K/V.
-pub(super) fn runs(activations: Activations, kv: KvDtype, heads: Heads) -> bool {
-    activations == Activations::Bf16 && kv == KvDtype::Bf16 && tier(heads).is_some()
+/// The tier a layer of shape `heads` takes the tensor-core attention with in `activations`
+/// mode with `kv` K/V, or `None`: it keeps the CUDA-core kernels.
+pub(super) fn pick(activations: Activations, kv: KvDtype, heads: Heads) -> Option<usize> {
+    (activations == Activations::Bf16 && kv == KvDtype::Bf16).then(|| tier(heads)).flatten()
 }
 
-/// Dynamic shared memory of a block (`flash_smem_bytes` in flash.cuh).
+/// Dynamic shared memory of a block, as flash.cuh lays it out: the q tile (16 rows a warp),
+/// two stages of a chunk's K and V, each lane's merged outputs.
 pub(super) fn smem_bytes(max_hd: usize, head_dim: usize, warps: usize) -> usize {
     let hdp = head_dim.next_multiple_of(16);
     16 * warps * hdp * 2 + 2 * 2 * CHUNK * hdp * 2 + warps * 32 * (max_hd / 2) * 4

@@ -1413,8 +1413,7 @@ impl Cuda {
         kv: KvDtype,
         keys: AttentionKeys,
     ) -> Result<()> {
-        if flash::runs(self.activations, kv, heads) {
-            let tier = flash::tier(heads).unwrap_or(0);
+        if let Some(tier) = flash::pick(self.activations, kv, heads) {
             let (f, max_hd) = (&self.f.flash[tier], flash::TIERS[tier]);
             return self.launch_flash(f, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
         }
