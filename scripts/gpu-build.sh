@@ -19,7 +19,7 @@ read -r -a tests <<< "${GPU_TESTS:-golden parity model_invariance rollback engin
 read -r -a tests <<< "$(for t in "${tests[@]}"; do echo "${t%%:*}"; done | awk '!seen[$0]++' | tr '\n' ' ')"
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done
-cargo build --release --features cuda --bins --example gpu_matmul --example gpu_collective
+cargo build --release --features cuda --bins --example gpu_matmul --example gpu_collective --example staggered_prompt
 rm -rf gpu-bundle && mkdir -p gpu-bundle/bin
 # `ab` packs test suites only when GPU_TESTS names them (one call can then test and compare).
 [ "$what" = cli ] || { [ "$what" = ab ] && [ -z "${GPU_TESTS:-}" ]; } && tests=()
@@ -36,17 +36,21 @@ for line in sys.stdin:
     cp "$exe" "gpu-bundle/bin/test-$t"
 done
 [ "$what" = cli ] || [ "$what" = tests ] || cp target/release/examples/gpu_matmul target/release/examples/gpu_collective gpu-bundle/bin/
+[ "$what" = tests ] || cp target/release/examples/staggered_prompt gpu-bundle/bin/
 [ "$what" = tests ] || cp target/release/mtp target/release/mtp-bench gpu-bundle/bin/
 if [ -n "$base_rev" ]; then
     # The base version, from a worktree at REV, built in target/ab-base.
     base=/tmp/mtp-ab-base
     git worktree remove --force "$base" 2>/dev/null || rm -rf "$base"
     git worktree add --force --detach "$base" "$base_rev"
+    # Measurement examples newer than REV are built against it as they are in the tree.
+    [ -e "$base/examples/staggered_prompt.rs" ] || cp examples/staggered_prompt.rs "$base/examples/"
     (cd "$base" && CARGO_TARGET_DIR="$OLDPWD/target/ab-base" \
-        cargo build --release --features cuda --bin mtp --bin mtp-bench --example gpu_matmul)
+        cargo build --release --features cuda --bin mtp --bin mtp-bench --example gpu_matmul --example staggered_prompt)
     cp target/ab-base/release/mtp gpu-bundle/bin/mtp-base
     cp target/ab-base/release/mtp-bench gpu-bundle/bin/mtp-bench-base
     cp target/ab-base/release/examples/gpu_matmul gpu-bundle/bin/gpu_matmul-base
+    cp target/ab-base/release/examples/staggered_prompt gpu-bundle/bin/staggered_prompt-base
     git worktree remove --force "$base"
 fi
 strip gpu-bundle/bin/* 2>/dev/null || true

@@ -43,10 +43,13 @@
 #          decode and speculation (plain, oracle:1.0, oracle:0.7; k=4 and adaptive) on the
 #          Qwen3-8B shape.
 #   profile-prefill: the 8B shape's 2,048-token prefill, its GPU time by kernel (ncu).
+#   stagger: a long prompt arriving while 8 rows decode on the 8B shape: the rows' round
+#          time while it goes in and its time to first token (examples/staggered_prompt.rs;
+#          with an `ab REV` bundle beside the base's).
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -401,8 +404,10 @@ if [ "$what" = profile-matmul ]; then
 fi
 
 if [ "$what" = profile ]; then
-    # like=launches (the ncu cap: 8 forwards at B=1, ~16 at B=8, prefills among them)=rows decoded together
-    for shape in qwen3=2800=1 qwen3-8b=3600=1 qwen3-8b=7200=8; do
+    # like=launches (the ncu cap: 8 forwards at B=1, ~16 at B=8, prefills among them)=rows decoded together;
+    # PROFILE_SHAPES replaces the list (qwen3-8b=17000=40: 40-token forwards, a B=8 k=4 verify's matmul
+    # size, after 40 one-prompt prefills).
+    for shape in ${PROFILE_SHAPES:-qwen3=2800=1 qwen3-8b=3600=1 qwen3-8b=7200=8}; do
         like=${shape%%=*}; rest=${shape#*=}; launches=${rest%=*}; batch=${rest#*=}
         dir=/tmp/profile-$like
         [ -d $dir ] || "$bin/mtp" synth --like $like --out $dir > /dev/null
@@ -430,7 +435,9 @@ for r in rows:
         cur = collections.Counter(); forwards.append(cur)
     if cur is not None:
         cur[k] += ns; cur["#launches"] += 1
-decode = forwards[1:-1] or forwards
+# The decode forwards: the last 7 but one (8 new tokens, the first from the prefill; the
+# last forward may be cut by the cap).
+decode = forwards[-7:-1] or forwards
 total = sum(sum(v for k, v in f.items() if k != "#launches") for f in decode) / len(decode)
 print(f"{len(forwards)} forwards profiled; per decode forward: {total / 1e3:.0f} us of kernel time, "
       f"{sum(f['#launches'] for f in decode) / len(decode):.0f} launches")
@@ -444,6 +451,25 @@ for k, v in agg.most_common(12):
 PY
     done
     rm -rf /tmp/profile-*
+fi
+
+if [ "$what" = stagger ]; then
+    # A long prompt arriving while 8 rows decode (examples/staggered_prompt.rs), base and
+    # new alternated (an `ab REV` bundle: staggered_prompt-base).
+    slog="$OUT/stagger.log"
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
+    for setting in ${STAGGER:-16384:2048 16384:512 2048:256}; do
+        for round in 1 2; do
+            for v in base new; do
+                e="$bin/staggered_prompt"; [ $v = base ] && e="$bin/staggered_prompt-base"
+                [ -x "$e" ] || continue
+                echo "== $v (round $round)" | tee -a "$slog"
+                "$e" --target /tmp/qwen3-8b --backend cuda --batch 9 --prompt-tokens ${setting%:*} \
+                    --chunk ${setting#*:} --repeats 3 2>&1 | tee -a "$slog"
+            done
+        done
+    done
+    rm -rf /tmp/qwen3-8b
 fi
 
 if [[ "$what" == gemma4-* ]]; then

@@ -265,10 +265,11 @@ fn stream_of(events: &[Event], id: u64) -> Vec<(u32, u32)> {
         .collect()
 }
 
-/// A prompt admitted while another row decodes goes in one prefill chunk a round: the
-/// decoding row streams a token in every round of it, and both rows stream the tokens and
-/// logprobs of each request alone. Control: a chunk as long as the prompt takes it in the
-/// round it arrives (no round waits on it).
+/// A prompt admitted while another row decodes goes in one prefill chunk a round, in the
+/// same forward as the round's verify: the decoding row streams a token in every round of
+/// it, each round runs one forward, and both rows stream the tokens and logprobs of each
+/// request alone. Control: a chunk as long as the prompt takes it in the round it arrives
+/// (no round waits on it).
 #[test]
 fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
     let model = common::load(&fixture("qwen2-target"));
@@ -291,7 +292,9 @@ fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
         let b = engine.submit(long.clone()).unwrap();
         let (mut waited, mut meanwhile) = (0, 0);
         loop {
+            let forwards = model.forwards();
             let step = engine.step();
+            assert_eq!(model.forwards() - forwards, 1, "the prompt's chunk should run in the round's forward");
             let started = !stream_of(&step, b).is_empty();
             if !started {
                 waited += 1;

@@ -1,5 +1,6 @@
 //! The round loop (see docs/design.md, "One round of the engine"):
-//! admit and prefill newcomers -> propose drafts -> verify all rows in one forward ->
+//! admit and prefill newcomers (alone when no row decodes, else a chunk a round beside the
+//! verify) -> propose drafts -> verify all rows in one forward ->
 //! roll back target cache and drafter state -> emit tokens, retire finished rows.
 //! Plain decoding is the same loop without a drafter (k = 0).
 
@@ -14,12 +15,12 @@ use mtp_constraint::{Grammars, Guide, TokenMask};
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
 use mtp_model::Model;
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
-use mtp_verifier::{verify, Verified, VerifyRow, WindowLayout};
+use mtp_verifier::{verify_beside, Verified, VerifyRow, WindowLayout};
 
 use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
 use crate::guided::{first_masked, grammar_error, walk_masks};
 use crate::metrics::SpecStats;
-use crate::prefill::{Prefilled, Prompt};
+use crate::prefill::{Piece, Prompt, Prefilled};
 use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
 
@@ -28,7 +29,8 @@ pub struct EngineOptions {
     /// Rows decoded together; further requests wait in a queue.
     pub max_batch: usize,
     /// Prompt tokens per prefill forward. While other rows decode, an admitted prompt runs
-    /// one chunk a round, so this is also the most a prompt delays their next token.
+    /// one chunk a round in the same forward as their verify, so this is also the most
+    /// prompt a decoding row's round carries.
     pub prefill_chunk: usize,
     /// Draft tokens per row per round (ignored without a drafter): fixed, or adaptive up
     /// to a maximum (the default).
@@ -292,7 +294,9 @@ impl<'a> Engine<'a> {
     pub fn step(&mut self) -> Vec<Event> {
         let mut events = std::mem::take(&mut self.outbox);
         self.admit();
-        self.advance_prompts(&mut events);
+        if self.active.is_empty() {
+            self.prefill_prompts(&mut events);
+        }
         if !self.active.is_empty() {
             self.round(&mut events);
         }
@@ -341,29 +345,43 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// Admitted prompts into their caches: all of them when no row is decoding (nothing
-    /// waits on them), else one chunk of the oldest, so that a decoding row's next token
-    /// waits for one chunk's forward at most. A prompt done starts decoding.
-    fn advance_prompts(&mut self, events: &mut Vec<Event>) {
-        let decoding = !self.active.is_empty();
-        while let Some(p) = self.prompts.front_mut() {
+    /// Every admitted prompt into its cache, each in forwards of its own: no row is
+    /// decoding, so nothing waits on them. A prompt done starts decoding.
+    fn prefill_prompts(&mut self, events: &mut Vec<Event>) {
+        while let Some(mut p) = self.prompts.pop_front() {
             let t0 = Instant::now();
-            let advanced = p.advance(self.model, self.opts.prefill_chunk);
-            self.stats.prefill_time += t0.elapsed();
-            match advanced {
-                Ok(None) => {}
-                Ok(Some(prefilled)) => {
-                    let p = self.prompts.pop_front().expect("front exists");
-                    self.start(p, prefilled, events);
-                }
-                Err(e) => {
-                    let p = self.prompts.pop_front().expect("front exists");
-                    self.reserved -= p.reserved;
-                    events.push(Event::Failed { request: p.id, error: with_request(e, &p.request.id) });
-                }
+            let mut prefilled = Ok(None);
+            while let Ok(None) = prefilled {
+                prefilled = p.advance(self.model, self.opts.prefill_chunk);
             }
-            if decoding {
-                break;
+            self.stats.prefill_time += t0.elapsed();
+            self.prompt_advanced(p, prefilled, events);
+        }
+    }
+
+    /// The oldest prompt's next piece, to run beside the round's verify (None when no
+    /// prompt waits, or when the prompt's KV cannot be reserved: it fails).
+    fn next_piece(&mut self, events: &mut Vec<Event>) -> Option<Piece> {
+        let p = self.prompts.front_mut()?;
+        match p.next_piece(self.model, self.opts.prefill_chunk) {
+            Ok(piece) => Some(piece),
+            Err(e) => {
+                let p = self.prompts.pop_front().expect("front exists");
+                self.prompt_advanced(p, Err(e), events);
+                None
+            }
+        }
+    }
+
+    /// What a prompt's forward left: nothing yet (it stays first in line), its whole
+    /// prompt (it starts decoding) or an error (it fails and frees its reservation).
+    fn prompt_advanced(&mut self, p: Prompt, advanced: Result<Option<Prefilled>, Error>, events: &mut Vec<Event>) {
+        match advanced {
+            Ok(None) => self.prompts.push_front(p),
+            Ok(Some(prefilled)) => self.start(p, prefilled, events),
+            Err(e) => {
+                self.reserved -= p.reserved;
+                events.push(Event::Failed { request: p.id, error: with_request(e, &p.request.id) });
             }
         }
     }
@@ -520,9 +538,12 @@ impl<'a> Engine<'a> {
     }
 
     /// One round (see docs/design.md): choose each row's k, draft, verify every row in one
-    /// forward (which also rolls caches back), then emit, commit and learn.
+    /// forward (which also rolls caches back) with the oldest prompt's next chunk beside
+    /// them, then emit, commit and learn. A prompt that arrives while rows decode so
+    /// delays their next token by one chunk's share of a forward, never its whole prefill.
     fn round(&mut self, events: &mut Vec<Event>) {
         let t0 = Instant::now();
+        let piece = self.next_piece(events);
         let ks = self.choose_ks();
         let drafts = self.propose(&ks);
         let draft_time = t0.elapsed();
@@ -553,18 +574,27 @@ impl<'a> Engine<'a> {
                 masks: m.as_deref(),
             })
             .collect();
-        let results = verify(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode);
-        drop(rows);
+        let mut beside: Vec<_> = piece.map(|piece| self.prompts[0].input(piece)).into_iter().collect();
+        let (results, beside_out) =
+            verify_beside(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode, &mut beside);
+        drop((rows, beside));
         self.stats.verify_time += t1.elapsed();
         let batch = self.active.len();
         let verify_tokens = batch + verified.iter().sum::<usize>();
         let plain_seconds = self.chooser.verify_seconds(batch);
         let outcomes = self.commit(results, walk_errors, &ks, &drafts, &pending, &starts, events);
         let rest_time = t1.elapsed();
+        if let Some(piece) = piece {
+            let mut p = self.prompts.pop_front().expect("the piece's prompt is first in line");
+            let out = beside_out.map(|mut o| o.pop().expect("one row beside, one output"));
+            let advanced = p.absorb(piece, out);
+            self.prompt_advanced(p, advanced, events);
+        }
         let emitted: usize = outcomes.iter().map(|o| o.accepted + 1).sum();
         // A verify that ran its shape for the first time or recorded it paid once what the
-        // next will not: not a cost to learn.
-        let steady = self.model.one_time_forwards() == one_time_before;
+        // next will not, and one that carried a prompt's chunk paid for that too: neither
+        // is a cost to learn.
+        let steady = self.model.one_time_forwards() == one_time_before && piece.is_none();
         self.chooser.observe(
             &outcomes,
             draft_time.as_secs_f64(),
@@ -574,7 +604,7 @@ impl<'a> Engine<'a> {
         );
         self.stats.draft_time += draft_time;
         self.stats.rounds += 1;
-        if let Some(plain) = plain_seconds {
+        if let Some(plain) = plain_seconds.filter(|_| piece.is_none()) {
             self.stats.timed_rounds += t0.elapsed();
             let estimate = plain * emitted as f64 / batch as f64;
             if estimate.is_finite() && estimate >= 0.0 {

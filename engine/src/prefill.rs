@@ -1,13 +1,14 @@
 //! Prompts into caches. [`prefill`] runs a whole prompt in chunks; [`Prompt`] is one the
 //! engine has admitted and runs a chunk at a time, so that while other rows decode a long
-//! prompt costs each of their rounds one chunk's forward, never its whole prefill.
+//! prompt costs each of their rounds one chunk in their verify's forward (a [`Piece`]
+//! beside the verify rows), never its whole prefill.
 //! Chunking never changes a bit (the model's chunking invariance), so a row's tokens are the
 //! same however its prompt was cut.
 
 use mtp_base::{Error, LogitSummary};
 use mtp_cache::RowCache;
 use mtp_constraint::Guide;
-use mtp_model::{Logits, Model, RowInput};
+use mtp_model::{Logits, Model, RowInput, RowOutput};
 
 use crate::request::{Request, RequestId};
 
@@ -43,12 +44,28 @@ fn run_piece(
     hidden: Option<&mut Vec<f32>>,
     full_logits: bool,
 ) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
-    let want = if last { Logits::Last } else { Logits::None };
-    let mut rows = [RowInput { tokens: piece, cache: &mut *cache, logits: want, full_logits }];
-    let out = model.forward(&mut rows);
-    let committed = if out.is_ok() { piece.len() } else { 0 };
-    cache.commit_window(committed);
-    let o = out?.pop().expect("one row in, one row out");
+    let mut rows = [piece_input(cache, piece, last, full_logits)];
+    let out = model.forward(&mut rows).map(|mut outs| outs.pop().expect("one row in, one row out"));
+    absorb(cache, piece.len(), out, hidden)
+}
+
+/// A prompt's piece as a forward's row: logits after its last token only if it ends the
+/// prompt.
+fn piece_input<'a>(cache: &'a mut RowCache, piece: &'a [u32], last: bool, full_logits: bool) -> RowInput<'a> {
+    let logits = if last { Logits::Last } else { Logits::None };
+    RowInput { tokens: piece, cache, logits, full_logits }
+}
+
+/// Commits a piece's forward (nothing of a failed one) and returns its LM-head reading, if
+/// it asked for one.
+fn absorb(
+    cache: &mut RowCache,
+    piece_len: usize,
+    out: Result<RowOutput, Error>,
+    hidden: Option<&mut Vec<f32>>,
+) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
+    cache.commit_window(if out.is_ok() { piece_len } else { 0 });
+    let o = out?;
     if let Some(h) = hidden {
         h.extend_from_slice(&o.hidden);
     }
@@ -102,24 +119,53 @@ pub(crate) struct Prompt {
     pub full_logits: bool,
 }
 
+/// The prompt tokens `[start, end)`: what one forward of a [`Prompt`] runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece {
+    start: usize,
+    end: usize,
+}
+
 impl Prompt {
-    /// Runs the next `chunk` tokens (at least 1); after the last, the LM head's reading.
-    pub fn advance(&mut self, model: &Model, chunk: usize) -> Result<Option<Prefilled>, Error> {
+    /// The next piece of at most `chunk` tokens (at least 1). Before the first, reserves
+    /// KV for the rest of the prompt.
+    pub fn next_piece(&mut self, model: &Model, chunk: usize) -> Result<Piece, Error> {
         let start = self.cache.len();
         if start == self.reused {
             reserve(model, &mut self.cache, self.request.prompt.len() - start)?;
         }
         let end = start.saturating_add(chunk.max(1)).min(self.request.prompt.len());
-        let last = end == self.request.prompt.len();
+        Ok(Piece { start, end })
+    }
+
+    fn is_last(&self, piece: Piece) -> bool {
+        piece.end == self.request.prompt.len()
+    }
+
+    /// `piece` as a row of a forward (its own, or a verify's: `verify_beside`).
+    pub fn input(&mut self, piece: Piece) -> RowInput<'_> {
+        let last = self.is_last(piece);
+        piece_input(&mut self.cache, &self.request.prompt[piece.start..piece.end], last, self.full_logits)
+    }
+
+    /// Commits `piece`'s forward; after the last piece, the LM head's reading.
+    pub fn absorb(&mut self, piece: Piece, out: Result<RowOutput, Error>) -> Result<Option<Prefilled>, Error> {
         let hidden = self.want_hidden.then_some(&mut self.hidden);
-        let piece = &self.request.prompt[start..end];
-        let read = run_piece(model, &mut self.cache, piece, last, hidden, self.full_logits)?;
-        match (last, read) {
+        let read = absorb(&mut self.cache, piece.end - piece.start, out, hidden)?;
+        match (self.is_last(piece), read) {
             (false, _) => Ok(None),
             (true, Some((summary, logits))) => {
                 Ok(Some(Prefilled { summary, logits, hidden: std::mem::take(&mut self.hidden) }))
             }
             (true, None) => Err(Error::Backend("the prompt's last forward returned no logits".into())),
         }
+    }
+
+    /// Runs the next `chunk` tokens (at least 1) in a forward of their own; after the
+    /// last, the LM head's reading.
+    pub fn advance(&mut self, model: &Model, chunk: usize) -> Result<Option<Prefilled>, Error> {
+        let piece = self.next_piece(model, chunk)?;
+        let out = model.forward(&mut [self.input(piece)]).map(|mut o| o.pop().expect("one row in, one row out"));
+        self.absorb(piece, out)
     }
 }

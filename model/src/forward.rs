@@ -3,6 +3,8 @@
 //! ([`head_outputs`]), the [`Net`] a family implements, and [`Model`], the handle the
 //! engine holds. Nothing here knows a family; `crate::registry` picks one.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use mtp_base::config::Config;
 use mtp_base::error::{Error, Result};
 use mtp_base::logits::LogitSummary;
@@ -333,6 +335,8 @@ pub(crate) trait Net: Send + Sync {
 pub struct Model {
     pub config: Config,
     pub(crate) net: Box<dyn Net>,
+    /// Calls of [`Model::forward`] so far.
+    pub(crate) forwards: AtomicU64,
 }
 
 impl Model {
@@ -399,7 +403,13 @@ impl Model {
     /// keeps with `RowCache::commit_window`. Every value a row gets back is a function of
     /// its own prefix only: batch composition and chunking change no bit.
     pub fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
+        self.forwards.fetch_add(1, Ordering::Relaxed);
         self.net.forward(rows)
+    }
+
+    /// Forwards run so far (each one pass over the weights, whatever its rows).
+    pub fn forwards(&self) -> u64 {
+        self.forwards.load(Ordering::Relaxed)
     }
 
     pub(crate) fn net(&self) -> &dyn Net {

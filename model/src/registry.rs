@@ -227,7 +227,7 @@ impl Model {
             _ => Box::new(split_on(backend, &config, ck, numerics, ranks)?),
         };
         accounting::check_target(ck, &config)?;
-        Ok(Model { config, net })
+        Ok(Model { config, net, forwards: Default::default() })
     }
 }
 

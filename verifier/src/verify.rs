@@ -13,7 +13,7 @@ use mtp_base::logits::top_logprobs;
 use mtp_base::Error;
 use mtp_cache::RowCache;
 use mtp_constraint::TokenMask;
-use mtp_model::{Logits, Model, RowInput};
+use mtp_model::{Logits, Model, RowInput, RowOutput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 use rayon::prelude::*;
 
@@ -88,6 +88,20 @@ pub fn verify(
     layout: WindowLayout,
     mode: SamplingMode,
 ) -> Vec<Result<Verified, Error>> {
+    verify_beside(model, rows, layout, mode, &mut []).0
+}
+
+/// [`verify`], with `beside` (rows that only run their tokens: a prompt's next chunk) in
+/// the same forward, so that one pass over the weights serves both. Their outputs come
+/// back as the model returned them; their caches are the caller's to commit. The forward
+/// is batch-invariant, so no row's bits depend on what runs beside it.
+pub fn verify_beside(
+    model: &Model,
+    rows: &mut [VerifyRow],
+    layout: WindowLayout,
+    mode: SamplingMode,
+    beside: &mut [RowInput],
+) -> (Vec<Result<Verified, Error>>, Result<Vec<RowOutput>, Error>) {
     let shared = rows.iter().map(|r| r.cache.len()).max().unwrap_or(0);
     let mut results: Vec<Option<Result<Verified, Error>>> = rows.iter().map(|_| None).collect();
     let mut windows: Vec<Vec<u32>> = Vec::new();
@@ -132,9 +146,17 @@ pub fn verify(
         }
     }
     let h = model.config.hidden_size;
-    match model.forward(&mut inputs) {
-        Ok(outs) => {
+    let verified = inputs.len();
+    inputs.extend(beside.iter_mut().map(|b| RowInput {
+        tokens: b.tokens,
+        cache: &mut *b.cache,
+        logits: b.logits,
+        full_logits: b.full_logits,
+    }));
+    let beside_out = match model.forward(&mut inputs) {
+        Ok(mut outs) => {
             drop(inputs);
+            let beside_out = outs.split_off(verified);
             // Rows decide in parallel (a sampled pick over a large vocabulary costs ms); every
             // log-probability comes from its token's summary (the forward's log-softmax
             // normaliser); test fault switches follow the work onto the pool's threads.
@@ -205,6 +227,7 @@ pub fn verify(
                 let hidden = out.hidden[..(a + 1) * h].to_vec();
                 results[i] = Some(Ok(Verified { accepted: a, tokens, logprobs, top, hidden }));
             }
+            Ok(beside_out)
         }
         Err(e) => {
             drop(inputs);
@@ -212,7 +235,8 @@ pub fn verify(
                 rows[i].cache.commit_window(0);
                 results[i] = Some(Err(Error::Request { request: format!("row {i}"), msg: e.to_string() }));
             }
+            Err(e)
         }
-    }
-    results.into_iter().map(|r| r.expect("every row has a result")).collect()
+    };
+    (results.into_iter().map(|r| r.expect("every row has a result")).collect(), beside_out)
 }
