@@ -266,9 +266,9 @@ fn stream_of(events: &[Event], id: u64) -> Vec<(u32, u32)> {
 }
 
 /// A prompt admitted while another row decodes goes in one prefill chunk a round, in the
-/// same forward as the round's verify: the decoding row streams a token in every round of
-/// it, each round runs one forward, and both rows stream the tokens and logprobs of each
-/// request alone. Control: a chunk as long as the prompt takes it in the round it arrives
+/// same forward as the round's verify (the chunk less the verify's tokens): the decoding
+/// row streams a token in every round of it, each round runs one forward, and both rows
+/// stream the tokens and logprobs of each request alone. Control: a chunk as long as the prompt takes it in the round it arrives
 /// (no round waits on it).
 #[test]
 fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
@@ -310,9 +310,10 @@ fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
         }
         (waited, meanwhile, stream_of(&events, a), stream_of(&events, b))
     };
-    // 40 prompt tokens in chunks of 8: four rounds go by, the fifth chunk starts the row.
+    // 40 prompt tokens, 7 a round beside the short row's one (a chunk of 8): five rounds go
+    // by, the sixth piece starts the row.
     let (waited, meanwhile, a, b) = run(8);
-    assert_eq!((waited, meanwhile), (4, 4), "the short row should stream a token in each of 4 rounds");
+    assert_eq!((waited, meanwhile), (5, 5), "the short row should stream a token in each of 5 rounds");
     assert_eq!([a, b], [want[0].clone(), want[1].clone()]);
     let (waited, _, a, b) = run(64);
     assert_eq!(waited, 0, "a prompt within one chunk starts in the round it arrives");

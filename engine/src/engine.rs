@@ -20,7 +20,7 @@ use mtp_verifier::{verify_beside, Verified, VerifyRow, WindowLayout};
 use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
 use crate::guided::{first_masked, grammar_error, walk_masks};
 use crate::metrics::SpecStats;
-use crate::prefill::{Piece, Prompt, Prefilled};
+use crate::prefill::{piece_beside, Piece, Prefilled, Prompt};
 use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
 
@@ -28,9 +28,9 @@ use crate::request::{Event, FinishReason, Request, RequestId};
 pub struct EngineOptions {
     /// Rows decoded together; further requests wait in a queue.
     pub max_batch: usize,
-    /// Prompt tokens per prefill forward. While other rows decode, an admitted prompt runs
-    /// one chunk a round in the same forward as their verify, so this is also the most
-    /// prompt a decoding row's round carries.
+    /// Tokens per prefill forward. While other rows decode, an admitted prompt runs a
+    /// piece a round in the same forward as their verify, filling it up to this many
+    /// tokens (at least half of them prompt): about what a decoding row's round carries.
     pub prefill_chunk: usize,
     /// Draft tokens per row per round (ignored without a drafter): fixed, or adaptive up
     /// to a maximum (the default).
@@ -359,11 +359,12 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// The oldest prompt's next piece, to run beside the round's verify (None when no
-    /// prompt waits, or when the prompt's KV cannot be reserved: it fails).
-    fn next_piece(&mut self, events: &mut Vec<Event>) -> Option<Piece> {
+    /// The oldest prompt's next piece, to run beside the round's verify of `verifying`
+    /// tokens (None when no prompt waits, or when the prompt's KV cannot be reserved: it
+    /// fails).
+    fn next_piece(&mut self, verifying: usize, events: &mut Vec<Event>) -> Option<Piece> {
         let p = self.prompts.front_mut()?;
-        match p.next_piece(self.model, self.opts.prefill_chunk) {
+        match p.next_piece(self.model, piece_beside(self.opts.prefill_chunk, verifying)) {
             Ok(piece) => Some(piece),
             Err(e) => {
                 let p = self.prompts.pop_front().expect("front exists");
@@ -543,7 +544,6 @@ impl<'a> Engine<'a> {
     /// delays their next token by one chunk's share of a forward, never its whole prefill.
     fn round(&mut self, events: &mut Vec<Event>) {
         let t0 = Instant::now();
-        let piece = self.next_piece(events);
         let ks = self.choose_ks();
         let drafts = self.propose(&ks);
         let draft_time = t0.elapsed();
@@ -558,6 +558,7 @@ impl<'a> Engine<'a> {
             .collect();
         let pending: Vec<u32> =
             self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
+        let piece = self.next_piece(self.active.len() + verified.iter().sum::<usize>(), events);
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
         let mut rows: Vec<VerifyRow> = self
             .active

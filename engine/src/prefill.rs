@@ -119,6 +119,15 @@ pub(crate) struct Prompt {
     pub full_logits: bool,
 }
 
+/// Prompt tokens a round carries beside `verifying` tokens of decoding rows: what fills
+/// the forward up to `chunk` tokens, never less than half a chunk. A forward just past a
+/// whole number of the GPU's token tiles pays for one more tile (measured: a 512-token
+/// piece beside 8 decoding rows cost 18% more than the piece alone), and the CPU's cost
+/// is linear in tokens, so filling to `chunk` costs neither anything.
+pub(crate) fn piece_beside(chunk: usize, verifying: usize) -> usize {
+    chunk.saturating_sub(verifying).max(chunk.div_ceil(2))
+}
+
 /// The prompt tokens `[start, end)`: what one forward of a [`Prompt`] runs.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Piece {
@@ -167,5 +176,19 @@ impl Prompt {
         let piece = self.next_piece(model, chunk)?;
         let out = model.forward(&mut [self.input(piece)]).map(|mut o| o.pop().expect("one row in, one row out"));
         self.absorb(piece, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::piece_beside;
+
+    #[test]
+    fn a_piece_fills_the_forward_to_a_chunk_and_is_never_under_half_of_one() {
+        assert_eq!(piece_beside(2048, 40), 2008);
+        assert_eq!(piece_beside(512, 8), 504);
+        assert_eq!(piece_beside(64, 72), 32);
+        assert_eq!(piece_beside(5, 4), 3);
+        assert_eq!(piece_beside(1, 9), 1);
     }
 }
