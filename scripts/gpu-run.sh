@@ -21,7 +21,8 @@
 #          shapes: plain and oracle:1.0 k=4 decode at batch 1 and 8 (the tree's also with
 #          AB_FLAGS, by default --no-cuda-graphs).
 #   oracle: the speculative goals at partial acceptance on the Qwen3-8B shape: oracle:0.7 and
-#          oracle:0.8, k=4, batch 1 and 8, beside plain (a `cli` bundle suffices).
+#          oracle:0.8, k=4, batch 1 and 8, beside plain (ORACLE_FLAGS: other drafters, k and
+#          batches; a `cli` bundle suffices; an `ab REV` bundle runs the base's beside, twice).
 #   long:  the prefill and long-context goals (a `cli` bundle suffices): mtp's prefill of a
 #          2,048-token prompt on the Qwen3-8B shape beside transformers' (one forward), and
 #          one layer's decode attention at 4k and 32k of context (the step's extra wall time,
@@ -170,12 +171,21 @@ if [ "$what" = ab ]; then
 fi
 
 if [ "$what" = oracle ]; then
-    # The speculative goals at partial acceptance: oracle:0.7 and 0.8, k=4, B=1 and 8, 8B shape.
+    # The speculative goals at partial acceptance: oracle:0.7 and 0.8, k=4, B=1 and 8, 8B shape
+    # (ORACLE_FLAGS: other settings); with an `ab REV` bundle the base's beside, alternated.
     "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null
-    "$bin/mtp-bench" --target /tmp/qwen3-8b --backend cuda --drafters oracle:0.7,oracle:0.8 --k 4 --batch 1,8 \
-        --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
-        --repeats 2 2>&1 | tee "$OUT/oracle.log"
-    status=${PIPESTATUS[0]}
+    read -r -a oflags <<< "${ORACLE_FLAGS:---drafters oracle:0.7,oracle:0.8 --k 4 --batch 1,8}"
+    for round in 1 2; do
+        for v in base new; do
+            b="$bin/mtp-bench"; [ $v = base ] && b="$bin/mtp-bench-base"
+            [ -x "$b" ] || continue
+            echo "== $v (round $round)" | tee -a "$OUT/oracle.log"
+            "$b" --target /tmp/qwen3-8b --backend cuda "${oflags[@]}" --temperatures 0 --prompts-dir "$root/training" \
+                --num-prompts 8 --prompt-tokens 32 --max-tokens 64 --repeats 2 2>&1 | tee -a "$OUT/oracle.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        done
+        [ -x "$bin/mtp-bench-base" ] || break
+    done
     rm -rf /tmp/qwen3-8b
 fi
 

@@ -21,19 +21,17 @@ struct alignas(64) TensorMap {
     u64 opaque[16];
 };
 
-// A block: 128 weight rows (output columns) x 128 tokens, K staged 64 at a time, WG_STAGES
-// deep: the weights as two 32-k boxes of 128 rows x 64 bytes (rows g and g + 1 of a warp's
-// loads side by side: no bank conflicts), the tokens as one box of 128-byte rows in the
-// 128-byte swizzle wgmma reads. Warpgroup 0 issues the loads (one thread); warpgroups 1 and
-// 2 each multiply 64 weight rows by the 128 tokens (wgmma m64n128k16) and hold the phase's
-// sum and the running sum.
+// A block: 128 weight rows (output columns) x 128 or 64 tokens, K staged 64 at a time,
+// WG_STAGES deep: the weights as two 32-k boxes of 128 rows x 64 bytes (rows g and g + 1 of a
+// warp's loads side by side: no bank conflicts), the tokens as one box of 128-byte rows in
+// the 128-byte swizzle wgmma reads. Warpgroup 0 issues the loads (one thread); warpgroups 1
+// and 2 each multiply 64 weight rows by the tokens (wgmma m64n128k16 or m64n64k16) and hold
+// the phase's sum and the running sum.
 #define WG_COLS 128
-#define WG_TOKS 128
 #define WG_K 64
 #define WG_STAGES 4
 #define WG_BOX_BYTES (WG_COLS * 32 * 2)
 #define WG_W_BYTES (2 * WG_BOX_BYTES)
-#define WG_STAGE_BYTES ((WG_COLS + WG_TOKS) * WG_K * 2)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -68,11 +66,18 @@ __device__ __forceinline__ u64 sw128_desc(const void* p) {
     return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 // d (+)= a b over 16 k: a, this lane's fragment of 64 weight rows (mma.sync's A layout,
-// warp w holding rows 16 w..), b the tokens' tile in shared memory.
-__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
+// warp w holding rows 16 w..), b the tokens' tile in shared memory (128 tokens, or 64:
+// m64n128k16 or m64n64k16, d holding half as many floats as there are tokens).
+__device__ __forceinline__ void wgmma_tile(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+__device__ __forceinline__ void wgmma_tile(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -82,21 +87,27 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving reads or writes of the accumulators across a wait.
-__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+template <int D>
+__device__ __forceinline__ void fence_regs(float (&d)[D]) {
 #pragma unroll
-    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < D; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The K walk: chunks in walk.cuh's order, each two 64-k stages. K % 128 == 0 (the host's
-// condition), so every chunk is whole.
+// The K walk: chunks in walk.cuh's order, each two 64-k stages; with `phase` >= 0 that
+// phase's chunks alone (phase, phase + 8, ..). K % 128 == 0 (the host's condition), so every
+// chunk is whole.
 struct WgWalk {
-    int nch, i, c;
-    __device__ explicit WgWalk(int k) : nch(k / 128), i(0), c(tt_chunk(0, k / 128)) {}
-    __device__ bool more() const { return i < nch; }
+    int nch, i, c, phase;
+    __device__ WgWalk(int k, int phase)
+        : nch(k / 128), i(phase < 0 ? 0 : phase), c(phase < 0 ? tt_chunk(0, k / 128) : phase), phase(phase) {}
+    __device__ bool more() const { return phase < 0 ? i < nch : c < nch; }
     __device__ int kb(int h) const { return 128 * c + 64 * h; }
     __device__ bool ends_phase() const { return c + 8 >= nch; }
     __device__ void next() {
-        if (++i < nch) c = tt_chunk(i, nch);
+        if (phase >= 0)
+            c += 8;
+        else if (++i < nch)
+            c = tt_chunk(i, nch);
     }
 };
 
@@ -113,35 +124,34 @@ struct WgFrag {
     }
     // The stage's 4 MMA steps: block u, step s (linear_tc's a.x, a8.x, a.y, a8.y in step 0,
     // .z, .w in step 1) against the tokens' stored k 16 (2u + s)...
-    __device__ void mma(float (&d)[64], u64 db) const {
+    template <int D>
+    __device__ void mma(float (&d)[D], u64 db) const {
 #pragma unroll
         for (int u = 0; u < 2; u++) {
-            wgmma_m64n128(d, lo[u].x, hi[u].x, lo[u].y, hi[u].y, db + 2 * (2 * u));
-            wgmma_m64n128(d, lo[u].z, hi[u].z, lo[u].w, hi[u].w, db + 2 * (2 * u + 1));
+            wgmma_tile(d, lo[u].x, hi[u].x, lo[u].y, hi[u].y, db + 2 * (2 * u));
+            wgmma_tile(d, lo[u].z, hi[u].z, lo[u].w, hi[u].w, db + 2 * (2 * u + 1));
         }
     }
 };
 
 // out (+)= x w^T + bias for x (m x k, bf16: split_activations_steps) and w (n x k, bf16),
 // k % 128 == 0, through their TMA maps (w: boxes of 32 k x 128 rows, no swizzle; x: 64 k x
-// 128 tokens, 128-byte swizzle; zeros past the edges). grid: (ceil(m / 128), ceil(n / 128))
-// with `tokens_first`, else (ceil(n / 128), ceil(m / 128));
-// block: 384; dynamic shared memory: WG_STAGES * WG_STAGE_BYTES + 1,024 (alignment) + the
-// barriers.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    linear_wg_bf16_128x128_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
-                              int m, int k, int n, const float* __restrict__ bias, float* __restrict__ out,
-                              int accumulate, int tokens_first) {
+// TOKS tokens, 128-byte swizzle; zeros past the edges), a block the tile (`tile_c`,
+// `tile_t`). PHASED: the block walks phase `phase`'s chunks alone and writes that phase's
+// partial to out[phase][m][n] (no bias), for linear_merge_phases to add in phase order, as
+// kernels.cu's phase-split tiles do. block: 384; dynamic shared memory: WG_STAGES stages of
+// (128 + TOKS) x 64 bf16 + 1,024 (alignment) + the barriers.
+template <int TOKS, bool PHASED>
+__device__ __forceinline__ void linear_wg_impl(const TensorMap& wmap, const TensorMap& xmap, int m, int k, int n,
+                                               const float* __restrict__ bias, float* __restrict__ out,
+                                               int accumulate, int tile_c, int tile_t, int phase) {
+    constexpr int STAGE_BYTES = (WG_COLS + TOKS) * WG_K * 2, D = TOKS / 2;
     extern __shared__ unsigned char wg_raw[];
     unsigned char* base = wg_raw + ((1024 - (smem_addr(wg_raw) & 1023)) & 1023);
-    u64* full = reinterpret_cast<u64*>(base + WG_STAGES * WG_STAGE_BYTES);
+    u64* full = reinterpret_cast<u64*>(base + WG_STAGES * STAGE_BYTES);
     u64* empty = full + WG_STAGES;
     const int wg = threadIdx.x / 128;
-    // The grid's x walks the smaller operand's tiles (`tokens_first`: the tokens' when the
-    // weight has more rows than there are tokens), so the blocks running at once share a
-    // few tiles of the larger, each read from DRAM once, while the smaller stays in L2.
-    const int tile_c = tokens_first ? blockIdx.y : blockIdx.x, tile_t = tokens_first ? blockIdx.x : blockIdx.y;
-    const int col0 = tile_c * WG_COLS, tok0 = tile_t * WG_TOKS;
+    const int col0 = tile_c * WG_COLS, tok0 = tile_t * TOKS;
     if (threadIdx.x == 0) {
         for (int s = 0; s < WG_STAGES; s++) {
             mbar_init(&full[s], 1);
@@ -151,15 +161,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     __syncthreads();
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if constexpr (!PHASED) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {
             int s = 0;
-            for (WgWalk at(k); at.more(); at.next())
+            for (WgWalk at(k, phase); at.more(); at.next())
                 for (int h = 0; h < 2; h++, s++) {
                     const int slot = s % WG_STAGES, round = s / WG_STAGES;
                     if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
-                    unsigned char* st = base + slot * WG_STAGE_BYTES;
-                    mbar_expect_tx(&full[slot], WG_STAGE_BYTES);
+                    unsigned char* st = base + slot * STAGE_BYTES;
+                    mbar_expect_tx(&full[slot], STAGE_BYTES);
                     tma_load(st, &wmap, &full[slot], at.kb(h), col0);
                     tma_load(st + WG_BOX_BYTES, &wmap, &full[slot], at.kb(h) + 32, col0);
                     tma_load(st + WG_W_BYTES, &xmap, &full[slot], at.kb(h), tok0);
@@ -167,12 +177,12 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    if constexpr (!PHASED) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int cw = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int row = 64 * cw + 16 * warp + g;
-    float acc[64], sum[64];
+    float acc[D], sum[PHASED ? 1 : D];  // a phase block keeps no running sum
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = sum[i] = 0.0f;
+    for (int i = 0; i < D; i++) acc[i] = 0.0f;
     // A chunk's two stages load their weight fragments into two register sets: a stage's
     // stay untouched until its MMAs are done (the wait_group 1 after the next stage's MMAs
     // are queued).
@@ -182,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     auto stage = [&](WgFrag& frag) {
         const int slot = s % WG_STAGES;
         mbar_wait(&full[slot], (s / WG_STAGES) & 1);
-        unsigned char* st = base + slot * WG_STAGE_BYTES;
+        unsigned char* st = base + slot * STAGE_BYTES;
         frag.load(st, row, t);
         wgmma_fence();
         frag.mma(acc, sw128_desc(st + WG_W_BYTES));
@@ -192,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         held = slot;
         s++;
     };
-    WgWalk at(k);
+    WgWalk at(k, phase);
     while (at.more()) {
         // One phase: its chunks' MMAs queued back to back.
         int c;
@@ -208,28 +218,59 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         fence_regs(acc);
         if (lane == 0) mbar_arrive(&empty[held]);
         held = -1;
-        // The end of a phase: its partial joins the running sum, as linear_tc's warp sums do.
+        // The end of a phase: its partial joins the running sum, as linear_tc's warp sums do
+        // (a phase block's one phase ends its walk: its partial is acc).
+        if constexpr (!PHASED) {
 #pragma unroll
-        for (int i = 0; i < 64; i++) {
-            sum[i] = (c & 7) == 0 ? acc[i] : sum[i] + acc[i];
-            acc[i] = 0.0f;
+            for (int i = 0; i < D; i++) {
+                sum[i] = (c & 7) == 0 ? acc[i] : sum[i] + acc[i];
+                acc[i] = 0.0f;
+            }
+            fence_regs(acc);
         }
-        fence_regs(acc);
     }
-    // Phases without chunks (K < 1024) add linear_tc's idle warps' zeros.
-    for (int p = at.nch; p < 8; p++)
+    // Phases without chunks (K < 1024) add linear_tc's idle warps' zeros (a phase block
+    // without chunks writes zeros).
+    if constexpr (!PHASED)
+        for (int p = at.nch; p < 8; p++)
 #pragma unroll
-        for (int i = 0; i < 64; i++) sum[i] = sum[i] + 0.0f;
-    // D: sum[4 j + e] = (weight row 16 warp + g + 8 (e / 2), token 8 j + 2 t + e % 2).
+            for (int i = 0; i < D; i++) sum[i] = sum[i] + 0.0f;
+    // D: acc/sum[4 j + e] = (weight row 16 warp + g + 8 (e / 2), token 8 j + 2 t + e % 2).
 #pragma unroll
-    for (int i = 0; i < 64; i++) {
+    for (int i = 0; i < D; i++) {
         const int j = i / 4, e = i % 4;
         const int col = col0 + 64 * cw + 16 * warp + g + 8 * (e >> 1);
         const int r = tok0 + 8 * j + 2 * t + (e & 1);
         if (r >= m || col >= n) continue;
-        float y = sum[i];
-        if (bias) y += bias[col];
-        float* o = out + (long long)r * n + col;
-        *o = accumulate ? *o + y : y;
+        if constexpr (PHASED) {
+            out[((long long)phase * m + r) * n + col] = acc[i];
+        } else {
+            float y = sum[i];
+            if (bias) y += bias[col];
+            float* o = out + (long long)r * n + col;
+            *o = accumulate ? *o + y : y;
+        }
     }
+}
+
+// 128 x 128 tiles: grid (ceil(m / 128), ceil(n / 128)) with `tokens_first`, else
+// (ceil(n / 128), ceil(m / 128)). The grid's x walks the smaller operand's tiles (the
+// tokens' when the weight has more rows than there are tokens), so the blocks running at
+// once share a few tiles of the larger, each read from DRAM once, while the smaller stays in
+// L2.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    linear_wg_bf16_128x128_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
+                              int m, int k, int n, const float* __restrict__ bias, float* __restrict__ out,
+                              int accumulate, int tokens_first) {
+    const int tile_c = tokens_first ? blockIdx.y : blockIdx.x, tile_t = tokens_first ? blockIdx.x : blockIdx.y;
+    linear_wg_impl<128, false>(wmap, xmap, m, k, n, bias, out, accumulate, tile_c, tile_t, -1);
+}
+
+// 128 weight rows x 64 tokens, a block a phase: grid (ceil(n / 128), 8 ceil(m / 64)), y =
+// 8 token tile + phase; `part` takes the 8 phases' partials (8 m n). For verifies of 33-64
+// tokens, whose plain grid would leave most of the GPU idle: two blocks an SM.
+extern "C" __global__ void __launch_bounds__(384, 2)
+    linear_wg_phases_bf16_128x64_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
+                                    int m, int k, int n, float* __restrict__ part) {
+    linear_wg_impl<64, true>(wmap, xmap, m, k, n, nullptr, part, 0, blockIdx.x, blockIdx.y / 8, blockIdx.y % 8);
 }

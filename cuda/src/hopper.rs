@@ -10,14 +10,14 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::Out;
 
-use crate::{ptr, Cuda, CudaMat};
+use crate::{driver, ptr, Cuda, CudaMat, TcKernel};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
-/// `linear_wg_bf16_128x128_x1`'s block: 128 weight rows (output columns) x 128 tokens, a
-/// warpgroup loading and two multiplying.
+/// A block: 128 weight rows (output columns) x 128 tokens (`linear_wg_bf16_128x128_x1`)
+/// or 64 (`linear_wg_phases_bf16_128x64_x1`), a warpgroup loading and two multiplying.
 const COLS: usize = 128;
-const TOKS: usize = 128;
+const TOKS: [usize; 2] = [128, 64];
 const THREADS: u32 = 384;
 /// K per stage (one 128-byte swizzled row of the tokens' tile), stages in flight.
 const STAGE_K: usize = 64;
@@ -25,9 +25,13 @@ const STAGE_K: usize = 64;
 /// fragment loads from rows g and g + 1 then sit side by side: no bank conflicts).
 const WEIGHT_BOX_K: usize = 32;
 const STAGES: usize = 4;
-/// Its dynamic shared memory: the stages, 1,024 bytes to align them to the swizzle's
-/// period, and the 2 x STAGES barriers.
-pub(crate) const SMEM_BYTES: u32 = (STAGES * (COLS + TOKS) * STAGE_K * 2 + 1024 + 16 * STAGES) as u32;
+/// Each kernel's dynamic shared memory: the stages, 1,024 bytes to align them to the
+/// swizzle's period, and the 2 x STAGES barriers.
+pub(crate) const SMEM_BYTES: [u32; 2] = [smem_bytes(TOKS[0]), smem_bytes(TOKS[1])];
+
+const fn smem_bytes(toks: usize) -> u32 {
+    (STAGES * (COLS + toks) * STAGE_K * 2 + 1024 + 16 * STAGES) as u32
+}
 
 /// The Hopper module on a GPU of compute capability 9.0 (H100, H200), None elsewhere.
 pub(crate) fn load(ctx: &Arc<CudaContext>) -> std::result::Result<Option<Arc<CudaModule>>, String> {
@@ -103,10 +107,12 @@ fn tensor_map(
 
 impl Cuda {
     /// `out` (+)= `split` (M x K bf16: activations rounded in MMA-step order by
-    /// [`Cuda::split_steps`]) times `w`'s transpose by wgmma (`linear_wg_bf16_128x128_x1`).
-    /// The caller checked [`Cuda::runs`].
+    /// [`Cuda::split_steps`]) times `w`'s transpose by wgmma: `kernel` is one of
+    /// [`TcKernel::is_wgmma`], and the caller checked [`Cuda::runs`].
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn linear_wgmma(
         &self,
+        kernel: TcKernel,
         split: &CudaSlice<u16>,
         m: usize,
         w: &CudaMat,
@@ -114,21 +120,35 @@ impl Cuda {
         out: &mut CudaSlice<f32>,
         mode: Out,
     ) -> Result<()> {
-        let f = self.f.linear_wg.as_ref().ok_or_else(|| {
+        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
             Error::Backend(
                 "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
             )
         })?;
+        let phased = match kernel {
+            TcKernel::Wgmma128x128 => false,
+            TcKernel::WgmmaPhases128x64 => true,
+            _ => return Err(Error::Backend(format!("{kernel:?} is not a wgmma kernel"))),
+        };
+        let (f, toks) = (&fs[phased as usize], TOKS[phased as usize]);
         let s = &self.stream;
         let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
-        let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, TOKS), true, "the activations")?;
+        let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, toks), true, "the activations")?;
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
         let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+        let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(toks) as u32);
+        if phased {
+            // SAFETY: every phase block writes its whole tile of partials before the merge.
+            let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
+            let pp = ptr(&part, s);
+            let smem = SMEM_BYTES[1];
+            launch!(self, f, (cols, 8 * toks), THREADS, smem, "linear", [wmap, xmap, mi, k, n, pp])?;
+            return self.merge_phases(&part, m, w.rows, bias, out, mode);
+        }
         // The grid's x walks the smaller operand's tiles, so the blocks running together share
         // a few tiles of the larger, each read from DRAM once (measured both ways on an H200,
         // notes v18: token tiles first at 12288 x 4096 and M = 2,048, 0.489 -> 0.435 ms;
         // column tiles first at 4096 x 12288 and M = 4,096, 0.950 -> 0.894 ms).
-        let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS) as u32);
         let tokens_first = w.rows > m;
         let grid = if tokens_first { (toks, cols) } else { (cols, toks) };
         let tokens_first = tokens_first as i32;
@@ -137,7 +157,7 @@ impl Cuda {
             f,
             grid,
             THREADS,
-            SMEM_BYTES,
+            SMEM_BYTES[0],
             "linear",
             [wmap, xmap, mi, k, n, bp, op, acc, tokens_first]
         )

@@ -107,6 +107,9 @@ pub enum TcKernel {
     /// wgmma over TMA-fed 128x128 tiles (`hopper.cu`): compute capability 9.0, bf16
     /// activations and K % 128 == 0 only ([`Cuda::runs`]).
     Wgmma128x128,
+    /// wgmma over 128x64 tiles, a block a phase (then the phase merge): a verify's 33-64
+    /// tokens, on the same conditions.
+    WgmmaPhases128x64,
 }
 
 /// A tile kernel's shape: output columns and tokens per block, stages of loads in
@@ -137,7 +140,7 @@ fn activation_terms(a: Activations) -> usize {
 }
 
 impl TcKernel {
-    pub const ALL: [TcKernel; 14] = [
+    pub const ALL: [TcKernel; 15] = [
         TcKernel::Pass8,
         TcKernel::Pass16,
         TcKernel::Pass32,
@@ -152,7 +155,13 @@ impl TcKernel {
         TcKernel::Phases128x64,
         TcKernel::Phases128x48,
         TcKernel::Wgmma128x128,
+        TcKernel::WgmmaPhases128x64,
     ];
+
+    /// The Hopper kernels (`hopper.cu`).
+    pub fn is_wgmma(self) -> bool {
+        matches!(self, TcKernel::Wgmma128x128 | TcKernel::WgmmaPhases128x64)
+    }
 
     /// The fastest kernel for M tokens and N output columns, as measured on an H100
     /// (`gpu_matmul --kernels`; docs/notes/cuda-speed-notes.md, v15 and v16): passes up to 16
@@ -188,7 +197,8 @@ impl TcKernel {
             | TcKernel::Pass16
             | TcKernel::Pass32
             | TcKernel::Pass64
-            | TcKernel::Wgmma128x128 => return None,
+            | TcKernel::Wgmma128x128
+            | TcKernel::WgmmaPhases128x64 => return None,
             TcKernel::Tile256x16 => (0, t(256, 16, 2, false)),
             TcKernel::Tile128x32 => (1, t(128, 32, 3, false)),
             TcKernel::Tile64x64 => (2, t(64, 64, 3, false)),
@@ -257,8 +267,9 @@ struct Functions {
     linear_tt_phases: [CudaFunction; 5],
     /// Phase-split tiles over up to 3 weights, as `PARTS_TILES`.
     linear_tt_parts: [CudaFunction; 3],
-    /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only.
-    linear_wg: Option<CudaFunction>,
+    /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only;
+    /// 128x128, then the phase-split 128x64.
+    linear_wg: Option<[CudaFunction; 2]>,
     split_activations: CudaFunction,
     /// bf16 activations in MMA-step order, for wgmma.
     split_activations_steps: CudaFunction,
@@ -438,10 +449,10 @@ impl Cuda {
                 tc("linear_tt_parts_bf16_128x48")?,
             ],
             linear_wg: match &hopper {
-                Some(h) if terms == 1 => Some(
-                    h.load_function("linear_wg_bf16_128x128_x1")
-                        .map_err(|e| format!("kernel linear_wg_bf16_128x128_x1: {e:?}"))?,
-                ),
+                Some(h) if terms == 1 => {
+                    let f = |name: &str| h.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
+                    Some([f("linear_wg_bf16_128x128_x1")?, f("linear_wg_phases_bf16_128x64_x1")?])
+                }
                 _ => None,
             },
             split_activations: tc("split_activations")?,
@@ -503,11 +514,10 @@ impl Cuda {
             func.set_attribute(MAX, bytes as i32)
                 .map_err(|e| format!("shared memory for the tensor-core attention ({bytes} bytes): {e:?}"))?;
         }
-        if let Some(func) = &f.linear_wg {
+        for (func, bytes) in f.linear_wg.iter().flatten().zip(hopper::SMEM_BYTES) {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
-            func.set_attribute(MAX, hopper::SMEM_BYTES as i32).map_err(|e| {
-                format!("shared memory for the wgmma matmul ({} bytes): {e:?}", hopper::SMEM_BYTES)
-            })?;
+            func.set_attribute(MAX, bytes as i32)
+                .map_err(|e| format!("shared memory for the wgmma matmul ({bytes} bytes): {e:?}"))?;
         }
         let device = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         tracing::info!("CUDA backend on {device}");
@@ -595,9 +605,9 @@ impl Cuda {
                 w.cols
             )));
         }
-        if kernel == TcKernel::Wgmma128x128 {
+        if kernel.is_wgmma() {
             let split = self.split_steps(x, m * w.cols)?;
-            return self.linear_wgmma(&split, m, w, bias, out, mode);
+            return self.linear_wgmma(kernel, &split, m, w, bias, out, mode);
         }
         if kernel.tile().is_none() {
             let s = &self.stream;
@@ -614,16 +624,20 @@ impl Cuda {
     /// Whether `kernel` runs on this GPU and mode for a K-wide weight: every kernel does but
     /// wgmma, which needs compute capability 9.0, bf16 activations and K % 128 == 0.
     pub fn runs(&self, kernel: TcKernel, k: usize) -> bool {
-        kernel != TcKernel::Wgmma128x128 || (self.f.linear_wg.is_some() && k.is_multiple_of(128))
+        !kernel.is_wgmma() || (self.f.linear_wg.is_some() && k.is_multiple_of(128))
     }
 
     /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
-    /// [`TcKernel::for_shape`], except that past 128 tokens wgmma takes the plain tiles'
-    /// place where it runs.
+    /// [`TcKernel::for_shape`], except that where wgmma runs it takes the plain tiles' place
+    /// past 128 tokens, and the wide phase-split tiles' at 33-64 tokens (a verify; fewer
+    /// tokens are recorded in CUDA graphs, which the TMA descriptors' addresses would tie).
     pub fn pick(&self, m: usize, n: usize, k: usize) -> TcKernel {
         let kernel = TcKernel::for_shape(m, n);
+        let wide_phases = matches!(kernel, TcKernel::Phases128x48 | TcKernel::Phases128x64);
         if m > 128 && kernel == TcKernel::Tile128x32 && self.runs(TcKernel::Wgmma128x128, k) {
             TcKernel::Wgmma128x128
+        } else if m <= 64 && wide_phases && self.runs(TcKernel::WgmmaPhases128x64, k) {
+            TcKernel::WgmmaPhases128x64
         } else {
             kernel
         }
@@ -760,8 +774,24 @@ impl Cuda {
             "linear",
             [sp, mi, k, wp, n, pp]
         )?;
-        let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
-        launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [pp, mi, n, bp, op, acc])
+        self.merge_phases(&part, m, w.rows, bias, out, mode)
+    }
+
+    /// `out` (+)= the 8 phase partials in `part` (8 x M x N) added in phase order, + `bias`.
+    pub(crate) fn merge_phases(
+        &self,
+        part: &CudaSlice<f32>,
+        m: usize,
+        n: usize,
+        bias: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        mode: Out,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (pp, op, bp) = (ptr(part, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+        let (mi, ni, acc) = (m as i32, n as i32, (mode == Out::Add) as i32);
+        let blocks = (m * n).div_ceil(256).min(4096) as u32;
+        launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [pp, mi, ni, bp, op, acc])
     }
 
     /// Waits for every queued kernel (for timing).
@@ -1149,12 +1179,12 @@ impl Kernels for Cuda {
                     continue;
                 }
                 let kernel = self.pick(m, w.rows, k);
-                if kernel == TcKernel::Wgmma128x128 {
+                if kernel.is_wgmma() {
                     let steps = match &steps {
                         Some(s) => s,
                         None => steps.insert(self.split_steps(x, m * k)?),
                     };
-                    self.linear_wgmma(steps, m, w, *bias, out, Out::Write)?;
+                    self.linear_wgmma(kernel, steps, m, w, *bias, out, Out::Write)?;
                 } else {
                     let split = match &split {
                         Some(s) => s,
