@@ -628,18 +628,21 @@ impl Cuda {
     }
 
     /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
-    /// [`TcKernel::for_shape`], except that where wgmma runs it takes the plain tiles' place
-    /// past 128 tokens, and the wide phase-split tiles' at 33-64 tokens (a verify; fewer
-    /// tokens are recorded in CUDA graphs, which the TMA descriptors' addresses would tie).
+    /// [`TcKernel::for_shape`], except that where wgmma runs it takes the tiles' place past
+    /// 32 tokens (fewer are recorded in CUDA graphs, which the TMA descriptors' addresses
+    /// would tie): the 128x128 tiles past 128 tokens, and from 49 where N has 64 such
+    /// tiles, else the phase-split 128x64 ones (measured on an H200 at 33-128 tokens on the
+    /// 8B's shapes, notes v20: 12288 x 4096 at 96 tokens 0.045 ms against the 128x32 tile's
+    /// 0.147; 4096 x 12288 at 40 0.043 against the 128x48 phases' 0.054).
     pub fn pick(&self, m: usize, n: usize, k: usize) -> TcKernel {
         let kernel = TcKernel::for_shape(m, n);
-        let wide_phases = matches!(kernel, TcKernel::Phases128x48 | TcKernel::Phases128x64);
-        if m > 128 && kernel == TcKernel::Tile128x32 && self.runs(TcKernel::Wgmma128x128, k) {
-            TcKernel::Wgmma128x128
-        } else if m <= 64 && wide_phases && self.runs(TcKernel::WgmmaPhases128x64, k) {
-            TcKernel::WgmmaPhases128x64
-        } else {
+        let tiled = kernel.tile().is_some();
+        if m <= 32 || !tiled || !self.runs(TcKernel::WgmmaPhases128x64, k) {
             kernel
+        } else if m > 128 || (m > 48 && n >= 64 * 128) {
+            TcKernel::Wgmma128x128
+        } else {
+            TcKernel::WgmmaPhases128x64
         }
     }
 
