@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use mtp::kernels::Backend;
 use mtp::engine::{Engine, EngineOptions, Event, Request};
+use mtp::kernels::Backend;
 use mtp::model::Model;
 
 struct Args {
@@ -124,7 +124,8 @@ fn main() -> Result<()> {
     let model = Model::load_with(&a.target, backend, mtp::numerics("auto", None, "auto")?)?;
     let chunk = a.chunk.unwrap_or(if backend == Backend::Cuda { 2048 } else { 64 });
     arrival(&model, &a, chunk, 0)?; // warm-up: first forwards, allocations
-    let mut runs: Vec<_> = (1..=a.repeats as u32).map(|s| arrival(&model, &a, chunk, s)).collect::<Result<_>>()?;
+    let mut runs: Vec<_> =
+        (1..=a.repeats as u32).map(|s| arrival(&model, &a, chunk, s)).collect::<Result<_>>()?;
     runs.sort_by(|x, y| x.4.total_cmp(&y.4));
     let (before, rounds, mean, longest, ttft) = runs[runs.len() / 2];
     println!(

@@ -294,7 +294,11 @@ fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
         loop {
             let forwards = model.forwards();
             let step = engine.step();
-            assert_eq!(model.forwards() - forwards, 1, "the prompt's chunk should run in the round's forward");
+            assert_eq!(
+                model.forwards() - forwards,
+                1,
+                "the prompt's chunk should run in the round's forward"
+            );
             let started = !stream_of(&step, b).is_empty();
             if !started {
                 waited += 1;

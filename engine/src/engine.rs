@@ -376,7 +376,12 @@ impl<'a> Engine<'a> {
 
     /// What a prompt's forward left: nothing yet (it stays first in line), its whole
     /// prompt (it starts decoding) or an error (it fails and frees its reservation).
-    fn prompt_advanced(&mut self, p: Prompt, advanced: Result<Option<Prefilled>, Error>, events: &mut Vec<Event>) {
+    fn prompt_advanced(
+        &mut self,
+        p: Prompt,
+        advanced: Result<Option<Prefilled>, Error>,
+        events: &mut Vec<Event>,
+    ) {
         match advanced {
             Ok(None) => self.prompts.push_front(p),
             Ok(Some(prefilled)) => self.start(p, prefilled, events),

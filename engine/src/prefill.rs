@@ -158,7 +158,11 @@ impl Prompt {
     }
 
     /// Commits `piece`'s forward; after the last piece, the LM head's reading.
-    pub fn absorb(&mut self, piece: Piece, out: Result<RowOutput, Error>) -> Result<Option<Prefilled>, Error> {
+    pub fn absorb(
+        &mut self,
+        piece: Piece,
+        out: Result<RowOutput, Error>,
+    ) -> Result<Option<Prefilled>, Error> {
         let hidden = self.want_hidden.then_some(&mut self.hidden);
         let read = absorb(&mut self.cache, piece.end - piece.start, out, hidden)?;
         match (self.is_last(piece), read) {
@@ -174,7 +178,8 @@ impl Prompt {
     /// last, the LM head's reading.
     pub fn advance(&mut self, model: &Model, chunk: usize) -> Result<Option<Prefilled>, Error> {
         let piece = self.next_piece(model, chunk)?;
-        let out = model.forward(&mut [self.input(piece)]).map(|mut o| o.pop().expect("one row in, one row out"));
+        let out =
+            model.forward(&mut [self.input(piece)]).map(|mut o| o.pop().expect("one row in, one row out"));
         self.absorb(piece, out)
     }
 }

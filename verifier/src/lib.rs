@@ -6,4 +6,4 @@ mod acceptance;
 mod verify;
 
 pub use acceptance::{accepted_len, decide, decide_greedy};
-pub use verify::{verify, verify_beside, Verified, VerifyRow, WindowLayout};
+pub use verify::{verify, verify_beside, Verified, VerifiedBeside, VerifyRow, WindowLayout};

@@ -91,6 +91,10 @@ pub fn verify(
     verify_beside(model, rows, layout, mode, &mut []).0
 }
 
+/// What [`verify_beside`] returns: each verify row's outcome, and the rows beside's outputs
+/// (or the forward's error).
+pub type VerifiedBeside = (Vec<Result<Verified, Error>>, Result<Vec<RowOutput>, Error>);
+
 /// [`verify`], with `beside` (rows that only run their tokens: a prompt's next chunk) in
 /// the same forward, so that one pass over the weights serves both. Their outputs come
 /// back as the model returned them; their caches are the caller's to commit. The forward
@@ -101,7 +105,7 @@ pub fn verify_beside(
     layout: WindowLayout,
     mode: SamplingMode,
     beside: &mut [RowInput],
-) -> (Vec<Result<Verified, Error>>, Result<Vec<RowOutput>, Error>) {
+) -> VerifiedBeside {
     let shared = rows.iter().map(|r| r.cache.len()).max().unwrap_or(0);
     let mut results: Vec<Option<Result<Verified, Error>>> = rows.iter().map(|_| None).collect();
     let mut windows: Vec<Vec<u32>> = Vec::new();
