@@ -28,6 +28,8 @@
 #          one layer's decode attention at 4k and 32k of context (the step's extra wall time,
 #          and the attention launches' GPU time under ncu) beside PyTorch's
 #          scaled_dot_product_attention (flash), by scripts/long_context_anchors.py.
+#   matmul: the matmul the host picks at M = 1 to 4,096 on the 8B's shapes beside
+#          torch.matmul (cuBLAS), one call (an `ab` or `all` bundle).
 #   kernels: every tensor-core matmul kernel (passes, tiles, phase splits) timed at M = 1 to
 #          512 on the three 8B shapes, the host's pick marked (an `ab` or `all` bundle).
 #   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
@@ -50,7 +52,7 @@
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -391,6 +393,12 @@ for k, v in agg.most_common(14):
     print(f"  {k}: {v / 1e6:.2f} ms ({count[k]} launches)")
 PY
     rm -rf /tmp/qwen3-8b
+fi
+
+if [ "$what" = matmul ]; then
+    # The picked kernel at M = 1 to 4,096 on the three 8B shapes, beside torch.matmul.
+    "$bin/gpu_matmul" 2>&1 | tee "$OUT/matmul.md"
+    torch_matmul 2>&1 | tee -a "$OUT/matmul.md"
 fi
 
 if [ "$what" = kernels ]; then

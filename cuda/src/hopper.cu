@@ -266,11 +266,17 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     linear_wg_impl<128, false>(wmap, xmap, m, k, n, bias, out, accumulate, tile_c, tile_t, -1);
 }
 
-// 128 weight rows x 64 tokens, a block a phase: grid (ceil(n / 128), 8 ceil(m / 64)), y =
-// 8 token tile + phase; `part` takes the 8 phases' partials (8 m n). For verifies of 33-64
-// tokens, whose plain grid would leave most of the GPU idle: two blocks an SM.
+// 128 weight rows x 64 (128) tokens, a block a phase: grid (ceil(n / 128), 8 ceil(m / 64
+// (128))), y = 8 token tile + phase; `part` takes the 8 phases' partials (8 m n). For
+// verifies of 33-128 tokens, whose plain grid would leave most of the GPU idle: with 64
+// tokens two blocks an SM.
 extern "C" __global__ void __launch_bounds__(384, 2)
     linear_wg_phases_bf16_128x64_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
                                     int m, int k, int n, float* __restrict__ part) {
     linear_wg_impl<64, true>(wmap, xmap, m, k, n, nullptr, part, 0, blockIdx.x, blockIdx.y / 8, blockIdx.y % 8);
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    linear_wg_phases_bf16_128x128_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
+                                     int m, int k, int n, float* __restrict__ part) {
+    linear_wg_impl<128, true>(wmap, xmap, m, k, n, nullptr, part, 0, blockIdx.x, blockIdx.y / 8, blockIdx.y % 8);
 }

@@ -14,10 +14,11 @@ use crate::{driver, ptr, Cuda, CudaMat, TcKernel};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
-/// A block: 128 weight rows (output columns) x 128 tokens (`linear_wg_bf16_128x128_x1`)
-/// or 64 (`linear_wg_phases_bf16_128x64_x1`), a warpgroup loading and two multiplying.
+/// A block: 128 weight rows (output columns) x 128 tokens (`linear_wg_bf16_128x128_x1`,
+/// `linear_wg_phases_bf16_128x128_x1`) or 64 (`linear_wg_phases_bf16_128x64_x1`), a
+/// warpgroup loading and two multiplying; in `Functions::linear_wg`'s order.
 const COLS: usize = 128;
-const TOKS: [usize; 2] = [128, 64];
+const TOKS: [usize; 3] = [128, 64, 128];
 const THREADS: u32 = 384;
 /// K per stage (one 128-byte swizzled row of the tokens' tile), stages in flight.
 const STAGE_K: usize = 64;
@@ -27,7 +28,7 @@ const WEIGHT_BOX_K: usize = 32;
 const STAGES: usize = 4;
 /// Each kernel's dynamic shared memory: the stages, 1,024 bytes to align them to the
 /// swizzle's period, and the 2 x STAGES barriers.
-pub(crate) const SMEM_BYTES: [u32; 2] = [smem_bytes(TOKS[0]), smem_bytes(TOKS[1])];
+pub(crate) const SMEM_BYTES: [u32; 3] = [smem_bytes(TOKS[0]), smem_bytes(TOKS[1]), smem_bytes(TOKS[2])];
 
 const fn smem_bytes(toks: usize) -> u32 {
     (STAGES * (COLS + toks) * STAGE_K * 2 + 1024 + 16 * STAGES) as u32
@@ -125,12 +126,13 @@ impl Cuda {
                 "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
             )
         })?;
-        let phased = match kernel {
-            TcKernel::Wgmma128x128 => false,
-            TcKernel::WgmmaPhases128x64 => true,
+        let i = match kernel {
+            TcKernel::Wgmma128x128 => 0,
+            TcKernel::WgmmaPhases128x64 => 1,
+            TcKernel::WgmmaPhases128x128 => 2,
             _ => return Err(Error::Backend(format!("{kernel:?} is not a wgmma kernel"))),
         };
-        let (f, toks) = (&fs[phased as usize], TOKS[phased as usize]);
+        let (f, toks, phased) = (&fs[i], TOKS[i], i > 0);
         let s = &self.stream;
         let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
         let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, toks), true, "the activations")?;
@@ -141,7 +143,7 @@ impl Cuda {
             // SAFETY: every phase block writes its whole tile of partials before the merge.
             let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
             let pp = ptr(&part, s);
-            let smem = SMEM_BYTES[1];
+            let smem = SMEM_BYTES[i];
             launch!(self, f, (cols, 8 * toks), THREADS, smem, "linear", [wmap, xmap, mi, k, n, pp])?;
             return self.merge_phases(&part, m, w.rows, bias, out, mode);
         }

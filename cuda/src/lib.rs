@@ -107,9 +107,10 @@ pub enum TcKernel {
     /// wgmma over TMA-fed 128x128 tiles (`hopper.cu`): compute capability 9.0, bf16
     /// activations and K % 128 == 0 only ([`Cuda::runs`]).
     Wgmma128x128,
-    /// wgmma over 128x64 tiles, a block a phase (then the phase merge): a verify's 33-64
-    /// tokens, on the same conditions.
+    /// wgmma over 128x64 or 128x128 tiles, a block a phase (then the phase merge): a
+    /// verify's 33-128 tokens, on the same conditions.
     WgmmaPhases128x64,
+    WgmmaPhases128x128,
 }
 
 /// A tile kernel's shape: output columns and tokens per block, stages of loads in
@@ -140,7 +141,7 @@ fn activation_terms(a: Activations) -> usize {
 }
 
 impl TcKernel {
-    pub const ALL: [TcKernel; 15] = [
+    pub const ALL: [TcKernel; 16] = [
         TcKernel::Pass8,
         TcKernel::Pass16,
         TcKernel::Pass32,
@@ -156,11 +157,12 @@ impl TcKernel {
         TcKernel::Phases128x48,
         TcKernel::Wgmma128x128,
         TcKernel::WgmmaPhases128x64,
+        TcKernel::WgmmaPhases128x128,
     ];
 
     /// The Hopper kernels (`hopper.cu`).
     pub fn is_wgmma(self) -> bool {
-        matches!(self, TcKernel::Wgmma128x128 | TcKernel::WgmmaPhases128x64)
+        matches!(self, TcKernel::Wgmma128x128 | TcKernel::WgmmaPhases128x64 | TcKernel::WgmmaPhases128x128)
     }
 
     /// The fastest kernel for M tokens and N output columns, as measured on an H100
@@ -198,7 +200,8 @@ impl TcKernel {
             | TcKernel::Pass32
             | TcKernel::Pass64
             | TcKernel::Wgmma128x128
-            | TcKernel::WgmmaPhases128x64 => return None,
+            | TcKernel::WgmmaPhases128x64
+            | TcKernel::WgmmaPhases128x128 => return None,
             TcKernel::Tile256x16 => (0, t(256, 16, 2, false)),
             TcKernel::Tile128x32 => (1, t(128, 32, 3, false)),
             TcKernel::Tile64x64 => (2, t(64, 64, 3, false)),
@@ -268,8 +271,8 @@ struct Functions {
     /// Phase-split tiles over up to 3 weights, as `PARTS_TILES`.
     linear_tt_parts: [CudaFunction; 3],
     /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only;
-    /// 128x128, then the phase-split 128x64.
-    linear_wg: Option<[CudaFunction; 2]>,
+    /// 128x128, then the phase-split 128x64 and 128x128.
+    linear_wg: Option<[CudaFunction; 3]>,
     split_activations: CudaFunction,
     /// bf16 activations in MMA-step order, for wgmma.
     split_activations_steps: CudaFunction,
@@ -451,7 +454,11 @@ impl Cuda {
             linear_wg: match &hopper {
                 Some(h) if terms == 1 => {
                     let f = |name: &str| h.load_function(name).map_err(|e| format!("kernel {name}: {e:?}"));
-                    Some([f("linear_wg_bf16_128x128_x1")?, f("linear_wg_phases_bf16_128x64_x1")?])
+                    Some([
+                        f("linear_wg_bf16_128x128_x1")?,
+                        f("linear_wg_phases_bf16_128x64_x1")?,
+                        f("linear_wg_phases_bf16_128x128_x1")?,
+                    ])
                 }
                 _ => None,
             },
@@ -630,10 +637,11 @@ impl Cuda {
     /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
     /// [`TcKernel::for_shape`], except that where wgmma runs it takes the tiles' place past
     /// 32 tokens (fewer are recorded in CUDA graphs, which the TMA descriptors' addresses
-    /// would tie): the 128x128 tiles past 128 tokens, and from 49 where N has 64 such
-    /// tiles, else the phase-split 128x64 ones (measured on an H200 at 33-128 tokens on the
-    /// 8B's shapes, notes v20: 12288 x 4096 at 96 tokens 0.045 ms against the 128x32 tile's
-    /// 0.147; 4096 x 12288 at 40 0.043 against the 128x48 phases' 0.054).
+    /// would tie): the 128x128 tiles past 128 tokens and from 49 where N has 64 such
+    /// tiles, else phase-split tiles of 64 tokens up to 64, of 128 past that (measured on
+    /// an H200 and an H100 at 33-128 tokens on the 8B's shapes, notes v20: 12288 x 4096 at
+    /// 96 tokens 0.045 ms against the 128x32 tile's 0.147; 4096 x 12288 at 40 0.043 against
+    /// the 128x48 phases' 0.054, at 96 0.062 against the 64-token phases' 0.095).
     pub fn pick(&self, m: usize, n: usize, k: usize) -> TcKernel {
         let kernel = TcKernel::for_shape(m, n);
         let tiled = kernel.tile().is_some();
@@ -641,6 +649,8 @@ impl Cuda {
             kernel
         } else if m > 128 || (m > 48 && n >= 64 * 128) {
             TcKernel::Wgmma128x128
+        } else if m > 64 {
+            TcKernel::WgmmaPhases128x128
         } else {
             TcKernel::WgmmaPhases128x64
         }
