@@ -132,20 +132,20 @@ impl Cuda {
             TcKernel::WgmmaPhases128x128 => 2,
             _ => return Err(Error::Backend(format!("{kernel:?} is not a wgmma kernel"))),
         };
-        let (f, toks, phased) = (&fs[i], TOKS[i], i > 0);
+        let (f, tile_toks, phased) = (&fs[i], TOKS[i], i > 0);
         let s = &self.stream;
         let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
-        let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, toks), true, "the activations")?;
+        let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, tile_toks), true, "the activations")?;
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
         let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
-        let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(toks) as u32);
+        let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(tile_toks) as u32);
         if phased {
             // SAFETY: every phase block writes its whole tile of partials before the merge.
             let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
             let pp = ptr(&part, s);
             let smem = SMEM_BYTES[i];
             launch!(self, f, (cols, 8 * toks), THREADS, smem, "linear", [wmap, xmap, mi, k, n, pp])?;
-            return self.merge_phases(&part, m, w.rows, bias, out, mode);
+            return self.merge_phases(pp, m, w.rows, bias, out, mode);
         }
         // The grid's x walks the smaller operand's tiles, so the blocks running together share
         // a few tiles of the larger, each read from DRAM once (measured both ways on an H200,

@@ -717,17 +717,7 @@ impl Cuda {
         let smem = tile.smem_bytes(activation_terms(self.activations));
         launch!(self, f, grid, LINEAR_THREADS, smem, "linear", [sp, mi, k, p])?;
         for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
-            let (pp, op, bp, n, write) =
-                (p.out[i], ptr(&**out, s), bias.map_or(0, |b| ptr(b, s)), w.rows as i32, 0i32);
-            let blocks = (m * w.rows).div_ceil(256).min(4096) as u32;
-            launch!(
-                self,
-                &self.f.linear_merge_phases,
-                (blocks, 1),
-                256,
-                "merge",
-                [pp, mi, n, bp, op, write]
-            )?;
+            self.merge_phases(p.out[i], m, w.rows, *bias, out, Out::Write)?;
         }
         drop(partials);
         Ok(())
@@ -787,13 +777,14 @@ impl Cuda {
             "linear",
             [sp, mi, k, wp, n, pp]
         )?;
-        self.merge_phases(&part, m, w.rows, bias, out, mode)
+        self.merge_phases(pp, m, w.rows, bias, out, mode)
     }
 
-    /// `out` (+)= the 8 phase partials in `part` (8 x M x N) added in phase order, + `bias`.
+    /// `out` (+)= the 8 phase partials at device address `part` (8 x M x N f32) added in
+    /// phase order, + `bias`.
     pub(crate) fn merge_phases(
         &self,
-        part: &CudaSlice<f32>,
+        part: u64,
         m: usize,
         n: usize,
         bias: Option<&CudaSlice<f32>>,
@@ -801,10 +792,10 @@ impl Cuda {
         mode: Out,
     ) -> Result<()> {
         let s = &self.stream;
-        let (pp, op, bp) = (ptr(part, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
+        let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
         let (mi, ni, acc) = (m as i32, n as i32, (mode == Out::Add) as i32);
         let blocks = (m * n).div_ceil(256).min(4096) as u32;
-        launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [pp, mi, ni, bp, op, acc])
+        launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [part, mi, ni, bp, op, acc])
     }
 
     /// Waits for every queued kernel (for timing).

@@ -563,7 +563,9 @@ impl<'a> Engine<'a> {
             .collect();
         let pending: Vec<u32> =
             self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
-        let piece = self.next_piece(self.active.len() + verified.iter().sum::<usize>(), events);
+        let batch = self.active.len();
+        let verify_tokens = batch + verified.iter().sum::<usize>();
+        let piece = self.next_piece(verify_tokens, events);
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
         let mut rows: Vec<VerifyRow> = self
             .active
@@ -580,13 +582,11 @@ impl<'a> Engine<'a> {
                 masks: m.as_deref(),
             })
             .collect();
-        let mut beside: Vec<_> = piece.map(|piece| self.prompts[0].input(piece)).into_iter().collect();
+        let beside = piece.map(|piece| self.prompts[0].input(piece)).into_iter().collect();
         let (results, beside_out) =
-            verify_beside(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode, &mut beside);
-        drop((rows, beside));
+            verify_beside(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode, beside);
+        drop(rows);
         self.stats.verify_time += t1.elapsed();
-        let batch = self.active.len();
-        let verify_tokens = batch + verified.iter().sum::<usize>();
         let plain_seconds = self.chooser.verify_seconds(batch);
         let outcomes = self.commit(results, walk_errors, &ks, &drafts, &pending, &starts, events);
         let rest_time = t1.elapsed();

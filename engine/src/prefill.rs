@@ -44,9 +44,13 @@ fn run_piece(
     hidden: Option<&mut Vec<f32>>,
     full_logits: bool,
 ) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
-    let mut rows = [piece_input(cache, piece, last, full_logits)];
-    let out = model.forward(&mut rows).map(|mut outs| outs.pop().expect("one row in, one row out"));
+    let out = forward_alone(model, piece_input(cache, piece, last, full_logits));
     absorb(cache, piece.len(), out, hidden)
+}
+
+/// One row's forward of its own.
+fn forward_alone(model: &Model, row: RowInput) -> Result<RowOutput, Error> {
+    model.forward(&mut [row]).map(|mut outs| outs.pop().expect("one row in, one row out"))
 }
 
 /// A prompt's piece as a forward's row: logits after its last token only if it ends the
@@ -178,8 +182,7 @@ impl Prompt {
     /// last, the LM head's reading.
     pub fn advance(&mut self, model: &Model, chunk: usize) -> Result<Option<Prefilled>, Error> {
         let piece = self.next_piece(model, chunk)?;
-        let out =
-            model.forward(&mut [self.input(piece)]).map(|mut o| o.pop().expect("one row in, one row out"));
+        let out = forward_alone(model, self.input(piece));
         self.absorb(piece, out)
     }
 }

@@ -88,7 +88,7 @@ pub fn verify(
     layout: WindowLayout,
     mode: SamplingMode,
 ) -> Vec<Result<Verified, Error>> {
-    verify_beside(model, rows, layout, mode, &mut []).0
+    verify_beside(model, rows, layout, mode, Vec::new()).0
 }
 
 /// What [`verify_beside`] returns: each verify row's outcome, and the rows beside's outputs
@@ -104,7 +104,7 @@ pub fn verify_beside(
     rows: &mut [VerifyRow],
     layout: WindowLayout,
     mode: SamplingMode,
-    beside: &mut [RowInput],
+    beside: Vec<RowInput>,
 ) -> VerifiedBeside {
     let shared = rows.iter().map(|r| r.cache.len()).max().unwrap_or(0);
     let mut results: Vec<Option<Result<Verified, Error>>> = rows.iter().map(|_| None).collect();
@@ -151,12 +151,7 @@ pub fn verify_beside(
     }
     let h = model.config.hidden_size;
     let verified = inputs.len();
-    inputs.extend(beside.iter_mut().map(|b| RowInput {
-        tokens: b.tokens,
-        cache: &mut *b.cache,
-        logits: b.logits,
-        full_logits: b.full_logits,
-    }));
+    inputs.extend(beside);
     let beside_out = match model.forward(&mut inputs) {
         Ok(mut outs) => {
             drop(inputs);
