@@ -111,7 +111,7 @@ impl Weight {
 
     /// A quantized `rows x cols` weight: `packed` holds the u32 words (as raw bytes,
     /// `rows x cols * bits / 32` words), `quant` the group layout, scales and biases.
-    pub(crate) fn quantized(packed: Weight, rows: usize, cols: usize, quant: Quant) -> Self {
+    pub fn quantized(packed: Weight, rows: usize, cols: usize, quant: Quant) -> Self {
         debug_assert_eq!(packed.bytes().len(), rows * cols * quant.bits / 8);
         let dtype = quant.scales.dtype;
         Weight { bytes: packed.bytes, dtype, rows, cols, quant: Some(Arc::new(quant)) }

@@ -4,7 +4,8 @@
 
 use rayon::prelude::*;
 
-use super::simd::{isa, split_pairs, tile, tile_pairs, Portable, Simd16};
+use super::quant_matmul::{self, tile_quant, QuantCols};
+use super::simd::{isa, split_pairs_into, tile, tile_pairs, with_scratch, Portable, Simd16};
 use mtp_base::weights::{Weight, WeightDtype};
 
 /// Columns of the output one task computes; a task covers every row for its columns so
@@ -30,6 +31,8 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [
     }
     if crate::negative_control::stock_matmul() {
         stock_linear(x, m, w, out);
+    } else if w.quant().is_some_and(quant_matmul::fused) {
+        fused_quantized(x, m, w, out);
     } else if w.quant().is_some() {
         quantized(x, m, w, out);
     } else {
@@ -48,24 +51,154 @@ fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     let wb = w.bytes();
     let d = w.dtype;
-    // bf16 weights take the bf16 order, which reads x pair-split (see `simd`).
-    let split;
-    let x = if d == WeightDtype::Bf16 {
-        split = split_pairs(x, m, k);
-        &split[..]
-    } else {
-        x
-    };
     let optr = SendPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(COLS_PER_TASK);
-    let run = |t: usize| {
-        let n0 = t * COLS_PER_TASK;
-        let n1 = (n0 + COLS_PER_TASK).min(n);
-        let o = optr;
-        // SAFETY: shapes checked above; each task owns columns n0..n1.
-        unsafe { columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o.0, n) };
+    let run_on = |x: &[f32]| {
+        let run = |t: usize| {
+            let n0 = t * COLS_PER_TASK;
+            let n1 = (n0 + COLS_PER_TASK).min(n);
+            let o = optr;
+            // SAFETY: shapes checked above; each task owns columns n0..n1.
+            unsafe { columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o.0, n) };
+        };
+        for_each_task(tasks, m * n * k, run);
     };
-    for_each_task(tasks, m * n * k, run);
+    if d == WeightDtype::Bf16 {
+        // bf16 weights take the bf16 order, which reads x pair-split (see `simd`).
+        with_scratch(|split| {
+            split_pairs_into(x, m, k, split);
+            run_on(split)
+        })
+    } else {
+        run_on(x)
+    }
+}
+
+/// An affine-quantized weight through the fused tiles (the quantized order of
+/// [`quant_matmul`]): each task unpacks its columns' values in registers for all `m` rows.
+fn fused_quantized(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let q = QuantCols::of(w);
+    let group = k / q.groups();
+    let optr = SendPtr(out.as_mut_ptr());
+    with_scratch(|scratch| {
+        // The rows pair-split, then their group sums: `m x k`, then `m x groups`.
+        quant_matmul::prepare_into(x, m, k, group, scratch);
+        let (split, sums) = scratch.split_at(m * k);
+        let run = |t: usize| {
+            let n0 = t * COLS_PER_TASK;
+            let n1 = (n0 + COLS_PER_TASK).min(n);
+            let o = optr;
+            // SAFETY: `split` and `sums` hold m rows; each task owns columns n0..n1.
+            unsafe { quant_columns(split.as_ptr(), sums.as_ptr(), m, k, &q, n0, n1, o.0, n) };
+        };
+        for_each_task(n.div_ceil(COLS_PER_TASK), m * n * k, run);
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_columns(
+    x: *const f32,
+    xsum: *const f32,
+    m: usize,
+    k: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        super::simd::Isa::Avx512 => quant_columns_avx512(x, xsum, m, k, q, n0, n1, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        super::simd::Isa::Avx2 => quant_columns_avx2(x, xsum, m, k, q, n0, n1, out, ldo),
+        _ => quant_columns_generic::<Portable, 2, 2>(x, xsum, m, k, q, n0, n1, out, ldo),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn quant_columns_avx512(
+    x: *const f32,
+    xsum: *const f32,
+    m: usize,
+    k: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    if m == 1 {
+        quant_columns_generic::<super::simd::Avx512, 1, 8>(x, xsum, m, k, q, n0, n1, out, ldo)
+    } else {
+        quant_columns_generic::<super::simd::Avx512, 4, 4>(x, xsum, m, k, q, n0, n1, out, ldo)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quant_columns_avx2(
+    x: *const f32,
+    xsum: *const f32,
+    m: usize,
+    k: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    quant_columns_generic::<super::simd::Avx2, 2, 2>(x, xsum, m, k, q, n0, n1, out, ldo)
+}
+
+/// Columns `n0..n1` for all `m` rows in `MR x NR` quantized tiles; the edges in tiles of
+/// one row or one column (the order per output is the same whatever the tile).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn quant_columns_generic<S: Simd16, const MR: usize, const NR: usize>(
+    x: *const f32,
+    xsum: *const f32,
+    m: usize,
+    k: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // One tile at row r, column n: the full MR x NR, one row of NR, or one output.
+    let tile = |rows: usize, cols: usize, r: usize, n: usize| {
+        let (xp, sp, op) = (x.add(r * k), xsum.add(r * q.groups()), out.add(r * ldo + n));
+        match (q.bits() == 4, rows == MR && cols == NR, cols == NR) {
+            (true, true, _) => tile_quant::<S, MR, NR, 4>(xp, sp, k, q, n, op, ldo),
+            (false, true, _) => tile_quant::<S, MR, NR, 8>(xp, sp, k, q, n, op, ldo),
+            (true, false, true) => tile_quant::<S, 1, NR, 4>(xp, sp, k, q, n, op, ldo),
+            (false, false, true) => tile_quant::<S, 1, NR, 8>(xp, sp, k, q, n, op, ldo),
+            (true, false, false) => tile_quant::<S, 1, 1, 4>(xp, sp, k, q, n, op, ldo),
+            (false, false, false) => tile_quant::<S, 1, 1, 8>(xp, sp, k, q, n, op, ldo),
+        }
+    };
+    let mut n = n0;
+    while n < n1 {
+        let nr = NR.min(n1 - n);
+        let mut r = 0;
+        while r < m {
+            let mr = MR.min(m - r);
+            if mr == MR && nr == NR {
+                tile(MR, NR, r, n);
+            } else if nr == NR {
+                (r..r + mr).for_each(|r| tile(1, NR, r, n));
+            } else {
+                (r..r + mr).for_each(|r| (n..n + nr).for_each(|n| tile(1, 1, r, n)));
+            }
+            r += mr;
+        }
+        n += nr;
+    }
 }
 
 /// Output columns one quantized task dequantizes at a time.

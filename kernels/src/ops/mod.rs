@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod matmul;
 pub mod norm;
+pub mod quant_matmul;
 pub mod rope;
 pub mod simd;
 
