@@ -3,14 +3,15 @@
 //! timed, at M in {1, 8, 64, 512}: microseconds per call (median of the repetitions) and
 //! GB/s of weights read. Works for bf16, f16, f32 and MLX-quantized checkpoints.
 //!
-//! `cargo run --release --example cpu_matmul -- --checkpoint DIR [--m 1,8] [--reps R]`
+//! `cargo run --release --example cpu_matmul -- --checkpoint DIR [--m 1,8] [--reps R]
+//! [--activations bf16]` (bf16: the bf16-activation matmul, for bf16 weights)
 //! (`mtp synth --like qwen3 --out DIR` makes a Qwen3-0.6B-shaped one).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use mtp::base::{Checkpoint, Config};
-use mtp::kernels::ops::linear;
+use mtp::kernels::ops::{linear, linear_bf16};
 
 fn main() -> anyhow::Result<()> {
     mtp::init_threads();
@@ -23,6 +24,11 @@ fn main() -> anyhow::Result<()> {
         None => vec![1, 8, 64, 512],
     };
     let reps: usize = arg("--reps").map(|s| s.parse()).transpose()?.unwrap_or(5).max(1);
+    let bf16 = match arg("--activations").as_deref() {
+        None | Some("f32") => false,
+        Some("bf16") => true,
+        Some(other) => anyhow::bail!("--activations {other}: f32 or bf16"),
+    };
     let cfg = Config::from_dir(&dir)?;
     let ck = Checkpoint::open(&dir)?;
     let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
@@ -34,7 +40,8 @@ fn main() -> anyhow::Result<()> {
         ("mlp.gate_proj", f, h),
         ("mlp.down_proj", h, f),
     ];
-    println!("{} threads, {}", rayon::current_num_threads(), dir.display());
+    let mode = if bf16 { "bf16" } else { "f32" };
+    println!("{} threads, {}, {mode} activations", rayon::current_num_threads(), dir.display());
     println!("| weight (N x K) | M | µs per call | GB/s of weights |");
     println!("| --- | --- | --- | --- |");
     let mut sets: Vec<(String, Vec<mtp::base::Weight>)> = Vec::new();
@@ -56,7 +63,11 @@ fn main() -> anyhow::Result<()> {
             for _ in 0..=reps {
                 let t = Instant::now();
                 for w in ws {
-                    linear(&x, m, w, None, &mut out);
+                    if bf16 && w.quant().is_none() && w.dtype == mtp::base::WeightDtype::Bf16 {
+                        linear_bf16(&x, m, w, None, &mut out);
+                    } else {
+                        linear(&x, m, w, None, &mut out);
+                    }
                 }
                 times.push(t.elapsed().as_secs_f64());
             }

@@ -37,10 +37,13 @@ fn tolerance(model: &Model) -> f32 {
 }
 
 /// The test backend's numerics: its default, and on CUDA also f32 K/V and activations,
-/// which checks the GPU kernels against transformers as tightly as the CPU's.
+/// which checks the GPU kernels against transformers as tightly as the CPU's; on the CPU
+/// also bf16 activations (the bf16-activation matmul, for the bf16 trained family).
 fn numerics() -> Vec<Numerics> {
     match common::backend() {
-        Backend::Cpu => vec![Numerics::default()],
+        Backend::Cpu => {
+            vec![Numerics::default(), Numerics { kv: KvDtype::Auto, activations: Activations::Bf16 }]
+        }
         _ => vec![Numerics::default(), Numerics { kv: KvDtype::F32, activations: Activations::F32 }],
     }
 }

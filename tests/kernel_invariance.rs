@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use common::{bits, Lcg};
 use mtp::base::{Weight, WeightDtype};
 use mtp::cache::KvView;
-use mtp::kernels::ops::{attend, linear, simd};
+use mtp::kernels::ops::{attend, bf16_matmul, linear, linear_bf16, simd};
 
 fn weight(rng: &mut Lcg, n: usize, k: usize, dtype: WeightDtype) -> Weight {
     let v = rng.vec(n * k);
@@ -59,6 +59,48 @@ fn matmul_row_is_independent_of_m_and_other_rows() {
             );
         }
     }
+}
+
+/// bf16 activations (`--activations bf16`): a row's bits do not depend on M, on the other
+/// rows or on the threads, at every K (whole chunks and a partial last one).
+#[test]
+fn bf16_activation_matmul_row_is_independent_of_m_other_rows_and_threads() {
+    let mut rng = Lcg(11);
+    for (k, n) in [(1, 1), (31, 9), (32, 5), (33, 64), (200, 37), (1024, 128), (3072, 70)] {
+        let w = weight(&mut rng, n, k, WeightDtype::Bf16);
+        let row = rng.vec(k);
+        let mut alone = vec![0.0; n];
+        linear_bf16(&row, 1, &w, None, &mut alone);
+        for m in [2, 3, 4, 5, 8, 13, 64] {
+            let mut x = rng.vec(m * k);
+            let at = rng.below(m);
+            x[at * k..(at + 1) * k].copy_from_slice(&row);
+            let mut out = vec![0.0; m * n];
+            linear_bf16(&x, m, &w, None, &mut out);
+            assert_eq!(bits(&out[at * n..(at + 1) * n]), bits(&alone), "k={k} n={n} m={m} row {at}");
+            let mut one = vec![0.0; m * n];
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap()
+                .install(|| linear_bf16(&x, m, &w, None, &mut one));
+            assert_eq!(bits(&one), bits(&out), "k={k} n={n} m={m}: one thread");
+        }
+    }
+    eprintln!("bf16-activation path: {:?}", bf16_matmul::path());
+}
+
+/// The bf16-activation matmul is its own order, not the f32 one: on the same data the two
+/// modes give different bits (so a test of one mode cannot pass on the other's kernel).
+#[test]
+fn bf16_activations_and_f32_activations_differ() {
+    let mut rng = Lcg(12);
+    let (m, k, n) = (4, 512, 64);
+    let w = weight(&mut rng, n, k, WeightDtype::Bf16);
+    let x = rng.vec(m * k);
+    let mut bf16 = vec![0.0; m * n];
+    linear_bf16(&x, m, &w, None, &mut bf16);
+    assert_ne!(bits(&bf16), bits(&run_linear(&x, m, &w)));
 }
 
 #[test]

@@ -87,9 +87,13 @@ fn metal_kernels_agree_with_the_cpu() {
     for (dtype, worst, scale) in logits_vs_cpu(backend, mtp::kernels::Activations::Auto) {
         assert!(worst <= 1e-4 * scale.max(1.0), "{}: Metal and CPU logits differ by {worst}", dtype.name());
     }
-    let swiglu = vs_cpu(&*metal, |g, u| Cpu.swiglu(g, u).unwrap(), |g, u| metal.swiglu(g, u).unwrap());
-    let gelu =
-        vs_cpu(&*metal, |g, u| Cpu.gelu_tanh_mul(g, u).unwrap(), |g, u| metal.gelu_tanh_mul(g, u).unwrap());
+    let swiglu =
+        vs_cpu(&*metal, |g, u| Cpu::default().swiglu(g, u).unwrap(), |g, u| metal.swiglu(g, u).unwrap());
+    let gelu = vs_cpu(
+        &*metal,
+        |g, u| Cpu::default().gelu_tanh_mul(g, u).unwrap(),
+        |g, u| metal.gelu_tanh_mul(g, u).unwrap(),
+    );
     println!("relative differences: swiglu {swiglu:e}, gelu_tanh_mul {gelu:e}");
     assert!(swiglu <= 1e-6 && gelu <= 1e-5, "swiglu {swiglu}, gelu {gelu}");
 }

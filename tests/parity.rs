@@ -18,7 +18,7 @@ use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
 };
-use mtp::kernels::{Backend, KvDtype};
+use mtp::kernels::{Backend, KvDtype, Numerics};
 use mtp::model::{Model, MtpLayout};
 use mtp::synth::SynthSpec;
 
@@ -147,7 +147,8 @@ impl Target {
         sampled: bool,
         kv: KvDtype,
     ) -> Target {
-        let model = Arc::new(Model::load_with(target, common::backend(), kv).unwrap());
+        let numerics = Numerics { kv, activations: common::test_activations() };
+        let model = Arc::new(Model::load_with(target, common::backend(), numerics).unwrap());
         let (requests, arrive_at) = workload(sampled);
         // The reference: plain decoding, each request alone.
         let reference = plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();

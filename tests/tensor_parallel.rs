@@ -181,7 +181,7 @@ fn reduction_is_the_rank_ordered_fold<K: Kernels>(k: &K) {
 
 #[test]
 fn the_reduction_is_the_rank_ordered_reference() {
-    reduction_is_the_rank_ordered_fold(&mtp::kernels::cpu::Cpu);
+    reduction_is_the_rank_ordered_fold(&mtp::kernels::cpu::Cpu::default());
     #[cfg(feature = "cuda")]
     if common::backend() == Backend::Cuda {
         reduction_is_the_rank_ordered_fold(&*mtp::cuda::Cuda::shared().unwrap());

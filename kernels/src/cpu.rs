@@ -9,13 +9,36 @@ use rayon::prelude::*;
 use mtp_base::error::{Error, Result};
 use mtp_base::weights::{Weight, WeightDtype};
 
-use crate::ops::{attend_from, gelu_tanh_mul, linear, rms_norm, rms_norm_inplace, swiglu, RopeTable};
+use crate::ops::{
+    attend_from, gelu_tanh_mul, linear, linear_bf16, rms_norm, rms_norm_inplace, swiglu, RopeTable,
+};
 use crate::{
-    held_keys, open_windows, AssistantKernels, Backend, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    held_keys, open_windows, Activations, AssistantKernels, Backend, Heads, Kernels, KeyRange, KvDtype, Out,
+    Plane, Slot,
 };
 
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+/// The CPU kernel set; `activations` says how matmuls meet bf16 weights (resolved: `F32`,
+/// the default, or `Bf16`).
+#[derive(Clone, Copy, Debug)]
+pub struct Cpu {
+    activations: Activations,
+}
+
+impl Default for Cpu {
+    fn default() -> Cpu {
+        Cpu { activations: Activations::F32 }
+    }
+}
+
+impl Cpu {
+    /// The kernel set computing matmul activations as `activations` says (`Auto` is `F32`).
+    pub fn with_activations(activations: Activations) -> Cpu {
+        match activations {
+            Activations::Bf16 => Cpu { activations },
+            Activations::Auto | Activations::F32 => Cpu::default(),
+        }
+    }
+}
 
 /// One CPU forward: every token's slot, every row's slot map.
 pub struct CpuBatch {
@@ -58,6 +81,10 @@ impl Kernels for Cpu {
 
     fn backend(&self) -> Backend {
         Backend::Cpu
+    }
+
+    fn activations(&self) -> Activations {
+        self.activations
     }
 
     fn matrix(&self, w: &Weight) -> Result<Weight> {
@@ -148,11 +175,15 @@ impl Kernels for Cpu {
         out: &mut Vec<f32>,
         mode: Out,
     ) -> Result<()> {
+        let matmul = match self.activations.for_weight(w) {
+            Activations::Bf16 => linear_bf16,
+            _ => linear,
+        };
         match mode {
-            Out::Write => linear(x, m, w, bias.map(|b| b.as_slice()), out),
+            Out::Write => matmul(x, m, w, bias.map(|b| b.as_slice()), out),
             Out::Add => {
                 let mut y = vec![0.0f32; m * w.rows];
-                linear(x, m, w, bias.map(|b| b.as_slice()), &mut y);
+                matmul(x, m, w, bias.map(|b| b.as_slice()), &mut y);
                 for (a, b) in out.iter_mut().zip(&y) {
                     *a += b;
                 }

@@ -165,15 +165,15 @@ impl Activations {
         }
     }
 
-    /// Refuses `Bf16`, by name, on a backend that computes activations in f32 only (the
-    /// CPU, Metal), where `Auto` means `F32`.
+    /// Refuses `Bf16`, by name, on a backend that computes activations in f32 only (Metal),
+    /// where `Auto` means `F32`.
     pub fn f32_only(self, backend: Backend) -> Result<()> {
         if self != Activations::Bf16 {
             return Ok(());
         }
         Err(Error::Backend(format!(
             "--activations bf16: the {} backend computes matmul activations in f32 only \
-             (bf16 activations are CUDA's; use --activations auto or f32)",
+             (bf16 activations are CUDA's and the CPU's; use --activations auto or f32)",
             backend.name()
         )))
     }

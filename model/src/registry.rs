@@ -31,8 +31,7 @@ macro_rules! on_backend {
         let activations: Activations = $activations;
         match $backend {
             Backend::Cpu => {
-                activations.f32_only(Backend::Cpu)?;
-                let $be = Arc::new(mtp_kernels::cpu::Cpu);
+                let $be = Arc::new(mtp_kernels::cpu::Cpu::with_activations(activations));
                 $body
             }
             #[cfg(feature = "cuda")]
@@ -111,8 +110,8 @@ fn split_on(
     let (kv, act) = (numerics.kv, numerics.activations);
     match backend {
         Backend::Cpu => {
-            act.f32_only(Backend::Cpu)?;
-            let backends = (0..ranks).map(|_| Arc::new(mtp_kernels::cpu::Cpu)).collect();
+            let backends =
+                (0..ranks).map(|_| Arc::new(mtp_kernels::cpu::Cpu::with_activations(act))).collect();
             split(config, ck, kv, backends, Arc::new(HostCollective::new(ranks)))
         }
         #[cfg(feature = "cuda")]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use mtp::base::Error;
 use mtp::drafter::Drafter;
 use mtp::engine::{generate, Completion, Engine, EngineOptions, Request};
-use mtp::kernels::{Backend, KvDtype};
+use mtp::kernels::{Activations, Backend, KvDtype, Numerics};
 use mtp::model::Model;
 
 /// The backend the model-level tests run on: the CPU, or what `MTP_TEST_BACKEND` names
@@ -31,9 +31,20 @@ pub fn test_kv() -> KvDtype {
     }
 }
 
+/// The matmul activations the model-level tests load with: the backend's default, or what
+/// `MTP_TEST_ACTIVATIONS` names (`bf16` runs a suite's bf16 checkpoints, the trained family,
+/// through the bf16-activation matmul on the CPU too).
+pub fn test_activations() -> Activations {
+    match std::env::var("MTP_TEST_ACTIVATIONS") {
+        Ok(name) => name.parse().unwrap_or_else(|e| panic!("MTP_TEST_ACTIVATIONS: {e}")),
+        Err(_) => Activations::Auto,
+    }
+}
+
 /// Loads a checkpoint on the test backend.
 pub fn load(dir: &Path) -> Model {
-    Model::load_with(dir, backend(), test_kv()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    let numerics = Numerics { kv: test_kv(), activations: test_activations() };
+    Model::load_with(dir, backend(), numerics).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 pub const FAMILIES: [&str; 6] =

@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::bf16_matmul;
 use super::quant_matmul::{self, tile_quant, QuantCols};
 use super::simd::{isa, split_pairs_into, tile, tile_pairs, with_scratch, Portable, Simd16};
 use mtp_base::weights::{Weight, WeightDtype};
@@ -44,6 +45,176 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [
                 *o += b;
             }
         }
+    }
+}
+
+/// `out (m x n) = x (m x k) . w^T` (+ `bias`) for bf16 weights with bf16 activations: `x`
+/// rounded to bf16 at the input, the bf16-activation order of [`bf16_matmul`].
+pub fn linear_bf16(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [f32]) {
+    assert!(w.dtype == WeightDtype::Bf16 && w.quant().is_none(), "linear_bf16: weights are not plain bf16");
+    let (n, k) = (w.rows, w.cols);
+    assert_eq!(x.len(), m * k, "linear: input is not m x k");
+    assert_eq!(out.len(), m * n, "linear: output is not m x n");
+    if m == 0 {
+        return;
+    }
+    if crate::negative_control::stock_matmul() {
+        stock_linear(x, m, w, out);
+    } else {
+        let wb = w.bytes();
+        let optr = SendPtr(out.as_mut_ptr());
+        with_bf16_scratch(|rounded| {
+            bf16_matmul::round_rows(x, m, k, rounded);
+            let run = |t: usize| {
+                let n0 = t * COLS_PER_TASK;
+                let n1 = (n0 + COLS_PER_TASK).min(n);
+                let o = optr;
+                // SAFETY: `rounded` holds m padded rows; each task owns columns n0..n1.
+                unsafe { bf16_columns(rounded.as_ptr(), m, k, wb.as_ptr(), n0, n1, o.0, n) };
+            };
+            for_each_task(n.div_ceil(COLS_PER_TASK), m * n * k, run);
+        });
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_mut(n) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b;
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// The calling thread's buffer for a matmul's rounded input (as [`with_scratch`]).
+    static BF16_SCRATCH: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn with_bf16_scratch<R>(f: impl FnOnce(&mut Vec<u16>) -> R) -> R {
+    BF16_SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => f(&mut buf),
+        Err(_) => f(&mut Vec::new()),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_columns(
+    x: *const u16,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    match bf16_matmul::path() {
+        #[cfg(target_arch = "x86_64")]
+        bf16_matmul::Path::Native => bf16_columns_native(x, m, k, w, n0, n1, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        bf16_matmul::Path::Avx512Emulated => bf16_columns_avx512(x, m, k, w, n0, n1, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        bf16_matmul::Path::Avx2Emulated => bf16_columns_avx2(x, m, k, w, n0, n1, out, ldo),
+        _ => bf16_columns_generic::<bf16_matmul::Portable, 2, 2>(x, m, k, w, n0, n1, out, ldo),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+unsafe fn bf16_columns_native(
+    x: *const u16,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    use bf16_matmul::Avx512Native as S;
+    if m == 1 {
+        bf16_columns_generic::<S, 1, 8>(x, m, k, w, n0, n1, out, ldo)
+    } else {
+        bf16_columns_generic::<S, 4, 4>(x, m, k, w, n0, n1, out, ldo)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn bf16_columns_avx512(
+    x: *const u16,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    use bf16_matmul::Avx512Emulated as S;
+    if m == 1 {
+        bf16_columns_generic::<S, 1, 8>(x, m, k, w, n0, n1, out, ldo)
+    } else {
+        bf16_columns_generic::<S, 4, 4>(x, m, k, w, n0, n1, out, ldo)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bf16_columns_avx2(
+    x: *const u16,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    bf16_columns_generic::<bf16_matmul::Avx2Emulated, 2, 2>(x, m, k, w, n0, n1, out, ldo)
+}
+
+/// Columns `n0..n1` for all `m` rows in `MR x NR` bf16-activation tiles; the edges in tiles
+/// of one row or one output (the order per output is the same whatever the tile).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn bf16_columns_generic<S: bf16_matmul::Bf16Dot, const MR: usize, const NR: usize>(
+    x: *const u16,
+    m: usize,
+    k: usize,
+    w: *const u8,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let (kp, ws) = (k.div_ceil(bf16_matmul::CHUNK) * bf16_matmul::CHUNK, k * 2);
+    let mut n = n0;
+    while n < n1 {
+        let nr = NR.min(n1 - n);
+        let mut r = 0;
+        while r < m {
+            let mr = MR.min(m - r);
+            let (xp, wp, op) = (x.add(r * kp), w.add(n * ws), out.add(r * ldo + n));
+            if mr == MR && nr == NR {
+                bf16_matmul::tile::<S, MR, NR>(xp, k, wp, ws, op, ldo);
+            } else if nr == NR {
+                for i in 0..mr {
+                    bf16_matmul::tile::<S, 1, NR>(xp.add(i * kp), k, wp, ws, op.add(i * ldo), ldo);
+                }
+            } else {
+                for i in 0..mr {
+                    for j in 0..nr {
+                        let (xr, o) = (xp.add(i * kp), op.add(i * ldo + j));
+                        bf16_matmul::tile::<S, 1, 1>(xr, k, wp.add(j * ws), ws, o, ldo);
+                    }
+                }
+            }
+            r += mr;
+        }
+        n += nr;
     }
 }
 

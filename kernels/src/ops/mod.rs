@@ -4,6 +4,7 @@
 //! the reduced length; no kernel looks at M, batch size, padding or thread count.
 
 pub mod attention;
+pub mod bf16_matmul;
 pub mod matmul;
 pub mod norm;
 pub mod quant_matmul;
@@ -11,6 +12,6 @@ pub mod rope;
 pub mod simd;
 
 pub use attention::{attend, attend_from};
-pub use matmul::linear;
+pub use matmul::{linear, linear_bf16};
 pub use norm::{gelu_tanh_mul, rms_norm, rms_norm_inplace, swiglu};
 pub use rope::RopeTable;
