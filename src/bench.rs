@@ -10,9 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp_engine::{
-    generate, Completion, Constraint, DraftLen, Engine, EngineOptions, Request, SamplingMode, SpecStats,
-};
+use mtp_engine::{generate, Completion, Constraint, Engine, EngineOptions, Request, SpecStats};
 use mtp_model::Model;
 use serde::Serialize;
 
@@ -166,11 +164,8 @@ pub fn run(
     tokenizer: Option<&Tokenizer>,
     drafter: Option<Box<dyn Drafter + '_>>,
     requests: &[Request],
-    batch: usize,
-    k: DraftLen,
-    sampling_mode: SamplingMode,
+    opts: EngineOptions,
 ) -> Result<Run> {
-    let opts = EngineOptions { max_batch: batch, k, sampling_mode, ..EngineOptions::default() };
     let mut engine = Engine::new(model, drafter, opts)?;
     if let Some(tok) = tokenizer.filter(|_| requests.iter().any(|r| r.constraint.is_some())) {
         engine = engine.with_tokenizer(tok);

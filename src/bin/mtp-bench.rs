@@ -14,7 +14,7 @@ use mtp::bench::{
     markdown, median_tps, parse_constraint, prompts_from_dir, run, tps_range, DrafterFactory, DrafterSpec,
     Row, Run, Setting,
 };
-use mtp::engine::{Completion, DraftLen, Request, SamplingMode, SamplingParams};
+use mtp::engine::{Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams};
 use mtp::kernels::Backend;
 use mtp::model::Model;
 
@@ -78,6 +78,9 @@ struct Cli {
     /// generate`).
     #[arg(long, default_value = "auto")]
     activations: String,
+    /// Tokens per prefill forward (as for `mtp generate`; default 2048 on cuda, 64 elsewhere).
+    #[arg(long, value_parser = mtp::at_least_one)]
+    prefill_chunk: Option<usize>,
     /// Split the target between N tensor-parallel ranks (as for `mtp generate`).
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
@@ -206,7 +209,15 @@ fn bench(cli: Cli) -> Result<bool> {
     let tok = tokenizer.as_ref();
     // Warm-up, untimed: the first timed run would otherwise pay for cold caches and pages.
     bar.set_message("warm-up");
-    run(&model, tok, None, &requests, cli.batch[0], DraftLen::Fixed(0), SamplingMode::Exact)?;
+    let prefill_chunk = cli.prefill_chunk.unwrap_or(if cli.backend == "cuda" { 2048 } else { 64 });
+    let opts = |max_batch: usize, k: DraftLen, sampling_mode: SamplingMode| EngineOptions {
+        max_batch,
+        k,
+        sampling_mode,
+        prefill_chunk,
+        ..EngineOptions::default()
+    };
+    run(&model, tok, None, &requests, opts(cli.batch[0], DraftLen::Fixed(0), SamplingMode::Exact))?;
     for ((label, constraint), &temperature) in
         constraints.iter().flat_map(|c| cli.temperatures.iter().map(move |t| (c, t)))
     {
@@ -235,7 +246,8 @@ fn bench(cli: Cli) -> Result<bool> {
             // Every config runs once per repeat, in turn, so slow spells hit all alike.
             let mut plain_runs = Vec::new();
             let mut runs: Vec<Vec<Run>> = configs.iter().map(|_| Vec::new()).collect();
-            let plain = || run(&model, tok, None, &requests, batch, DraftLen::Fixed(0), SamplingMode::Exact);
+            let plain =
+                || run(&model, tok, None, &requests, opts(batch, DraftLen::Fixed(0), SamplingMode::Exact));
             for rep in 0..cli.repeats {
                 // Slot 0 is plain decoding; each repeat starts one slot later, so no setting
                 // always runs first (a noisy machine drifts within a repeat too).
@@ -264,9 +276,7 @@ fn bench(cli: Cli) -> Result<bool> {
                         tok,
                         Some(drafter),
                         &requests,
-                        batch,
-                        k.with_max(cli.max_k),
-                        mode,
+                        opts(batch, k.with_max(cli.max_k), mode),
                     )?);
                     bar.inc(1);
                 }

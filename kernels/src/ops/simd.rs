@@ -409,7 +409,9 @@ unsafe fn lanes_from<S: Simd16, const MR: usize, const NR: usize>(
         let mut wv = [S::zero(); NR];
         for (j, v) in wv.iter_mut().enumerate() {
             let p = w.add(j * w_stride + i * ds);
-            S::prefetch(p.wrapping_add(NR * w_stride));
+            if w_stride != 0 {
+                S::prefetch(p.wrapping_add(NR * w_stride));
+            }
             *v = S::load_w(p, d);
         }
         for (r, row) in acc.iter_mut().enumerate() {
