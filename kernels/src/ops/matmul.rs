@@ -341,30 +341,34 @@ unsafe fn quant_columns_generic<S: Simd16, const MR: usize, const NR: usize>(
     out: *mut f32,
     ldo: usize,
 ) {
-    // One tile at row r, column n: the full MR x NR, one row of NR, or one output.
-    let tile = |rows: usize, cols: usize, r: usize, n: usize| {
-        let (xp, sp, op) = (x.add(r * k), xsum.add(r * q.groups()), out.add(r * ldo + n));
-        match (q.bits() == 4, rows == MR && cols == NR, cols == NR) {
-            (true, true, _) => tile_quant::<S, MR, NR, 4>(xp, sp, k, q, n, op, ldo),
-            (false, true, _) => tile_quant::<S, MR, NR, 8>(xp, sp, k, q, n, op, ldo),
-            (true, false, true) => tile_quant::<S, 1, NR, 4>(xp, sp, k, q, n, op, ldo),
-            (false, false, true) => tile_quant::<S, 1, NR, 8>(xp, sp, k, q, n, op, ldo),
-            (true, false, false) => tile_quant::<S, 1, 1, 4>(xp, sp, k, q, n, op, ldo),
-            (false, false, false) => tile_quant::<S, 1, 1, 8>(xp, sp, k, q, n, op, ldo),
-        }
-    };
     let mut n = n0;
     while n < n1 {
         let nr = NR.min(n1 - n);
         let mut r = 0;
         while r < m {
             let mr = MR.min(m - r);
-            if mr == MR && nr == NR {
-                tile(MR, NR, r, n);
+            // Full tiles, else rows of NR, else one output at a time (no closure: it would
+            // not inherit the caller's target features).
+            let (rows, cols) = if mr == MR && nr == NR {
+                (1, 1)
             } else if nr == NR {
-                (r..r + mr).for_each(|r| tile(1, NR, r, n));
+                (mr, 1)
             } else {
-                (r..r + mr).for_each(|r| (n..n + nr).for_each(|n| tile(1, 1, r, n)));
+                (mr, nr)
+            };
+            for i in 0..rows {
+                for j in 0..cols {
+                    let rr = r + i;
+                    let (xp, sp, op) = (x.add(rr * k), xsum.add(rr * q.groups()), out.add(rr * ldo + n + j));
+                    match (q.bits() == 4, mr == MR && nr == NR, nr == NR) {
+                        (true, true, _) => tile_quant::<S, MR, NR, 4>(xp, sp, k, q, n, op, ldo),
+                        (false, true, _) => tile_quant::<S, MR, NR, 8>(xp, sp, k, q, n, op, ldo),
+                        (true, false, true) => tile_quant::<S, 1, NR, 4>(xp, sp, k, q, n, op, ldo),
+                        (false, false, true) => tile_quant::<S, 1, NR, 8>(xp, sp, k, q, n, op, ldo),
+                        (true, false, false) => tile_quant::<S, 1, 1, 4>(xp, sp, k, q, n + j, op, ldo),
+                        (false, false, false) => tile_quant::<S, 1, 1, 8>(xp, sp, k, q, n + j, op, ldo),
+                    }
+                }
             }
             r += mr;
         }
