@@ -6,7 +6,7 @@
 use mtp_base::weights::WeightDtype;
 use mtp_cache::KvView;
 
-use super::simd::{isa, tile, Isa, Portable, Simd16};
+use super::simd::{isa, tile, Portable, Simd16};
 
 /// Keys per online-softmax chunk.
 pub const CHUNK: usize = 32;
@@ -35,10 +35,10 @@ pub fn attend_from(
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were detected.
-        Isa::Avx512 => unsafe { attend_avx512(q, kv, first, n_keys, kv_off, scale, out) },
+        super::simd::Isa::Avx512 => unsafe { attend_avx512(q, kv, first, n_keys, kv_off, scale, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were detected.
-        Isa::Avx2 => unsafe { attend_avx2(q, kv, first, n_keys, kv_off, scale, out) },
+        super::simd::Isa::Avx2 => unsafe { attend_avx2(q, kv, first, n_keys, kv_off, scale, out) },
         _ => attend_with::<Portable>(q, kv, first, n_keys, kv_off, scale, out),
     }
 }
