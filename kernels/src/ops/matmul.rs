@@ -21,6 +21,27 @@ unsafe impl Sync for SendPtr {}
 
 /// `out (m x n) = x (m x k) . w^T`, plus `bias` (length n) if given.
 pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [f32]) {
+    matmul_with(x, m, w, bias, out, |x, m, w, out| {
+        if w.quant().is_some_and(quant_matmul::fused) {
+            fused_quantized(x, m, w, out);
+        } else if w.quant().is_some() {
+            quantized(x, m, w, out);
+        } else {
+            row_invariant(x, m, w, out);
+        }
+    })
+}
+
+/// What every matmul entry does around its kernel: the shape checks, nothing for M = 0,
+/// the stock-matmul negative control in place of the kernel, then the bias.
+fn matmul_with(
+    x: &[f32],
+    m: usize,
+    w: &Weight,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    kernel: impl FnOnce(&[f32], usize, &Weight, &mut [f32]),
+) {
     let (n, k) = (w.rows, w.cols);
     assert_eq!(x.len(), m * k, "linear: input is not m x k");
     assert_eq!(out.len(), m * n, "linear: output is not m x n");
@@ -32,12 +53,8 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [
     }
     if crate::negative_control::stock_matmul() {
         stock_linear(x, m, w, out);
-    } else if w.quant().is_some_and(quant_matmul::fused) {
-        fused_quantized(x, m, w, out);
-    } else if w.quant().is_some() {
-        quantized(x, m, w, out);
     } else {
-        row_invariant(x, m, w, out);
+        kernel(x, m, w, out);
     }
     if let Some(b) = bias {
         for row in out.chunks_mut(n) {
@@ -48,40 +65,37 @@ pub fn linear(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [
     }
 }
 
+/// Runs `run(n0, n1, out)` for every `COLS_PER_TASK` columns of the `n`-column output
+/// (`work` multiply-adds in all); `out` is the output's start, each task writing only
+/// its own columns.
+fn for_column_tasks(
+    n: usize,
+    work: usize,
+    out: &mut [f32],
+    run: impl Fn(usize, usize, *mut f32) + Sync + Send,
+) {
+    let optr = SendPtr(out.as_mut_ptr());
+    for_each_task(n.div_ceil(COLS_PER_TASK), work, |t| {
+        let n0 = t * COLS_PER_TASK;
+        let o = optr;
+        run(n0, (n0 + COLS_PER_TASK).min(n), o.0)
+    });
+}
+
 /// `out (m x n) = x (m x k) . w^T` (+ `bias`) for bf16 weights with bf16 activations: `x`
 /// rounded to bf16 at the input, the bf16-activation order of [`bf16_matmul`].
 pub fn linear_bf16(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [f32]) {
     assert!(w.dtype == WeightDtype::Bf16 && w.quant().is_none(), "linear_bf16: weights are not plain bf16");
-    let (n, k) = (w.rows, w.cols);
-    assert_eq!(x.len(), m * k, "linear: input is not m x k");
-    assert_eq!(out.len(), m * n, "linear: output is not m x n");
-    if m == 0 {
-        return;
-    }
-    if crate::negative_control::stock_matmul() {
-        stock_linear(x, m, w, out);
-    } else {
-        let wb = w.bytes();
-        let optr = SendPtr(out.as_mut_ptr());
+    matmul_with(x, m, w, bias, out, |x, m, w, out| {
+        let (n, k, wb) = (w.rows, w.cols, w.bytes());
         with_bf16_scratch(|rounded| {
             bf16_matmul::round_rows(x, m, k, rounded);
-            let run = |t: usize| {
-                let n0 = t * COLS_PER_TASK;
-                let n1 = (n0 + COLS_PER_TASK).min(n);
-                let o = optr;
-                // SAFETY: `rounded` holds m padded rows; each task owns columns n0..n1.
-                unsafe { bf16_columns(rounded.as_ptr(), m, k, wb.as_ptr(), n0, n1, o.0, n) };
-            };
-            for_each_task(n.div_ceil(COLS_PER_TASK), m * n * k, run);
-        });
-    }
-    if let Some(b) = bias {
-        for row in out.chunks_mut(n) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
-        }
-    }
+            // SAFETY: `rounded` holds m padded rows; each task owns columns n0..n1.
+            for_column_tasks(n, m * n * k, out, |n0, n1, o| unsafe {
+                bf16_columns(rounded.as_ptr(), m, k, wb.as_ptr(), n0, n1, o, n)
+            });
+        })
+    })
 }
 
 thread_local! {
@@ -222,26 +236,20 @@ fn row_invariant(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     let wb = w.bytes();
     let d = w.dtype;
-    let optr = SendPtr(out.as_mut_ptr());
-    let tasks = n.div_ceil(COLS_PER_TASK);
-    let run_on = |x: &[f32]| {
-        let run = |t: usize| {
-            let n0 = t * COLS_PER_TASK;
-            let n1 = (n0 + COLS_PER_TASK).min(n);
-            let o = optr;
-            // SAFETY: shapes checked above; each task owns columns n0..n1.
-            unsafe { columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o.0, n) };
-        };
-        for_each_task(tasks, m * n * k, run);
+    let run_on = |x: &[f32], out: &mut [f32]| {
+        // SAFETY: shapes checked by `matmul_with`; each task owns columns n0..n1.
+        for_column_tasks(n, m * n * k, out, |n0, n1, o| unsafe {
+            columns(x.as_ptr(), m, k, wb.as_ptr(), d, n0, n1, o, n)
+        });
     };
     if d == WeightDtype::Bf16 {
         // bf16 weights take the bf16 order, which reads x pair-split (see `simd`).
         with_scratch(|split| {
             split_pairs_into(x, m, k, split);
-            run_on(split)
+            run_on(split, out)
         })
     } else {
-        run_on(x)
+        run_on(x, out)
     }
 }
 
@@ -251,19 +259,14 @@ fn fused_quantized(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
     let (n, k) = (w.rows, w.cols);
     let q = QuantCols::of(w);
     let group = k / q.groups();
-    let optr = SendPtr(out.as_mut_ptr());
     with_scratch(|scratch| {
         // The rows pair-split, then their group sums: `m x k`, then `m x groups`.
         quant_matmul::prepare_into(x, m, k, group, scratch);
         let (split, sums) = scratch.split_at(m * k);
-        let run = |t: usize| {
-            let n0 = t * COLS_PER_TASK;
-            let n1 = (n0 + COLS_PER_TASK).min(n);
-            let o = optr;
-            // SAFETY: `split` and `sums` hold m rows; each task owns columns n0..n1.
-            unsafe { quant_columns(split.as_ptr(), sums.as_ptr(), m, k, &q, n0, n1, o.0, n) };
-        };
-        for_each_task(n.div_ceil(COLS_PER_TASK), m * n * k, run);
+        // SAFETY: `split` and `sums` hold m rows; each task owns columns n0..n1.
+        for_column_tasks(n, m * n * k, out, |n0, n1, o| unsafe {
+            quant_columns(split.as_ptr(), sums.as_ptr(), m, k, &q, n0, n1, o, n)
+        });
     })
 }
 
