@@ -49,10 +49,13 @@
 #   stagger: a long prompt arriving while 8 rows decode on the 8B shape: the rows' round
 #          time while it goes in and its time to first token (examples/staggered_prompt.rs;
 #          with an `ab REV` bundle beside the base's).
+#   quant: MLX-quantized weights against bf16 on the Qwen3-8B shape (`mtp synth --q-bits`,
+#          4 and 8 bits in groups of 64): plain and oracle:1.0 k=4 decode at batch 1 and 8,
+#          the three checkpoints alternated twice (a `cli` bundle suffices).
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|quant|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -141,6 +144,25 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         rm -rf $dir
     done
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
+fi
+
+if [ "$what" = quant ]; then
+    qlog="$OUT/quant.log"
+    : > "$qlog"
+    for q in bf16 4 8; do
+        flags=(); [ $q = bf16 ] || flags=(--q-bits $q --q-group-size 64)
+        "$bin/mtp" synth --like qwen3-8b "${flags[@]}" --out /tmp/qwen3-8b-$q > /dev/null || status=1
+        du -sh /tmp/qwen3-8b-$q | tee -a "$qlog"
+    done
+    for round in 1 2; do
+        for q in bf16 4 8; do
+            echo "== qwen3-8b $q (round $round)" | tee -a "$qlog"
+            "$bin/mtp-bench" --target /tmp/qwen3-8b-$q --backend cuda --drafters oracle:1.0 --k 4 --batch 1,8 \
+                --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
+                --repeats 1 2>&1 | tee -a "$qlog"
+        done
+    done
+    rm -rf /tmp/qwen3-8b-bf16 /tmp/qwen3-8b-4 /tmp/qwen3-8b-8
 fi
 
 if [ "$what" = ab ]; then

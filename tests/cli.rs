@@ -558,7 +558,7 @@ fn prompts_files_are_bounded_and_bad_lines_are_named() {
 fn synth_refuses_shapes_that_would_not_load_or_fit_before_writing() {
     let out = std::env::temp_dir().join(format!("mtp-cli-synth-{}", std::process::id()));
     let o = out.to_str().unwrap();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 10] = [
         (
             &["--like", "qwen3", "--hidden", "4000000000", "--layers", "1"],
             "--vocab 151936 x --hidden 4000000000",
@@ -576,6 +576,8 @@ fn synth_refuses_shapes_that_would_not_load_or_fit_before_writing() {
         (&["--like", "qwen3", "--vocab", "20000000"], "--vocab"),
         (&["--like", "gemma4-e2b", "--head-dim", "9223372036854775807"], "--head-dim"),
         (&["--like", "qwen3-8b", "--max-gib", "1"], "over the limit of 1.0 GiB (--max-gib"),
+        (&["--like", "qwen3", "--q-bits", "3"], "--q-bits 3: 2, 4 or 8"),
+        (&["--like", "qwen3", "--q-bits", "4", "--q-group-size", "48"], "--q-group-size 48"),
     ];
     for (args, want) in cases {
         let (code, _, err) = mtp(&[&["synth", "--out", o][..], args].concat());

@@ -12,6 +12,7 @@ use mtp::drafter::{AssistantDrafter, Drafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, Engine, EngineOptions, Request, SamplingParams, WindowLayout,
 };
+use mtp::kernels::{Backend, KvDtype, Numerics};
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -19,6 +20,11 @@ const TARGETS: [&str; 3] = ["gemma4-dense-target", "gemma4-e-target", "gemma4-mo
 
 fn gemma(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4").join(name)
+}
+
+/// mlx-lm's conversions of the Gemma 4 targets (`scripts/make_mlx_fixtures.py`).
+fn mlx(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name)
 }
 
 fn golden(dir: &Path) -> Value {
@@ -188,7 +194,12 @@ struct Gate {
 
 impl Gate {
     fn new(name: &'static str, assistant: Option<&str>, sampled: bool) -> Gate {
-        let model = Arc::new(common::load(&gemma(name)));
+        Gate::with_model(name, common::load(&gemma(name)), assistant, sampled)
+    }
+
+    /// The gate on `model` (loaded from anywhere, with any K/V dtype), named `name`.
+    fn with_model(name: &'static str, model: Model, assistant: Option<&str>, sampled: bool) -> Gate {
+        let model = Arc::new(model);
         let (requests, arrive_at) = window_workload(sampled);
         let reference = common::plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
         Gate { name, model, assistant: assistant.map(gemma), requests, arrive_at, reference }
@@ -277,6 +288,35 @@ fn gate_gemma4_e() {
 fn gate_gemma4_moe() {
     Gate::new("gemma4-moe-target", None, false).run();
     Gate::new("gemma4-moe-target", None, true).run();
+}
+
+/// The gate on mlx-lm's 4-bit conversions: multimodal names (`language_model.model.`)
+/// and stacked quantized experts, each target with the assistant of its source checkpoint
+/// (the assistant reads the quantized target's embedding and K/V).
+#[test]
+fn gate_gemma4_mlx_4bit() {
+    let load = |name| common::load(&mlx(name));
+    Gate::with_model(
+        "gemma4-dense-mm-q4g64",
+        load("gemma4-dense-mm-q4g64"),
+        Some("gemma4-dense-assistant"),
+        false,
+    )
+    .run();
+    Gate::with_model("gemma4-moe-mm-q4g32-mixed", load("gemma4-moe-mm-q4g32-mixed"), None, true).run();
+}
+
+/// The same with 4-bit K/V (`--kv-bits 4`): the E-style 4-bit target and its assistant.
+#[test]
+fn gate_gemma4_mlx_4bit_with_4bit_kv() {
+    if common::backend() != Backend::Cpu {
+        eprintln!("skipped: quantized K/V run on the CPU backend only");
+        return;
+    }
+    let numerics = Numerics { kv: KvDtype::Q4, activations: common::test_activations() };
+    let model = Model::load_with(&mlx("gemma4-e-q4g32"), Backend::Cpu, numerics).unwrap();
+    assert_eq!(model.kv_dtype(), KvDtype::Q4);
+    Gate::with_model("gemma4-e-q4g32 kv4", model, Some("gemma4-e-assistant"), true).run();
 }
 
 /// With rollback skipping compaction (the ring's copy into its slots included) the gate

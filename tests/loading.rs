@@ -787,3 +787,53 @@ fn oversized_shapes_and_unsupported_switches_name_the_key() {
         std::fs::remove_dir_all(dir).ok();
     }
 }
+
+/// `mtp synth --q-bits` writes what `mlx_lm.convert -q` writes: every matrix whose rows the
+/// group divides (embedding and LM head included) packed with `scales` and `biases`, norms
+/// as they are, config.json's `quantization`; the checkpoint loads and its weights lie on
+/// the affine grid over [-a, a]. Control: the same spec unquantized has no `scales`.
+#[test]
+fn synth_writes_mlx_quantized_checkpoints() {
+    use mtp::base::Checkpoint;
+    use mtp::synth::{SynthQuant, SynthSpec};
+    let base = SynthSpec {
+        tie_word_embeddings: false,
+        hidden_size: 128,
+        intermediate_size: 256,
+        ..SynthSpec::from_config(&Config::from_dir(&fixture("qwen3-draft")).unwrap())
+    };
+    let dir = std::env::temp_dir().join(format!("mtp-load-synth-q-{}", std::process::id()));
+    let (h, v) = (base.hidden_size, base.vocab_size);
+    for (bits, group) in [(4, 32), (8, 64)] {
+        let q = SynthQuant::new(bits, group).unwrap();
+        SynthSpec { quant: Some(q), ..base.clone() }.write(&dir).unwrap();
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["quantization"]["bits"], bits);
+        let ck = Checkpoint::open(&dir).unwrap();
+        for (name, rows) in [
+            ("model.embed_tokens.weight", v),
+            ("lm_head.weight", v),
+            ("model.layers.0.mlp.up_proj.weight", base.intermediate_size),
+        ] {
+            let w = ck.get(name, &[rows, h]).unwrap();
+            let quant = w.quant().unwrap_or_else(|| panic!("{name} is not quantized"));
+            assert_eq!((quant.bits, quant.group), (bits, group), "{name}");
+            let a = (3.0 / h as f32).sqrt();
+            let mut row = vec![0.0; h];
+            w.row_f32(1, &mut row);
+            assert!(row.iter().all(|x| x.abs() <= a * 1.01), "{name}: {row:?}");
+            let mut levels: Vec<u32> = row.iter().map(|x| x.to_bits()).collect();
+            levels.sort_unstable();
+            levels.dedup();
+            assert!(levels.len() > 2 && levels.len() <= 1 << bits, "{name}: {} levels", levels.len());
+        }
+        assert!(ck.get("model.norm.weight", &[h]).unwrap().quant().is_none());
+        let model = Model::load(&dir).unwrap();
+        let mut cache = model.new_cache();
+        mtp::engine::prefill(&model, &mut cache, &[5, 9, 11], 2, false, true).unwrap();
+    }
+    SynthSpec { quant: None, ..base.clone() }.write(&dir).unwrap();
+    assert!(!Checkpoint::open(&dir).unwrap().contains("model.layers.0.mlp.up_proj.scales"));
+    std::fs::remove_dir_all(&dir).ok();
+}

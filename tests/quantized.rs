@@ -14,7 +14,7 @@ use mtp::kernels::ops::linear;
 use mtp::model::Model;
 use serde_json::Value;
 
-const FIXTURES: [&str; 7] = [
+const FIXTURES: [&str; 11] = [
     "qwen3-q4g32",
     "qwen3-q8g64",
     "llama-q4g32",
@@ -22,6 +22,10 @@ const FIXTURES: [&str; 7] = [
     "qwen2-q4g32-mixed",
     "trained-q4g64",
     "qwen3-mxfp4",
+    "gemma4-dense-q4g32",
+    "gemma4-e-q4g32",
+    "gemma4-moe-mm-q4g32-mixed",
+    "gemma4-dense-mm-q4g64",
 ];
 
 /// How far our logits may sit from mlx-lm's: both dequantize `scale * q + bias` in f32,
@@ -88,8 +92,8 @@ fn greedy_tokens_match_mlx_lm() {
     }
 }
 
-/// Every quantized projection of every fixture, at M in {1, 2, 3, 5, 17, 40}: each row
-/// of the product has the bits it has alone.
+/// Quantized projections of every fixture (and one expert of each stacked MoE tensor),
+/// at M in {1, 2, 3, 5, 17, 40}: each row of the product has the bits it has alone.
 #[test]
 fn quantized_matmul_rows_do_not_depend_on_m() {
     let mut rng = Lcg(7);
@@ -97,13 +101,32 @@ fn quantized_matmul_rows_do_not_depend_on_m() {
         let ck = Checkpoint::open(&mlx(name)).unwrap();
         let model = Model::load(&mlx(name)).unwrap();
         let (h, i) = (model.config.hidden_size, model.config.intermediate_size);
+        // mlx-lm and mlx-vlm name a multimodal model's decoder `language_model.model.`.
+        let p = if ck.contains("language_model.model.embed_tokens.weight") {
+            "language_model.model."
+        } else {
+            "model."
+        };
+        let mut weights: Vec<_> = [
+            (format!("{p}layers.0.mlp.down_proj.weight"), [h, i]),
+            (format!("{p}layers.1.mlp.up_proj.weight"), [i, h]),
+        ]
+        .iter()
+        .map(|(w, shape)| ck.get(w, shape).unwrap())
+        .collect();
+        let experts = format!("{p}layers.0.experts.switch_glu");
+        if let (Some(&[e, n, _]), Some(&[_, _, mi])) = (
+            ck.shape(&format!("{experts}.gate_proj.weight")),
+            ck.shape(&format!("{experts}.down_proj.weight")),
+        ) {
+            let gate = ck.get_stacked(&format!("{experts}.gate_proj.weight"), [e, n, h]).unwrap();
+            let down = ck.get_stacked(&format!("{experts}.down_proj.weight"), [e, h, n]).unwrap();
+            assert_eq!(mi * 32 / down.quant().unwrap().bits, n, "{name}: expert down_proj's packed width");
+            weights.push(gate.slice_rows(n..2 * n).unwrap());
+            weights.push(down.slice_rows(h..2 * h).unwrap());
+        }
         // mlx-lm leaves a matrix whose rows its group size does not divide unquantized.
-        let weights: Vec<_> =
-            [("model.layers.0.mlp.down_proj.weight", [h, i]), ("model.layers.1.mlp.up_proj.weight", [i, h])]
-                .iter()
-                .map(|(w, shape)| ck.get(w, shape).unwrap())
-                .filter(|w| w.quant().is_some())
-                .collect();
+        weights.retain(|w| w.quant().is_some());
         assert!(!weights.is_empty(), "{name}: no quantized projection to test");
         for w in weights {
             let x = rng.vec(40 * w.cols);

@@ -164,30 +164,23 @@ impl Checkpoint {
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
         if let (Some(stem), [rows, cols]) = (name.strip_suffix(".weight"), shape) {
             if self.contains(&format!("{stem}.scales")) {
-                return self.get_quantized(stem, *rows, *cols);
+                return self.get_quantized(stem, &[*rows], *cols);
             }
         }
-        let e = self.entry(name)?;
-        if e.shape != shape {
-            return Err(Error::TensorShape {
-                path: (*e.file).clone(),
-                name: name.to_string(),
-                got: e.shape.clone(),
-                expected: shape.to_vec(),
-            });
-        }
-        let dtype = e.float_dtype(name)?;
         let (rows, cols) = match shape {
             [n] => (1, *n),
             [r, c] => (*r, *c),
             _ => unreachable!("weights are 1-D or 2-D"),
         };
-        Ok(Weight::mapped(e.map.clone(), e.range.clone(), dtype, rows, cols))
+        self.get_as(name, shape, rows, cols)
     }
 
     /// `{stem}.weight` (packed u32), `{stem}.scales` and `{stem}.biases` as one quantized
-    /// `rows x cols` weight; bits and group size follow from the shapes.
-    fn get_quantized(&self, stem: &str, rows: usize, cols: usize) -> Result<Weight> {
+    /// `rows x cols` weight, where the stored tensors have leading dims `lead` (`[rows]`, or
+    /// `[experts, n]` for stacked experts, then `rows = experts * n`); bits and group size
+    /// follow from the shapes.
+    fn get_quantized(&self, stem: &str, lead: &[usize], cols: usize) -> Result<Weight> {
+        let rows: usize = lead.iter().product();
         let name = format!("{stem}.weight");
         let e = self.entry(&name)?;
         let bad =
@@ -195,14 +188,14 @@ impl Checkpoint {
         if e.dtype != Dtype::U32 {
             return Err(bad(format!("quantized weights are packed as U32, this one is {:?}", e.dtype)));
         }
-        let words = match e.shape[..] {
-            [r, w] if r == rows => w,
+        let words = match e.shape.split_last() {
+            Some((&w, l)) if l == lead => w,
             _ => {
                 return Err(Error::TensorShape {
                     path: (*e.file).clone(),
                     name,
                     got: e.shape.clone(),
-                    expected: vec![rows, cols],
+                    expected: [lead, &[cols]].concat(),
                 })
             }
         };
@@ -214,20 +207,29 @@ impl Checkpoint {
         }
         let scales_name = format!("{stem}.scales");
         let scales_entry = self.entry(&scales_name)?;
-        let groups = match scales_entry.shape[..] {
-            [r, g] if r == rows && g > 0 && cols.is_multiple_of(g) && (cols / g).is_multiple_of(32 / bits) => g,
-            ref got => {
+        let groups = match scales_entry.shape.split_last() {
+            Some((&g, l))
+                if l == lead && g > 0 && cols.is_multiple_of(g) && (cols / g).is_multiple_of(32 / bits) =>
+            {
+                g
+            }
+            _ => {
                 return Err(bad(format!(
-                    "`{scales_name}` has shape {got:?}: expected [{rows}, G] with G dividing {cols} into whole words"
+                    "`{scales_name}` has shape {:?}: expected {lead:?} then G, with G dividing {cols} into whole words",
+                    scales_entry.shape
                 )))
             }
         };
         let packed = Weight::mapped(e.map.clone(), e.range.clone(), WeightDtype::F32, rows, words);
         let biases_name = format!("{stem}.biases");
         let quant = if self.contains(&biases_name) {
-            let scales = self.get(&scales_name, &[rows, groups])?;
-            let biases = self.get(&biases_name, &[rows, groups])?;
-            Quant { bits, group: cols / groups, scales, biases: Some(biases) }
+            let side = |n: &str| self.get_as(n, &[lead, &[groups]].concat(), rows, groups);
+            Quant {
+                bits,
+                group: cols / groups,
+                scales: side(&scales_name)?,
+                biases: Some(side(&biases_name)?),
+            }
         } else if scales_entry.dtype == Dtype::U8 && bits == 4 && cols / groups == 32 {
             // mxfp4: E8M0 scales, 2^(e - 127), exact in f32 (255 is NaN).
             let exps = &scales_entry.map[scales_entry.range.clone()];
@@ -242,23 +244,32 @@ impl Checkpoint {
         Ok(Weight::quantized(packed, rows, cols, quant))
     }
 
-    /// Rows `rows` of expert `e` of a 3-D `[experts, n, cols]` tensor (transformers'
-    /// fused MoE weights), as a `rows.len() x cols` weight mapped in place.
-    pub fn get_expert(&self, name: &str, shape: [usize; 3], e: usize, rows: Range<usize>) -> Result<Weight> {
-        let entry = self.entry(name)?;
-        let dtype = entry.float_dtype(name)?;
-        if entry.shape != shape || e >= shape[0] || rows.end > shape[1] {
+    /// Float tensor `name`, which must have exactly `shape`, viewed as `rows x cols`.
+    fn get_as(&self, name: &str, shape: &[usize], rows: usize, cols: usize) -> Result<Weight> {
+        let e = self.entry(name)?;
+        if e.shape != shape {
             return Err(Error::TensorShape {
-                path: (*entry.file).clone(),
+                path: (*e.file).clone(),
                 name: name.to_string(),
-                got: entry.shape.clone(),
+                got: e.shape.clone(),
                 expected: shape.to_vec(),
             });
         }
-        let row_bytes = shape[2] * dtype.size();
-        let start = entry.range.start + (e * shape[1] + rows.start) * row_bytes;
-        let range = start..start + rows.len() * row_bytes;
-        Ok(Weight::mapped(entry.map.clone(), range, dtype, rows.len(), shape[2]))
+        Ok(Weight::mapped(e.map.clone(), e.range.clone(), e.float_dtype(name)?, rows, cols))
+    }
+
+    /// A 3-D `[experts, n, cols]` tensor (stacked MoE experts) as one `experts * n x cols`
+    /// weight, mapped in place: expert `e`'s rows are `e * n..(e + 1) * n`
+    /// ([`Weight::slice_rows`]). A `*.weight` stored MLX-quantized (3-D `.scales` and
+    /// `.biases` beside it, as mlx-lm's `switch_glu` writes experts) comes back quantized.
+    pub fn get_stacked(&self, name: &str, shape: [usize; 3]) -> Result<Weight> {
+        let [experts, n, cols] = shape;
+        if let Some(stem) = name.strip_suffix(".weight") {
+            if self.contains(&format!("{stem}.scales")) {
+                return self.get_quantized(stem, &[experts, n], cols);
+            }
+        }
+        self.get_as(name, &shape, experts * n, cols)
     }
 
     /// A 1-D integer tensor (I64 or I32) of `len` values, e.g. a token permutation.

@@ -30,10 +30,16 @@ const OTHER_MODALITIES: [&str; 5] =
 /// How many unread tensors an error lists by name.
 const SHOWN: usize = 4;
 
+/// Whether `name` belongs to another modality's tower or projector (transformers'
+/// `model.vision_tower.*`, mlx-vlm's `vision_tower.*`, ...).
+pub(crate) fn other_modality(name: &str) -> bool {
+    let rest = name.strip_prefix("model.").unwrap_or(name);
+    OTHER_MODALITIES.iter().any(|p| rest.starts_with(p))
+}
+
 /// Whether no load reads `name`, by design.
 pub(crate) fn ignorable(name: &str) -> bool {
-    let rest = name.strip_prefix("model.").unwrap_or(name);
-    OTHER_MODALITIES.iter().any(|p| rest.starts_with(p)) || name.ends_with("inv_freq")
+    other_modality(name) || name.ends_with("inv_freq")
 }
 
 /// The number after `prefix` in `name` (`model.layers.` + `3.mlp...` gives 3).
@@ -96,7 +102,9 @@ pub(crate) fn check_target(ck: &Checkpoint, c: &Config) -> Result<()> {
 fn target_hint(ck: &Checkpoint, c: &Config, unread: &[&str]) -> String {
     let n = c.num_hidden_layers;
     let layer = |name: &str| {
-        index_after(name, "model.layers.").or_else(|| index_after(name, "model.language_model.layers."))
+        ["model.layers.", "model.language_model.layers.", "language_model.model.layers."]
+            .iter()
+            .find_map(|p| index_after(name, p))
     };
     let mut hints = Vec::new();
     let (head, rest): (Vec<&str>, Vec<&str>) =

@@ -19,7 +19,7 @@ use mtp::server::net::Limits;
 use mtp::server::worker::MakeDrafter;
 use mtp::server::{Server, ServerOptions};
 use mtp::synth::gemma4::{Gemma4Spec, PRESETS as GEMMA4_PRESETS};
-use mtp::synth::SynthSpec;
+use mtp::synth::{SynthQuant, SynthSpec};
 use serde_json::json;
 use std::net::ToSocketAddrs;
 
@@ -111,6 +111,13 @@ enum Command {
         /// bf16, f16 or f32.
         #[arg(long, default_value = "bf16")]
         dtype: String,
+        /// Store every matrix MLX-quantized at this many bits (2, 4 or 8; affine, as
+        /// `mlx_lm.convert -q` writes it, scales and biases in --dtype). Default: unquantized.
+        #[arg(long)]
+        q_bits: Option<usize>,
+        /// Values per quantization group with --q-bits: 32, 64 or 128.
+        #[arg(long, default_value_t = 64)]
+        q_group_size: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// The most GiB of weights to write: a bigger shape is refused before anything is
@@ -624,10 +631,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             intermediate,
             vocab,
             dtype,
+            q_bits,
+            q_group_size,
             seed,
             max_gib,
             out,
         } => {
+            let quant = q_bits.map(|b| SynthQuant::new(b, q_group_size)).transpose()?;
             let dtype = match dtype.as_str() {
                 "bf16" => WeightDtype::Bf16,
                 "f16" => WeightDtype::F16,
@@ -654,7 +664,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 g.num_key_value_heads = kv_heads.unwrap_or(g.num_key_value_heads);
                 g.intermediate_size = intermediate.unwrap_or(g.intermediate_size);
                 g.vocab_size = vocab.unwrap_or(g.vocab_size);
-                (g.dtype, g.seed, g.max_bytes) = (dtype, seed, max_bytes);
+                (g.dtype, g.quant, g.seed, g.max_bytes) = (dtype, quant, seed, max_bytes);
                 let (n, shared) = (g.num_hidden_layers, g.num_kv_shared_layers);
                 tracing::info!(like, layers = n, kv_shared = shared, "writing {}", out.display());
                 g.write(&out).map_err(|e| synth_error(e, &out))?;
@@ -673,7 +683,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             s.head_dim = head_dim.unwrap_or(s.head_dim);
             s.intermediate_size = intermediate.unwrap_or(s.intermediate_size);
             s.vocab_size = vocab.unwrap_or(s.vocab_size);
-            (s.seed, s.dtype, s.max_bytes) = (seed, dtype, max_bytes);
+            (s.seed, s.dtype, s.quant, s.max_bytes) = (seed, dtype, quant, max_bytes);
             tracing::info!(arch = ?s.arch, "writing {}", out.display());
             s.write(&out).map_err(|e| synth_error(e, &out))?;
             Ok(ExitCode::SUCCESS)

@@ -10,7 +10,10 @@ use mtp_base::error::{Error, Result};
 use mtp_base::weights::WeightDtype;
 use mtp_model::models::gemma4::config::{Gemma4Config, LayerKind};
 
-use super::{check_free_space, checked_bytes, synth_tokenizer, write_random_safetensors, DEFAULT_MAX_BYTES};
+use super::{
+    check_free_space, checked_bytes, synth_tokenizer, write_random_safetensors, Storage, SynthQuant,
+    DEFAULT_MAX_BYTES,
+};
 
 /// The preset names [`Gemma4Spec::preset`] knows.
 pub const PRESETS: [&str; 2] = ["gemma4-31b", "gemma4-e2b"];
@@ -44,6 +47,8 @@ pub struct Gemma4Spec {
     pub max_position_embeddings: usize,
     pub final_logit_softcapping: f32,
     pub dtype: WeightDtype,
+    /// MLX-quantized matrices (`--q-bits`; MoE experts, 3-D, stay in `dtype`).
+    pub quant: Option<SynthQuant>,
     pub seed: u64,
     /// The most bytes of weights a write may produce.
     pub max_bytes: u64,
@@ -71,6 +76,7 @@ impl Gemma4Spec {
             max_position_embeddings: 131072,
             final_logit_softcapping: 30.0,
             dtype: WeightDtype::Bf16,
+            quant: None,
             seed: 0,
             max_bytes: DEFAULT_MAX_BYTES,
         };
@@ -120,6 +126,10 @@ impl Gemma4Spec {
             .collect()
     }
 
+    fn storage(&self) -> Storage {
+        Storage { dtype: self.dtype, quant: self.quant }
+    }
+
     /// config.json as transformers 5.17 writes a `Gemma4ForCausalLM`'s (full layers'
     /// head shapes in `per_layer_config`).
     pub fn config_json(&self) -> Value {
@@ -133,7 +143,7 @@ impl Gemma4Spec {
             per_layer.insert(i.to_string(), l);
         }
         let w = self.hidden_size_per_layer_input;
-        json!({
+        let mut v = json!({
             "architectures": ["Gemma4ForCausalLM"],
             "model_type": "gemma4_text",
             "attention_bias": false,
@@ -176,7 +186,12 @@ impl Gemma4Spec {
             "use_double_wide_mlp": self.use_double_wide_mlp,
             "vocab_size": self.vocab_size,
             "vocab_size_per_layer_input": if w > 0 { self.vocab_size } else { 0 },
-        })
+        });
+        if let Some(q) = self.quant {
+            v["quantization"] = q.config();
+            v["quantization_config"] = q.config();
+        }
+        v
     }
 
     /// Every tensor the loader reads, named and shaped from the config it resolves
@@ -229,7 +244,7 @@ impl Gemma4Spec {
     pub fn write(&self, dir: &Path) -> Result<()> {
         let cfg_path = dir.join("config.json");
         let tensors = self.tensors(&cfg_path)?;
-        let bytes = checked_bytes(&tensors, self.dtype, self.max_bytes)?;
+        let bytes = checked_bytes(&tensors, self.storage(), self.max_bytes)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         check_free_space(dir, bytes)?;
         let write = |name: &str, text: &str| {
@@ -243,7 +258,7 @@ impl Gemma4Spec {
         if self.vocab_size >= 512 {
             write("tokenizer.json", &synth_tokenizer(self.vocab_size))?;
         }
-        write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.dtype, self.seed)
+        write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.storage(), self.seed)
     }
 }
 

@@ -34,6 +34,8 @@ pub struct SynthSpec {
     pub rope_theta: f32,
     pub tie_word_embeddings: bool,
     pub dtype: WeightDtype,
+    /// MLX-quantized matrices (`--q-bits`), or all in `dtype`.
+    pub quant: Option<SynthQuant>,
     pub seed: u64,
     /// The most bytes of weights a write may produce.
     pub max_bytes: u64,
@@ -41,6 +43,86 @@ pub struct SynthSpec {
 
 /// The default of `max_bytes`: every preset but Gemma 4 31B fits (`--max-gib` raises it).
 pub const DEFAULT_MAX_BYTES: u64 = 16 << 30;
+
+/// MLX affine quantization of a synthesized checkpoint's matrices, as `mlx_lm.convert -q
+/// --q-bits B --q-group-size G` stores them: every 2-D `*.weight` whose rows G divides
+/// becomes packed u32 codes with `scales` and `biases` (in the checkpoint's dtype) beside
+/// it; norms and anything G does not divide stay as they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SynthQuant {
+    pub bits: usize,
+    pub group: usize,
+}
+
+impl SynthQuant {
+    /// `bits` of 2, 4 or 8 and a `group` of 32, 64 or 128 (mlx-lm's affine choices).
+    pub fn new(bits: usize, group: usize) -> Result<SynthQuant> {
+        if ![2, 4, 8].contains(&bits) {
+            return Err(Error::InvalidOption(format!("--q-bits {bits}: 2, 4 or 8")));
+        }
+        if ![32, 64, 128].contains(&group) {
+            return Err(Error::InvalidOption(format!("--q-group-size {group}: 32, 64 or 128")));
+        }
+        Ok(SynthQuant { bits, group })
+    }
+
+    /// Whether tensor `name` of `shape` is stored quantized.
+    fn applies(&self, name: &str, shape: &[usize]) -> bool {
+        name.ends_with(".weight") && matches!(shape, [_, cols] if cols % self.group == 0)
+    }
+
+    /// config.json's `quantization` (and `quantization_config`, as mlx-lm writes both).
+    pub fn config(&self) -> serde_json::Value {
+        json!({"group_size": self.group, "bits": self.bits, "mode": "affine"})
+    }
+}
+
+/// How a synthesized checkpoint stores its tensors.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Storage {
+    pub dtype: WeightDtype,
+    pub quant: Option<SynthQuant>,
+}
+
+/// What one stored tensor holds.
+#[derive(Clone, Copy)]
+enum Fill {
+    /// Uniform in `[-a, a]`, `a = sqrt(3 / fan_in)` (norm weights: 1.0).
+    Random { fan_in: usize, norm: bool },
+    /// Random `bits`-bit codes packed into u32 words.
+    Codes,
+    /// One value everywhere (a quantized weight's scales and biases).
+    Const(f32),
+}
+
+/// The tensors as stored: name, shape, safetensors dtype name, bytes per element, fill.
+fn stored(
+    tensors: &[(String, Vec<usize>)],
+    s: Storage,
+) -> Vec<(String, Vec<usize>, &'static str, usize, Fill)> {
+    let (name, size) = (s.dtype.name(), s.dtype.size());
+    let mut out = Vec::with_capacity(tensors.len());
+    for (n, shape) in tensors {
+        let fan_in = *shape.last().unwrap_or(&1);
+        match s.quant {
+            Some(q) if q.applies(n, shape) => {
+                let stem = n.strip_suffix(".weight").expect("applies() checked the suffix");
+                let (rows, groups) = (shape[0], fan_in / q.group);
+                // Codes 0 ..= 2^bits - 1 spread evenly over [-a, a].
+                let a = (3.0 / fan_in as f32).sqrt();
+                let scale = 2.0 * a / ((1usize << q.bits) - 1) as f32;
+                out.push((n.clone(), vec![rows, fan_in * q.bits / 32], "U32", 4, Fill::Codes));
+                out.push((format!("{stem}.scales"), vec![rows, groups], name, size, Fill::Const(scale)));
+                out.push((format!("{stem}.biases"), vec![rows, groups], name, size, Fill::Const(-a)));
+            }
+            _ => {
+                let norm = shape.len() == 1 && !n.ends_with(".bias");
+                out.push((n.clone(), shape.clone(), name, size, Fill::Random { fan_in, norm }));
+            }
+        }
+    }
+    out
+}
 
 impl SynthSpec {
     /// Presets named like the models whose shapes they copy.
@@ -58,6 +140,7 @@ impl SynthSpec {
             rope_theta: 1_000_000.0,
             tie_word_embeddings: true,
             dtype: WeightDtype::Bf16,
+            quant: None,
             seed: 0,
             max_bytes: DEFAULT_MAX_BYTES,
         };
@@ -115,6 +198,7 @@ impl SynthSpec {
             rope_theta: c.rope_theta,
             tie_word_embeddings: c.tie_word_embeddings,
             dtype: WeightDtype::F32,
+            quant: None,
             seed: 0,
             max_bytes: DEFAULT_MAX_BYTES,
         }
@@ -183,7 +267,7 @@ impl SynthSpec {
         let mut cfg = mtp_base::config::read_json(&cfg_path)?;
         cfg["num_nextn_predict_layers"] = json!(1);
         let tensors = spec.mtp_tensors(layout);
-        let bytes = checked_bytes(&tensors, spec.dtype, spec.max_bytes)?;
+        let bytes = checked_bytes(&tensors, spec.storage(), spec.max_bytes)?;
         std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
         check_free_space(out, bytes)?;
         let p = out.join("config.json");
@@ -193,11 +277,15 @@ impl SynthSpec {
         if tok.exists() {
             std::fs::copy(&tok, out.join("tokenizer.json")).map_err(|e| Error::io(&tok, e))?;
         }
-        write_random_safetensors(&out.join("model.safetensors"), &tensors, spec.dtype, seed)
+        write_random_safetensors(&out.join("model.safetensors"), &tensors, spec.storage(), seed)
+    }
+
+    fn storage(&self) -> Storage {
+        Storage { dtype: self.dtype, quant: self.quant }
     }
 
     fn config_json(&self) -> serde_json::Value {
-        json!({
+        let mut v = json!({
             "architectures": [self.arch.hf_name()],
             "model_type": match self.arch {
                 Arch::Llama => "llama",
@@ -224,7 +312,12 @@ impl SynthSpec {
             "bos_token_id": 1,
             "eos_token_id": 0,
             "torch_dtype": match self.dtype { WeightDtype::F32 => "float32", WeightDtype::Bf16 => "bfloat16", WeightDtype::F16 => "float16" },
-        })
+        });
+        if let Some(q) = self.quant {
+            v["quantization"] = q.config();
+            v["quantization_config"] = q.config();
+        }
+        v
     }
 
     /// The config.json this spec writes, checked as `mtp generate` checks it (`path` names
@@ -240,7 +333,7 @@ impl SynthSpec {
     pub fn write(&self, dir: &Path) -> Result<()> {
         let config = self.validated_config(&dir.join("config.json"))?;
         let tensors = self.tensors();
-        let bytes = checked_bytes(&tensors, self.dtype, self.max_bytes)?;
+        let bytes = checked_bytes(&tensors, self.storage(), self.max_bytes)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         check_free_space(dir, bytes)?;
         let write_json = |name: &str, v: serde_json::Value| {
@@ -253,7 +346,7 @@ impl SynthSpec {
             let p = dir.join("tokenizer.json");
             std::fs::write(&p, synth_tokenizer(self.vocab_size)).map_err(|e| Error::io(&p, e))?;
         }
-        write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.dtype, self.seed)
+        write_random_safetensors(&dir.join("model.safetensors"), &tensors, self.storage(), self.seed)
     }
 }
 
@@ -273,15 +366,16 @@ pub(crate) fn synth_tokenizer(vocab_size: usize) -> String {
     serde_json::to_string(&t).expect("json")
 }
 
-/// The bytes `tensors` take in `dtype`, counted without overflow, and at most `max_bytes`.
+/// The bytes `tensors` take stored as `storage` says, counted without overflow, and at
+/// most `max_bytes`.
 pub(crate) fn checked_bytes(
     tensors: &[(String, Vec<usize>)],
-    dtype: WeightDtype,
+    storage: Storage,
     max_bytes: u64,
 ) -> Result<u64> {
     let mut total = 0u64;
-    for (name, shape) in tensors {
-        let bytes = shape.iter().try_fold(dtype.size() as u64, |a, &d| a.checked_mul(d as u64));
+    for (name, shape, _, size, _) in stored(tensors, storage) {
+        let bytes = shape.iter().try_fold(size as u64, |a, &d| a.checked_mul(d as u64));
         total = bytes.and_then(|b| total.checked_add(b)).ok_or_else(|| {
             Error::InvalidOption(format!("tensor `{name}` of shape {shape:?} overflows a byte count"))
         })?;
@@ -290,7 +384,7 @@ pub(crate) fn checked_bytes(
         return Err(Error::InvalidOption(format!(
             "{:.1} GiB of {} weights is over the limit of {:.1} GiB (--max-gib raises it)",
             total as f64 / (1u64 << 30) as f64,
-            dtype.name(),
+            storage.dtype.name(),
             max_bytes as f64 / (1u64 << 30) as f64
         )));
     }
@@ -321,15 +415,16 @@ pub(crate) fn check_free_space(dir: &Path, bytes: u64) -> Result<()> {
     Ok(())
 }
 
-/// Streams `tensors` with uniform random values (norm weights 1.0) into `path` (their sizes
-/// already counted by [`checked_bytes`]); a failed write removes the partial file.
+/// Streams `tensors` with uniform random values (norm weights 1.0; quantized matrices
+/// random codes over the same range) into `path` (their sizes already counted by
+/// [`checked_bytes`]); a failed write removes the partial file.
 pub(crate) fn write_random_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>)],
-    dtype: WeightDtype,
+    storage: Storage,
     seed: u64,
 ) -> Result<()> {
-    let written = stream_random_safetensors(path, tensors, dtype, seed);
+    let written = stream_random_safetensors(path, tensors, storage, seed);
     if written.is_err() {
         let _ = std::fs::remove_file(path);
     }
@@ -339,19 +434,16 @@ pub(crate) fn write_random_safetensors(
 fn stream_random_safetensors(
     path: &Path,
     tensors: &[(String, Vec<usize>)],
-    dtype: WeightDtype,
+    storage: Storage,
     seed: u64,
 ) -> Result<()> {
-    let ds = dtype.size();
+    let entries = stored(tensors, storage);
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut off = 0usize;
-    for (name, shape) in tensors {
-        let n: usize = shape.iter().product::<usize>() * ds;
-        header.insert(
-            name.clone(),
-            json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + n]}),
-        );
+    for (name, shape, dtype, size, _) in &entries {
+        let n: usize = shape.iter().product::<usize>() * size;
+        header.insert(name.clone(), json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}));
         off += n;
     }
     let mut h = serde_json::to_string(&header).expect("json");
@@ -363,19 +455,29 @@ fn stream_random_safetensors(
     let io = |e| Error::io(path, e);
     w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
     w.write_all(h.as_bytes()).map_err(io)?;
-    for (i, (name, shape)) in tensors.iter().enumerate() {
-        let mut rng = SplitMix(seed.wrapping_mul(0x9E37_79B9).wrapping_add(i as u64));
-        let fan_in = *shape.last().unwrap_or(&1) as f32;
-        let is_norm = shape.len() == 1 && !name.ends_with(".bias");
-        let scale = if is_norm { 0.0 } else { (3.0 / fan_in).sqrt() };
+    let float = |v: f32, buf: &mut Vec<u8>| match storage.dtype {
+        WeightDtype::F32 => buf.extend_from_slice(&v.to_le_bytes()),
+        WeightDtype::Bf16 => buf.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        WeightDtype::F16 => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+    };
+    // Tensor i's generator is seeded by i among the logical tensors, quantized or not.
+    let mut logical = 0u64;
+    for (name, shape, _, _, fill) in &entries {
+        if !name.ends_with(".scales") && !name.ends_with(".biases") {
+            logical += 1;
+        }
+        let mut rng = SplitMix(seed.wrapping_mul(0x9E37_79B9).wrapping_add(logical - 1));
         let mut buf = Vec::with_capacity(1 << 16);
         let count: usize = shape.iter().product();
         for j in 0..count {
-            let v = if is_norm { 1.0 } else { scale * (2.0 * rng.next_f32() - 1.0) };
-            match dtype {
-                WeightDtype::F32 => buf.extend_from_slice(&v.to_le_bytes()),
-                WeightDtype::Bf16 => buf.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
-                WeightDtype::F16 => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            match *fill {
+                Fill::Random { norm: true, .. } => float(1.0, &mut buf),
+                Fill::Random { fan_in, norm: false } => {
+                    let a = (3.0 / fan_in as f32).sqrt();
+                    float(a * (2.0 * rng.next_f32() - 1.0), &mut buf)
+                }
+                Fill::Codes => buf.extend_from_slice(&rng.next_u32().to_le_bytes()),
+                Fill::Const(v) => float(v, &mut buf),
             }
             if buf.len() >= 1 << 16 || j + 1 == count {
                 w.write_all(&buf).map_err(io)?;
@@ -389,12 +491,19 @@ fn stream_random_safetensors(
 struct SplitMix(u64);
 
 impl SplitMix {
-    fn next_f32(&mut self) -> f32 {
+    fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 40) as f32 / (1u64 << 24) as f32
+        z ^ (z >> 31)
+    }
+
+    fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    fn next_u32(&mut self) -> u32 {
+        (self.next_u64() >> 32) as u32
     }
 }

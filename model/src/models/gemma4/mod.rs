@@ -158,8 +158,14 @@ impl<B: Kernels> Gemma4<B> {
         } else {
             None
         };
-        let lm_head_w = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
-            Some(ck.get("lm_head.weight", &[c.vocab_size, h])?)
+        // mlx-lm keeps a multimodal model's untied head beside its decoder.
+        let head = if prefix == "language_model.model." {
+            "language_model.lm_head.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let lm_head_w = if ck.contains(head) || !c.tie_word_embeddings {
+            Some(ck.get(head, &[c.vocab_size, h])?)
         } else {
             None
         };
@@ -376,7 +382,13 @@ fn load_split<B: Kernels>(
     let g =
         Gemma4Config::from_value(&path, text)
             .map_err(|e| if wrapped { e.under("text_config") } else { e })?;
-    let prefix = if wrapped { "model.language_model." } else { "model." };
+    // transformers saves the multimodal model's text decoder under `model.language_model.`;
+    // mlx-lm and mlx-vlm under `language_model.model.`.
+    let prefix = match wrapped {
+        false => "model.",
+        true if ck.contains("language_model.model.embed_tokens.weight") => "language_model.model.",
+        true => "model.language_model.",
+    };
     if let Some(s) = &shard {
         let mut sizes = vec![
             ("num_attention_heads".into(), config.num_attention_heads),
@@ -392,10 +404,7 @@ fn load_split<B: Kernels>(
         check_split::<String>(s.ranks, &sizes)?;
     }
     if wrapped {
-        let towers = ck.names_with_prefix("model.vision_tower.").count()
-            + ck.names_with_prefix("model.audio_tower.").count()
-            + ck.names_with_prefix("model.embed_vision.").count()
-            + ck.names_with_prefix("model.embed_audio.").count();
+        let towers = ck.names_with_prefix("").filter(|n| crate::accounting::other_modality(n)).count();
         tracing::info!(
             "{}: loading the text decoder of a multimodal Gemma 4; its vision and audio towers ({towers} tensors) are not loaded (text only)",
             ck.dir().display()

@@ -7,6 +7,7 @@
 //! result never depends on which other tokens share its experts.
 
 use mtp_base::error::{Error, Result};
+use mtp_base::weights::Weight;
 use mtp_base::Checkpoint;
 use mtp_kernels::{Kernels, Out};
 
@@ -71,20 +72,34 @@ impl<B: Kernels> MoeBlock<B> {
         let (e, i) = (moe.experts, moe.intermediate);
         // A rank's part of an expert's intermediate columns (of `i`).
         let part = shard.map_or(0..i, |s| s.even(i));
-        let cols = |w: mtp_base::weights::Weight| -> Result<mtp_base::weights::Weight> {
+        let cols = |w: Weight| -> Result<Weight> {
             w.slice_cols(part.clone()).map_err(|err| Error::Backend(format!("{p}.experts.down_proj: {err}")))
         };
         let norm =
             |name: &str, n: usize| -> Result<B::Vec> { be.vector(&ck.get_f32(&format!("{p}.{name}"), n)?) };
-        let gate_up = format!("{p}.experts.gate_up_proj");
-        let down = format!("{p}.experts.down_proj");
+        let slice = |w: &Weight, rows: std::ops::Range<usize>, name: &str| {
+            w.slice_rows(rows).map_err(|err| Error::Backend(format!("{p}.experts.{name}: {err}")))
+        };
+        // transformers fuses gate and up (`experts.gate_up_proj`, `[e, 2i, h]`: each
+        // expert's gate rows, then its up rows); mlx-lm splits them
+        // (`experts.switch_glu.{gate,up,down}_proj.weight`, quantized or not).
+        let mlx = format!("{p}.experts.switch_glu");
+        let (gate_w, up_w, stride, up_at, down_w) = if ck.contains(&format!("{mlx}.gate_proj.weight")) {
+            let get = |name: &str, shape| ck.get_stacked(&format!("{mlx}.{name}.weight"), shape);
+            (get("gate_proj", [e, i, h])?, get("up_proj", [e, i, h])?, i, 0, get("down_proj", [e, h, i])?)
+        } else {
+            let fused = ck.get_stacked(&format!("{p}.experts.gate_up_proj"), [e, 2 * i, h])?;
+            let down = ck.get_stacked(&format!("{p}.experts.down_proj"), [e, h, i])?;
+            (fused.clone(), fused, 2 * i, i, down)
+        };
+        // Expert x's rows (of this rank's part) in a stacked gate or up tensor.
+        let rows = |x: usize, at: usize| x * stride + at + part.start..x * stride + at + part.end;
         let experts = (0..e)
             .map(|x| {
-                let (gate, up) = (part.clone(), i + part.start..i + part.end);
                 Ok(Expert {
-                    gate: Proj::from_weight(be, &ck.get_expert(&gate_up, [e, 2 * i, h], x, gate)?)?,
-                    up: Proj::from_weight(be, &ck.get_expert(&gate_up, [e, 2 * i, h], x, up)?)?,
-                    down: Proj::from_weight(be, &cols(ck.get_expert(&down, [e, h, i], x, 0..h)?)?)?,
+                    gate: Proj::from_weight(be, &slice(&gate_w, rows(x, 0), "gate")?)?,
+                    up: Proj::from_weight(be, &slice(&up_w, rows(x, up_at), "up")?)?,
+                    down: Proj::from_weight(be, &cols(slice(&down_w, x * h..(x + 1) * h, "down")?)?)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
