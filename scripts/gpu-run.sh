@@ -450,7 +450,8 @@ if [ "$what" = profile ]; then
     for shape in ${PROFILE_SHAPES:-qwen3=2800=1 qwen3-8b=3600=1 qwen3-8b=7200=8}; do
         like=${shape%%=*}; rest=${shape#*=}; launches=${rest%=*}; batch=${rest#*=}
         dir=/tmp/profile-$like
-        [ -d $dir ] || "$bin/mtp" synth --like $like --out $dir > /dev/null
+        # PROFILE_SYNTH: more `mtp synth` flags (`--q-bits 4`: an MLX 4-bit checkpoint).
+        [ -d $dir ] || "$bin/mtp" synth --like $like ${PROFILE_SYNTH:-} --out $dir > /dev/null
         echo "== $like B=$batch" | tee -a "$OUT/profile.log"
         python3 -c "
 import json

@@ -31,6 +31,7 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 // Weight readers: a pointer (or, quantized, pointers and a layout) and how to widen
 // element i (flat, row-major) or 8 consecutive elements from an 8-aligned index to f32.
 struct F32W {
+    static constexpr bool packed = false;
     typedef float T;
     const float* p;
     __device__ float get(long long i) const { return p[i]; }
@@ -53,17 +54,31 @@ __device__ __forceinline__ void widen8(const u16* p, long long i, float* o) {
     }
 }
 struct Bf16W {
+    static constexpr bool packed = false;
     typedef u16 T;
     const u16* p;
     __device__ float get(long long i) const { return bf16_to_f32(p[i]); }
     __device__ void get8(long long i, float* o) const { widen8<bf16_to_f32>(p, i, o); }
 };
 struct F16W {
+    static constexpr bool packed = false;
     typedef u16 T;
     const u16* p;
     __device__ float get(long long i) const { return f16_to_f32(p[i]); }
     __device__ void get8(long long i, float* o) const { widen8<f16_to_f32>(p, i, o); }
 };
+// Values i .. i + 7 of w, zero from `left` on: the last chunk of a K that 8 does not divide.
+// Out of line, so this rare path does not take the vector path's registers.
+struct F8 {
+    float v[8];
+};
+template <class W>
+__device__ __noinline__ F8 tail8(const W w, long long i, int left) {
+    F8 t;
+#pragma unroll
+    for (int j = 0; j < 8; j++) t.v[j] = j < left ? w.get(i + j) : 0.0f;
+    return t;
+}
 // The 16 FP4 (E2M1) values of mxfp4: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 __constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -73,21 +88,51 @@ __constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
 // biases): scale[g] * e2m1(q), exact (the scale is a power of two).
 template <int BITS>
 struct QW {
+    static constexpr bool packed = true;
     const u32* q;
     const float* scale;
     const float* bias;
     int group;
+    // log2(group) when it is a power of two (every size mlx writes), else -1: a shift in
+    // place of a 64-bit division per lookup.
+    int group_shift;
+    // The one way to make a QW (group_shift derived, never left to a default).
+    static __device__ QW of(const u32* q, const float* scale, const float* bias, int group) {
+        return QW{q, scale, bias, group, (group & (group - 1)) == 0 ? __ffs(group) - 1 : -1};
+    }
+    __device__ long long group_of(long long i) const { return group_shift >= 0 ? i >> group_shift : i / group; }
     __device__ float get(long long i) const {
         const int per = 32 / BITS;
         const u32 w = q[i / per];
         const u32 code = (w >> ((int)(i % per) * BITS)) & ((1u << BITS) - 1u);
-        const long long g = i / group;
+        const long long g = group_of(i);
         if (bias == nullptr) return __fmul_rn(scale[g], E2M1[code & 15u]);
         return __fadd_rn(__fmul_rn(scale[g], (float)code), bias[g]);
     }
+    // Values i .. i + 7 (i a multiple of 8): the same bits as eight get()s, with one group
+    // lookup and the packed words read once (a group of 8k values holds all eight).
     __device__ void get8(long long i, float* o) const {
+        if ((group & 7) != 0) {
+            const F8 t = tail8(*this, i, 8);
 #pragma unroll
-        for (int j = 0; j < 8; j++) o[j] = get(i + j);
+            for (int j = 0; j < 8; j++) o[j] = t.v[j];
+            return;
+        }
+        const long long g = group_of(i);
+        const float s = scale[g];
+        const float b = bias == nullptr ? 0.0f : bias[g];
+        // 8 values are a quarter word (2-bit: at bit 0 or 16), one word, or two words.
+        const u32* at = q + (i * BITS >> 5);
+        const int shift = BITS == 2 ? (int)(i & 15) * 2 : 0;
+        u32 words[BITS == 8 ? 2 : 1];
+#pragma unroll
+        for (int w = 0; w < (BITS == 8 ? 2 : 1); w++) words[w] = at[w];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int bit = shift + j * BITS;
+            const u32 code = (words[BITS == 8 ? j / 4 : 0] >> (bit & 31)) & ((1u << BITS) - 1u);
+            o[j] = bias == nullptr ? __fmul_rn(s, E2M1[code & 15u]) : __fadd_rn(__fmul_rn(s, (float)code), b);
+        }
     }
 };
 
@@ -118,6 +163,7 @@ __device__ __forceinline__ float warp_max(float v) {
 #define NC 4
 #define KWARPS 8
 
+
 template <class W, int MB>
 __device__ void linear_impl(const float* __restrict__ x, int m, int k, const W w,
                             int n, const float* __restrict__ bias, float* __restrict__ out, int accumulate) {
@@ -141,6 +187,10 @@ __device__ void linear_impl(const float* __restrict__ x, int m, int k, const W w
                 const long long at = (long long)col * k + kb;
                 if (vec) {
                     w.get8(at, wv[c]);
+                } else if constexpr (W::packed) {
+                    const F8 t = tail8(w, at, k - kb);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) wv[c][j] = t.v[j];
                 } else {
 #pragma unroll
                     for (int j = 0; j < 8; j++) wv[c][j] = kb + j < k ? w.get(at + j) : 0.0f;
@@ -210,7 +260,7 @@ LINEAR(linear_f16_16, F16W, u16, 16)
     extern "C" __global__ void NAME(const float* x, int m, int k, const u32* q, const float* scale,        \
                                     const float* qbias, int group, int n, const float* bias, float* out,   \
                                     int accumulate) {                                                     \
-        linear_impl<QW<BITS>, MB>(x, m, k, QW<BITS>{q, scale, qbias, group}, n, bias, out, accumulate);   \
+        linear_impl<QW<BITS>, MB>(x, m, k, QW<BITS>::of(q, scale, qbias, group), n, bias, out, accumulate); \
     }
 LINEAR_Q(linear_q2_4, 2, 4)
 LINEAR_Q(linear_q2_8, 2, 8)
@@ -683,7 +733,7 @@ extern "C" __global__ void embed_f16(const u16* t, const u32* tok, int cols, flo
 #define EMBED_Q(NAME, BITS)                                                                               \
     extern "C" __global__ void NAME(const u32* q, const float* scale, const float* qbias, int group,       \
                                     const u32* tok, int cols, float* out) {                               \
-        embed_impl<QW<BITS>>(QW<BITS>{q, scale, qbias, group}, tok, cols, out);                           \
+        embed_impl<QW<BITS>>(QW<BITS>::of(q, scale, qbias, group), tok, cols, out);                           \
     }
 EMBED_Q(embed_q2, 2)
 EMBED_Q(embed_q4, 4)
