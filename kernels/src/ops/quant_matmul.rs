@@ -113,11 +113,13 @@ pub unsafe fn tile_quant<S: Simd16, const MR: usize, const NR: usize, const BITS
     let mut bsum = [[0.0f32; NR]; MR];
     let chunk_bytes = PAIR_CHUNK * BITS / 8;
     for g in 0..q.groups {
+        // 4-bit: the group's `scale * q` table (or the scale, per path); 8-bit: the scale.
         let mut scale = [S::zero(); NR];
         let mut bias = [0.0f32; NR];
         for j in 0..NR {
             let at = (n + j) * q.groups + g;
-            scale[j] = S::splat(q.scale_dtype.read(q.scales, at));
+            let s = q.scale_dtype.read(q.scales, at);
+            scale[j] = if BITS == 4 { S::q4_table(s) } else { S::splat(s) };
             bias[j] = q.bias_dtype.read(q.biases, at);
         }
         let mut i = g * q.group;
@@ -127,9 +129,12 @@ pub unsafe fn tile_quant<S: Simd16, const MR: usize, const NR: usize, const BITS
             for j in 0..NR {
                 let p = q.packed.add((n + j) * q.row_bytes + i / PAIR_CHUNK * chunk_bytes);
                 S::prefetch(p.wrapping_add(NR * q.row_bytes));
-                let (e, o) = if BITS == 4 { S::load_q4_pairs(p) } else { S::load_q8_pairs(p) };
-                even[j] = S::mul(scale[j], e);
-                odd[j] = S::mul(scale[j], o);
+                (even[j], odd[j]) = if BITS == 4 {
+                    S::load_q4_scaled(p, scale[j])
+                } else {
+                    let (e, o) = S::load_q8_pairs(p);
+                    (S::mul(scale[j], e), S::mul(scale[j], o))
+                };
             }
             for (r, row) in acc.iter_mut().enumerate() {
                 let xe = S::load(x.add(r * k + i));

@@ -50,6 +50,24 @@ pub trait Simd16: Copy {
     /// # Safety
     /// `p` must point to 32 readable bytes.
     unsafe fn load_q8_pairs(p: *const u8) -> (Self::V, Self::V);
+    /// What [`Simd16::load_q4_scaled`] takes for one group's `scale`: where the path has a
+    /// lane permute, the 16 products `scale * q` (q = 0..15, each rounded once), a lookup
+    /// table; else `scale` in every lane.
+    #[inline(always)]
+    fn q4_table(scale: f32) -> Self::V {
+        Self::splat(scale)
+    }
+    /// 32 MLX 4-bit values at `p` times their group's scale (`table` from
+    /// [`Simd16::q4_table`]): (even, odd) as [`Simd16::load_q4_pairs`] orders them, each lane
+    /// `scale * q` rounded once, the bits of `mul(splat(scale), q)` on every path.
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable bytes.
+    #[inline(always)]
+    unsafe fn load_q4_scaled(p: *const u8, table: Self::V) -> (Self::V, Self::V) {
+        let (even, odd) = Self::load_q4_pairs(p);
+        (Self::mul(table, even), Self::mul(table, odd))
+    }
     /// Every lane `v`.
     fn splat(v: f32) -> Self::V;
     /// `a * b`, rounded.
@@ -186,6 +204,22 @@ mod x86 {
             let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
             let low = _mm512_and_si512(b, _mm512_set1_epi32(15));
             (_mm512_cvtepi32_ps(low), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)))
+        }
+        #[inline(always)]
+        fn q4_table(scale: f32) -> __m512 {
+            unsafe {
+                let codes = _mm512_setr_ps(
+                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+                );
+                _mm512_mul_ps(_mm512_set1_ps(scale), codes)
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_q4_scaled(p: *const u8, table: __m512) -> (__m512, __m512) {
+            // vpermps reads the low 4 bits of each index: a byte's low nibble as it is, its
+            // high nibble after the shift.
+            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            (_mm512_permutexvar_ps(b, table), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table))
         }
         #[inline(always)]
         unsafe fn load_q8_pairs(p: *const u8) -> (__m512, __m512) {
