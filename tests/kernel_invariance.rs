@@ -212,6 +212,38 @@ fn attention_never_reads_past_its_position() {
     }
 }
 
+/// Query heads sharing a KV head computed together (`attend_heads`: each K/V row read once
+/// for up to four heads) give each head the bits it has alone, for 1 to 9 heads (blocks of
+/// 4, 3, 2 and 1), both KV heads, full and sliding ranges. Control: the same heads with
+/// their KV offsets swapped differ, so the comparison sees which keys a head read.
+#[test]
+fn grouped_query_heads_have_the_bits_of_each_head_alone() {
+    use mtp::kernels::ops::{attend_from, attend_heads};
+    let mut rng = Lcg(9);
+    let (hd, kvh) = (64, 2);
+    let kvd = hd * kvh;
+    let n_keys = 77;
+    let keys = rng.vec(n_keys * kvd);
+    let values = rng.vec(n_keys * kvd);
+    let view = KvView::contiguous(&keys, &values, kvd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    for g in 1..=9 {
+        let q = rng.vec(g * hd);
+        for (kv_head, first) in [(0, 0), (1, 0), (1, 40)] {
+            let mut together = vec![0.0; g * hd];
+            attend_heads(&q, hd, &view, first, n_keys, kv_head * hd, scale, &mut together);
+            let mut alone = vec![0.0; g * hd];
+            for (qh, o) in q.chunks(hd).zip(alone.chunks_mut(hd)) {
+                attend_from(qh, &view, first, n_keys, kv_head * hd, scale, o);
+            }
+            assert_eq!(bits(&together), bits(&alone), "{g} heads, KV head {kv_head}, keys from {first}");
+            let mut other = vec![0.0; g * hd];
+            attend_heads(&q, hd, &view, first, n_keys, (1 - kv_head) * hd, scale, &mut other);
+            assert_ne!(bits(&other), bits(&alone), "control: {g} heads, KV head {kv_head}");
+        }
+    }
+}
+
 /// Negative control: stock attention (matmul, masked softmax, matmul) over a zero-padded
 /// key length gives different bits for the same query as the unpadded length.
 #[test]

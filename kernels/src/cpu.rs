@@ -10,7 +10,7 @@ use mtp_base::error::{Error, Result};
 use mtp_base::weights::{Weight, WeightDtype};
 
 use crate::ops::{
-    attend_from, gelu_tanh_mul, linear, linear_bf16, rms_norm, rms_norm_inplace, swiglu, RopeTable,
+    attend_heads, gelu_tanh_mul, linear, linear_bf16, rms_norm, rms_norm_inplace, swiglu, RopeTable,
 };
 use crate::{
     held_keys, open_windows, Activations, AssistantKernels, Backend, Heads, Kernels, KeyRange, KvDtype, Out,
@@ -278,11 +278,13 @@ impl Kernels for Cpu {
             .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;
-        // One task per (token, head): a single decode token still uses every core.
-        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
-            let (s, head) = (&slots[i / nh], i % nh);
+        // One task per (token, KV head), its query heads together (each K/V row read once
+        // for them): a single decode token still uses every core.
+        let g = nh / nkv;
+        out.par_chunks_mut(g * hd).zip(q.par_chunks(g * hd)).enumerate().for_each(|(i, (o, qs))| {
+            let (s, kv_head) = (&slots[i / nkv], i % nkv);
             let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
-            attend_from(qh, &views[s.row], first, s.pos + 1, (head / (nh / nkv)) * hd, scale, o);
+            attend_heads(qs, hd, &views[s.row], first, s.pos + 1, kv_head * hd, scale, o);
         });
         Ok(())
     }
@@ -393,9 +395,10 @@ impl AssistantKernels for Cpu {
             let map = held_keys(c, r, plane, *k)?;
             views.push(view(c, r, plane, map)?);
         }
-        out.par_chunks_mut(hd).zip(q.par_chunks(hd)).enumerate().for_each(|(i, (o, qh))| {
-            let (r, head) = (i / nh, i % nh);
-            attend_from(qh, &views[r], keys[r].first, keys[r].end, (head / (nh / nkv)) * hd, scale, o);
+        let g = nh / nkv;
+        out.par_chunks_mut(g * hd).zip(q.par_chunks(g * hd)).enumerate().for_each(|(i, (o, qs))| {
+            let (r, kv_head) = (i / nkv, i % nkv);
+            attend_heads(qs, hd, &views[r], keys[r].first, keys[r].end, kv_head * hd, scale, o);
         });
         Ok(())
     }

@@ -30,23 +30,47 @@ pub fn attend_from(
     scale: f32,
     out: &mut [f32],
 ) {
+    attend_heads(q, q.len(), kv, first, n_keys, kv_off, scale, out)
+}
+
+/// The query heads in `q` (`q.len() / head_dim` of them, heads of one KV head: grouped
+/// query attention) against the same keys, each with exactly the bits [`attend_from`]
+/// gives it alone: every K and V row is read once for up to four heads, whose scores are
+/// the rows of one canonical tile (a row's dot does not depend on the other rows).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads(
+    q: &[f32],
+    head_dim: usize,
+    kv: &KvView,
+    first: usize,
+    n_keys: usize,
+    kv_off: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    assert!(head_dim > 0 && q.len().is_multiple_of(head_dim), "attend: {} query values", q.len());
+    assert_eq!(out.len(), q.len());
     // One body, compiled for each ISA: the scores are canonical dot products (the same
     // bits on every path) and the rest is element-wise, so wider vectors change no bit.
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were detected.
-        super::simd::Isa::Avx512 => unsafe { attend_avx512(q, kv, first, n_keys, kv_off, scale, out) },
+        super::simd::Isa::Avx512 => unsafe {
+            attend_avx512(q, head_dim, kv, first, n_keys, kv_off, scale, out)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the features were detected.
-        super::simd::Isa::Avx2 => unsafe { attend_avx2(q, kv, first, n_keys, kv_off, scale, out) },
-        _ => attend_with::<Portable>(q, kv, first, n_keys, kv_off, scale, out),
+        super::simd::Isa::Avx2 => unsafe { attend_avx2(q, head_dim, kv, first, n_keys, kv_off, scale, out) },
+        _ => attend_with::<Portable>(q, head_dim, kv, first, n_keys, kv_off, scale, out),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn attend_avx512(
     q: &[f32],
+    hd: usize,
     kv: &KvView,
     first: usize,
     n_keys: usize,
@@ -54,13 +78,15 @@ unsafe fn attend_avx512(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_with::<super::simd::Avx512>(q, kv, first, n_keys, kv_off, scale, out)
+    attend_with::<super::simd::Avx512>(q, hd, kv, first, n_keys, kv_off, scale, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn attend_avx2(
     q: &[f32],
+    hd: usize,
     kv: &KvView,
     first: usize,
     n_keys: usize,
@@ -68,12 +94,16 @@ unsafe fn attend_avx2(
     scale: f32,
     out: &mut [f32],
 ) {
-    attend_with::<super::simd::Avx2>(q, kv, first, n_keys, kv_off, scale, out)
+    attend_with::<super::simd::Avx2>(q, hd, kv, first, n_keys, kv_off, scale, out)
 }
 
+/// The heads in blocks of up to four (a `match`, not a closure: a closure would not inherit
+/// the caller's target features).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn attend_with<S: Simd16>(
     q: &[f32],
+    hd: usize,
     kv: &KvView,
     first: usize,
     n_keys: usize,
@@ -81,51 +111,92 @@ fn attend_with<S: Simd16>(
     scale: f32,
     out: &mut [f32],
 ) {
-    let hd = q.len();
     assert!(
         first < n_keys && kv.len() >= n_keys,
         "attend: keys [{first}, {n_keys}) wanted, {} readable",
         kv.len()
     );
-    assert_eq!(out.len(), hd);
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0.0f32;
+    for (q, out) in q.chunks(4 * hd).zip(out.chunks_mut(4 * hd)) {
+        match q.len() / hd {
+            4 => attend_block::<S, 4>(q, hd, kv, first, n_keys, kv_off, scale, out),
+            3 => attend_block::<S, 3>(q, hd, kv, first, n_keys, kv_off, scale, out),
+            2 => attend_block::<S, 2>(q, hd, kv, first, n_keys, kv_off, scale, out),
+            _ => attend_block::<S, 1>(q, hd, kv, first, n_keys, kv_off, scale, out),
+        }
+    }
+}
+
+/// `B` heads (`q`: `[B][hd]`, `out` likewise), each with its own online softmax: per head,
+/// chunk by chunk, the scores, the running maximum and rescale, then `l += p` and
+/// `out += p * v` in key order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_block<S: Simd16, const B: usize>(
+    q: &[f32],
+    hd: usize,
+    kv: &KvView,
+    first: usize,
+    n_keys: usize,
+    kv_off: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let mut m = [f32::NEG_INFINITY; B];
+    let mut l = [0.0f32; B];
     out.fill(0.0);
-    let mut scores = [0.0f32; CHUNK];
+    let mut scores = [[0.0f32; CHUNK]; B];
     // Where a quantized cache dequantizes one head's K or V (a plain one lends slices).
     let mut buf = if kv.is_quantized() { vec![0.0f32; hd] } else { Vec::new() };
     for chunk in (first / CHUNK)..n_keys.div_ceil(CHUNK) {
         let (c0, c1) = ((chunk * CHUNK).max(first), ((chunk + 1) * CHUNK).min(n_keys));
-        let s = &mut scores[..c1 - c0];
-        for (j, sj) in s.iter_mut().enumerate() {
+        let n = c1 - c0;
+        for j in 0..n {
             let key = kv.key(c0 + j, kv_off, hd, &mut buf);
-            let mut dot = 0.0f32;
-            // SAFETY: `key` holds hd f32, one output (the canonical dot of `simd::dot_f32`).
+            let mut dots = [0.0f32; B];
+            // SAFETY: `q` holds B rows of hd f32 and `key` hd f32; B outputs, one per row
+            // (each the canonical dot of `simd::dot_f32`).
             unsafe {
-                tile::<S, 1, 1>(q.as_ptr(), hd, key.as_ptr() as *const u8, WeightDtype::F32, 0, &mut dot, 0)
+                tile::<S, B, 1>(
+                    q.as_ptr(),
+                    hd,
+                    key.as_ptr() as *const u8,
+                    WeightDtype::F32,
+                    0,
+                    dots.as_mut_ptr(),
+                    1,
+                )
             };
-            *sj = dot * scale;
-        }
-        let cm = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let m_new = m.max(cm);
-        if m_new > m {
-            let alpha = (m - m_new).exp();
-            l *= alpha;
-            for o in out.iter_mut() {
-                *o *= alpha;
+            for (row, dot) in scores.iter_mut().zip(dots) {
+                row[j] = dot * scale;
             }
-            m = m_new;
         }
-        for (j, &sj) in s.iter().enumerate() {
-            let p = (sj - m).exp();
-            l += p;
-            for (o, &vv) in out.iter_mut().zip(kv.value(c0 + j, kv_off, hd, &mut buf)) {
-                *o += p * vv;
+        for b in 0..B {
+            let cm = scores[b][..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m_new = m[b].max(cm);
+            if m_new > m[b] {
+                let alpha = (m[b] - m_new).exp();
+                l[b] *= alpha;
+                for o in out[b * hd..(b + 1) * hd].iter_mut() {
+                    *o *= alpha;
+                }
+                m[b] = m_new;
+            }
+        }
+        for j in 0..n {
+            let v = kv.value(c0 + j, kv_off, hd, &mut buf);
+            for (((row, o), mb), lb) in scores.iter().zip(out.chunks_mut(hd)).zip(m).zip(l.iter_mut()) {
+                let p = (row[j] - mb).exp();
+                *lb += p;
+                for (o, &vv) in o.iter_mut().zip(v) {
+                    *o += p * vv;
+                }
             }
         }
     }
-    let inv = 1.0 / l;
-    for o in out.iter_mut() {
-        *o *= inv;
+    for b in 0..B {
+        let inv = 1.0 / l[b];
+        for o in out[b * hd..(b + 1) * hd].iter_mut() {
+            *o *= inv;
+        }
     }
 }
