@@ -51,7 +51,8 @@
 #          with an `ab REV` bundle beside the base's).
 #   quant: MLX-quantized weights against bf16 on the Qwen3-8B shape (`mtp synth --q-bits`,
 #          4 and 8 bits in groups of 64): plain and oracle:1.0 k=4 decode at batch 1 and 8,
-#          the three checkpoints alternated twice (a `cli` bundle suffices).
+#          and a 2,048-token prefill, the checkpoints alternated twice, the 4-bit one also
+#          with --activations f32 (a `cli` bundle suffices).
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
@@ -154,12 +155,28 @@ if [ "$what" = quant ]; then
         "$bin/mtp" synth --like qwen3-8b "${flags[@]}" --out /tmp/qwen3-8b-$q > /dev/null || status=1
         du -sh /tmp/qwen3-8b-$q | tee -a "$qlog"
     done
+    # `4:f32`: the 4-bit checkpoint with --activations f32 (the CUDA-core quantized matmul),
+    # the tensor-core path's baseline in the same run.
     for round in 1 2; do
-        for q in bf16 4 8; do
+        for q in bf16 4 8 4:f32; do
+            dir=${q%%:*}; act=auto; [ "$q" = "$dir" ] || act=${q#*:}
             echo "== qwen3-8b $q (round $round)" | tee -a "$qlog"
-            "$bin/mtp-bench" --target /tmp/qwen3-8b-$q --backend cuda --drafters oracle:1.0 --k 4 --batch 1,8 \
-                --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 --prompt-tokens 32 --max-tokens 64 \
-                --repeats 1 2>&1 | tee -a "$qlog"
+            "$bin/mtp-bench" --target /tmp/qwen3-8b-$dir --backend cuda --activations $act --drafters oracle:1.0 \
+                --k 4 --batch 1,8 --temperatures 0 --prompts-dir "$root/training" --num-prompts 8 \
+                --prompt-tokens 32 --max-tokens 64 --repeats 1 2>&1 | tee -a "$qlog"
+        done
+    done
+    # Prefill of a 2,048-token prompt (first token only), twice each.
+    python3 -c "
+import json
+print(json.dumps({'id': 'p0', 'prompt_ids': [3 + i % 1000 for i in range(2048)]}))" > /tmp/p2048.jsonl
+    for round in 1 2; do
+        for q in bf16 4 8 4:f32; do
+            dir=${q%%:*}; act=auto; [ "$q" = "$dir" ] || act=${q#*:}
+            s=$("$bin/mtp" generate --target /tmp/qwen3-8b-$dir --backend cuda --activations $act --drafter none \
+                --max-batch 1 --prompts /tmp/p2048.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
+                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
+            echo "qwen3-8b $q: prefill 2048 tokens, round $round: $s s" | tee -a "$qlog"
         done
     done
     rm -rf /tmp/qwen3-8b-bf16 /tmp/qwen3-8b-4 /tmp/qwen3-8b-8

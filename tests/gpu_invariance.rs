@@ -11,8 +11,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::invariance::{
-    attention_batch_invariant_and_control, last_logits, logits_vs_cpu, rows_invariant_and_control, weight,
-    with_split_attention_control,
+    attention_batch_invariant_and_control, last_logits, logits_vs_cpu, quantized_weight,
+    rows_invariant_and_control, weight, with_split_attention_control,
 };
 use common::{bits, fixture, trained, Lcg};
 use mtp::base::config::Config;
@@ -49,6 +49,83 @@ fn rows_do_not_depend_on_m(cuda: &Cuda, mode: Activations) {
             !stock,
             "{n}x{k}: cuBLAS gave every M the same bits: the check cannot see shape-dependent kernels"
         );
+    }
+}
+
+/// MLX 4- and 8-bit weights with bf16 scales: on the tensor cores in bf16 mode
+/// (`linear_tcq`, passes of 8 to 64 tokens), on the CUDA cores in f32 mode, each row's bits
+/// are the same at every M, on shapes with several passes, partial 16-column blocks, a
+/// partial last chunk (K = 1056) and idle warps (K < 1024), each group size. Control:
+/// cuBLAS over the dequantized weights must vary with M.
+#[test]
+fn quantized_rows_do_not_depend_on_m_in_either_mode() {
+    let mut rng = Lcg(29);
+    let ms = [1, 2, 3, 8, 9, 17, 33, 64, 65, 100, 129];
+    for (n, k, bits, group) in
+        [(4096, 4096, 4, 64), (200, 1056, 8, 32), (100, 640, 4, 128), (300, 2048, 8, 64)]
+    {
+        let w = quantized_weight(&mut rng, n, k, bits, group);
+        let x = rng.vec(129 * k);
+        for mode in MODES {
+            let cuda = Cuda::shared_with(mode).unwrap();
+            assert_eq!(
+                cuda.activations_for(&w),
+                mode,
+                "{n}x{k} {bits}-bit g{group}: the path of {mode:?} mode"
+            );
+            let (ours, stock) = rows_invariant_and_control(&*cuda, &w, &x, &ms);
+            assert!(ours, "{n}x{k} {bits}-bit g{group}, {mode:?}: a row's bits depend on M");
+            assert!(!stock, "{n}x{k} {bits}-bit g{group}: cuBLAS gave every M the same bits");
+        }
+    }
+}
+
+/// The quantized tensor-core matmul computes, per group, scale * sum(bf16(x) q) + bias *
+/// sum(bf16(x)): within f32 accumulation error of that sum in f64 and far from the f64 sum
+/// of x (scale q + bias); the f32 mode the other way round. Wrongly paired codes or
+/// activations, a lost bias or an unrounded activation fail it.
+#[test]
+fn quantized_modes_compute_their_own_functions() {
+    let mut rng = Lcg(31);
+    let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
+    for (n, k, bits, group) in [(200, 1056, 8, 32), (300, 2048, 4, 64), (64, 1024, 4, 128)] {
+        let w = quantized_weight(&mut rng, n, k, bits, group);
+        let wf = w.to_f32();
+        for m in [1, 40, 129] {
+            let x = rng.vec(m * k);
+            // Per output: (f64 sum of bf16(x) w, of x w, of |x w|); w = scale q + bias is
+            // exact in f64 either way.
+            let refs: Vec<(f64, f64, f64)> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    let (xr, wr) = (&x[r * k..(r + 1) * k], &wf[c * k..(c + 1) * k]);
+                    xr.iter().zip(wr).fold((0.0, 0.0, 0.0), |(a, b, s), (&xv, &wv)| {
+                        let wv = wv as f64;
+                        (a + round(xv) * wv, b + xv as f64 * wv, s + (xv as f64 * wv).abs())
+                    })
+                })
+                .collect();
+            for mode in MODES {
+                let cuda = Cuda::shared_with(mode).unwrap();
+                let mat = cuda.matrix(&w).unwrap();
+                let got = common::invariance::product(&*cuda, &mat, n, &x, m);
+                let worst = |f: fn(&(f64, f64, f64)) -> f64| {
+                    got.iter()
+                        .zip(&refs)
+                        .map(|(&g, r)| (g as f64 - f(r)).abs() / r.2.max(1e-30))
+                        .fold(0.0, f64::max)
+                };
+                let (to_rounded, to_exact) = (worst(|r| r.0), worst(|r| r.1));
+                println!("{n}x{k} {bits}-bit g{group}, M={m}, {mode:?}: {to_rounded:e} from bf16(x) w, {to_exact:e} from x w");
+                let (near, far) =
+                    if mode == Activations::Bf16 { (to_rounded, to_exact) } else { (to_exact, to_rounded) };
+                assert!(near < 2e-5, "{n}x{k} {bits}-bit, M={m}, {mode:?}: {near:e} off its own function");
+                assert!(
+                    far > 4.0 * near,
+                    "{n}x{k} {bits}-bit, M={m}, {mode:?}: cannot tell the modes apart ({far:e})"
+                );
+            }
+        }
     }
 }
 

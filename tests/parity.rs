@@ -18,7 +18,7 @@ use mtp::drafter::{DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout,
 };
-use mtp::kernels::{Backend, KvDtype, Numerics};
+use mtp::kernels::{Activations, Backend, KvDtype, Numerics};
 use mtp::model::{Model, MtpLayout};
 use mtp::synth::SynthSpec;
 
@@ -354,6 +354,32 @@ fn gate_trained_family_4bit_target_8bit_kv() {
         kv,
     );
     gate_on(&t, "trained-q4g64");
+}
+
+/// MLX 4- and 8-bit targets with their scales and biases in bf16, as mlx-lm writes a bf16
+/// model's: on CUDA in bf16 mode (the default) their matmuls take the tensor cores
+/// (`linear_tcq`), elsewhere the f32 path; the gate holds on each.
+#[test]
+fn gate_qwen3_bf16_scales() {
+    for name in ["qwen3-q4g32", "qwen3-q8g64"] {
+        let dir = common::with_bf16_scales(&mlx(name), &format!("parity-{name}-bf16-scales"));
+        let t = Target::quantized("qb", &dir, &fixture("qwen3-draft"), None, false, KvDtype::Auto);
+        // The model reports its embedding's path; qwen3-q8g64's embedding (K = 96, not a
+        // multiple of its group) stays unquantized, its down projections take the tensor cores.
+        let embedding_quantized = name == "qwen3-q4g32";
+        if embedding_quantized
+            && common::backend() == Backend::Cuda
+            && common::test_activations() != Activations::F32
+        {
+            assert_eq!(
+                t.model.numerics().activations,
+                Activations::Bf16,
+                "{name}: bf16-scaled weights should take CUDA's tensor cores"
+            );
+        }
+        gate_on(&t, &format!("{name}, bf16 scales"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
 
 #[test]

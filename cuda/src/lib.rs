@@ -78,6 +78,42 @@ fn tensor_core_path(w: &CudaMat) -> bool {
     w.quant.is_none() && w.dtype == WeightDtype::Bf16 && w.cols.is_multiple_of(32)
 }
 
+/// Whether a quantized weight takes the tensor-core matmul in bf16 mode (`linear_tcq`):
+/// affine 4- or 8-bit codes in groups of 32, 64 or 128 with bf16 scales and biases (what
+/// `mlx_lm.convert -q` writes for a bf16 model), K a multiple of 32. Decided by the weight
+/// alone, so every M takes the same path.
+fn quant_tensor_cores(w: &Weight) -> bool {
+    w.quant().is_some_and(|q| {
+        matches!(q.bits, 4 | 8)
+            && matches!(q.group, 32 | 64 | 128)
+            && q.scales.dtype == WeightDtype::Bf16
+            && q.biases.as_ref().is_some_and(|b| b.dtype == WeightDtype::Bf16)
+            && w.cols.is_multiple_of(32)
+    })
+}
+
+/// A quantized weight's group words for `linear_tcq`: per (row, group) the scale's bf16
+/// bits low and the bias's high.
+fn group_words(q: &mtp_base::weights::Quant) -> Vec<u32> {
+    let half =
+        |b: &[u8]| -> Vec<u16> { b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect() };
+    let scales = half(q.scales.bytes());
+    let biases = q.biases.as_ref().map(|b| half(b.bytes())).unwrap_or_default();
+    scales.iter().zip(&biases).map(|(&s, &b)| s as u32 | (b as u32) << 16).collect()
+}
+
+/// Whether 1 to 3 weights take one `linear_tcq` launch: each on the quantized tensor-core
+/// path, none empty, one K, bits and group size.
+fn tcq_stackable(parts: &[(&CudaMat, Option<&CudaSlice<f32>>)]) -> bool {
+    let key = |w: &CudaMat| {
+        w.quant.as_ref().filter(|q| q.tensor_cores.is_some()).map(|q| (w.cols, q.bits, q.group))
+    };
+    let first = parts.first().and_then(|(w, _)| key(w));
+    (1..=3).contains(&parts.len())
+        && first.is_some()
+        && parts.iter().all(|(w, _)| w.rows > 0 && key(w) == first)
+}
+
 /// The tensor-core matmul's kernels. Every one sums each output in the same order, so they
 /// give the same bits, and the host's choice by shape ([`TcKernel::for_shape`]) only
 /// changes the speed.
@@ -235,6 +271,23 @@ struct TcParts {
 // SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
 unsafe impl cudarc::driver::DeviceRepr for TcParts {}
 
+/// `TcqParts` in kernels.cu: up to 3 quantized weights of one bits and group size in one
+/// `linear_tcq` launch.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct TcqParts {
+    q: [u64; 3],
+    group_words: [u64; 3],
+    bias: [u64; 3],
+    out: [u64; 3],
+    n: [i32; 3],
+    first_block: [i32; 3],
+    parts: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
+unsafe impl cudarc::driver::DeviceRepr for TcqParts {}
+
 fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
@@ -257,6 +310,10 @@ struct Functions {
     linear: [[CudaFunction; 3]; 3],
     /// MLX-quantized weights by bits (2, 4, 8), then rows per pass.
     linear_q: [[CudaFunction; 3]; 3],
+    /// Quantized weights on tensor cores (bf16 mode), up to 3 a launch: by bits (4, 8),
+    /// then tokens per pass (8, 16, 32, 64); over activations made by `prep_q_acts`.
+    linear_tcq: [[CudaFunction; 4]; 2],
+    prep_q_acts: CudaFunction,
     /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64); the
     /// variants of this instance's [`Activations`] (kernels.cu's `_x1` or `_x3`), as every
     /// tensor-core function below.
@@ -422,6 +479,21 @@ impl Cuda {
                 [get("linear_q4_4")?, get("linear_q4_8")?, get("linear_q4_16")?],
                 [get("linear_q8_4")?, get("linear_q8_8")?, get("linear_q8_16")?],
             ],
+            linear_tcq: [
+                [
+                    get("linear_tcq4_8")?,
+                    get("linear_tcq4_16")?,
+                    get("linear_tcq4_32")?,
+                    get("linear_tcq4_64")?,
+                ],
+                [
+                    get("linear_tcq8_8")?,
+                    get("linear_tcq8_16")?,
+                    get("linear_tcq8_32")?,
+                    get("linear_tcq8_64")?,
+                ],
+            ],
+            prep_q_acts: get("prep_q_acts")?,
             linear_tc: [
                 tc("linear_tc_bf16_8")?,
                 tc("linear_tc_bf16_16")?,
@@ -681,6 +753,66 @@ impl Cuda {
         Ok(split)
     }
 
+    /// `outs[i]` (+)= `x` (M rows) times `parts[i]`'s transpose, for 1 to 3 quantized weights
+    /// of one K, bits and group size on the tensor-core path ([`tcq_stackable`]): the
+    /// activations made once (`prep_q_acts`: bf16 pairs and group sums), then one launch.
+    fn linear_tcq(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+        mode: Out,
+    ) -> Result<()> {
+        let Some((q, k)) = parts.first().and_then(|(w, _)| Some((w.quant.as_ref()?, w.cols))) else {
+            return Ok(());
+        };
+        if m == 0 || !tcq_stackable(parts) || parts.len() != outs.len() {
+            return Err(Error::Backend(
+                "linear_tcq: weights that do not share one tensor-core launch".into(),
+            ));
+        }
+        let s = &self.stream;
+        let groups = k / q.group;
+        // SAFETY: prep_q_acts writes every element of both before the matmul reads them.
+        let xb = unsafe { s.alloc::<u32>(m * k / 2) }.map_err(driver("quantized matmul activations"))?;
+        let xs = unsafe { s.alloc::<f32>(m * groups) }.map_err(driver("quantized matmul activations"))?;
+        let (xp, xbp, xsp) = (ptr(x, s), ptr(&xb, s), ptr(&xs, s));
+        let (mi, ki, gi) = (m as i32, k as i32, q.group as i32);
+        // A warp per token and 256 values of K.
+        let prep_blocks = (m * k.div_ceil(256)).div_ceil(4).clamp(1, 4096) as u32;
+        launch!(
+            self,
+            &self.f.prep_q_acts,
+            (prep_blocks, 1),
+            128,
+            "quantized matmul activations",
+            [xp, mi, ki, gi, xbp, xsp]
+        )?;
+        let mut p = TcqParts { parts: parts.len() as i32, ..TcqParts::default() };
+        let mut blocks = 0;
+        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter()).enumerate() {
+            let words = w.quant.as_ref().and_then(|q| q.tensor_cores.as_ref());
+            p.q[i] = ptr(&w.buf, s);
+            p.group_words[i] = words.map_or(0, |g| ptr(g, s));
+            p.bias[i] = bias.map_or(0, |b| ptr(b, s));
+            p.out[i] = ptr(&**out, s);
+            p.n[i] = w.rows as i32;
+            p.first_block[i] = blocks as i32;
+            blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
+        }
+        // Tokens per pass over the weights: 8, 16, 32, 64 (the same bits for each).
+        let pass = match m {
+            0..=8 => 0,
+            9..=16 => 1,
+            17..=32 => 2,
+            _ => 3,
+        };
+        let f = &self.f.linear_tcq[(q.bits == 8) as usize][pass];
+        let acc = (mode == Out::Add) as i32;
+        launch!(self, f, (blocks as u32, 1), LINEAR_THREADS, "linear", [xbp, xsp, mi, ki, gi, p, acc])
+    }
+
     /// [`Kernels::linear_parts`] (1 to 3 parts, none empty) by one launch of a phase-split
     /// tile over activations already split, then each part's merge: each output as its own
     /// launch of `kernel` would write it.
@@ -889,6 +1021,9 @@ struct CudaQuant {
     biases: Option<CudaSlice<f32>>,
     bits: usize,
     group: usize,
+    /// `linear_tcq`'s group words, where this kernel set's bf16 mode takes the weight on
+    /// tensor cores ([`quant_tensor_cores`]).
+    tensor_cores: Option<CudaSlice<u32>>,
     /// The weight as loaded (host, memory-mapped), for the stock-matmul negative control.
     host: Weight,
 }
@@ -942,6 +1077,13 @@ impl Kernels for Cuda {
         self.activations
     }
 
+    fn activations_for(&self, w: &Weight) -> Activations {
+        match self.activations == Activations::Bf16 && quant_tensor_cores(w) {
+            true => Activations::Bf16,
+            false => self.activations.for_weight(w),
+        }
+    }
+
     fn matrix(&self, w: &Weight) -> Result<CudaMat> {
         let quant = match w.quant() {
             Some(q) => Some(CudaQuant {
@@ -952,6 +1094,10 @@ impl Kernels for Cuda {
                 },
                 bits: q.bits,
                 group: q.group,
+                tensor_cores: match self.activations == Activations::Bf16 && quant_tensor_cores(w) {
+                    true => Some(self.upload_as(&group_words(q), "quantization group words")?),
+                    false => None,
+                },
                 host: w.clone(),
             }),
             None => None,
@@ -1135,6 +1281,9 @@ impl Kernels for Cuda {
             _ => 2,
         };
         if let Some(q) = &w.quant {
+            if q.tensor_cores.is_some() {
+                return self.linear_tcq(x, m, &[(w, bias)], &mut [out], mode);
+            }
             let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
             let f = &self.f.linear_q[bits_index(q.bits)][rows_per_pass];
             return launch!(
@@ -1161,6 +1310,9 @@ impl Kernels for Cuda {
         // where they together take one, else up to 32 tokens the pass kernel); past 32
         // tokens otherwise a tile launch each over activations split once. Else a launch each.
         let k = parts.first().map_or(0, |(w, _)| w.cols);
+        if m > 0 && parts.len() == outs.len() && tcq_stackable(parts) && !negative_control::stock_matmul() {
+            return self.linear_tcq(x, m, parts, outs, Out::Write);
+        }
         let tensor_cores = parts.len() == outs.len()
             && !negative_control::stock_matmul()
             && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k);

@@ -124,7 +124,9 @@ impl KvDtype {
 /// bf16 (nearest even) where it meets a bf16 weight, one tensor-core MMA a product with f32
 /// accumulation, as transformers, vLLM and SGLang compute bf16 models. `F32` keeps f32
 /// activations (CUDA splits each exactly into three bf16 terms: three MMAs a product).
-/// f32, f16 and quantized weights take f32 activations in every mode. Within a mode every
+/// f32 and f16 weights take f32 activations in every mode, and so do quantized weights
+/// except on CUDA, whose bf16 mode takes MLX 4- and 8-bit weights with bf16 scales on the
+/// tensor cores ([`Kernels::activations_for`]). Within a mode every
 /// guarantee holds for every M (batched == alone, speculative == plain, decode ==
 /// prefill); the two modes give different bits, as two backends do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -244,6 +246,12 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     /// (resolved: `F32` or `Bf16`).
     fn activations(&self) -> Activations {
         Activations::F32
+    }
+    /// How this kernel set's matmuls take activations where they meet `w`: by default
+    /// [`Activations::for_weight`] (bf16 only for unquantized bf16 weights); CUDA adds the
+    /// quantized weights its tensor cores take.
+    fn activations_for(&self, w: &Weight) -> Activations {
+        self.activations().for_weight(w)
     }
 
     fn matrix(&self, w: &Weight) -> Result<Self::Mat>;

@@ -1,6 +1,7 @@
 //! Kernel-level invariance checks shared by the GPU and Metal-emulator tests: the same
 //! property, asserted on each backend's kernels.
 
+use mtp::base::weights::Quant;
 use mtp::base::{Weight, WeightDtype};
 use mtp::kernels::{Activations, Backend, Kernels, KvDtype, Numerics, Out};
 use mtp::model::{Logits, Model, RowInput};
@@ -16,6 +17,25 @@ pub fn weight(rng: &mut Lcg, dtype: WeightDtype, n: usize, k: usize) -> Weight {
         WeightDtype::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
     };
     Weight::from_le_bytes(bytes, dtype, n, k)
+}
+
+/// A random MLX-quantized `n x k` weight: affine `bits`-bit codes in groups of `group`,
+/// bf16 scales and biases (what `mlx_lm.convert -q` writes for a bf16 model), values
+/// within about +-0.05.
+pub fn quantized_weight(rng: &mut Lcg, n: usize, k: usize, bits: usize, group: usize) -> Weight {
+    let words: Vec<u8> = (0..n * k * bits / 32).flat_map(|_| rng.next_u32().to_le_bytes()).collect();
+    let groups = n * k / group;
+    let top = ((1u32 << bits) - 1) as f32;
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_le_bytes();
+    let scales: Vec<u8> = (0..groups).flat_map(|_| bf16((0.5 + 0.5 * rng.f32().abs()) * 0.1 / top)).collect();
+    let biases: Vec<u8> = (0..groups).flat_map(|_| bf16(-0.05 + 0.01 * rng.f32())).collect();
+    let quant = Quant {
+        bits,
+        group,
+        scales: Weight::from_le_bytes(scales, WeightDtype::Bf16, n, k / group),
+        biases: Some(Weight::from_le_bytes(biases, WeightDtype::Bf16, n, k / group)),
+    };
+    Weight::quantized(Weight::from_le_bytes(words, WeightDtype::F32, n, k * bits / 32), n, k, quant)
 }
 
 /// `x (m x k) . w^T` on `kernels` (`w` made by its `matrix`).

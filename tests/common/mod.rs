@@ -141,3 +141,48 @@ pub fn first_difference(got: &[Result<Completion, Error>], want: &[Completion]) 
         Err(e) => Some(format!("request {i}: failed: {e}")),
     })
 }
+
+/// A copy of the MLX checkpoint at `src` in a fresh temporary directory (`tag` names it)
+/// whose f32 quantization scales and biases are rounded to bf16, as mlx-lm writes them for
+/// a bf16 model (a different model, the same layout).
+pub fn with_bf16_scales(src: &Path, tag: &str) -> PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let dir = std::env::temp_dir().join(format!("mtp-{tag}-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_owned();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+            for (tname, view) in st.tensors() {
+                let rounds =
+                    (tname.ends_with(".scales") || tname.ends_with(".biases")) && view.dtype() == Dtype::F32;
+                let (dtype, data) = match rounds {
+                    true => (
+                        Dtype::BF16,
+                        view.data()
+                            .chunks_exact(4)
+                            .flat_map(|c| {
+                                half::bf16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
+                            })
+                            .collect(),
+                    ),
+                    false => (view.dtype(), view.data().to_vec()),
+                };
+                tensors.push((tname, dtype, view.shape().to_vec(), data));
+            }
+            let views: Vec<(String, TensorView)> = tensors
+                .iter()
+                .map(|(n, d, shape, data)| (n.clone(), TensorView::new(*d, shape.clone(), data).unwrap()))
+                .collect();
+            safetensors::serialize_to_file(views, metadata.metadata().clone(), &dir.join(&name)).unwrap();
+        } else if path.is_file() {
+            std::fs::copy(&path, dir.join(&name)).unwrap();
+        }
+    }
+    dir
+}

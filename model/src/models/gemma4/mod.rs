@@ -131,7 +131,7 @@ impl<B: Kernels> Gemma4<B> {
         }
         let embed_w = ck.get(&format!("{prefix}embed_tokens.weight"), &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
-        let activations = be.activations().for_weight(&embed_w);
+        let activations = be.activations_for(&embed_w);
         if kv == KvDtype::Q4 && (full.1 % 2 == 1 || sliding.1 % 2 == 1) {
             return Err(Error::Backend("4-bit K/V packs two values a byte: a head_dim is odd".into()));
         }

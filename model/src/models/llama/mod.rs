@@ -245,7 +245,7 @@ impl<B: Kernels> Decoder<B> {
                 c.head_dim
             )));
         }
-        let be_activations = be.activations().for_weight(&embed_w);
+        let be_activations = be.activations_for(&embed_w);
         let embed = match &shard {
             None => Arc::new(be.matrix(&embed_w)?),
             Some(s) => Arc::new(be.matrix(&s.embedding_rows(&embed_w, "model.embed_tokens.weight")?)?),
