@@ -147,6 +147,23 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     grep -E "^\||tok/s|device" "$blog" > "$OUT/bench-tables.txt"
 fi
 
+# Seconds of one `mtp generate` (after loading) on prompt file $1 with $2 new tokens and
+# prefill chunk $3, on checkpoint $4 (further arguments: more flags).
+mtp_seconds() {
+    "$bin/mtp" generate --target "$4" --backend cuda --drafter none --max-batch 1 --prompts "$1" \
+        --max-tokens "$2" --ignore-eos --prefill-chunk "$3" "${@:5}" 2>&1 >/dev/null |
+        sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1
+}
+
+# A prompt file of $2 token ids at $1.
+# prompt_of FILE TOKENS [PROMPTS]: PROMPTS (default 1) prompts of TOKENS ids, each its own
+# (no prefix shared: the prefix cache cannot serve one from another).
+prompt_of() {
+    python3 -c "
+import json
+for p in range(${3:-1}): print(json.dumps({'id': f'p{p}', 'prompt_ids': [3 + (i + 7 * p) % 1000 for i in range($2)]}))" > "$1"
+}
+
 if [ "$what" = quant ]; then
     qlog="$OUT/quant.log"
     : > "$qlog"
@@ -167,15 +184,11 @@ if [ "$what" = quant ]; then
         done
     done
     # Prefill of a 2,048-token prompt (first token only), twice each.
-    python3 -c "
-import json
-print(json.dumps({'id': 'p0', 'prompt_ids': [3 + i % 1000 for i in range(2048)]}))" > /tmp/p2048.jsonl
+    prompt_of /tmp/p2048.jsonl 2048
     for round in 1 2; do
         for q in bf16 4 8 4:f32; do
             dir=${q%%:*}; act=auto; [ "$q" = "$dir" ] || act=${q#*:}
-            s=$("$bin/mtp" generate --target /tmp/qwen3-8b-$dir --backend cuda --activations $act --drafter none \
-                --max-batch 1 --prompts /tmp/p2048.jsonl --max-tokens 1 --ignore-eos --prefill-chunk 2048 2>&1 >/dev/null |
-                sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1)
+            s=$(mtp_seconds /tmp/p2048.jsonl 1 2048 /tmp/qwen3-8b-$dir --activations $act)
             echo "qwen3-8b $q: prefill 2048 tokens, round $round: $s s" | tee -a "$qlog"
         done
     done
@@ -235,23 +248,6 @@ if [ "$what" = anchors ]; then
     python3 scripts/transformers_anchors.py /tmp/qwen3-0.6b /tmp/qwen3-8b --batch 1 8 2>&1 | grep -v Warning | tee "$OUT/anchors.log"
     status=${PIPESTATUS[0]}
 fi
-
-# Seconds of one `mtp generate` (after loading) on prompt file $1 with $2 new tokens and
-# prefill chunk $3, on checkpoint $4 (further arguments: more flags).
-mtp_seconds() {
-    "$bin/mtp" generate --target "$4" --backend cuda --drafter none --max-batch 1 --prompts "$1" \
-        --max-tokens "$2" --ignore-eos --prefill-chunk "$3" "${@:5}" 2>&1 >/dev/null |
-        sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1
-}
-
-# A prompt file of $2 token ids at $1.
-# prompt_of FILE TOKENS [PROMPTS]: PROMPTS (default 1) prompts of TOKENS ids, each its own
-# (no prefix shared: the prefix cache cannot serve one from another).
-prompt_of() {
-    python3 -c "
-import json
-for p in range(${3:-1}): print(json.dumps({'id': f'p{p}', 'prompt_ids': [3 + (i + 7 * p) % 1000 for i in range($2)]}))" > "$1"
-}
 
 if [ "$what" = tp ]; then
     tlog="$OUT/tp.log"

@@ -87,44 +87,11 @@ fn quantized_rows_do_not_depend_on_m_in_either_mode() {
 #[test]
 fn quantized_modes_compute_their_own_functions() {
     let mut rng = Lcg(31);
-    let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
     for (n, k, bits, group) in [(200, 1056, 8, 32), (300, 2048, 4, 64), (64, 1024, 4, 128)] {
+        // w = scale q + bias, widened to f32 exactly as the kernels see it.
         let w = quantized_weight(&mut rng, n, k, bits, group);
-        let wf = w.to_f32();
         for m in [1, 40, 129] {
-            let x = rng.vec(m * k);
-            // Per output: (f64 sum of bf16(x) w, of x w, of |x w|); w = scale q + bias is
-            // exact in f64 either way.
-            let refs: Vec<(f64, f64, f64)> = (0..m * n)
-                .map(|i| {
-                    let (r, c) = (i / n, i % n);
-                    let (xr, wr) = (&x[r * k..(r + 1) * k], &wf[c * k..(c + 1) * k]);
-                    xr.iter().zip(wr).fold((0.0, 0.0, 0.0), |(a, b, s), (&xv, &wv)| {
-                        let wv = wv as f64;
-                        (a + round(xv) * wv, b + xv as f64 * wv, s + (xv as f64 * wv).abs())
-                    })
-                })
-                .collect();
-            for mode in MODES {
-                let cuda = Cuda::shared_with(mode).unwrap();
-                let mat = cuda.matrix(&w).unwrap();
-                let got = common::invariance::product(&*cuda, &mat, n, &x, m);
-                let worst = |f: fn(&(f64, f64, f64)) -> f64| {
-                    got.iter()
-                        .zip(&refs)
-                        .map(|(&g, r)| (g as f64 - f(r)).abs() / r.2.max(1e-30))
-                        .fold(0.0, f64::max)
-                };
-                let (to_rounded, to_exact) = (worst(|r| r.0), worst(|r| r.1));
-                println!("{n}x{k} {bits}-bit g{group}, M={m}, {mode:?}: {to_rounded:e} from bf16(x) w, {to_exact:e} from x w");
-                let (near, far) =
-                    if mode == Activations::Bf16 { (to_rounded, to_exact) } else { (to_exact, to_rounded) };
-                assert!(near < 2e-5, "{n}x{k} {bits}-bit, M={m}, {mode:?}: {near:e} off its own function");
-                assert!(
-                    far > 4.0 * near,
-                    "{n}x{k} {bits}-bit, M={m}, {mode:?}: cannot tell the modes apart ({far:e})"
-                );
-            }
+            each_mode_near_its_own_function(&format!("{n}x{k} {bits}-bit g{group}"), &w, &rng.vec(m * k), m);
         }
     }
 }
@@ -541,42 +508,46 @@ fn gpu_logits_agree_with_the_cpu_for_every_weight_dtype() {
 #[test]
 fn each_activation_mode_computes_its_own_function() {
     let mut rng = Lcg(53);
-    let round = |v: f32| half::bf16::from_f32(v).to_f32();
     for (n, k) in [(200, 1056), (4096, 4096)] {
         let w = weight(&mut rng, WeightDtype::Bf16, n, k);
-        let wf = w.to_f32();
         for m in [1, 40, 129] {
-            let x = rng.vec(m * k);
-            // Per output: (f64 sum of bf16(x) w, of x w, of |x w|).
-            let refs: Vec<(f64, f64, f64)> = (0..m * n)
-                .map(|i| {
-                    let (r, c) = (i / n, i % n);
-                    let (xr, wr) = (&x[r * k..(r + 1) * k], &wf[c * k..(c + 1) * k]);
-                    xr.iter().zip(wr).fold((0.0, 0.0, 0.0), |(a, b, s), (&xv, &wv)| {
-                        let (xv, wv) = (xv as f64, wv as f64);
-                        (a + round(xv as f32) as f64 * wv, b + xv * wv, s + (xv * wv).abs())
-                    })
-                })
-                .collect();
-            for mode in MODES {
-                let cuda = Cuda::shared_with(mode).unwrap();
-                let mat = cuda.matrix(&w).unwrap();
-                let got = common::invariance::product(&*cuda, &mat, n, &x, m);
-                // The worst distance from each reference, relative to the sum of |terms|.
-                let worst = |f: fn(&(f64, f64, f64)) -> f64| {
-                    got.iter()
-                        .zip(&refs)
-                        .map(|(&g, r)| (g as f64 - f(r)).abs() / r.2.max(1e-30))
-                        .fold(0.0, f64::max)
-                };
-                let (to_rounded, to_exact) = (worst(|r| r.0), worst(|r| r.1));
-                println!("{n}x{k}, M={m}, {mode:?}: {to_rounded:e} from bf16(x) w, {to_exact:e} from x w");
-                let (near, far) =
-                    if mode == Activations::Bf16 { (to_rounded, to_exact) } else { (to_exact, to_rounded) };
-                assert!(near < 2e-5, "{n}x{k}, M={m}, {mode:?}: {near:e} off its own function");
-                assert!(far > 4.0 * near, "{n}x{k}, M={m}, {mode:?}: cannot tell the modes apart ({far:e})");
-            }
+            each_mode_near_its_own_function(&format!("{n}x{k}"), &w, &rng.vec(m * k), m);
         }
+    }
+}
+
+/// `x (m rows) . w^T` in each mode: within 2e-5 of its own f64 reference (the sum of
+/// bf16(x) w with bf16 activations, of x w with f32), relative to the sum of |x w|, and more
+/// than 4x as far from the other's.
+fn each_mode_near_its_own_function(what: &str, w: &mtp::base::Weight, x: &[f32], m: usize) {
+    let (n, k) = (w.rows, w.cols);
+    let wf = w.to_f32();
+    let round = |v: f32| half::bf16::from_f32(v).to_f32() as f64;
+    // Per output: (f64 sum of bf16(x) w, of x w, of |x w|).
+    let refs: Vec<(f64, f64, f64)> = (0..m * n)
+        .map(|i| {
+            let (r, c) = (i / n, i % n);
+            let (xr, wr) = (&x[r * k..(r + 1) * k], &wf[c * k..(c + 1) * k]);
+            xr.iter().zip(wr).fold((0.0, 0.0, 0.0), |(a, b, s), (&xv, &wv)| {
+                let wv = wv as f64;
+                (a + round(xv) * wv, b + xv as f64 * wv, s + (xv as f64 * wv).abs())
+            })
+        })
+        .collect();
+    for mode in MODES {
+        let cuda = Cuda::shared_with(mode).unwrap();
+        let mat = cuda.matrix(w).unwrap();
+        let got = common::invariance::product(&*cuda, &mat, n, x, m);
+        // The worst distance from each reference, relative to the sum of |terms|.
+        let worst = |f: fn(&(f64, f64, f64)) -> f64| {
+            got.iter().zip(&refs).map(|(&g, r)| (g as f64 - f(r)).abs() / r.2.max(1e-30)).fold(0.0, f64::max)
+        };
+        let (to_rounded, to_exact) = (worst(|r| r.0), worst(|r| r.1));
+        println!("{what}, M={m}, {mode:?}: {to_rounded:e} from bf16(x) w, {to_exact:e} from x w");
+        let (near, far) =
+            if mode == Activations::Bf16 { (to_rounded, to_exact) } else { (to_exact, to_rounded) };
+        assert!(near < 2e-5, "{what}, M={m}, {mode:?}: {near:e} off its own function");
+        assert!(far > 4.0 * near, "{what}, M={m}, {mode:?}: cannot tell the modes apart ({far:e})");
     }
 }
 

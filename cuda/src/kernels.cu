@@ -323,6 +323,41 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The end of a tensor-core pass (linear_tc, linear_tcq): each warp's accumulators
+// (acc[j][0..1] = (column g, tokens 8j + 2t, +1), acc[j][2..3] = (column g + 8, same))
+// added into `sum` in warp order, then each output of the pass's tokens r0 .. (plus its
+// bias) written to `out` or added to it.
+template <int MT>
+__device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m,
+                                                int c0, int n, const float* __restrict__ bias,
+                                                float* __restrict__ out, int accumulate) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    for (int v = 0; v < KWARPS; v++) {
+        if (warp == v) {
+#pragma unroll
+            for (int j = 0; j < MT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
+                    *y = v == 0 ? acc[j][e] : *y + acc[j][e];
+                }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < TC_COLS * 8 * MT; i += blockDim.x) {
+        const int c = i % TC_COLS, a = i / TC_COLS;
+        const int r = r0 + a, col = c0 + c;
+        if (r < m && col < n) {
+            float y = sum[c][a];
+            if (bias) y += bias[col];
+            float* o = out + (long long)r * n + col;
+            *o = accumulate ? *o + y : y;
+        }
+    }
+    __syncthreads();
+}
+
 // MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
 // `block`: which 16 columns (blockIdx.x, or its place among a multi-weight launch's parts).
 template <int MT, int TERMS>
@@ -381,31 +416,7 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
                 }
             }
         }
-        // Warp sums added in warp order into one buffer. D: acc[j][0..1] = (column g, tokens
-        // 8j + 2t, +1), acc[j][2..3] = (column g + 8, same).
-        for (int v = 0; v < KWARPS; v++) {
-            if (warp == v) {
-#pragma unroll
-                for (int j = 0; j < MT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
-                        *y = v == 0 ? acc[j][e] : *y + acc[j][e];
-                    }
-            }
-            __syncthreads();
-        }
-        for (int i = threadIdx.x; i < TC_COLS * 8 * MT; i += blockDim.x) {
-            const int c = i % TC_COLS, a = i / TC_COLS;
-            const int r = r0 + a, col = c0 + c;
-            if (r < m && col < n) {
-                float y = sum[c][a];
-                if (bias) y += bias[col];
-                float* o = out + (long long)r * n + col;
-                *o = accumulate ? *o + y : y;
-            }
-        }
-        __syncthreads();
+        store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
     }
 }
 
@@ -624,30 +635,7 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
                 }
             }
         }
-        // Warp sums added in warp order, as linear_tc.
-        for (int v = 0; v < KWARPS; v++) {
-            if (warp == v) {
-#pragma unroll
-                for (int j = 0; j < MT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
-                        *y = v == 0 ? acc[j][e] : *y + acc[j][e];
-                    }
-            }
-            __syncthreads();
-        }
-        for (int i = threadIdx.x; i < TC_COLS * 8 * MT; i += blockDim.x) {
-            const int c = i % TC_COLS, a = i / TC_COLS;
-            const int r = r0 + a, col = c0 + c;
-            if (r < m && col < n) {
-                float y = sum[c][a];
-                if (bias) y += bias[col];
-                float* o = out + (long long)r * n + col;
-                *o = accumulate ? *o + y : y;
-            }
-        }
-        __syncthreads();
+        store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
     }
 }
 

@@ -764,13 +764,13 @@ impl Cuda {
         outs: &mut [&mut CudaSlice<f32>],
         mode: Out,
     ) -> Result<()> {
+        // Its callers take this path only for parts `tcq_stackable` accepts.
+        debug_assert!(tcq_stackable(parts) && parts.len() == outs.len());
         let Some((q, k)) = parts.first().and_then(|(w, _)| Some((w.quant.as_ref()?, w.cols))) else {
             return Ok(());
         };
-        if m == 0 || !tcq_stackable(parts) || parts.len() != outs.len() {
-            return Err(Error::Backend(
-                "linear_tcq: weights that do not share one tensor-core launch".into(),
-            ));
+        if m == 0 {
+            return Ok(());
         }
         let s = &self.stream;
         let groups = k / q.group;
@@ -1094,7 +1094,7 @@ impl Kernels for Cuda {
                 },
                 bits: q.bits,
                 group: q.group,
-                tensor_cores: match self.activations == Activations::Bf16 && quant_tensor_cores(w) {
+                tensor_cores: match self.activations_for(w) == Activations::Bf16 {
                     true => Some(self.upload_as(&group_words(q), "quantization group words")?),
                     false => None,
                 },

@@ -50,78 +50,59 @@ pub fn attend_heads(
 ) {
     assert!(head_dim > 0 && q.len().is_multiple_of(head_dim), "attend: {} query values", q.len());
     assert_eq!(out.len(), q.len());
-    // One body, compiled for each ISA: the scores are canonical dot products (the same
-    // bits on every path) and the rest is element-wise, so wider vectors change no bit.
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the features were detected.
-        super::simd::Isa::Avx512 => unsafe {
-            attend_avx512(q, head_dim, kv, first, n_keys, kv_off, scale, out)
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the features were detected.
-        super::simd::Isa::Avx2 => unsafe { attend_avx2(q, head_dim, kv, first, n_keys, kv_off, scale, out) },
-        _ => attend_with::<Portable>(q, head_dim, kv, first, n_keys, kv_off, scale, out),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx512(
-    q: &[f32],
-    hd: usize,
-    kv: &KvView,
-    first: usize,
-    n_keys: usize,
-    kv_off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    attend_with::<super::simd::Avx512>(q, hd, kv, first, n_keys, kv_off, scale, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_avx2(
-    q: &[f32],
-    hd: usize,
-    kv: &KvView,
-    first: usize,
-    n_keys: usize,
-    kv_off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    attend_with::<super::simd::Avx2>(q, hd, kv, first, n_keys, kv_off, scale, out)
-}
-
-/// The heads in blocks of up to four (a `match`, not a closure: a closure would not inherit
-/// the caller's target features).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_with<S: Simd16>(
-    q: &[f32],
-    hd: usize,
-    kv: &KvView,
-    first: usize,
-    n_keys: usize,
-    kv_off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
     assert!(
         first < n_keys && kv.len() >= n_keys,
         "attend: keys [{first}, {n_keys}) wanted, {} readable",
         kv.len()
     );
+    let keys = Keys { kv, hd: head_dim, first, n_keys, kv_off, scale };
+    // One body, compiled for each ISA: the scores are canonical dot products (the same
+    // bits on every path) and the rest is element-wise, so wider vectors change no bit.
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the features were detected.
+        super::simd::Isa::Avx512 => unsafe { attend_avx512(q, &keys, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the features were detected.
+        super::simd::Isa::Avx2 => unsafe { attend_avx2(q, &keys, out) },
+        _ => attend_with::<Portable>(q, &keys, out),
+    }
+}
+
+/// What every query head of one call reads: keys `[first, n_keys)` of `kv`'s KV head at
+/// `kv_off`, `hd` values a head, scores scaled by `scale`.
+struct Keys<'a> {
+    kv: &'a KvView<'a>,
+    hd: usize,
+    first: usize,
+    n_keys: usize,
+    kv_off: usize,
+    scale: f32,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn attend_avx512(q: &[f32], keys: &Keys, out: &mut [f32]) {
+    attend_with::<super::simd::Avx512>(q, keys, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2(q: &[f32], keys: &Keys, out: &mut [f32]) {
+    attend_with::<super::simd::Avx2>(q, keys, out)
+}
+
+/// The heads in blocks of up to four (a `match`, not a closure: a closure would not inherit
+/// the caller's target features).
+#[inline(always)]
+fn attend_with<S: Simd16>(q: &[f32], keys: &Keys, out: &mut [f32]) {
+    let hd = keys.hd;
     for (q, out) in q.chunks(4 * hd).zip(out.chunks_mut(4 * hd)) {
         match q.len() / hd {
-            4 => attend_block::<S, 4>(q, hd, kv, first, n_keys, kv_off, scale, out),
-            3 => attend_block::<S, 3>(q, hd, kv, first, n_keys, kv_off, scale, out),
-            2 => attend_block::<S, 2>(q, hd, kv, first, n_keys, kv_off, scale, out),
-            _ => attend_block::<S, 1>(q, hd, kv, first, n_keys, kv_off, scale, out),
+            4 => attend_block::<S, 4>(q, keys, out),
+            3 => attend_block::<S, 3>(q, keys, out),
+            2 => attend_block::<S, 2>(q, keys, out),
+            _ => attend_block::<S, 1>(q, keys, out),
         }
     }
 }
@@ -130,17 +111,8 @@ fn attend_with<S: Simd16>(
 /// chunk by chunk, the scores, the running maximum and rescale, then `l += p` and
 /// `out += p * v` in key order.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_block<S: Simd16, const B: usize>(
-    q: &[f32],
-    hd: usize,
-    kv: &KvView,
-    first: usize,
-    n_keys: usize,
-    kv_off: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f32]) {
+    let &Keys { kv, hd, first, n_keys, kv_off, scale } = keys;
     let mut m = [f32::NEG_INFINITY; B];
     let mut l = [0.0f32; B];
     out.fill(0.0);
