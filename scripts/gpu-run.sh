@@ -53,10 +53,14 @@
 #          4 and 8 bits in groups of 64): plain and oracle:1.0 k=4 decode at batch 1 and 8,
 #          and a 2,048-token prefill, the checkpoints alternated twice, the 4-bit one also
 #          with --activations f32 (a `cli` bundle suffices).
+#   kv:    quantized K/V against bf16 K/V on the Qwen3-8B shape (bf16 weights): 8 prompts of
+#          KV_CONTEXT (4,096) tokens at batch 8, and one at batch 1; prefill alone (one new
+#          token) and with 128 more, so decode tok/s = new tokens / the difference; twice,
+#          alternated (a `cli` bundle suffices).
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|quant|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -193,6 +197,35 @@ if [ "$what" = quant ]; then
         done
     done
     rm -rf /tmp/qwen3-8b-bf16 /tmp/qwen3-8b-4 /tmp/qwen3-8b-8
+fi
+
+if [ "$what" = kv ]; then
+    klog="$OUT/kv.log"
+    : > "$klog"
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b-kv > /dev/null || status=1
+    ctx=${KV_CONTEXT:-4096}
+    prompt_of /tmp/kv-8.jsonl "$ctx" 8
+    prompt_of /tmp/kv-1.jsonl "$ctx" 1
+    # kv_seconds PROMPTS BATCH NEW FLAGS...: the whole run's seconds.
+    kv_seconds() {
+        "$bin/mtp" generate --target /tmp/qwen3-8b-kv --backend cuda --drafter none --max-batch "$2" \
+            --prompts "$1" --max-tokens "$3" --ignore-eos "${@:4}" 2>&1 >/dev/null |
+            sed -n 's/.*seconds=\([0-9.e-]*\).*/\1/p' | tail -1
+    }
+    for round in 1 2; do
+        for kv in bf16 q8 q4; do
+            flags=(--kv-dtype bf16); [ $kv = bf16 ] || flags=(--kv-bits "${kv#q}")
+            for b in 1 8; do
+                t1=$(kv_seconds /tmp/kv-$b.jsonl $b 1 "${flags[@]}")
+                t129=$(kv_seconds /tmp/kv-$b.jsonl $b 129 "${flags[@]}")
+                python3 -c "
+t1, t129, b = float('$t1' or 'nan'), float('$t129' or 'nan'), $b
+print(f'K/V $kv, context $ctx, batch {b}, round $round: prefill {t1:.2f} s, decode {b * 128 / (t129 - t1):.1f} tok/s')" |
+                    tee -a "$klog"
+            done
+        done
+    done
+    rm -rf /tmp/qwen3-8b-kv
 fi
 
 if [ "$what" = ab ]; then

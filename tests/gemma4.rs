@@ -12,7 +12,7 @@ use mtp::drafter::{AssistantDrafter, Drafter, NgramDrafter};
 use mtp::engine::{
     prefill, Completion, DraftLen, Engine, EngineOptions, Request, SamplingParams, WindowLayout,
 };
-use mtp::kernels::{Backend, KvDtype, Numerics};
+use mtp::kernels::{KvDtype, Numerics};
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -309,12 +309,8 @@ fn gate_gemma4_mlx_4bit() {
 /// The same with 4-bit K/V (`--kv-bits 4`): the E-style 4-bit target and its assistant.
 #[test]
 fn gate_gemma4_mlx_4bit_with_4bit_kv() {
-    if common::backend() != Backend::Cpu {
-        eprintln!("skipped: quantized K/V run on the CPU backend only");
-        return;
-    }
     let numerics = Numerics { kv: KvDtype::Q4, activations: common::test_activations() };
-    let model = Model::load_with(&mlx("gemma4-e-q4g32"), Backend::Cpu, numerics).unwrap();
+    let model = Model::load_with(&mlx("gemma4-e-q4g32"), common::backend(), numerics).unwrap();
     assert_eq!(model.kv_dtype(), KvDtype::Q4);
     Gate::with_model("gemma4-e-q4g32 kv4", model, Some("gemma4-e-assistant"), true).run();
 }

@@ -253,9 +253,11 @@ fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
 /// loads and (head size not a multiple of the lane's dims) element loads, on a synthesized
 /// model of that head shape, at 37 to 600 keys (decode past 512 keys takes the split launch,
 /// the prefill the walking one). The decoded logits agree with the CPU's (f32 K/V within
-/// 1e-4 of their scale; bf16 K/V within 2e-2 of the CPU's f32: a wrong head or dim would
-/// be off by the logits' scale), and with bf16 K/V a query's bits are the same alone,
-/// batched and decoded after a prefill. Control: batch-sized splits must break the latter.
+/// 1e-4 of their scale; bf16 K/V within 2e-2 of the CPU's f32, 8- and 4-bit K/V within 2e-2
+/// of the CPU's with the same K/V: a wrong head, dim or code would be off by the logits'
+/// scale; quantized K/V refused by name where head size is not a multiple of 8), and with
+/// 16-bit or quantized K/V a query's bits are the same alone, batched and decoded after a
+/// prefill. Control: batch-sized splits must break the latter.
 #[test]
 fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
     let base = common::load(&fixture("qwen3-target")).config;
@@ -274,13 +276,36 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
     for (heads, kv_heads, head_dim) in shapes {
         let (dir, prompts) =
             attention_checkpoint(&base, (heads, kv_heads, head_dim), 7, None, "att", &mut rng);
-        let cpu = Model::load_with(&dir, Backend::Cpu, KvDtype::F32).unwrap();
-        let want: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_then_decode(&cpu, p)).collect();
+        let cpu_decoded = |kv: KvDtype| -> Vec<Vec<f32>> {
+            let cpu = Model::load_with(&dir, Backend::Cpu, kv).unwrap();
+            prompts.iter().map(|p| prefill_then_decode(&cpu, p)).collect()
+        };
+        let cpu_f32 = cpu_decoded(KvDtype::F32);
         let shape = format!("{heads} heads, {kv_heads} KV heads, head size {head_dim}");
-        for (kv, tolerance) in [(KvDtype::F32, 1e-4), (KvDtype::Bf16, 2e-2)] {
+        for (kv, tolerance) in
+            [(KvDtype::F32, 1e-4), (KvDtype::Bf16, 2e-2), (KvDtype::Q8, 2e-2), (KvDtype::Q4, 2e-2)]
+        {
             // f32 activations: the CPU's function exactly, so the bound sees attention alone.
             let model = Model::load_with(&dir, Backend::Cuda, Numerics { kv, activations: Activations::F32 })
                 .unwrap();
+            if kv.bits().is_some() && !head_dim.is_multiple_of(8) {
+                let mut cache = model.new_cache();
+                let mut rows = [RowInput {
+                    tokens: &prompts[1],
+                    cache: &mut cache,
+                    logits: Logits::Last,
+                    full_logits: true,
+                }];
+                let err = model.forward(&mut rows).err().map(|e| e.to_string()).unwrap_or_default();
+                assert!(
+                    err.contains("multiple of 8"),
+                    "{shape}, {kv:?} K/V: want a clear refusal, got `{err}`"
+                );
+                continue;
+            }
+            // Quantized K/V against the CPU's of the same format (codes from f32 K/V that
+            // agree to rounding); f32 and bf16 against the CPU's f32.
+            let want = if kv.bits().is_some() { cpu_decoded(kv) } else { cpu_f32.clone() };
             for (p, want) in prompts.iter().zip(&want) {
                 let got = prefill_then_decode(&model, p);
                 let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
@@ -295,11 +320,11 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
                     p.len()
                 );
             }
-            if kv == KvDtype::Bf16 {
+            if kv != KvDtype::F32 {
                 let (ours, control) =
                     with_split_attention_control(|| alone_batched_decoded(&model, &prompts));
-                assert_eq!(ours, (true, true), "{shape}: (alone == batched, decode == prefill)");
-                assert_eq!(control, (false, false), "{shape}: batch-sized splits went unseen");
+                assert_eq!(ours, (true, true), "{shape}, {kv:?} K/V: (alone == batched, decode == prefill)");
+                assert_eq!(control, (false, false), "{shape}, {kv:?} K/V: batch-sized splits went unseen");
             }
         }
         std::fs::remove_dir_all(&dir).ok();

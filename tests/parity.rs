@@ -292,31 +292,16 @@ fn mlx(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx").join(name)
 }
 
-/// Whether the test backend stores K/V as `kv` (quantized K/V run on the CPU only).
-fn kv_supported(kv: KvDtype) -> bool {
-    let ok = kv.bits().is_none() || common::backend() == Backend::Cpu;
-    if !ok {
-        eprintln!("skipped: quantized K/V run on the CPU backend only");
-    }
-    ok
-}
-
 #[test]
 fn gate_qwen3_4bit() {
-    if kv_supported(KvDtype::Auto) {
-        let t =
-            Target::quantized("q4", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, false, KvDtype::Auto);
-        gate_on(&t, "qwen3-q4g32");
-    }
+    let t = Target::quantized("q4", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, false, KvDtype::Auto);
+    gate_on(&t, "qwen3-q4g32");
 }
 
 #[test]
 fn gate_qwen3_4bit_sampled() {
-    if kv_supported(KvDtype::Auto) {
-        let t =
-            Target::quantized("q4s", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, true, KvDtype::Auto);
-        gate_on(&t, "qwen3-q4g32");
-    }
+    let t = Target::quantized("q4s", &mlx("qwen3-q4g32"), &fixture("qwen3-draft"), None, true, KvDtype::Auto);
+    gate_on(&t, "qwen3-q4g32");
 }
 
 #[test]
@@ -328,30 +313,26 @@ fn gate_qwen3_mxfp4() {
 
 #[test]
 fn gate_qwen2_mixed_bits() {
-    if kv_supported(KvDtype::Auto) {
-        let t = Target::quantized(
-            "q4m",
-            &mlx("qwen2-q4g32-mixed"),
-            &fixture("qwen2-draft"),
-            None,
-            false,
-            KvDtype::Auto,
-        );
-        gate_on(&t, "qwen2-mixed");
-    }
+    let t = Target::quantized(
+        "q4m",
+        &mlx("qwen2-q4g32-mixed"),
+        &fixture("qwen2-draft"),
+        None,
+        false,
+        KvDtype::Auto,
+    );
+    gate_on(&t, "qwen2-mixed");
 }
 
 #[test]
 fn gate_trained_family_4bit_target_8bit_kv() {
-    // 8-bit K/V where the backend has them (the CPU); the 4-bit weights everywhere.
-    let kv = if common::backend() == Backend::Cpu { KvDtype::Q8 } else { KvDtype::Auto };
     let t = Target::quantized(
         "q4t",
         &mlx("trained-q4g64"),
         &trained("draft"),
         Some(trained("target")),
         false,
-        kv,
+        KvDtype::Q8,
     );
     gate_on(&t, "trained-q4g64");
 }
@@ -384,32 +365,16 @@ fn gate_qwen3_bf16_scales() {
 
 #[test]
 fn gate_qwen3_4bit_kv() {
-    if kv_supported(KvDtype::Q4) {
-        let t = Target::quantized(
-            "kv4",
-            &fixture("qwen3-target"),
-            &fixture("qwen3-draft"),
-            None,
-            false,
-            KvDtype::Q4,
-        );
-        gate_on(&t, "qwen3 kv4");
-    }
+    let t =
+        Target::quantized("kv4", &fixture("qwen3-target"), &fixture("qwen3-draft"), None, false, KvDtype::Q4);
+    gate_on(&t, "qwen3 kv4");
 }
 
 #[test]
 fn gate_llama_8bit_kv_sampled() {
-    if kv_supported(KvDtype::Q8) {
-        let t = Target::quantized(
-            "kv8s",
-            &fixture("llama-target"),
-            &fixture("llama-draft"),
-            None,
-            true,
-            KvDtype::Q8,
-        );
-        gate_on(&t, "llama kv8");
-    }
+    let t =
+        Target::quantized("kv8s", &fixture("llama-target"), &fixture("llama-draft"), None, true, KvDtype::Q8);
+    gate_on(&t, "llama kv8");
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! MLX-quantized checkpoints (`mlx_lm.convert -q`, written by mlx-lm itself by
 //! `scripts/make_mlx_fixtures.py`): golden outputs against mlx-lm, the quantized matmul's
 //! row invariance (with its negative control), and clear errors for what is not supported.
+//! And quantized K/V (`--kv-bits`): every backend's entries are the CPU's format of the f32
+//! K/V its model computed.
 
 mod common;
 
@@ -8,9 +10,10 @@ use std::path::{Path, PathBuf};
 
 use common::{bits, Lcg};
 use mtp::base::Checkpoint;
+use mtp::cache::QuantLayout;
 use mtp::engine::{prefill, EngineOptions, Request};
-use mtp::kernels::negative_control;
 use mtp::kernels::ops::linear;
+use mtp::kernels::{negative_control, KvDtype, Numerics};
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -201,4 +204,49 @@ fn unsupported_quantization_is_refused_by_name() {
     let err = Model::load(&dir).err().expect("misshapen scales are refused").to_string();
     assert!(err.contains("up_proj.scales"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Layer 0's quantized K and V after a prefill equal, byte for byte, the CPU quantizer
+/// (`QuantLayout::quantize_head`) applied to the f32 K/V the same backend stores with
+/// `--kv-dtype f32` (layer 0's K/V do not depend on the K/V format): the backend quantizes
+/// on store from the f32 values alone, in the CPU's format. Control: layer 1, whose inputs
+/// passed through attention over quantized K/V, differs from the same recipe.
+#[test]
+fn quantized_kv_entries_are_the_cpu_format_of_the_f32_kv() {
+    let dir = common::fixture("qwen3-target");
+    let load = |kv| {
+        let numerics = Numerics { kv, activations: common::test_activations() };
+        Model::load_with(&dir, common::backend(), numerics).unwrap()
+    };
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 11 + 3) % 200).collect();
+    let committed = |model: &Model, layer| {
+        let mut cache = model.new_cache();
+        prefill(model, &mut cache, &prompt, 16, false, true).unwrap();
+        cache.committed_bytes(layer).unwrap()
+    };
+    let f32_model = load(KvDtype::F32);
+    let (heads, head_dim) = (f32_model.config.num_key_value_heads, f32_model.config.head_dim);
+    for (kv, bits) in [(KvDtype::Q8, 8), (KvDtype::Q4, 4)] {
+        let layout = QuantLayout { heads, head_dim, bits };
+        let quantized = load(kv);
+        let recipe = |layer| {
+            let (k, v) = committed(&f32_model, layer);
+            [k, v].map(|plane| {
+                let values: Vec<f32> =
+                    plane.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                let mut out = vec![0u8; values.len() / head_dim * layout.head_bytes()];
+                for (x, g) in values.chunks_exact(head_dim).zip(out.chunks_exact_mut(layout.head_bytes())) {
+                    layout.quantize_head(x, g);
+                }
+                out
+            })
+        };
+        let [k, v] = recipe(0);
+        assert_eq!(k.len(), prompt.len() * layout.slot_bytes());
+        let (qk, qv) = committed(&quantized, 0);
+        assert!(qk == k, "{kv:?}: layer 0's K entries are not the CPU's quantization of the f32 K");
+        assert!(qv == v, "{kv:?}: layer 0's V entries are not the CPU's quantization of the f32 V");
+        let [k1, _] = recipe(1);
+        assert!(committed(&quantized, 1).0 != k1, "{kv:?}: control: layer 1 should differ");
+    }
 }

@@ -11,7 +11,7 @@ use common::{fixture, plain, request, Lcg};
 use mtp::cache::RowCache;
 use mtp::drafter::{Commit, DraftAsk, DraftModelDrafter, Drafter, MtpDrafter};
 use mtp::engine::prefill;
-use mtp::kernels::{Backend, KvDtype};
+use mtp::kernels::{KvDtype, Numerics};
 use mtp::model::{Logits, Model, MtpLayout, RowInput};
 use mtp::sampling::SamplingMode;
 use mtp::synth::SynthSpec;
@@ -111,26 +111,24 @@ fn mixed_accepts_leave_each_row_as_if_alone() {
     }
 }
 
-/// The same property with quantized K/V (CPU): a row's quantized entries after mixed
-/// accepts (unequal prompts, unequal accepts in one batch, both layouts) are byte for
-/// byte those of the row alone and of plain decoding.
+/// The same property with quantized K/V (on the test backend): a row's quantized entries
+/// after mixed accepts (unequal prompts, unequal accepts in one batch, both layouts) are
+/// byte for byte those of the row alone and of plain decoding.
 #[test]
 fn mixed_accepts_leave_quantized_kv_as_if_alone() {
-    if common::backend() != Backend::Cpu {
-        eprintln!("skipped: quantized K/V run on the CPU backend only");
-        return;
-    }
+    let load = |name: &str, kv: KvDtype| {
+        let numerics = Numerics { kv, activations: common::test_activations() };
+        Model::load_with(&fixture(name), common::backend(), numerics).unwrap()
+    };
     for kv in [KvDtype::Q8, KvDtype::Q4] {
         for name in ["llama-target", "qwen3-target"] {
-            let model = Model::load_with(&fixture(name), Backend::Cpu, kv).unwrap();
+            let model = load(name, kv);
             assert_eq!(model.kv_dtype(), kv);
             rows_as_if_alone(&model, &format!("{name} {kv:?}"));
         }
     }
     // Negative control: a rollback that forgets to compact is caught in quantized K/V too.
-    skipped_compaction_is_caught(
-        &Model::load_with(&fixture("qwen3-target"), Backend::Cpu, KvDtype::Q4).unwrap(),
-    );
+    skipped_compaction_is_caught(&load("qwen3-target", KvDtype::Q4));
 }
 
 fn rows_as_if_alone(model: &Model, name: &str) {

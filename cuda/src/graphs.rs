@@ -43,7 +43,8 @@ struct Shape {
     /// The tensor-core attention's tiles and the most tokens one holds (its grid and block).
     tiles: (usize, usize),
     ring: bool,
-    bf16_kv: bool,
+    /// The K/V dtype (which attention and store kernels the recording launches).
+    kv: mtp_kernels::KvDtype,
     out_lens: Vec<usize>,
 }
 
@@ -109,7 +110,7 @@ impl CudaGraphs {
             segments: batch.most_keys.div_ceil(flash::SEGMENT),
             tiles: (batch.tiles.count, batch.tiles.most),
             ring: batch.ring_rows.is_some(),
-            bf16_kv: batch.kv == mtp_kernels::KvDtype::Bf16,
+            kv: batch.kv,
             out_lens: out_lens.to_vec(),
         };
         let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());

@@ -6,7 +6,7 @@
 // weights are read in their checkpoint dtype and widened in registers (bf16 weights go to
 // the tensor cores with each activation either rounded to bf16, the default, or split
 // exactly into three bf16 terms, `--activations f32`); K/V are stored in the model's KV
-// dtype (f32 or bf16). No headers: bf16/f16 are widened by hand.
+// dtype (f32, bf16, or 8- or 4-bit codes, `QKv`). No headers: bf16/f16 are widened by hand.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -468,6 +468,12 @@ LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
 // c = fma(-128, scale, bias); 8-bit codes enter as q, c = bias. `sb`: one word per
 // (row, group), the scale's bf16 bits low, the bias's high.
 //
+// The codes come repacked at upload (`repack_codes` in lib.rs): in each row's chunk of 128
+// k (4 blocks of 32, BITS words a block, lane t's WORDS = BITS / 4 words of a block at t
+// WORDS), lane t's words of the chunk's U blocks sit together, word (u, t, v) at
+// t U WORDS + u WORDS + v: a whole chunk (U = 4) is one 16-byte load a lane at 4 bits, two
+// at 8 (the MLX order took 4 or 8 four-byte loads). `tcq_word` maps an MLX word to it.
+//
 // prep_q_acts makes, once per input, the bf16 activations as the MMAs take them (xb: of
 // each 8 values k, the pairs (k + j, k + j + 4), j = 0..3) and xsum per token and group
 // (xs). Canonical order of one output: linear_tc's chunks (128 k, chunk i to warp
@@ -477,6 +483,7 @@ LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
 // 8t .. 8t + 7, then j = 2, 3. xsum: the group's blocks in increasing k, a block's sum
 // (p0 + p1) + (p2 + p3), p_t its values 8t .. 8t + 7 added in pair order. No output's
 // order depends on M, on the tokens per pass, on the other rows or on the other parts.
+// Chunks a warp loads before their MMAs (4 at 4 bits measured no faster, 2026-11-26).
 #define Q_CHUNKS 2
 
 // One warp per (token, 256 values of K): lane i makes the pairs of values 8i .. 8i + 7 and
@@ -509,6 +516,15 @@ extern "C" __global__ void prep_q_acts(const float* __restrict__ x, int m, int k
         for (int j = 0; j < blocks; j++) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, q, (lane + 4 * j) & 31));
         if (live && (lane & (4 * blocks - 1)) == 0) xs[r * (k / group) + k0 / group] = sum;
     }
+}
+
+// Where MLX word o of a row of `blocks` 32-value blocks sits in the repacked row.
+template <int BITS>
+__device__ __forceinline__ long long tcq_word(long long o, int blocks) {
+    constexpr int WORDS = BITS / 4;
+    const int b = (int)(o / BITS), rem = (int)(o % BITS);
+    const int c = b >> 2, u = b & 3, used = min(4, blocks - 4 * c);
+    return (long long)c * 4 * BITS + (rem / WORDS) * used * WORDS + u * WORDS + rem % WORDS;
 }
 
 // Byte j of w as an exact f32 (2^23 + byte, less 2^23).
@@ -557,7 +573,7 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const long long row = min(c0 + 8 * h + g, n - 1);
-        qr[h] = q + row * (k / 32 * BITS) + t * WORDS;
+        qr[h] = q + row * (k / 32 * BITS);
         sr[h] = sb + row * groups;
     }
     for (int r0 = 0; r0 < m; r0 += 8 * MT) {
@@ -571,19 +587,33 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
             u32 wq[Q_CHUNKS][4][2][WORDS];
             u32 ws[Q_CHUNKS][4][2];
 #pragma unroll
-            for (int c = 0; c < Q_CHUNKS; c++)
+            for (int c = 0; c < Q_CHUNKS; c++) {
+                const int kc = kc0 + c * TC_CHUNK * KWARPS;
+                if (kc >= k) continue;
+                const int used = min(4, (k - kc) >> 5);  // the chunk's blocks
+                const long long base = (long long)(kc >> 7) * 4 * BITS + t * used * WORDS;
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const int kb = kc0 + c * TC_CHUNK * KWARPS + u * 32;
-                    if (kb < k) {
+                for (int h = 0; h < 2; h++) {
+                    if (used == 4) {
 #pragma unroll
-                        for (int h = 0; h < 2; h++) {
+                        for (int l = 0; l < WORDS; l++) {
+                            const uint4 v4 = *reinterpret_cast<const uint4*>(qr[h] + base + 4 * l);
+                            const u32 w4[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
-                            for (int v = 0; v < WORDS; v++) wq[c][u][h][v] = qr[h][kb / 32 * BITS + v];
-                            ws[c][u][h] = sr[h][kb >> gshift];
+                            for (int e = 0; e < 4; e++) wq[c][(4 * l + e) / WORDS][h][(4 * l + e) % WORDS] = w4[e];
                         }
+                    } else {
+#pragma unroll
+                        for (int u = 0; u < 4; u++)
+                            if (u < used)
+#pragma unroll
+                                for (int v = 0; v < WORDS; v++) wq[c][u][h][v] = qr[h][base + u * WORDS + v];
                     }
+#pragma unroll
+                    for (int u = 0; u < 4; u++)
+                        if (u < used) ws[c][u][h] = sr[h][(kc + 32 * u) >> gshift];
                 }
+            }
 #pragma unroll
             for (int c = 0; c < Q_CHUNKS; c++) {
                 float dot[MT][4], xg[MT][2];
@@ -949,6 +979,29 @@ extern "C" __global__ void embed_f16(const u16* t, const u32* tok, int cols, flo
 EMBED_Q(embed_q2, 2)
 EMBED_Q(embed_q4, 4)
 EMBED_Q(embed_q8, 8)
+// The same values from codes repacked for linear_tcq (`tcq_word`): QW's get, the word
+// found through the repacked row.
+template <int BITS>
+__device__ void embed_tcq_impl(const u32* q, const float* scale, const float* qbias, int group, const u32* tok,
+                               int cols, float* out) {
+    const long long row = tok[blockIdx.x];
+    const long long words = (long long)cols * BITS / 32;
+    const int gshift = __ffs(group) - 1;  // 32, 64 or 128
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const u32 w = q[row * words + tcq_word<BITS>((long long)c * BITS / 32, cols / 32)];
+        const u32 code = (w >> (c * BITS % 32)) & ((1u << BITS) - 1u);
+        const long long g = (row * cols + c) >> gshift;
+        out[(long long)blockIdx.x * cols + c] = __fadd_rn(__fmul_rn(scale[g], (float)code), qbias[g]);
+    }
+}
+extern "C" __global__ void embed_tcq4(const u32* q, const float* scale, const float* qbias, int group,
+                                      const u32* tok, int cols, float* out) {
+    embed_tcq_impl<4>(q, scale, qbias, group, tok, cols, out);
+}
+extern "C" __global__ void embed_tcq8(const u32* q, const float* scale, const float* qbias, int group,
+                                      const u32* tok, int cols, float* out) {
+    embed_tcq_impl<8>(q, scale, qbias, group, tok, cols, out);
+}
 
 // ---------------------------------------------------------------------------------------
 // Sum of a block of 256 threads: each warp's butterfly, then warp 0 sums the 8 warp
@@ -1097,8 +1150,9 @@ extern "C" __global__ void logit_summaries(const float* logits, int vocab, float
 // ---------------------------------------------------------------------------------------
 // A forward's layout, uploaded once: per token (row, logical position, RoPE position, first
 // key it may read: 0 but for an assistant's explicit key range);
-// per row (K/V buffer address, elements per plane, committed length, window base slot,
-// ring capacity). A row's buffer holds 2 * layers planes [layer][K, V][slot][kv_heads * hd].
+// per row (K/V buffer address, units per plane (elements; words of quantized K/V),
+// committed length, window base slot, ring capacity). A row's buffer holds 2 * layers
+// planes [layer][K, V][slot][kv_heads * KvIo::units(hd)].
 // A ring (sliding-window layers) keeps committed position p at slot p % ring; a plain
 // store (ring 0) at slot p; the open window sits from window_base on in both.
 struct Tok {
@@ -1117,24 +1171,111 @@ __device__ __forceinline__ long long kv_slot(const RowKv& row, long long p) {
     return row.ring ? p % row.ring : p;
 }
 
+// Quantized K/V (`--kv-bits 8|4`) in the CPU's format (mtp_cache::QuantLayout): the K (or
+// V) of one KV head at one position is one group of words: f32 scale, f32 bias (the
+// group's minimum), then hd BITS-bit codes packed low bits first; x = scale * q + bias,
+// product and sum rounded apart as on the CPU. A pointer to it steps in words; hd % 8 == 0
+// (check_gpu_kv), so a head is whole words and every 8 codes start on a byte.
+template <int BITS>
+struct QKv {
+    u32 w;
+};
+
+// K/V access by store type: `BITS` (0: dense), `units(hd)` (what one head takes, in the
+// pointer's steps), `get`/`get8` (value d, or values d..d+7 from d % 8 == 0, of the head at
+// p + at), `put` (dense: element i).
 template <class KV>
 struct KvIo;
 template <>
 struct KvIo<float> {
-    __device__ static float get(const float* p, long long i) { return p[i]; }
-    __device__ static void get8(const float* p, long long i, float* o) { F32W{p}.get8(i, o); }
+    static constexpr int BITS = 0;
+    __device__ static int units(int hd) { return hd; }
+    __device__ static float get(const float* p, long long at, int d) { return p[at + d]; }
+    __device__ static void get8(const float* p, long long at, int d, float* o) { F32W{p}.get8(at + d, o); }
     __device__ static void put(float* p, long long i, float v) { p[i] = v; }
 };
 template <>
 struct KvIo<u16> {
-    __device__ static float get(const u16* p, long long i) { return bf16_to_f32(p[i]); }
-    __device__ static void get8(const u16* p, long long i, float* o) { widen8<bf16_to_f32>(p, i, o); }
+    static constexpr int BITS = 0;
+    __device__ static int units(int hd) { return hd; }
+    __device__ static float get(const u16* p, long long at, int d) { return bf16_to_f32(p[at + d]); }
+    __device__ static void get8(const u16* p, long long at, int d, float* o) { widen8<bf16_to_f32>(p, at + d, o); }
     __device__ static void put(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 };
+__device__ __forceinline__ float dequantize(float scale, float bias, u32 code) {
+    return __fadd_rn(__fmul_rn(scale, (float)code), bias);
+}
+template <int B>
+struct KvIo<QKv<B>> {
+    static constexpr int BITS = B;
+    static constexpr u32 MASK = (1u << B) - 1;
+    __device__ static int units(int hd) { return 2 + hd * B / 32; }
+    __device__ static float get(const QKv<B>* p, long long at, int d) {
+        const u32* g = &p[at].w;
+        const u32 code = (g[2 + d * B / 32] >> (d * B % 32)) & MASK;
+        return dequantize(__uint_as_float(g[0]), __uint_as_float(g[1]), code);
+    }
+    __device__ static void get8(const QKv<B>* p, long long at, int d, float* o) {
+        const u32* g = &p[at].w;
+        const float scale = __uint_as_float(g[0]), bias = __uint_as_float(g[1]);
+        u32 w[B / 4];
+#pragma unroll
+        for (int i = 0; i < B / 4; i++) w[i] = g[2 + d * B / 32 + i];
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[j] = dequantize(scale, bias, (w[j * B / 32] >> (j * B % 32)) & MASK);
+    }
+};
+
+// Quantizes the hd values at h (shared) into the head group g (QKv<BITS> words), as the
+// CPU's QuantLayout::quantize_head: lo and hi the minimum and maximum (NaN ignored),
+// scale = (hi - lo) / levels, q = round((x - lo) / scale) (half away from zero) clamped to
+// [0, levels], NaN to 0. Every thread of the block calls; `part` holds 2 * warps floats.
+template <int BITS>
+__device__ void quantize_head(const float* h, int hd, u32* g, float* part) {
+    float lo = __int_as_float(0x7f800000), hi = __int_as_float(0xff800000);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        lo = fminf(lo, h[i]);
+        hi = fmaxf(hi, h[i]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) {
+        part[warp] = lo;
+        part[warps + warp] = hi;
+    }
+    __syncthreads();
+    for (int w = 0; w < warps; w++) {
+        lo = fminf(lo, part[w]);
+        hi = fmaxf(hi, part[warps + w]);
+    }
+    const float levels = (float)((1u << BITS) - 1);
+    const float scale = __fdiv_rn(__fsub_rn(hi, lo), levels);
+    const float inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+    if (threadIdx.x == 0) {
+        g[0] = __float_as_uint(scale);
+        g[1] = __float_as_uint(lo);
+    }
+    constexpr int PER_WORD = 32 / BITS;
+    for (int w = threadIdx.x; w < hd / PER_WORD; w += blockDim.x) {
+        u32 word = 0;
+#pragma unroll
+        for (int j = 0; j < PER_WORD; j++) {
+            const float r = roundf(__fmul_rn(__fsub_rn(h[w * PER_WORD + j], lo), inv));
+            const u32 q = r >= 0.0f ? (u32)fminf(r, levels) : 0u;  // NaN fails r >= 0
+            word |= q << (j * BITS);
+        }
+        g[2 + w] = word;
+    }
+}
 
 // Per (token, head): optional per-head RMSNorm (q and k), RoPE at the token's RoPE
 // position (HF rotate_half: element i pairs with i + hd/2), then q back in place and K, V
-// stored at the token's window slot of layer `layer`. grid: (tokens, heads + 2 * kv_heads),
+// stored at the token's window slot of layer `layer` (quantized K/V: each head's values
+// gathered in shared memory, then `quantize_head`). grid: (tokens, heads + 2 * kv_heads),
 // or (tokens, heads) to rotate q alone; block: 128. Requires hd <= 512.
 template <class KV>
 __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, const float* q_norm,
@@ -1150,10 +1291,19 @@ __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, con
     const long long slot = kv_slot(row, tok.pos);
     KV* kbuf = reinterpret_cast<KV*>(row.base) + (long long)(2 * layer) * row.plane;
     KV* vbuf = reinterpret_cast<KV*>(row.base) + (long long)(2 * layer + 1) * row.plane;
+    constexpr int BITS = KvIo<KV>::BITS;
+    // A quantized head's words: slot * (kv_heads heads of `units`) + head * units.
+    const int units = KvIo<KV>::units(hd);
     if (y >= heads + kv_heads) {  // V: stored as is
         const int hv = y - heads - kv_heads;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x)
-            KvIo<KV>::put(vbuf, slot * kvd + hv * hd + i, v[(long long)t * kvd + hv * hd + i]);
+        if constexpr (BITS > 0) {
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) h[i] = v[(long long)t * kvd + hv * hd + i];
+            __syncthreads();
+            quantize_head<BITS>(h, hd, &vbuf[(slot * kv_heads + hv) * units].w, part);
+        } else {
+            for (int i = threadIdx.x; i < hd; i += blockDim.x)
+                KvIo<KV>::put(vbuf, slot * kvd + hv * hd + i, v[(long long)t * kvd + hv * hd + i]);
+        }
         return;
     }
     const bool is_q = y < heads;
@@ -1187,11 +1337,19 @@ __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, con
             float* dst = q + (long long)t * heads * hd + y * hd;
             dst[i] = a;
             dst[i + half] = b;
+        } else if constexpr (BITS > 0) {
+            h[i] = a;  // this thread alone reads and writes elements i and i + half
+            h[i + half] = b;
         } else {
             const long long at = slot * kvd + (y - heads) * hd;
             KvIo<KV>::put(kbuf, at + i, a);
             KvIo<KV>::put(kbuf, at + i + half, b);
         }
+    }
+    if constexpr (BITS > 0) {
+        if (is_q) return;  // uniform across the block
+        __syncthreads();
+        quantize_head<BITS>(h, hd, &kbuf[(slot * kv_heads + (y - heads)) * units].w, part);
     }
 }
 
@@ -1202,6 +1360,8 @@ __device__ void qk_rope_store_impl(float* q, const float* k, const float* v, con
 #define QK_PASS q, k, v, q_norm, k_norm, eps, cos_t, sin_t, toks, rows, layer, heads, kv_heads, hd
 extern "C" __global__ void qk_rope_store_f32(QK_ARGS) { qk_rope_store_impl<float>(QK_PASS); }
 extern "C" __global__ void qk_rope_store_bf16(QK_ARGS) { qk_rope_store_impl<u16>(QK_PASS); }
+extern "C" __global__ void qk_rope_store_q8(QK_ARGS) { qk_rope_store_impl<QKv<8>>(QK_PASS); }
+extern "C" __global__ void qk_rope_store_q4(QK_ARGS) { qk_rope_store_impl<QKv<4>>(QK_PASS); }
 
 // ---------------------------------------------------------------------------------------
 // Attention. The query at logical position p reads keys [0, p] of its own row ((p - window,
@@ -1276,13 +1436,49 @@ struct Dims {
     }
 };
 
+// The same for quantized K/V: the P codes (packed as stored) and their group's scale and bias.
+template <int B, int P>
+struct Dims<QKv<B>, P> {
+    static constexpr int W = (P * B + 31) / 32;
+    u32 w[W];
+    float scale, bias;
+    __device__ __forceinline__ float get(int i) const {
+        return dequantize(scale, bias, (w[i * B / 32] >> (i * B % 32)) & ((1u << B) - 1));
+    }
+};
+
 // Lane `lane`'s P dims of the value row at `v` (hd elements): vector loads when hd is a
 // multiple of P (VEC), else an element each; dims past hd are clamped into the row (loaded,
 // never used), so every load is in bounds and none is conditional.
 template <class KV, int P, bool VEC>
 __device__ __forceinline__ Dims<KV, P> lane_dims(const KV* v, int hd, int lane) {
     Dims<KV, P> r;
-    if constexpr (VEC) {
+    if constexpr (KvIo<KV>::BITS > 0) {
+        // Quantized: the group's scale and bias, then the lane's codes (P * B bits from a
+        // multiple of P codes: 16 bits at P = 4, B = 4; else whole words).
+        constexpr int B = KvIo<KV>::BITS;
+        const u32* g = &v->w;
+        r.scale = __uint_as_float(g[0]);
+        r.bias = __uint_as_float(g[1]);
+        if constexpr (VEC) {
+            const int e0 = min(lane * P, hd - P);
+            if constexpr (P * B == 16) {
+                r.w[0] = reinterpret_cast<const u16*>(g + 2)[e0 / 4];
+            } else {
+#pragma unroll
+                for (int i = 0; i < Dims<KV, P>::W; i++) r.w[i] = g[2 + e0 * B / 32 + i];
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < Dims<KV, P>::W; i++) r.w[i] = 0;
+#pragma unroll
+            for (int i = 0; i < P; i++) {
+                const int e = min(lane * P + i, hd - 1);
+                const u32 code = (g[2 + e * B / 32] >> (e * B % 32)) & ((1u << B) - 1);
+                r.w[i * B / 32] |= code << (i * B % 32);
+            }
+        }
+    } else if constexpr (VEC) {
         const KV* at = v + min(lane * P, hd - P);
         // volatile: issued here, ahead of the FMAs (a plain load was moved down to its use).
         if constexpr (Dims<KV, P>::W == 2) {
@@ -1362,7 +1558,7 @@ __device__ void attend_chunk(Online<MAX_HD>* st, int c0, int k0, int k1, const f
 #pragma unroll 4
             for (int d = 0; d < hd; d += 8) {
                 float kv[8];
-                KvIo<KV>::get8(kbuf, at + d, kv);
+                KvIo<KV>::get8(kbuf, at, d, kv);
 #pragma unroll
                 for (int g = 0; g < G; g++)
 #pragma unroll
@@ -1370,7 +1566,7 @@ __device__ void attend_chunk(Online<MAX_HD>* st, int c0, int k0, int k1, const f
             }
         } else {
             for (int d = 0; d < hd; d++) {
-                const float k = KvIo<KV>::get(kbuf, at + d);
+                const float k = KvIo<KV>::get(kbuf, at, d);
 #pragma unroll
                 for (int g = 0; g < G; g++) dot[g] = fmaf(qs[g * MAX_HD + d], k, dot[g]);
             }
@@ -1469,10 +1665,11 @@ __device__ void attention_impl(const float* q, float* out, float* partial, const
     const int max_segs = gridDim.y / groups;
     const Tok tok = toks[t];
     const RowKv row = rows[tok.row];
-    const int kvd = kv_heads * hd;
+    const int units = KvIo<KV>::units(hd);  // a head's K/V in the store's steps
+    const int kvd = kv_heads * units;
     const int kvh = head0 / (heads / kv_heads);
-    const KV* kbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer) * row.plane + kvh * hd;
-    const KV* vbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer + 1) * row.plane + kvh * hd;
+    const KV* kbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer) * row.plane + kvh * units;
+    const KV* vbuf = reinterpret_cast<const KV*>(row.base) + (long long)(2 * layer + 1) * row.plane + kvh * units;
     const float* qh = q + ((long long)t * heads + head0) * hd;
     for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i / hd * MAX_HD + i % hd] = qh[i];
     __syncthreads();
@@ -1543,6 +1740,16 @@ ATT_KERNEL(attention_f32_256, float, 256, 1)
 ATT_KERNEL(attention_bf16_256, u16, 256, 1)
 ATT_KERNEL(attention_f32_512, float, 512, 1)
 ATT_KERNEL(attention_bf16_512, u16, 512, 1)
+ATT_KERNEL(attention_q8_128, QKv<8>, 128, 1)
+ATT_KERNEL(attention_q4_128, QKv<4>, 128, 1)
+ATT_KERNEL(attention_q8_128_g2, QKv<8>, 128, 2)
+ATT_KERNEL(attention_q4_128_g2, QKv<4>, 128, 2)
+ATT_KERNEL(attention_q8_128_g4, QKv<8>, 128, 4)
+ATT_KERNEL(attention_q4_128_g4, QKv<4>, 128, 4)
+ATT_KERNEL(attention_q8_256, QKv<8>, 256, 1)
+ATT_KERNEL(attention_q4_256, QKv<4>, 256, 1)
+ATT_KERNEL(attention_q8_512, QKv<8>, 512, 1)
+ATT_KERNEL(attention_q4_512, QKv<4>, 512, 1)
 
 // Merges the segments' states that `attention` stored in `partial` (tokens x heads x
 // max_segs states of hd + 2 floats), in segment order, as the one-block launch does.
@@ -1578,7 +1785,8 @@ extern "C" __global__ void attention_merge(const float* partial, float* out, int
 }
 
 // ---------------------------------------------------------------------------------------
-// KV store maintenance on raw element words (4-byte words for f32, 2-byte for bf16).
+// KV store maintenance on raw units (4-byte words for f32 and quantized K/V, 2-byte for
+// bf16).
 //
 // Moves slots [from, from + n) down to [to, to + n) of every plane (to < from, the ranges
 // may overlap): one block per plane walks forward in chunks, all reads of a chunk before

@@ -1,5 +1,6 @@
 //! A row's K/V in device memory: one allocation of `2 * layers` planes (`[layer][K, V]`),
-//! each `capacity` slots of `stride` values in the model's KV dtype. Capacity grows by half
+//! each `capacity` slots of `stride` units in the model's KV dtype (elements of f32 or
+//! bf16; 32-bit words of quantized K/V, a slot the CPU's bytes: `KvDtype::slot_units`). Capacity grows by half
 //! again when a window needs more (so memory follows the row's own length), moves and
 //! copies run as kernels on the backend's stream.
 
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use mtp_cache::{KvError, KvStore};
 
-use super::{kv_index, ptr, Cuda, KvDtype};
+use super::{kv_unit_index, ptr, Cuda, KvDtype};
 
 pub struct CudaKv {
     cuda: Arc<Cuda>,
@@ -35,13 +36,13 @@ impl CudaKv {
         self.buf.as_ref().map_or(0, |b| ptr(b, self.cuda.stream()) as i64)
     }
 
-    /// Elements per plane.
+    /// Units per plane.
     pub fn plane(&self) -> usize {
         self.capacity * self.stride
     }
 
     fn plane_bytes(&self, capacity: usize) -> usize {
-        capacity * self.stride * self.dtype.size()
+        capacity * self.stride * self.dtype.unit_bytes()
     }
 
     fn err(what: &str, e: impl std::fmt::Debug) -> KvError {
@@ -61,7 +62,7 @@ impl CudaKv {
         zero_from: usize,
         zero_to: usize,
     ) -> Result<(), KvError> {
-        let f = &self.cuda.f.kv_copy[kv_index(self.dtype)];
+        let f = &self.cuda.f.kv_copy[kv_unit_index(self.dtype)];
         let work = n + zero_to.saturating_sub(zero_from);
         let blocks = work.div_ceil(256).clamp(1, 1024) as u32;
         let (sp, dp, n, z0, z1) =
@@ -113,7 +114,7 @@ impl KvStore for CudaKv {
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {
         let Some(buf) = &self.buf else { return };
-        let f = &self.cuda.f.kv_move[kv_index(self.dtype)];
+        let f = &self.cuda.f.kv_move[kv_unit_index(self.dtype)];
         let base = ptr(buf, self.cuda.stream());
         let (plane, from, to, n) = (
             (self.plane()) as i64,
@@ -135,7 +136,7 @@ impl KvStore for CudaKv {
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
         let Some(buf) = &self.buf else { return Ok((Vec::new(), Vec::new())) };
-        let (pb, len) = (self.plane_bytes(self.capacity), n * self.stride * self.dtype.size());
+        let (pb, len) = (self.plane_bytes(self.capacity), n * self.stride * self.dtype.unit_bytes());
         let s = self.cuda.stream();
         let k = s
             .clone_dtoh(&buf.slice(2 * layer * pb..2 * layer * pb + len))
@@ -148,8 +149,8 @@ impl KvStore for CudaKv {
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
         let pb = self.plane_bytes(self.capacity);
-        let at = slot * self.stride * self.dtype.size();
-        if k.len() != v.len() || at + k.len() > self.held * self.stride * self.dtype.size() {
+        let at = slot * self.stride * self.dtype.unit_bytes();
+        if k.len() != v.len() || at + k.len() > self.held * self.stride * self.dtype.unit_bytes() {
             return Err(KvError(format!(
                 "GPU KV cache: cannot write {} bytes at slot {slot} of {} held slots",
                 k.len(),

@@ -57,8 +57,8 @@ use mtp_base::weights::{Weight, WeightDtype};
 use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    check_gpu_heads, device_kv_dtype, held_keys, linear_each, open_windows, Activations, AssistantKernels,
-    Backend, ForwardBody, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    check_gpu_heads, check_gpu_kv, device_kv_dtype, held_keys, linear_each, open_windows, Activations,
+    AssistantKernels, Backend, ForwardBody, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
@@ -100,6 +100,32 @@ fn group_words(q: &mtp_base::weights::Quant) -> Vec<u32> {
     let scales = half(q.scales.bytes());
     let biases = q.biases.as_ref().map(|b| half(b.bytes())).unwrap_or_default();
     scales.iter().zip(&biases).map(|(&s, &b)| s as u32 | (b as u32) << 16).collect()
+}
+
+/// A quantized weight's codes in `linear_tcq`'s order (kernels.cu): in each row's chunk of
+/// 128 values (its `used` blocks of 32, `bits` words a block, lane t's `bits / 4` of them at
+/// `t * bits / 4`), lane t's words of the chunk together, so a lane loads a whole chunk's
+/// codes at once. The embedding's `embed_tcq` reads the same order.
+fn repack_codes(packed: &[u8], cols: usize, bits: usize) -> Vec<u32> {
+    let mlx: Vec<u32> =
+        packed.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let (words, blocks, lane_words) = (cols * bits / 32, cols / 32, bits / 4);
+    let mut out = vec![0u32; mlx.len()];
+    for (src, dst) in mlx.chunks_exact(words).zip(out.chunks_exact_mut(words)) {
+        for chunk in 0..blocks.div_ceil(4) {
+            let used = (blocks - 4 * chunk).min(4);
+            let base = chunk * 4 * bits;
+            for u in 0..used {
+                for t in 0..4 {
+                    for v in 0..lane_words {
+                        let from = base + u * bits + t * lane_words + v;
+                        dst[base + t * used * lane_words + u * lane_words + v] = src[from];
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Whether 1 to 3 weights take one `linear_tcq` launch: each on the quantized tensor-core
@@ -292,9 +318,20 @@ fn driver(what: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend(format!("CUDA {what}: {e:?}"))
 }
 
-/// Kernel variant for a K/V dtype: f32, bf16.
+/// Kernel variant for a K/V dtype: f32, bf16, 8-bit, 4-bit.
 fn kv_index(kv: KvDtype) -> usize {
-    (kv == KvDtype::Bf16) as usize
+    match kv {
+        KvDtype::Auto | KvDtype::F32 => 0,
+        KvDtype::Bf16 => 1,
+        KvDtype::Q8 => 2,
+        KvDtype::Q4 => 3,
+    }
+}
+
+/// The store-maintenance variant (moves, copies) for a K/V dtype: 4-byte units (f32
+/// elements, quantized words), 2-byte (bf16).
+fn kv_unit_index(kv: KvDtype) -> usize {
+    (kv.unit_bytes() == 2) as usize
 }
 
 fn weight_index(d: WeightDtype) -> usize {
@@ -336,19 +373,23 @@ struct Functions {
     linear_merge_phases: CudaFunction,
     embed: [CudaFunction; 3],
     embed_q: [CudaFunction; 3],
+    /// The same over codes in `linear_tcq`'s order ([`repack_codes`]), by bits (4, 8).
+    embed_tcq: [CudaFunction; 2],
     widen: [CudaFunction; 2],
     rms_norm: CudaFunction,
     swiglu: CudaFunction,
     gather: CudaFunction,
     add_into: CudaFunction,
-    qk_rope_store: [CudaFunction; 2],
-    /// By K/V dtype, then head size: up to 128, 256, 512.
-    /// Per K/V dtype: head size 128 serving 1, 2 or 4 query heads a block, 256, 512.
-    attention: [[CudaFunction; 5]; 2],
+    /// By K/V dtype ([`kv_index`]).
+    qk_rope_store: [CudaFunction; 4],
+    /// By K/V dtype ([`kv_index`]), then head size 128 serving 1, 2 or 4 query heads a
+    /// block, 256, 512.
+    attention: [[CudaFunction; 5]; 4],
     attention_merge: CudaFunction,
     /// Tensor-core attention (flash.cuh) by head-size tier, and its merge.
     flash: [CudaFunction; 3],
     flash_merge: CudaFunction,
+    /// By unit ([`kv_unit_index`]).
     kv_move: [CudaFunction; 2],
     kv_copy: [CudaFunction; 2],
     gelu_tanh_mul: CudaFunction,
@@ -539,12 +580,18 @@ impl Cuda {
             linear_merge_phases: get("linear_merge_phases")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
+            embed_tcq: [get("embed_tcq4")?, get("embed_tcq8")?],
             widen: [get("widen_bf16")?, get("widen_f16")?],
             rms_norm: get("rms_norm")?,
             swiglu: get("swiglu")?,
             gather: get("gather_rows")?,
             add_into: get("add_into")?,
-            qk_rope_store: [get("qk_rope_store_f32")?, get("qk_rope_store_bf16")?],
+            qk_rope_store: [
+                get("qk_rope_store_f32")?,
+                get("qk_rope_store_bf16")?,
+                get("qk_rope_store_q8")?,
+                get("qk_rope_store_q4")?,
+            ],
             attention: [
                 [
                     get("attention_f32_128")?,
@@ -559,6 +606,20 @@ impl Cuda {
                     get("attention_bf16_128_g4")?,
                     get("attention_bf16_256")?,
                     get("attention_bf16_512")?,
+                ],
+                [
+                    get("attention_q8_128")?,
+                    get("attention_q8_128_g2")?,
+                    get("attention_q8_128_g4")?,
+                    get("attention_q8_256")?,
+                    get("attention_q8_512")?,
+                ],
+                [
+                    get("attention_q4_128")?,
+                    get("attention_q4_128_g2")?,
+                    get("attention_q4_128_g4")?,
+                    get("attention_q4_256")?,
+                    get("attention_q4_512")?,
                 ],
             ],
             attention_merge: get("attention_merge")?,
@@ -1102,14 +1163,22 @@ impl Kernels for Cuda {
             }),
             None => None,
         };
-        let buf = self.stream.clone_htod(w.bytes()).map_err(|e| {
+        let copy_err = |e| {
             Error::Backend(format!(
                 "cannot copy a {} x {} {} weight to the GPU: {e:?}",
                 w.rows,
                 w.cols,
                 w.dtype.name()
             ))
-        })?;
+        };
+        let buf = match quant.as_ref().filter(|q| q.tensor_cores.is_some()) {
+            Some(q) => {
+                let bytes: Vec<u8> =
+                    repack_codes(w.bytes(), w.cols, q.bits).iter().flat_map(|c| c.to_le_bytes()).collect();
+                self.stream.clone_htod(&bytes).map_err(copy_err)?
+            }
+            None => self.stream.clone_htod(w.bytes()).map_err(copy_err)?,
+        };
         Ok(CudaMat { buf, dtype: w.dtype, rows: w.rows, cols: w.cols, quant })
     }
 
@@ -1133,8 +1202,7 @@ impl Kernels for Cuda {
         head_dim: usize,
         kv: KvDtype,
     ) -> Box<dyn KvStore> {
-        let stride = heads * head_dim;
-        Box::new(CudaKv::new(self.clone(), n_layers, stride, kv))
+        Box::new(CudaKv::new(self.clone(), n_layers, kv.slot_units(heads, head_dim), kv))
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
@@ -1411,6 +1479,7 @@ impl Kernels for Cuda {
         heads: Heads,
     ) -> Result<()> {
         check_heads(heads)?;
+        check_gpu_kv(batch.kv, heads.head_dim, "CUDA")?;
         let s = &self.stream;
         let (rows, li) = self.plane_rows(batch, plane)?;
         let (qn, kn, eps) = norms.map_or((0, 0, 0.0), |(a, b, e)| (ptr(a, s), ptr(b, s), e));
@@ -1599,6 +1668,7 @@ impl Cuda {
         kv: KvDtype,
         keys: AttentionKeys,
     ) -> Result<()> {
+        check_gpu_kv(kv, heads.head_dim, "CUDA")?;
         if let Some(tier) = flash::pick(self.activations, kv, heads) {
             let (f, max_hd) = (&self.f.flash[tier], flash::TIERS[tier]);
             return self.launch_flash(f, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
@@ -1648,7 +1718,10 @@ impl Cuda {
         let (t, tk, cols, o) = (ptr(&table.buf, s), ptr(toks, s), table.cols as i32, ptr(out, s));
         if let Some(q) = &table.quant {
             let (sc, bi, g) = (ptr(&q.scales, s), q.biases.as_ref().map_or(0, |b| ptr(b, s)), q.group as i32);
-            let f = &self.f.embed_q[bits_index(q.bits)];
+            let f = match q.tensor_cores {
+                Some(_) => &self.f.embed_tcq[(q.bits == 8) as usize],
+                None => &self.f.embed_q[bits_index(q.bits)],
+            };
             return launch!(self, f, (n as u32, 1), 256, "embed", [t, sc, bi, g, tk, cols, o]);
         }
         launch!(self, &self.f.embed[weight_index(table.dtype)], (n as u32, 1), 256, "embed", [t, tk, cols, o])
@@ -1741,4 +1814,46 @@ impl AssistantKernels for Cuda {
 
 fn check_heads(h: Heads) -> Result<()> {
     check_gpu_heads(h, "CUDA")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::repack_codes;
+
+    /// Every MLX word lands once, and where `linear_tcq`'s lane t reads block u of a chunk
+    /// (its words together: whole chunks, and the partial last chunk of K = 96 and 160).
+    #[test]
+    fn repacked_codes_are_where_each_lane_reads_them() {
+        for bits in [4, 8] {
+            for cols in [96, 128, 160, 4096] {
+                let (rows, words, lane_words) = (3, cols * bits / 32, bits / 4);
+                let mlx: Vec<u8> = (0..(rows * words) as u32).flat_map(|i| i.to_le_bytes()).collect();
+                let out = repack_codes(&mlx, cols, bits);
+                let mut seen = out.clone();
+                seen.sort_unstable();
+                assert!(
+                    seen.iter().copied().eq(0..(rows * words) as u32),
+                    "{bits}-bit, K = {cols}: not a permutation"
+                );
+                for row in 0..rows {
+                    for kc in (0..cols).step_by(128) {
+                        let used = ((cols - kc) / 32).min(4);
+                        for t in 0..4 {
+                            let lane = row * words + kc / 32 * bits + t * used * lane_words;
+                            for u in 0..used {
+                                for v in 0..lane_words {
+                                    let mlx_word = row * words + (kc / 32 + u) * bits + t * lane_words + v;
+                                    assert_eq!(
+                                        out[lane + u * lane_words + v],
+                                        mlx_word as u32,
+                                        "{bits}-bit, K = {cols}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

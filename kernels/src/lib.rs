@@ -65,9 +65,10 @@ impl Backend {
 
 /// How K/V are stored. `Auto` is each backend's default: f32 on the CPU; on CUDA, bf16 for
 /// 16-bit checkpoints (half the memory; logits move by about 1e-2) and f32 for f32 ones.
-/// `Q8` / `Q4` (`--kv-bits 8|4`, CPU): each position's K or V of one KV head quantized as
-/// one group with an f32 scale and bias.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// `Q8` / `Q4` (`--kv-bits 8|4`, every backend): each position's K or V of one KV head
+/// quantized as one group with an f32 scale and bias (`mtp_cache::QuantLayout`, one format
+/// on every backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum KvDtype {
     #[default]
     Auto,
@@ -116,6 +117,21 @@ impl KvDtype {
             Some(bits) => mtp_cache::QuantLayout { heads: kv_heads, head_dim, bits }.slot_bytes(),
             None => kv_heads * head_dim * self.size(),
         }
+    }
+
+    /// Bytes of the unit a GPU store addresses (and moves) K/V in: the element of a dense
+    /// dtype, a 32-bit word of a quantized one.
+    pub fn unit_bytes(self) -> usize {
+        match self.bits() {
+            Some(_) => 4,
+            None => self.size(),
+        }
+    }
+
+    /// Units of one position's K (or V) for one layer in a GPU store (a quantized slot is
+    /// whole words where [`check_gpu_kv`] admits its heads).
+    pub fn slot_units(self, kv_heads: usize, head_dim: usize) -> usize {
+        self.slot_bytes(kv_heads, head_dim).div_ceil(self.unit_bytes())
     }
 }
 
@@ -591,11 +607,8 @@ pub fn held_keys(cache: &RowCache, r: usize, plane: Plane, keys: KeyRange) -> Re
 }
 
 /// The GPU backends' K/V dtype: f32 for f32 weights and bf16 for 16-bit ones by default (half
-/// the memory), or as chosen; quantized K/V are the CPU's only (so far).
+/// the memory), or as chosen (quantized included).
 pub fn device_kv_dtype(kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
-    if kv.bits().is_some() {
-        return Err(Error::Backend("quantized K/V (--kv-bits) runs on the CPU backend only (so far)".into()));
-    }
     Ok(match (kv, weights) {
         (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
         (KvDtype::Auto, _) => KvDtype::Bf16,
@@ -616,6 +629,19 @@ pub fn check_gpu_heads(h: Heads, backend: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Whether the GPU kernels of `backend` store K/V of `kv` for heads of `head_dim`: a
+/// quantized head's codes must fill whole 32-bit words, with every lane's share of them
+/// starting on a whole code byte (head_dim a multiple of 8).
+pub fn check_gpu_kv(kv: KvDtype, head_dim: usize, backend: &str) -> Result<()> {
+    match kv.bits() {
+        Some(bits) if !head_dim.is_multiple_of(8) => Err(Error::Backend(format!(
+            "{backend}: {bits}-bit K/V (--kv-bits {bits}) need head_dim a multiple of 8 (got {head_dim}); \
+             use --kv-dtype instead"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The capacity a device K/V store grows to when a window needs `slots`: by half again, at

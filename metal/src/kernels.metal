@@ -5,10 +5,12 @@
 // constants (a SIMD-group of 32 lanes reduced by an explicit xor butterfly, 8 elements per
 // lane per step, key chunks of 32 anchored at position 0), never on how many tokens or
 // rows share a dispatch. Activations are f32; weights are read in their checkpoint dtype
-// and widened in registers; K/V are stored in the model's KV dtype (f32 or bf16). Built
-// with fast math off (metal.rs): every row runs the same instructions in any batch anyway.
+// and widened in registers; K/V are stored in the model's KV dtype (f32, bf16, or 8- or
+// 4-bit codes in the CPU's format, `QKv`: quantized on store, dequantized on load). Built
+// with fast math off (apple.rs): every row runs the same instructions in any batch anyway,
+// and a multiply then an add written as two statements stay two roundings.
 //
-// Conventions the Rust side (metal/mod.rs) and the emulator rely on, checked by
+// Conventions the Rust side (lib.rs) and the emulator rely on, checked by
 // tests/metal_source.rs: buffer indices run 0, 1, 2, .. in parameter order; the only
 // built-ins are `uint2 group [[threadgroup_position_in_grid]]` and
 // `uint tid [[thread_index_in_threadgroup]]`, last; threadgroups are 1-D and a multiple of
@@ -41,6 +43,10 @@ inline float4 simd_sum_fixed(float4 v) {
 }
 inline float simd_max_fixed(float v) {
     for (ushort o = 16; o > 0; o >>= 1) v = fmax(v, simd_shuffle_xor(v, o));
+    return v;
+}
+inline float simd_min_fixed(float v) {
+    for (ushort o = 16; o > 0; o >>= 1) v = fmin(v, simd_shuffle_xor(v, o));
     return v;
 }
 
@@ -345,12 +351,15 @@ kernel void rope_rows(device float* x [[buffer(0)]], constant int& width [[buffe
 }
 
 // ---------------------------------------------------------------------------------------
-// K/V of one row: its buffer holds 2 * layers planes [layer][K, V][slot][kv_heads * hd] of
-// `plane` elements each. A ring (sliding-window layers) keeps committed position p at slot
-// p % ring; a plain store (ring 0) at slot p; the open window sits from window_base on in
-// both. Attention and the K/V store run one dispatch per row over that row's own buffer;
-// a forward's tokens are listed row by row, (position, RoPE position, first key, unused)
-// each, and a row's dispatch covers tokens [tok0, tok0 + its count).
+// K/V of one row: its buffer holds 2 * layers planes [layer][K, V][slot][kv_heads heads] of
+// `plane` units each, a head `kv_units(hd)` units at (slot * kv_heads + head) * kv_units(hd)
+// of its plane. The unit is the element of f32 (`float`) or bf16 (`ushort`) K/V, and a
+// 32-bit word of quantized K/V (`--kv-bits 8|4`, `QKv<BITS>`). A ring (sliding-window
+// layers) keeps committed position p at slot p % ring; a plain store (ring 0) at slot p;
+// the open window sits from window_base on in both. Attention and the K/V store run one
+// dispatch per row over that row's own buffer; a forward's tokens are listed row by row,
+// (position, RoPE position, first key, unused) each, and a row's dispatch covers tokens
+// [tok0, tok0 + its count).
 struct RowKv {
     long plane;
     long committed;
@@ -363,16 +372,116 @@ inline long kv_slot(RowKv row, long p) {
     return row.ring != 0 ? p % row.ring : p;
 }
 
-inline float kv_get(device const float* p, long i) { return p[i]; }
-inline float kv_get(device const ushort* p, long i) { return bf16_to_f32(p[i]); }
-inline void kv_put(device float* p, long i, float v) { p[i] = v; }
-inline void kv_put(device ushort* p, long i, float v) { p[i] = f32_to_bf16(v); }
+// Quantized K/V in the CPU's format (mtp_cache::QuantLayout): a head is one group of
+// words, f32 scale, f32 bias (the head's minimum), then hd BITS-bit codes packed low bits
+// first (8 codes a word at 4 bits, 4 at 8: little-endian, so the bytes are the CPU's);
+// x = scale * q + bias, a multiply then an add (never fused), as on the CPU. hd % 8 == 0
+// (check_gpu_kv): a head is whole words.
+template <int BITS>
+struct QKv {
+    uint w;
+};
+
+// Units of one head.
+inline int kv_units(device const float*, int hd) { return hd; }
+inline int kv_units(device const ushort*, int hd) { return hd; }
+template <int BITS>
+inline int kv_units(device const QKv<BITS>*, int hd) {
+    return 2 + hd * BITS / 32;
+}
+
+// Value d of the head at h, widened to f32.
+inline float kv_get(device const float* h, int d) { return h[d]; }
+inline float kv_get(device const ushort* h, int d) { return bf16_to_f32(h[d]); }
+template <int BITS>
+inline float kv_get(device const QKv<BITS>* h, int d) {
+    const uint code = (h[2 + d * BITS / 32].w >> uint(d * BITS % 32)) & ((1u << BITS) - 1u);
+    const float scaled = as_type<float>(h[0].w) * float(code);
+    return scaled + as_type<float>(h[1].w);
+}
+
+// What the K/V store takes for one head: the V projection's values, or a q or K head's
+// after the optional per-head RMSNorm (`inv` its 1 / rms, weights nw) and RoPE (HF
+// rotate_half: element i pairs with i + hd/2), `pair` computing elements i and i + hd/2.
+struct Values {
+    device const float* p;
+    float get(int e) const { return p[e]; }
+};
+struct Rotated {
+    device const float* src;
+    device const float* nw;
+    int has_norm;
+    float inv;
+    device const float* c;
+    device const float* sn;
+    int half_hd;
+    void pair(int i, thread float& a, thread float& b) const {
+        float x1 = src[i], x2 = src[i + half_hd];
+        if (has_norm != 0) {
+            x1 = nw[i] * (x1 * inv);
+            x2 = nw[i + half_hd] * (x2 * inv);
+        }
+        a = x1 * c[i] - x2 * sn[i];
+        b = x2 * c[i] + x1 * sn[i];
+    }
+    float get(int e) const {
+        float a, b;
+        pair(e < half_hd ? e : e - half_hd, a, b);
+        return e < half_hd ? a : b;
+    }
+};
+
+// Stores the hd values of `src` as the head at h; all 32 lanes of the SIMD-group call.
+// Dense: lane L writes elements L, L + 32, ..
+template <class S>
+inline void kv_put_head(device float* h, S src, int hd, int lane) {
+    for (int i = lane; i < hd; i += 32) h[i] = src.get(i);
+}
+template <class S>
+inline void kv_put_head(device ushort* h, S src, int hd, int lane) {
+    for (int i = lane; i < hd; i += 32) h[i] = f32_to_bf16(src.get(i));
+}
+// Quantized, as the CPU's QuantLayout::quantize_head: lo and hi the minimum and maximum of
+// the values (NaN ignored: fmin/fmax over each lane's, then the butterfly; min and max
+// are exact in any order), scale = (hi - lo) / levels, inv = 1 / scale (0 unless
+// scale > 0), q = round((x - lo) * inv) (half away from zero) clamped to [0, levels], NaN
+// to 0. Lane L packs code words L, L + 32, .. (each value computed again where it is
+// packed: `src` gives the same bits every call); lane 0 writes the scale and the bias.
+template <int BITS, class S>
+inline void kv_put_head(device QKv<BITS>* h, S src, int hd, int lane) {
+    float lo = as_type<float>(0x7f800000u), hi = as_type<float>(0xff800000u);
+    for (int e = lane; e < hd; e += 32) {
+        const float x = src.get(e);
+        lo = fmin(lo, x);
+        hi = fmax(hi, x);
+    }
+    lo = simd_min_fixed(lo);
+    hi = simd_max_fixed(hi);
+    const float levels = float((1u << BITS) - 1u);
+    const float scale = (hi - lo) / levels;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    if (lane == 0) {
+        h[0].w = as_type<uint>(scale);
+        h[1].w = as_type<uint>(lo);
+    }
+    const int per = 32 / BITS;
+    for (int w = lane; w < hd / per; w += 32) {
+        uint word = 0u;
+        for (int j = 0; j < per; j++) {
+            const float r = round((src.get(w * per + j) - lo) * inv);
+            const uint code = r >= 0.0f ? uint(fmin(r, levels)) : 0u;  // NaN fails r >= 0
+            word |= code << uint(j * BITS);
+        }
+        h[2 + w].w = word;
+    }
+}
 
 // Per (token, head): optional per-head RMSNorm (q and k), RoPE at the token's RoPE
-// position, then q back in place and K, V stored at the token's window slot of `layer`.
-// grid: (row tokens, heads + 2 * kv_heads), or (row tokens, heads) to rotate q alone
-// (has_kv 0); threadgroup: 32. Lane L handles the pairs (i, i + hd/2), i = L, L + 32, ..;
-// the norm's butterfly runs before any lane writes, so q is rewritten in place safely.
+// position, then q back in place and K, V stored at the token's window slot of `layer`
+// (`kv_put_head`: quantized K/V one group per head). grid: (row tokens, heads +
+// 2 * kv_heads), or (row tokens, heads) to rotate q alone (has_kv 0); threadgroup: 32.
+// Lane L handles the pairs (i, i + hd/2), i = L, L + 32, .. of q; the norm's butterfly runs
+// before any lane writes, so q is rewritten in place safely.
 template <class KV>
 void qk_rope_store_impl(device float* q, device const float* k, device const float* v,
                         device const float* q_norm, device const float* k_norm, int has_norm, float eps,
@@ -382,18 +491,18 @@ void qk_rope_store_impl(device float* q, device const float* k, device const flo
     const int t = tok0 + int(group.x), y = int(group.y);
     const int pos = toks[4 * t], rope_pos = toks[4 * t + 1];
     const long kvd = long(kv_heads) * long(hd);
+    const int units = kv_units(kv, hd);
     const long slot = kv_slot(row, pos);
     device KV* kbuf = kv + long(2 * layer) * row.plane;
     device KV* vbuf = kv + long(2 * layer + 1) * row.plane;
     const int lane = int(tid);
-    if (y >= heads + kv_heads) {  // V: stored as is
+    if (y >= heads + kv_heads) {  // V: stored as is (quantized: as one group)
         const int hv = y - heads - kv_heads;
-        for (int i = lane; i < hd; i += 32) kv_put(vbuf, slot * kvd + hv * hd + i, v[long(t) * kvd + hv * hd + i]);
+        kv_put_head(vbuf + (slot * kv_heads + hv) * units, Values{v + long(t) * kvd + hv * hd}, hd, lane);
         return;
     }
     const bool is_q = y < heads;
     device const float* src = is_q ? q + (long(t) * heads + y) * hd : k + long(t) * kvd + long(y - heads) * hd;
-    device const float* nw = is_q ? q_norm : k_norm;
     float inv = 1.0f;
     if (has_norm != 0) {
         float s = 0.0f;
@@ -402,25 +511,23 @@ void qk_rope_store_impl(device float* q, device const float* k, device const flo
         inv = 1.0f / sqrt(s / float(hd) + eps);
     }
     const int half_hd = hd / 2;
-    device const float* c = cos_t + long(rope_pos) * half_hd;
-    device const float* sn = sin_t + long(rope_pos) * half_hd;
+    const Rotated rot{src,
+                      is_q ? q_norm : k_norm,
+                      has_norm,
+                      inv,
+                      cos_t + long(rope_pos) * half_hd,
+                      sin_t + long(rope_pos) * half_hd,
+                      half_hd};
+    if (!is_q) {
+        kv_put_head(kbuf + (slot * kv_heads + (y - heads)) * units, rot, hd, lane);
+        return;
+    }
+    device float* dst = q + (long(t) * heads + y) * hd;
     for (int i = lane; i < half_hd; i += 32) {
-        float x1 = src[i], x2 = src[i + half_hd];
-        if (has_norm != 0) {
-            x1 = nw[i] * (x1 * inv);
-            x2 = nw[i + half_hd] * (x2 * inv);
-        }
-        const float a = x1 * c[i] - x2 * sn[i];
-        const float b = x2 * c[i] + x1 * sn[i];
-        if (is_q) {
-            device float* dst = q + (long(t) * heads + y) * hd;
-            dst[i] = a;
-            dst[i + half_hd] = b;
-        } else {
-            const long at = slot * kvd + long(y - heads) * hd;
-            kv_put(kbuf, at + i, a);
-            kv_put(kbuf, at + i + half_hd, b);
-        }
+        float a, b;
+        rot.pair(i, a, b);
+        dst[i] = a;
+        dst[i + half_hd] = b;
     }
 }
 
@@ -440,25 +547,29 @@ void qk_rope_store_impl(device float* q, device const float* k, device const flo
     }
 QK_STORE(qk_rope_store_f32, float)
 QK_STORE(qk_rope_store_bf16, ushort)
+QK_STORE(qk_rope_store_q8, QKv<8>)
+QK_STORE(qk_rope_store_q4, QKv<4>)
 
 // Attention. One SIMD-group per (token, head): the query at logical position p reads keys
 // [first, p] of its own row (first = max(the token's first key, p + 1 - window) with a
 // window) in chunks of 32 anchored at position 0; lane j scores key c0 + j (dot product in
 // increasing d), the chunk's maximum and sum come from the butterfly, and each lane
-// accumulates its output dims d = lane + 32 t over the chunk's keys in order. `splits` > 1
-// is the negative control only: the keys cut into that many segments, each with its own
-// online softmax, merged at the end. grid: (row tokens, heads), threadgroup: 32. hd up to
-// MAX_HD (256, or 512 for Gemma 4's global layers: a variant picked by head size alone).
+// accumulates its output dims d = lane + 32 t over the chunk's keys in order. Every K and V
+// value is widened (quantized: dequantized) on load by `kv_get`. `splits` > 1 is the
+// negative control only: the keys cut into that many segments, each with its own online
+// softmax, merged at the end. grid: (row tokens, heads), threadgroup: 32. hd up to MAX_HD
+// (256, or 512 for Gemma 4's global layers: a variant picked by head size alone).
 template <class KV, int MAX_HD>
 void attention_impl(device const float* q, device float* out, device const int* toks, int tok0,
                     device const KV* kv, RowKv row, int layer, int heads, int kv_heads, int hd, float scale,
                     int splits, int window, uint2 group, uint tid) {
     const int t = tok0 + int(group.x), head = int(group.y), lane = int(tid);
     const int pos = toks[4 * t], first_key = toks[4 * t + 2];
-    const long kvd = long(kv_heads) * long(hd);
+    const int units = kv_units(kv, hd);
+    const long kvd = long(kv_heads) * long(units);
     const int kvh = head / (heads / kv_heads);
-    device const KV* kbuf = kv + long(2 * layer) * row.plane + long(kvh) * hd;
-    device const KV* vbuf = kv + long(2 * layer + 1) * row.plane + long(kvh) * hd;
+    device const KV* kbuf = kv + long(2 * layer) * row.plane + long(kvh) * units;
+    device const KV* vbuf = kv + long(2 * layer + 1) * row.plane + long(kvh) * units;
     device const float* qh = q + (long(t) * heads + head) * hd;
     const int n_keys = pos + 1;
     const int first = max(first_key, window > 0 ? n_keys - window : 0);
@@ -479,9 +590,9 @@ void attention_impl(device const float* q, device float* out, device const int* 
             const bool valid = p >= k0 && p < k1;
             float sc = neg_inf;
             if (valid) {
-                const long at = kv_slot(row, p) * kvd;
+                device const KV* kh = kbuf + kv_slot(row, p) * kvd;
                 float dot = 0.0f;
-                for (int d = 0; d < hd; d++) dot = fma(qh[d], kv_get(kbuf, at + d), dot);
+                for (int d = 0; d < hd; d++) dot = fma(qh[d], kv_get(kh, d), dot);
                 sc = dot * scale;
             }
             const float cm = simd_max_fixed(sc);
@@ -497,10 +608,10 @@ void attention_impl(device const float* q, device float* out, device const int* 
             const int nk = min(32, k1 - c0);
             for (int j = 0; j < nk; j++) {
                 const float pb = simd_shuffle(pj, ushort(j));
-                const long at = (c0 + j >= k0 ? kv_slot(row, c0 + j) : 0) * kvd;  // p = 0 below k0
+                device const KV* vh = vbuf + (c0 + j >= k0 ? kv_slot(row, c0 + j) : 0) * kvd;  // p = 0 below k0
                 for (int d = 0; d < MAX_HD / 32; d++) {
                     const int dd = lane + 32 * d;
-                    if (d < dims && dd < hd) acc[d] = fma(pb, kv_get(vbuf, at + dd), acc[d]);
+                    if (d < dims && dd < hd) acc[d] = fma(pb, kv_get(vh, dd), acc[d]);
                 }
             }
         }
@@ -540,9 +651,13 @@ ATTENTION(attention_f32, float, 256)
 ATTENTION(attention_bf16, ushort, 256)
 ATTENTION(attention_f32_512, float, 512)
 ATTENTION(attention_bf16_512, ushort, 512)
+ATTENTION(attention_q8, QKv<8>, 256)
+ATTENTION(attention_q4, QKv<4>, 256)
+ATTENTION(attention_q8_512, QKv<8>, 512)
+ATTENTION(attention_q4_512, QKv<4>, 512)
 
 // ---------------------------------------------------------------------------------------
-// KV store maintenance on raw element words (4-byte words for f32, 2-byte for bf16).
+// KV store maintenance on raw units (4-byte words for f32 and quantized K/V, 2-byte for bf16).
 //
 // Moves slots [from, from + n) down to [to, to + n) of every plane (to < from, the ranges
 // may overlap): one threadgroup per plane walks forward in chunks, all reads of a chunk

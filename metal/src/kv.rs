@@ -1,7 +1,10 @@
 //! A row's K/V in one device buffer of `2 * layers` planes (`[layer][K, V]`), each
-//! `capacity` slots of `stride` values in the model's KV dtype. Capacity grows by half again
-//! when a window needs more (memory follows the row's own length); moves, copies and zeroing
-//! run as kernels in order with the forward's.
+//! `capacity` slots of `stride` units in the model's KV dtype: elements of f32 or bf16 K/V,
+//! 32-bit words of quantized K/V, whose slot is the CPU's bytes (`[head][scale, bias,
+//! codes]`, `mtp_cache::QuantLayout`; `KvDtype::slot_units`), so [`KvStore::read`] and
+//! [`KvStore::write_bytes`] take the CPU's format. Capacity grows by half again when a window
+//! needs more (memory follows the row's own length); moves, copies and zeroing run as kernels
+//! in order with the forward's.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -26,6 +29,7 @@ fn kv_err(e: Error) -> KvError {
 }
 
 impl<D: Dispatch> MetalKv<D> {
+    /// An empty store of `n_layers` layers, `stride` units a slot (`KvDtype::slot_units`).
     pub fn new(metal: Arc<Metal<D>>, n_layers: usize, stride: usize, dtype: KvDtype) -> MetalKv<D> {
         MetalKv { metal, buf: None, dtype, planes: 2 * n_layers, stride, capacity: 0, held: 0 }
     }
@@ -34,7 +38,7 @@ impl<D: Dispatch> MetalKv<D> {
         self.dtype
     }
 
-    /// Elements per plane.
+    /// Units per plane (elements; words of quantized K/V).
     pub fn plane(&self) -> usize {
         self.capacity * self.stride
     }
@@ -47,20 +51,25 @@ impl<D: Dispatch> MetalKv<D> {
     }
 
     fn plane_bytes(&self, capacity: usize) -> usize {
-        capacity * self.stride * self.dtype.size()
+        capacity * self.stride * self.dtype.unit_bytes()
     }
 
-    /// Kernel variant by element size: 4-byte words (f32) or 2-byte (bf16).
+    /// Bytes of one slot.
+    fn slot_bytes(&self) -> usize {
+        self.stride * self.dtype.unit_bytes()
+    }
+
+    /// Kernel variant by unit: 4-byte words (f32, quantized) or 2-byte (bf16).
     fn kernel(&self, four: &'static str, two: &'static str) -> &'static str {
-        if self.dtype == KvDtype::Bf16 {
+        if self.dtype.unit_bytes() == 2 {
             two
         } else {
             four
         }
     }
 
-    /// Copies the first `n` elements of every plane of `src` (planes of `src_plane`) into
-    /// `dst` (planes of `dst_plane`) and zeroes `dst` elements `[zero_from, zero_to)`.
+    /// Copies the first `n` units of every plane of `src` (planes of `src_plane`) into
+    /// `dst` (planes of `dst_plane`) and zeroes `dst` units `[zero_from, zero_to)`.
     #[allow(clippy::too_many_arguments)]
     fn copy_planes(
         &self,
@@ -159,7 +168,7 @@ impl<D: Dispatch> KvStore for MetalKv<D> {
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
         let Some(buf) = &self.buf else { return Ok((Vec::new(), Vec::new())) };
-        let (pb, len) = (self.plane_bytes(self.capacity), n * self.stride * self.dtype.size());
+        let (pb, len) = (self.plane_bytes(self.capacity), n * self.slot_bytes());
         let (mut k, mut v) = (vec![0u8; len], vec![0u8; len]);
         let d = self.metal.dispatch();
         d.read(buf, 2 * layer * pb, &mut k).map_err(kv_err)?;
@@ -169,8 +178,11 @@ impl<D: Dispatch> KvStore for MetalKv<D> {
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
         let pb = self.plane_bytes(self.capacity);
-        let at = slot * self.stride * self.dtype.size();
-        if k.len() != v.len() || at + k.len() > self.held * self.stride * self.dtype.size() {
+        let at = slot * self.slot_bytes();
+        if k.len() != v.len()
+            || !k.len().is_multiple_of(self.slot_bytes().max(1))
+            || at + k.len() > self.held * self.slot_bytes()
+        {
             return Err(KvError(format!(
                 "Metal KV cache: cannot write {} bytes at slot {slot} of {} held slots",
                 k.len(),

@@ -8,8 +8,10 @@
 //!
 //! Activations are f32 buffers; weights stay in their checkpoint dtype, wrapped without a
 //! copy where the memory map allows it; K/V live in a [`MetalKv`] per row (bf16 for 16-bit
-//! checkpoints, f32 for f32 ones). K/V stores and attention run one dispatch per row over
-//! that row's own buffer: a row's work is the same dispatch alone or in any batch.
+//! checkpoints, f32 for f32 ones, or as chosen: `--kv-dtype`, or `--kv-bits 8|4` for
+//! quantized K/V in the CPU's format, quantized on store and dequantized on load). K/V
+//! stores and attention run one dispatch per row over that row's own buffer: a row's work is
+//! the same dispatch alone or in any batch.
 
 #[cfg(all(feature = "apple", target_os = "macos"))]
 pub mod apple;
@@ -30,8 +32,8 @@ use mtp_base::weights::{Weight, WeightDtype};
 use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    check_gpu_heads, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend, Heads, Kernels,
-    KeyRange, KvDtype, Out, Plane, Slot,
+    check_gpu_heads, check_gpu_kv, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend,
+    Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 /// Output columns per matmul threadgroup (4 SIMD-groups of 4: see kernels.metal).
@@ -155,11 +157,25 @@ impl<D: Dispatch> Metal<D> {
 
     /// The attention kernel for a K/V dtype and head size.
     fn attention_kernel(kv: KvDtype, head_dim: usize) -> &'static str {
-        match (kv == KvDtype::Bf16, head_dim > 256) {
-            (false, false) => "attention_f32",
-            (true, false) => "attention_bf16",
-            (false, true) => "attention_f32_512",
-            (true, true) => "attention_bf16_512",
+        match (kv, head_dim > 256) {
+            (KvDtype::Bf16, false) => "attention_bf16",
+            (KvDtype::Bf16, true) => "attention_bf16_512",
+            (KvDtype::Q8, false) => "attention_q8",
+            (KvDtype::Q8, true) => "attention_q8_512",
+            (KvDtype::Q4, false) => "attention_q4",
+            (KvDtype::Q4, true) => "attention_q4_512",
+            (KvDtype::Auto | KvDtype::F32, false) => "attention_f32",
+            (KvDtype::Auto | KvDtype::F32, true) => "attention_f32_512",
+        }
+    }
+
+    /// The K/V store kernel for a K/V dtype.
+    fn store_kernel(kv: KvDtype) -> &'static str {
+        match kv {
+            KvDtype::Bf16 => "qk_rope_store_bf16",
+            KvDtype::Q8 => "qk_rope_store_q8",
+            KvDtype::Q4 => "qk_rope_store_q4",
+            KvDtype::Auto | KvDtype::F32 => "qk_rope_store_f32",
         }
     }
 }
@@ -237,8 +253,11 @@ impl RowKv {
     }
 }
 
-fn check_heads(h: Heads) -> Result<()> {
-    check_gpu_heads(h, "Metal")
+/// Whether the kernels take this attention shape with K/V of `kv` (quantized K/V need
+/// head_dim a multiple of 8: a head is whole words).
+fn check_heads(h: Heads, kv: KvDtype) -> Result<()> {
+    check_gpu_heads(h, "Metal")?;
+    check_gpu_kv(kv, h.head_dim, "Metal")
 }
 
 /// Threadgroups of 256 threads covering `n` values.
@@ -302,7 +321,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
         head_dim: usize,
         kv: KvDtype,
     ) -> Box<dyn KvStore> {
-        Box::new(MetalKv::new(self.clone(), n_layers, heads * head_dim, kv))
+        Box::new(MetalKv::new(self.clone(), n_layers, kv.slot_units(heads, head_dim), kv))
     }
 
     fn alloc(&self, len: usize) -> Result<MetalBuf<D>> {
@@ -513,8 +532,8 @@ impl<D: Dispatch> Kernels for Metal<D> {
         plane: Plane,
         heads: Heads,
     ) -> Result<()> {
-        check_heads(heads)?;
-        let name = if batch.kv == KvDtype::Bf16 { "qk_rope_store_bf16" } else { "qk_rope_store_f32" };
+        check_heads(heads, batch.kv)?;
+        let name = Self::store_kernel(batch.kv);
         let (qn, kn, has_norm, eps) =
             norms.map_or((&q.buf, &q.buf, 0, 0.0), |(a, b, e)| (&a.buf, &b.buf, 1, e));
         let (kp, vp) = match &kv {
@@ -565,7 +584,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
         window: Option<usize>,
         out: &mut MetalBuf<D>,
     ) -> Result<()> {
-        check_heads(heads)?;
+        check_heads(heads, batch.kv)?;
         let name = Self::attention_kernel(batch.kv, heads.head_dim);
         for (r, cache) in caches.iter().enumerate() {
             let (tok0, count) = (batch.first_token[r], batch.first_token[r + 1] - batch.first_token[r]);
@@ -760,13 +779,14 @@ impl<D: Dispatch> AssistantKernels for Metal<D> {
         scale: f32,
         out: &mut MetalBuf<D>,
     ) -> Result<()> {
-        check_heads(heads)?;
+        check_gpu_heads(heads, "Metal")?;
         // Query i sits at the last key it reads, with its own first key.
         let toks: Vec<i32> = keys.iter().flat_map(|k| [k.end as i32 - 1, 0, k.first as i32, 0]).collect();
         let toks = self.upload_as(&toks)?;
         for (r, (cache, k)) in caches.iter().zip(keys).enumerate() {
             let map = held_keys(cache, r, plane, *k)?;
             let (store, _) = self.row_kv(cache, r, plane)?;
+            check_gpu_kv(store.dtype(), heads.head_dim, "Metal")?;
             let row = RowKv::new(store, map);
             let name = Self::attention_kernel(store.dtype(), heads.head_dim);
             self.attend(name, q, &toks, r, 1, store, row, plane, heads, scale, 1, None, out)?;
