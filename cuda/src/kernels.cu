@@ -86,6 +86,12 @@ __constant__ float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
 // groups), codes packed 32 / BITS to a u32 from the low bits up. Affine:
 // scale[g] * q + bias[g], a multiply then an add, rounded each (never fused). mxfp4 (no
 // biases): scale[g] * e2m1(q), exact (the scale is a power of two).
+// An affine code's value: scale * code + bias, a multiply then an add, rounded each (never
+// fused), as on the CPU: quantized weights and quantized K/V alike.
+__device__ __forceinline__ float dequantize(float scale, float bias, u32 code) {
+    return __fadd_rn(__fmul_rn(scale, (float)code), bias);
+}
+
 template <int BITS>
 struct QW {
     static constexpr bool packed = true;
@@ -107,7 +113,7 @@ struct QW {
         const u32 code = (w >> ((int)(i % per) * BITS)) & ((1u << BITS) - 1u);
         const long long g = group_of(i);
         if (bias == nullptr) return __fmul_rn(scale[g], E2M1[code & 15u]);
-        return __fadd_rn(__fmul_rn(scale[g], (float)code), bias[g]);
+        return dequantize(scale[g], bias[g], code);
     }
     // Values i .. i + 7 (i a multiple of 8): the same bits as eight get()s, with one group
     // lookup and the packed words read once (a group of 8k values holds all eight).
@@ -131,7 +137,7 @@ struct QW {
         for (int j = 0; j < 8; j++) {
             const int bit = shift + j * BITS;
             const u32 code = (words[BITS == 8 ? j / 4 : 0] >> (bit & 31)) & ((1u << BITS) - 1u);
-            o[j] = bias == nullptr ? __fmul_rn(s, E2M1[code & 15u]) : __fadd_rn(__fmul_rn(s, (float)code), b);
+            o[j] = bias == nullptr ? __fmul_rn(s, E2M1[code & 15u]) : dequantize(s, b, code);
         }
     }
 };
@@ -991,7 +997,7 @@ __device__ void embed_tcq_impl(const u32* q, const float* scale, const float* qb
         const u32 w = q[row * words + tcq_word<BITS>((long long)c * BITS / 32, cols / 32)];
         const u32 code = (w >> (c * BITS % 32)) & ((1u << BITS) - 1u);
         const long long g = (row * cols + c) >> gshift;
-        out[(long long)blockIdx.x * cols + c] = __fadd_rn(__fmul_rn(scale[g], (float)code), qbias[g]);
+        out[(long long)blockIdx.x * cols + c] = dequantize(scale[g], qbias[g], code);
     }
 }
 extern "C" __global__ void embed_tcq4(const u32* q, const float* scale, const float* qbias, int group,
@@ -1202,9 +1208,6 @@ struct KvIo<u16> {
     __device__ static void get8(const u16* p, long long at, int d, float* o) { widen8<bf16_to_f32>(p, at + d, o); }
     __device__ static void put(u16* p, long long i, float v) { p[i] = f32_to_bf16(v); }
 };
-__device__ __forceinline__ float dequantize(float scale, float bias, u32 code) {
-    return __fadd_rn(__fmul_rn(scale, (float)code), bias);
-}
 template <int B>
 struct KvIo<QKv<B>> {
     static constexpr int BITS = B;

@@ -42,7 +42,12 @@ impl CudaKv {
     }
 
     fn plane_bytes(&self, capacity: usize) -> usize {
-        capacity * self.stride * self.dtype.unit_bytes()
+        capacity * self.slot_bytes()
+    }
+
+    /// Bytes of one slot.
+    fn slot_bytes(&self) -> usize {
+        self.stride * self.dtype.unit_bytes()
     }
 
     fn err(what: &str, e: impl std::fmt::Debug) -> KvError {
@@ -136,7 +141,7 @@ impl KvStore for CudaKv {
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
         let Some(buf) = &self.buf else { return Ok((Vec::new(), Vec::new())) };
-        let (pb, len) = (self.plane_bytes(self.capacity), n * self.stride * self.dtype.unit_bytes());
+        let (pb, len) = (self.plane_bytes(self.capacity), n * self.slot_bytes());
         let s = self.cuda.stream();
         let k = s
             .clone_dtoh(&buf.slice(2 * layer * pb..2 * layer * pb + len))
@@ -149,8 +154,8 @@ impl KvStore for CudaKv {
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
         let pb = self.plane_bytes(self.capacity);
-        let at = slot * self.stride * self.dtype.unit_bytes();
-        if k.len() != v.len() || at + k.len() > self.held * self.stride * self.dtype.unit_bytes() {
+        let at = slot * self.slot_bytes();
+        if k.len() != v.len() || at + k.len() > self.held * self.slot_bytes() {
             return Err(KvError(format!(
                 "GPU KV cache: cannot write {} bytes at slot {slot} of {} held slots",
                 k.len(),

@@ -106,20 +106,19 @@ fn group_words(q: &mtp_base::weights::Quant) -> Vec<u32> {
 /// 128 values (its `used` blocks of 32, `bits` words a block, lane t's `bits / 4` of them at
 /// `t * bits / 4`), lane t's words of the chunk together, so a lane loads a whole chunk's
 /// codes at once. The embedding's `embed_tcq` reads the same order.
-fn repack_codes(packed: &[u8], cols: usize, bits: usize) -> Vec<u32> {
-    let mlx: Vec<u32> =
-        packed.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    let (words, blocks, lane_words) = (cols * bits / 32, cols / 32, bits / 4);
-    let mut out = vec![0u32; mlx.len()];
-    for (src, dst) in mlx.chunks_exact(words).zip(out.chunks_exact_mut(words)) {
+fn repack_codes(packed: &[u8], cols: usize, bits: usize) -> Vec<u8> {
+    let (row_bytes, blocks, lane_words) = (cols * bits / 8, cols / 32, bits / 4);
+    let mut out = vec![0u8; packed.len()];
+    for (src, dst) in packed.chunks_exact(row_bytes).zip(out.chunks_exact_mut(row_bytes)) {
         for chunk in 0..blocks.div_ceil(4) {
             let used = (blocks - 4 * chunk).min(4);
             let base = chunk * 4 * bits;
             for u in 0..used {
                 for t in 0..4 {
                     for v in 0..lane_words {
-                        let from = base + u * bits + t * lane_words + v;
-                        dst[base + t * used * lane_words + u * lane_words + v] = src[from];
+                        let from = 4 * (base + u * bits + t * lane_words + v);
+                        let to = 4 * (base + t * used * lane_words + u * lane_words + v);
+                        dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
                     }
                 }
             }
@@ -1172,11 +1171,7 @@ impl Kernels for Cuda {
             ))
         };
         let buf = match quant.as_ref().filter(|q| q.tensor_cores.is_some()) {
-            Some(q) => {
-                let bytes: Vec<u8> =
-                    repack_codes(w.bytes(), w.cols, q.bits).iter().flat_map(|c| c.to_le_bytes()).collect();
-                self.stream.clone_htod(&bytes).map_err(copy_err)?
-            }
+            Some(q) => self.stream.clone_htod(&repack_codes(w.bytes(), w.cols, q.bits)).map_err(copy_err)?,
             None => self.stream.clone_htod(w.bytes()).map_err(copy_err)?,
         };
         Ok(CudaMat { buf, dtype: w.dtype, rows: w.rows, cols: w.cols, quant })
@@ -1828,7 +1823,10 @@ mod tests {
             for cols in [96, 128, 160, 4096] {
                 let (rows, words, lane_words) = (3, cols * bits / 32, bits / 4);
                 let mlx: Vec<u8> = (0..(rows * words) as u32).flat_map(|i| i.to_le_bytes()).collect();
-                let out = repack_codes(&mlx, cols, bits);
+                let out: Vec<u32> = repack_codes(&mlx, cols, bits)
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
                 let mut seen = out.clone();
                 seen.sort_unstable();
                 assert!(
