@@ -244,6 +244,43 @@ fn grouped_query_heads_have_the_bits_of_each_head_alone() {
     }
 }
 
+/// bf16 K/V (`--kv-dtype bf16` on the CPU): attention over a bf16 store gives, bit for bit,
+/// what it gives over f32 K/V holding the same rounded values (keys widen exactly as the
+/// tile loads them, values as they are read), for 1 to 5 query heads, both KV heads, full
+/// and sliding ranges. Control: over the unrounded f32 values the bits differ, so the
+/// comparison sees the rounding.
+#[test]
+fn bf16_kv_attention_has_the_bits_of_f32_kv_holding_the_rounded_values() {
+    use mtp::cache::{Bf16Kv, KvStore, SlotMap};
+    use mtp::kernels::ops::attend_heads;
+    let mut rng = Lcg(17);
+    let (hd, kvh, n_keys) = (128, 2, 70);
+    let kvd = hd * kvh;
+    let (keys, values) = (rng.vec(n_keys * kvd), rng.vec(n_keys * kvd));
+    let round = |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect() };
+    let (rk, rv) = (round(&keys), round(&values));
+    let mut store = Bf16Kv::new(1, kvd);
+    store.grow(n_keys).unwrap();
+    store.write(0, 0, &keys, &values);
+    let map = SlotMap { committed: n_keys, base: n_keys, ring: 0 };
+    let bf16 = KvView::of_store(&store, 0, map).unwrap();
+    let (rounded, unrounded) = (KvView::contiguous(&rk, &rv, kvd), KvView::contiguous(&keys, &values, kvd));
+    let scale = 1.0 / (hd as f32).sqrt();
+    for g in 1..=5 {
+        let q = rng.vec(g * hd);
+        for (kv_head, first) in [(0, 0), (1, 0), (1, 40)] {
+            let run = |view: &KvView| {
+                let mut out = vec![0.0; g * hd];
+                attend_heads(&q, hd, view, first, n_keys, kv_head * hd, scale, &mut out);
+                bits(&out)
+            };
+            let got = run(&bf16);
+            assert_eq!(got, run(&rounded), "{g} heads, KV head {kv_head}, keys from {first}");
+            assert_ne!(got, run(&unrounded), "control: {g} heads, KV head {kv_head}");
+        }
+    }
+}
+
 /// Negative control: stock attention (matmul, masked softmax, matmul) over a zero-padded
 /// key length gives different bits for the same query as the unpadded length.
 #[test]

@@ -363,6 +363,21 @@ fn gate_qwen3_bf16_scales() {
     }
 }
 
+/// bf16 K/V on request (on the GPUs also the default for 16-bit checkpoints; this fixture
+/// is f32, so the test backend's default would keep f32).
+#[test]
+fn gate_qwen3_bf16_kv() {
+    let t = Target::quantized(
+        "kvbf",
+        &fixture("qwen3-target"),
+        &fixture("qwen3-draft"),
+        None,
+        false,
+        KvDtype::Bf16,
+    );
+    gate_on(&t, "qwen3 bf16 kv");
+}
+
 #[test]
 fn gate_qwen3_4bit_kv() {
     let t =

@@ -206,6 +206,44 @@ fn unsupported_quantization_is_refused_by_name() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The same for bf16 K/V (`--kv-dtype bf16`, every backend): layer 0's entries are the f32
+/// K/V rounded to nearest-even bf16, little-endian, as the CPU's `Bf16Kv` stores them.
+/// Control: layer 1 differs from the same recipe.
+#[test]
+fn bf16_kv_entries_are_the_f32_kv_rounded() {
+    let dir = common::fixture("qwen3-target");
+    let load = |kv| {
+        let numerics = Numerics { kv, activations: common::test_activations() };
+        Model::load_with(&dir, common::backend(), numerics).unwrap()
+    };
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 7 + 5) % 200).collect();
+    let committed = |model: &Model, layer| {
+        let mut cache = model.new_cache();
+        prefill(model, &mut cache, &prompt, 16, false, true).unwrap();
+        cache.committed_bytes(layer).unwrap()
+    };
+    let (f32_model, bf16_model) = (load(KvDtype::F32), load(KvDtype::Bf16));
+    let recipe = |layer| {
+        let (k, v) = committed(&f32_model, layer);
+        [k, v].map(|plane| -> Vec<u8> {
+            plane
+                .chunks_exact(4)
+                .flat_map(|b| {
+                    half::bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes()
+                })
+                .collect()
+        })
+    };
+    let [k, v] = recipe(0);
+    let kvd = f32_model.config.num_key_value_heads * f32_model.config.head_dim;
+    assert_eq!(k.len(), prompt.len() * kvd * 2);
+    let (bk, bv) = committed(&bf16_model, 0);
+    assert!(bk == k, "layer 0's bf16 K are not the f32 K rounded");
+    assert!(bv == v, "layer 0's bf16 V are not the f32 V rounded");
+    let [k1, _] = recipe(1);
+    assert!(committed(&bf16_model, 1).0 != k1, "control: layer 1 should differ");
+}
+
 /// Layer 0's quantized K and V after a prefill equal, byte for byte, the CPU quantizer
 /// (`QuantLayout::quantize_head`) applied to the f32 K/V the same backend stores with
 /// `--kv-dtype f32` (layer 0's K/V do not depend on the K/V format): the backend quantizes

@@ -111,23 +111,25 @@ fn mixed_accepts_leave_each_row_as_if_alone() {
     }
 }
 
-/// The same property with quantized K/V (on the test backend): a row's quantized entries
+/// The same property with bf16 and quantized K/V (on the test backend): a row's entries
 /// after mixed accepts (unequal prompts, unequal accepts in one batch, both layouts) are
 /// byte for byte those of the row alone and of plain decoding.
 #[test]
-fn mixed_accepts_leave_quantized_kv_as_if_alone() {
+fn mixed_accepts_leave_bf16_and_quantized_kv_as_if_alone() {
     let load = |name: &str, kv: KvDtype| {
         let numerics = Numerics { kv, activations: common::test_activations() };
         Model::load_with(&fixture(name), common::backend(), numerics).unwrap()
     };
-    for kv in [KvDtype::Q8, KvDtype::Q4] {
+    for kv in [KvDtype::Bf16, KvDtype::Q8, KvDtype::Q4] {
         for name in ["llama-target", "qwen3-target"] {
             let model = load(name, kv);
             assert_eq!(model.kv_dtype(), kv);
             rows_as_if_alone(&model, &format!("{name} {kv:?}"));
         }
     }
-    // Negative control: a rollback that forgets to compact is caught in quantized K/V too.
+    // Negative control: a rollback that forgets to compact is caught in bf16 and quantized
+    // K/V too.
+    skipped_compaction_is_caught(&load("qwen3-target", KvDtype::Bf16));
     skipped_compaction_is_caught(&load("qwen3-target", KvDtype::Q4));
 }
 

@@ -26,7 +26,7 @@ mod store;
 
 pub use quant::{QuantKv, QuantLayout};
 pub use ranks::RankKv;
-pub use store::{HostKv, KvError, KvStore};
+pub use store::{Bf16Kv, HostKv, KvElem, KvError, KvStore};
 
 /// One row's K/V for every layer.
 pub struct RowCache {
@@ -114,6 +114,7 @@ pub struct KvView<'a> {
 #[derive(Clone, Copy, Debug)]
 enum Data<'a> {
     F32 { k: &'a [f32], v: &'a [f32] },
+    Bf16 { k: &'a [half::bf16], v: &'a [half::bf16] },
     Quant { k: &'a [u8], v: &'a [u8], layout: QuantLayout },
 }
 
@@ -130,19 +131,42 @@ impl<'a> KvView<'a> {
         KvView { data: Data::F32 { k, v }, stride: store.stride(), map }
     }
 
-    /// Layer `layer` of a host store, plain or quantized, read through `map` (`None` for a
-    /// device store).
+    /// Layer `layer` of a bf16 host store, read through `map`.
+    pub fn of_bf16(store: &'a Bf16Kv, layer: usize, map: SlotMap) -> Self {
+        let (k, v) = store.layer(layer);
+        KvView { data: Data::Bf16 { k, v }, stride: store.stride(), map }
+    }
+
+    /// Layer `layer` of a host store, f32, bf16 or quantized, read through `map` (`None`
+    /// for a device store).
     pub fn of_store(store: &'a dyn KvStore, layer: usize, map: SlotMap) -> Option<Self> {
         let any = store.as_any();
         if let Some(host) = any.downcast_ref::<HostKv>() {
             return Some(KvView::of(host, layer, map));
         }
+        if let Some(host) = any.downcast_ref::<Bf16Kv>() {
+            return Some(KvView::of_bf16(host, layer, map));
+        }
         any.downcast_ref::<QuantKv>().map(|q| KvView::of_quant(q, layer, map))
     }
 
-    /// Whether reads dequantize (and so need a buffer of one head).
-    pub fn is_quantized(&self) -> bool {
-        matches!(self.data, Data::Quant { .. })
+    /// Whether reads convert (bf16 widened, or dequantized) and so need a buffer of one
+    /// head.
+    pub fn reads_into_buffer(&self) -> bool {
+        !matches!(self.data, Data::F32 { .. })
+    }
+
+    /// K of logical position `pos`, values `[off, off + len)`, as stored in a bf16 store
+    /// (`None` for any other): what a kernel widening bf16 as it loads reads directly.
+    #[inline]
+    pub fn key_bf16(&self, pos: usize, off: usize, len: usize) -> Option<&'a [half::bf16]> {
+        match self.data {
+            Data::Bf16 { k, .. } => {
+                let s = self.map.slot(pos) * self.stride + off;
+                Some(&k[s..s + len])
+            }
+            _ => None,
+        }
     }
 
     /// Layer `layer` of a quantized host store, read through `map`.
@@ -156,6 +180,7 @@ impl<'a> KvView<'a> {
     pub fn len(&self) -> usize {
         let slots = match self.data {
             Data::F32 { k, .. } => k.len() / self.stride.max(1),
+            Data::Bf16 { k, .. } => k.len() / self.stride.max(1),
             Data::Quant { k, layout, .. } => k.len() / layout.slot_bytes().max(1),
         };
         self.map.committed + slots.saturating_sub(self.map.base)
@@ -166,8 +191,8 @@ impl<'a> KvView<'a> {
     }
 
     /// K of logical position `pos`, values `[off, off + len)` (one KV head: `off` is a
-    /// multiple of `len` = head_dim for a quantized store): a slice of the store, or the
-    /// head dequantized into `buf`.
+    /// multiple of `len` = head_dim for a quantized store): a slice of an f32 store, or the
+    /// values widened (bf16) or dequantized into `buf` (at least `len` long).
     #[inline]
     pub fn key<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
         self.read(pos, off, len, buf, true)
@@ -187,6 +212,12 @@ impl<'a> KvView<'a> {
                 let s = slot * self.stride + off;
                 &(if key { k } else { v })[s..s + len]
             }
+            Data::Bf16 { k, v } => {
+                let s = slot * self.stride + off;
+                let src = &(if key { k } else { v })[s..s + len];
+                buf[..len].iter_mut().zip(src).for_each(|(o, x)| *o = x.to_f32());
+                &buf[..len]
+            }
             Data::Quant { k, v, layout } => {
                 debug_assert!(
                     len == layout.head_dim && off.is_multiple_of(len),
@@ -205,7 +236,7 @@ impl RowCache {
     /// An empty host (f32) cache for `n_layers` layers of `stride = n_kv_heads * head_dim`
     /// floats per position.
     pub fn new(n_layers: usize, stride: usize) -> Self {
-        RowCache::with_store(Box::new(HostKv::new(n_layers, stride)), n_layers, stride)
+        RowCache::with_store(Box::new(HostKv::<f32>::new(n_layers, stride)), n_layers, stride)
     }
 
     /// An empty cache whose bytes live in `store` (a backend's device memory).
@@ -570,7 +601,7 @@ mod tests {
     }
 
     fn ring_row(cap: usize) -> RowCache {
-        RowCache::new(1, 1).with_ring(Box::new(HostKv::new(2, 3)), 2, 3, cap)
+        RowCache::new(1, 1).with_ring(Box::new(HostKv::<f32>::new(2, 3)), 2, 3, cap)
     }
 
     /// Writes logical positions `[len, len + t)` into a window `hole` slots past the

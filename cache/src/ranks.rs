@@ -184,7 +184,8 @@ mod tests {
     use crate::HostKv;
 
     fn split_row(ranks: usize, stride: usize) -> RowCache {
-        let stores = (0..ranks).map(|_| Box::new(HostKv::new(1, stride)) as Box<dyn KvStore>).collect();
+        let stores =
+            (0..ranks).map(|_| Box::new(HostKv::<f32>::new(1, stride)) as Box<dyn KvStore>).collect();
         RowCache::with_store(Box::new(RankKv::new(stores, stride)), 1, ranks * stride)
     }
 

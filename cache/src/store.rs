@@ -42,14 +42,67 @@ pub trait KvStore: Send + Sync + 'static {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-/// f32 K/V in host memory, `[slot][stride]` per layer: the CPU backend's store.
+/// One stored K or V value of a host store: f32, or bf16 (`--kv-dtype bf16`: each value
+/// rounded to nearest-even as it is written, half the bytes).
+pub trait KvElem: Copy + Default + std::fmt::Debug + Send + Sync + 'static {
+    /// Bytes of one value as stored.
+    const BYTES: usize;
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    /// Appends the value's `BYTES` little-endian bytes.
+    fn put_le(self, out: &mut Vec<u8>);
+    /// The value from its `BYTES` little-endian bytes.
+    fn from_le(b: &[u8]) -> Self;
+}
+
+impl KvElem for f32 {
+    const BYTES: usize = 4;
+    #[inline]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn put_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+    fn from_le(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+impl KvElem for half::bf16 {
+    const BYTES: usize = 2;
+    #[inline]
+    fn from_f32(x: f32) -> half::bf16 {
+        half::bf16::from_f32(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn put_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes())
+    }
+    fn from_le(b: &[u8]) -> half::bf16 {
+        half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]]))
+    }
+}
+
+/// K/V in host memory, `[slot][stride]` per layer: the CPU backend's store, f32 by default
+/// or bf16 ([`Bf16Kv`]).
 #[derive(Clone, Debug, Default)]
-pub struct HostKv {
-    layers: Vec<(Vec<f32>, Vec<f32>)>,
+pub struct HostKv<T: KvElem = f32> {
+    layers: Vec<(Vec<T>, Vec<T>)>,
     stride: usize,
 }
 
-impl HostKv {
+/// bf16 K/V in host memory (`--kv-dtype bf16` on the CPU).
+pub type Bf16Kv = HostKv<half::bf16>;
+
+impl<T: KvElem> HostKv<T> {
     pub fn new(n_layers: usize, stride: usize) -> Self {
         HostKv { layers: vec![(Vec::new(), Vec::new()); n_layers], stride }
     }
@@ -60,27 +113,29 @@ impl HostKv {
     }
 
     /// K and V of `layer`, every held slot.
-    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+    pub fn layer(&self, layer: usize) -> (&[T], &[T]) {
         let (k, v) = &self.layers[layer];
         (k, v)
     }
 
-    /// Writes whole slots of `layer` starting at `slot` (which must be held).
+    /// Writes whole slots of `layer` starting at `slot` (which must be held), each value
+    /// converted to the stored type.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         assert_eq!(k.len(), v.len(), "HostKv::write: K and V differ");
         let at = slot * self.stride;
         let (lk, lv) = &mut self.layers[layer];
-        lk[at..at + k.len()].copy_from_slice(k);
-        lv[at..at + v.len()].copy_from_slice(v);
+        for (dst, src) in [(&mut lk[at..at + k.len()], k), (&mut lv[at..at + v.len()], v)] {
+            dst.iter_mut().zip(src).for_each(|(d, &x)| *d = T::from_f32(x));
+        }
     }
 }
 
-impl KvStore for HostKv {
+impl<T: KvElem> KvStore for HostKv<T> {
     fn grow(&mut self, slots: usize) -> Result<(), KvError> {
         self.reserve(slots)?;
         for (k, v) in &mut self.layers {
-            k.resize(k.len().max(slots * self.stride), 0.0);
-            v.resize(v.len().max(slots * self.stride), 0.0);
+            k.resize(k.len().max(slots * self.stride), T::default());
+            v.resize(v.len().max(slots * self.stride), T::default());
         }
         Ok(())
     }
@@ -96,8 +151,9 @@ impl KvStore for HostKv {
         let need = slots * self.stride;
         for (k, v) in &mut self.layers {
             for x in [k, v] {
-                x.try_reserve(need.saturating_sub(x.len()))
-                    .map_err(|e| KvError(format!("cannot allocate {} bytes of host KV: {e}", need * 4)))?;
+                x.try_reserve(need.saturating_sub(x.len())).map_err(|e| {
+                    KvError(format!("cannot allocate {} bytes of host KV: {e}", need * T::BYTES))
+                })?;
             }
         }
         Ok(())
@@ -112,31 +168,37 @@ impl KvStore for HostKv {
     }
 
     fn bytes(&self) -> usize {
-        self.layers.iter().map(|(k, v)| (k.len() + v.len()) * 4).sum()
+        self.layers.iter().map(|(k, v)| (k.len() + v.len()) * T::BYTES).sum()
     }
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
         let (k, v) = &self.layers[layer];
         let n = n * self.stride;
-        let bytes = |x: &[f32]| x[..n].iter().flat_map(|f| f.to_le_bytes()).collect();
+        let bytes = |x: &[T]| {
+            let mut out = Vec::with_capacity(n * T::BYTES);
+            x[..n].iter().for_each(|e| e.put_le(&mut out));
+            out
+        };
         Ok((bytes(k), bytes(v)))
     }
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
-        let floats = |b: &[u8]| -> Vec<f32> {
-            b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        };
-        let (k, v) = (floats(k), floats(v));
-        let end = slot * self.stride + k.len();
-        if k.len() != v.len() || k.len() % self.stride != 0 || end > self.layers[layer].0.len() {
+        let slot_bytes = self.stride * T::BYTES;
+        let held = self.layers[layer].0.len() / self.stride.max(1);
+        let n = k.len() / slot_bytes.max(1);
+        if k.len() != v.len() || !k.len().is_multiple_of(slot_bytes.max(1)) || slot + n > held {
             return Err(KvError(format!(
-                "host KV: cannot write {} K and {} V bytes at slot {slot} of a store holding {} slots",
-                k.len() * 4,
-                v.len() * 4,
-                self.layers[layer].0.len() / self.stride.max(1)
+                "host KV: cannot write {} K and {} V bytes at slot {slot} of a store holding {held} slots of {slot_bytes} bytes",
+                k.len(),
+                v.len(),
             )));
         }
-        self.write(layer, slot, &k, &v);
+        let at = slot * self.stride;
+        let (lk, lv) = &mut self.layers[layer];
+        for (dst, src) in [(lk, k), (lv, v)] {
+            let dst = &mut dst[at..at + n * self.stride];
+            dst.iter_mut().zip(src.chunks_exact(T::BYTES)).for_each(|(d, b)| *d = T::from_le(b));
+        }
         Ok(())
     }
 

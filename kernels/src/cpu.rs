@@ -1,9 +1,9 @@
 //! The reference backend: the row-invariant CPU kernels of [`crate::ops`] over f32
-//! host buffers, K/V in a [`HostKv`] per row.
+//! host buffers, K/V in a [`HostKv`] (f32 or bf16) or a [`QuantKv`] per row.
 
 use std::sync::Arc;
 
-use mtp_cache::{HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
+use mtp_cache::{Bf16Kv, HostKv, KvStore, KvView, QuantKv, RowCache, SlotMap};
 use rayon::prelude::*;
 
 use mtp_base::error::{Error, Result};
@@ -102,11 +102,7 @@ impl Kernels for Cpu {
     fn kv_dtype(&self, kv: KvDtype, _weights: WeightDtype) -> Result<KvDtype> {
         match kv {
             KvDtype::Auto | KvDtype::F32 => Ok(KvDtype::F32),
-            KvDtype::Q8 | KvDtype::Q4 => Ok(kv),
-            KvDtype::Bf16 => Err(Error::Backend(
-                "the CPU backend keeps K/V in f32 or quantized (--kv-dtype f32 or auto, --kv-bits 8 or 4)"
-                    .into(),
-            )),
+            KvDtype::Bf16 | KvDtype::Q8 | KvDtype::Q4 => Ok(kv),
         }
     }
 
@@ -117,9 +113,10 @@ impl Kernels for Cpu {
         head_dim: usize,
         kv: KvDtype,
     ) -> Box<dyn KvStore> {
-        match kv.bits() {
-            Some(bits) => Box::new(QuantKv::new(n_layers, heads, head_dim, bits)),
-            None => Box::new(HostKv::new(n_layers, heads * head_dim)),
+        match (kv, kv.bits()) {
+            (_, Some(bits)) => Box::new(QuantKv::new(n_layers, heads, head_dim, bits)),
+            (KvDtype::Bf16, None) => Box::new(Bf16Kv::new(n_layers, heads * head_dim)),
+            _ => Box::new(HostKv::<f32>::new(n_layers, heads * head_dim)),
         }
     }
 
@@ -251,6 +248,8 @@ impl Kernels for Cpu {
             let store = plane.store_mut(cache).ok_or_else(|| foreign(r))?.as_any_mut();
             if let Some(host) = store.downcast_mut::<HostKv>() {
                 host.write(layer, base, kw, vw);
+            } else if let Some(host) = store.downcast_mut::<Bf16Kv>() {
+                host.write(layer, base, kw, vw);
             } else {
                 let quant = store.downcast_mut::<QuantKv>().ok_or_else(|| foreign(r))?;
                 quant.write(layer, base, kw, vw);
@@ -279,13 +278,19 @@ impl Kernels for Cpu {
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;
         // One task per (token, KV head), its query heads together (each K/V row read once
-        // for them): a single decode token still uses every core.
-        let g = nh / nkv;
-        out.par_chunks_mut(g * hd).zip(q.par_chunks(g * hd)).enumerate().for_each(|(i, (o, qs))| {
+        // for them): a single decode token still uses every core. Tasks go KV head by KV
+        // head, so a thread's next task reads the K/V its last one left in cache (token by
+        // token, every KV head's K/V of a long prompt passed through L2 for each token).
+        let (g, n) = (nh / nkv, slots.len());
+        let mut tasks: Vec<(usize, &mut [f32])> = out.chunks_mut(g * hd).enumerate().collect();
+        tasks.sort_by_key(|&(i, _)| (i % nkv, i / nkv));
+        tasks.into_par_iter().for_each(|(i, o)| {
             let (s, kv_head) = (&slots[i / nkv], i % nkv);
             let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
+            let qs = &q[i * g * hd..(i + 1) * g * hd];
             attend_heads(qs, hd, &views[s.row], first, s.pos + 1, kv_head * hd, scale, o);
         });
+        debug_assert_eq!(out.len(), n * nkv * g * hd);
         Ok(())
     }
 

@@ -117,27 +117,22 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
     let mut l = [0.0f32; B];
     out.fill(0.0);
     let mut scores = [[0.0f32; CHUNK]; B];
-    // Where a quantized cache dequantizes one head's K or V (a plain one lends slices).
-    let mut buf = if kv.is_quantized() { vec![0.0f32; hd] } else { Vec::new() };
+    // Where a bf16 or quantized cache widens one head's V or dequantizes its K or V (an
+    // f32 one lends slices; bf16 keys go to the tile as stored, which widens them exactly
+    // as it loads: the bits of f32 keys holding the same values).
+    let mut buf = if kv.reads_into_buffer() { vec![0.0f32; hd] } else { Vec::new() };
     for chunk in (first / CHUNK)..n_keys.div_ceil(CHUNK) {
         let (c0, c1) = ((chunk * CHUNK).max(first), ((chunk + 1) * CHUNK).min(n_keys));
         let n = c1 - c0;
         for j in 0..n {
-            let key = kv.key(c0 + j, kv_off, hd, &mut buf);
-            let mut dots = [0.0f32; B];
-            // SAFETY: `q` holds B rows of hd f32 and `key` hd f32; B outputs, one per row
-            // (each the canonical dot of `simd::dot_f32`).
-            unsafe {
-                tile::<S, B, 1>(
-                    q.as_ptr(),
-                    hd,
-                    key.as_ptr() as *const u8,
-                    WeightDtype::F32,
-                    0,
-                    dots.as_mut_ptr(),
-                    1,
-                )
+            let (key, dtype) = match kv.key_bf16(c0 + j, kv_off, hd) {
+                Some(k) => (k.as_ptr() as *const u8, WeightDtype::Bf16),
+                None => (kv.key(c0 + j, kv_off, hd, &mut buf).as_ptr() as *const u8, WeightDtype::F32),
             };
+            let mut dots = [0.0f32; B];
+            // SAFETY: `q` holds B rows of hd f32 and `key` hd values of `dtype`; B outputs,
+            // one per row (each the canonical dot of `simd::dot_f32`).
+            unsafe { tile::<S, B, 1>(q.as_ptr(), hd, key, dtype, 0, dots.as_mut_ptr(), 1) };
             for (row, dot) in scores.iter_mut().zip(dots) {
                 row[j] = dot * scale;
             }

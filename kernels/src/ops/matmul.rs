@@ -134,7 +134,7 @@ unsafe fn bf16_columns(
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 unsafe fn bf16_columns_native(
     x: *const u16,
     m: usize,
