@@ -206,23 +206,28 @@ fn unsupported_quantization_is_refused_by_name() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// The same for bf16 K/V (`--kv-dtype bf16`, every backend): layer 0's entries are the f32
+/// The qwen3-target fixture on the test backend with K/V in `kv`.
+fn qwen3_with_kv(kv: KvDtype) -> Model {
+    let numerics = Numerics { kv, activations: common::test_activations() };
+    Model::load_with(&common::fixture("qwen3-target"), common::backend(), numerics).unwrap()
+}
+
+/// Layer `layer`'s committed K and V bytes after a prefill of `prompt` (chunks of 16).
+fn committed_after_prefill(model: &Model, prompt: &[u32], layer: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut cache = model.new_cache();
+    prefill(model, &mut cache, prompt, 16, false, true).unwrap();
+    cache.committed_bytes(layer).unwrap()
+}
+
+/// As `quantized_kv_entries_are_the_cpu_format_of_the_f32_kv` below, for bf16 K/V
+/// (`--kv-dtype bf16`, every backend): layer 0's entries are the f32
 /// K/V rounded to nearest-even bf16, little-endian, as the CPU's `Bf16Kv` stores them.
 /// Control: layer 1 differs from the same recipe.
 #[test]
 fn bf16_kv_entries_are_the_f32_kv_rounded() {
-    let dir = common::fixture("qwen3-target");
-    let load = |kv| {
-        let numerics = Numerics { kv, activations: common::test_activations() };
-        Model::load_with(&dir, common::backend(), numerics).unwrap()
-    };
     let prompt: Vec<u32> = (0..37).map(|i| (i * 7 + 5) % 200).collect();
-    let committed = |model: &Model, layer| {
-        let mut cache = model.new_cache();
-        prefill(model, &mut cache, &prompt, 16, false, true).unwrap();
-        cache.committed_bytes(layer).unwrap()
-    };
-    let (f32_model, bf16_model) = (load(KvDtype::F32), load(KvDtype::Bf16));
+    let committed = |model: &Model, layer| committed_after_prefill(model, &prompt, layer);
+    let (f32_model, bf16_model) = (qwen3_with_kv(KvDtype::F32), qwen3_with_kv(KvDtype::Bf16));
     let recipe = |layer| {
         let (k, v) = committed(&f32_model, layer);
         [k, v].map(|plane| -> Vec<u8> {
@@ -251,22 +256,13 @@ fn bf16_kv_entries_are_the_f32_kv_rounded() {
 /// passed through attention over quantized K/V, differs from the same recipe.
 #[test]
 fn quantized_kv_entries_are_the_cpu_format_of_the_f32_kv() {
-    let dir = common::fixture("qwen3-target");
-    let load = |kv| {
-        let numerics = Numerics { kv, activations: common::test_activations() };
-        Model::load_with(&dir, common::backend(), numerics).unwrap()
-    };
     let prompt: Vec<u32> = (0..37).map(|i| (i * 11 + 3) % 200).collect();
-    let committed = |model: &Model, layer| {
-        let mut cache = model.new_cache();
-        prefill(model, &mut cache, &prompt, 16, false, true).unwrap();
-        cache.committed_bytes(layer).unwrap()
-    };
-    let f32_model = load(KvDtype::F32);
+    let committed = |model: &Model, layer| committed_after_prefill(model, &prompt, layer);
+    let f32_model = qwen3_with_kv(KvDtype::F32);
     let (heads, head_dim) = (f32_model.config.num_key_value_heads, f32_model.config.head_dim);
     for (kv, bits) in [(KvDtype::Q8, 8), (KvDtype::Q4, 4)] {
         let layout = QuantLayout { heads, head_dim, bits };
-        let quantized = load(kv);
+        let quantized = qwen3_with_kv(kv);
         let recipe = |layer| {
             let (k, v) = committed(&f32_model, layer);
             [k, v].map(|plane| {

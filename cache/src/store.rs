@@ -48,7 +48,6 @@ pub trait KvElem: Copy + Default + std::fmt::Debug + Send + Sync + 'static {
     /// Bytes of one value as stored.
     const BYTES: usize;
     fn from_f32(x: f32) -> Self;
-    fn to_f32(self) -> f32;
     /// Appends the value's `BYTES` little-endian bytes.
     fn put_le(self, out: &mut Vec<u8>);
     /// The value from its `BYTES` little-endian bytes.
@@ -60,10 +59,6 @@ impl KvElem for f32 {
     #[inline]
     fn from_f32(x: f32) -> f32 {
         x
-    }
-    #[inline]
-    fn to_f32(self) -> f32 {
-        self
     }
     fn put_le(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_le_bytes())
@@ -78,10 +73,6 @@ impl KvElem for half::bf16 {
     #[inline]
     fn from_f32(x: f32) -> half::bf16 {
         half::bf16::from_f32(x)
-    }
-    #[inline]
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
     }
     fn put_le(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_bits().to_le_bytes())
