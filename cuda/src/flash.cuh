@@ -20,6 +20,11 @@
 // 16: `TILE` in flash.rs) times the G query heads of one KV head, 16 (token, head) rows a
 // warp, and each K/V chunk it loads feeds them all. Keys outside a query's range score -inf (probability
 // exactly 0). Keys outside every query's range of the block load as zeros.
+// The work a chunk costs is cut where the bits allow: a chunk inside every key range of a
+// warp's rows skips the mask, one where every live row has a key takes each MMA's result
+// without the keep-state select (a masked probability is then exactly 0 already), and a
+// chunk of consecutive slots copies K/V by stepped addresses; the full-width kernel
+// (hd == MAX_HD) is compiled with its sizes constant.
 // Two launches compute the same bits, as for the CUDA-core kernel: a block per (tile, KV
 // head) walking the segments (`partial` null), or a block per (tile, KV head, segment)
 // writing each query's segment state to `partial` for `flash_merge`.
@@ -32,6 +37,11 @@
 #define FA_CHUNK 64
 #define FA_SEG_CHUNKS 4
 #define FA_MAX_WARPS 8
+
+template <bool B>
+struct FaBool {
+    static constexpr bool value = B;
+};
 
 __device__ __forceinline__ float fa_exp2(float x) {
     float y;
@@ -75,9 +85,10 @@ __device__ __forceinline__ void fa_cp16(u16* smem, const u16* gmem, int size) {
 }
 
 // Element (r, d) of a [rows][hdp] bf16 tile in shared memory: 16-byte pieces swizzled by the
-// row (so ldmatrix's eight rows hit different banks).
+// row (so ldmatrix's eight rows hit different banks), within aligned groups of pieces whose
+// size (a power of two, at most 8) divides the row's hdp / 8: no piece leaves its row.
 __device__ __forceinline__ int fa_at(int r, int d, int hdp) {
-    const int mask = min(hdp / 8, 8) - 1;
+    const int pieces = hdp / 8, mask = min(pieces & -pieces, 8) - 1;
     return r * hdp + (((d >> 3) ^ (r & mask)) << 3) + (d & 7);
 }
 
@@ -103,11 +114,14 @@ __device__ __forceinline__ void fa_merge(float& m, float& l, float* acc, float m
     m = nm;
 }
 
-template <int MAX_HD>
+// FULL: hd == MAX_HD (the host launches the `_full` kernel only then), so every size below
+// is known at compile time; the arithmetic is the same.
+template <int MAX_HD, bool FULL>
 __device__ void flash_impl(const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows,
                            const int* tiles, int layer, int heads, int kv_heads, int hd, float scale, int splits,
                            int window) {
     constexpr int NT = MAX_HD / 8;  // 8-dim output tiles a row holds at most
+    if (FULL) hd = MAX_HD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     const int hdp = (hd + 15) & ~15, ks_n = hdp / 16, nt_n = hdp / 8, cpr = hdp / 8;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -151,12 +165,16 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             first[rr] = max(tk.first, window > 0 ? n_keys[rr] - window : 0);
         }
     }
-    // The warp's keys (every lane: the same rows, by the quads' butterfly).
+    // The warp's keys (every lane: the same rows, by the quads' butterfly), and the keys
+    // every one of its rows reads, [w_all_lo, w_all_hi): a chunk inside them needs no mask.
+    int w_all_lo = 0, w_all_hi = 0x7fffffff;
     for (int i = 0; i < 16 && 16 * warp + i < n_rows; i++) {
         const Tok tk = toks[t0 + (16 * warp + i) / G];
-        const int nk = tk.pos + 1;
-        w_lo = min(w_lo, max(tk.first, window > 0 ? nk - window : 0));
+        const int nk = tk.pos + 1, fk = max(tk.first, window > 0 ? nk - window : 0);
+        w_lo = min(w_lo, fk);
         w_hi = max(w_hi, nk);
+        w_all_lo = max(w_all_lo, fk);
+        w_all_hi = min(w_all_hi, nk);
     }
 
     // q rounded to bf16, rows past the tile's and dims past hd zero: QU pairs' loads issued
@@ -188,17 +206,45 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         c_begin = max(c_begin, seg * FA_SEG_CHUNKS);
         c_end = min(c_end, seg * FA_SEG_CHUNKS + FA_SEG_CHUNKS - 1);
     }
-    // Chunk c's K and V into `stage`: keys outside [lo, hi) and dims past hd as zeros.
+    // Chunk c's K and V into `stage`: keys outside [lo, hi) and dims past hd as zeros. A
+    // thread copies the 16-byte pieces threadIdx.x, + blockDim.x, ... of the chunk's
+    // (key, piece) grid, stepped without a division.
+    const int step_key = blockDim.x / cpr, step_piece = blockDim.x % cpr;
+    const int key0 = threadIdx.x / cpr, piece0 = threadIdx.x % cpr;
+    // Where a thread keeps one piece and its keys step by a multiple of 8 (the swizzle's
+    // period), its pieces' places in shared memory step by whole rows.
+    const bool one_piece = step_piece == 0 && step_key % 8 == 0;
     auto load = [&](int c, int stage) {
         u16* ks = kvs + stage * 2 * FA_CHUNK * hdp;
         u16* vs = ks + FA_CHUNK * hdp;
         const int c0 = c * FA_CHUNK - shift;
-        for (int i = threadIdx.x; i < FA_CHUNK * cpr; i += blockDim.x) {
-            const int key = i / cpr, piece = i % cpr, p = c0 + key;
+        // Every key in range and its slots consecutive (one side of the committed length,
+        // no ring): the slot of key c0 + i is the first one's plus i.
+        const bool in_range = c0 >= lo && c0 + FA_CHUNK <= hi;
+        const bool consecutive = c0 >= row.committed || (c0 + FA_CHUNK <= row.committed && row.ring == 0);
+        if (one_piece && in_range && consecutive) {
+            const int ok = 8 * piece0 < hd ? 16 : 0;
+            const long long at = ok ? (kv_slot(row, c0) + key0) * kvd + 8 * piece0 : 0;
+            const long long g_step = ok ? (long long)step_key * kvd : 0;
+            const u16 *kg = kbuf + at, *vg = vbuf + at;
+            u16 *kd = ks + fa_at(key0, 8 * piece0, hdp), *vd = vs + fa_at(key0, 8 * piece0, hdp);
+            const int d_step = step_key * hdp;
+            for (int key = key0; key < FA_CHUNK; key += step_key) {
+                fa_cp16(kd, kg, ok);
+                fa_cp16(vd, vg, ok);
+                kg += g_step, vg += g_step, kd += d_step, vd += d_step;
+            }
+            return;
+        }
+        for (int key = key0, piece = piece0; key < FA_CHUNK;) {
+            const int p = c0 + key;
             const bool ok = p >= lo && p < hi && 8 * piece < hd;
             const long long at = ok ? kv_slot(row, p) * kvd + 8 * piece : 0;
             fa_cp16(ks + fa_at(key, 8 * piece, hdp), kbuf + at, ok ? 16 : 0);
             fa_cp16(vs + fa_at(key, 8 * piece, hdp), vbuf + at, ok ? 16 : 0);
+            key += step_key;
+            piece += step_piece;
+            if (piece >= cpr) piece -= cpr, key++;
         }
     };
 
@@ -212,12 +258,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
     const bool warp_live = 16 * warp < n_rows;
-    // The warp's q fragments, held in registers for every chunk.
     __syncthreads();
-    u32 qf[MAX_HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < MAX_HD / 16; kk++)
-        if (warp_live && kk < ks_n) fa_ldsm_x4(qf[kk], qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
 
     if (c_begin <= c_end) {
         load(c_begin, 0);
@@ -245,7 +286,10 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #pragma unroll
             for (int kk = 0; kk < MAX_HD / 16; kk++) {
                 if (kk >= ks_n) break;
-                const u32* a = qf[kk];
+                // The warp's q fragment for these 16 dims (from shared memory each chunk: in
+                // registers it would cost 32 of them, and the full-width kernel would spill).
+                u32 a[4];
+                fa_ldsm_x4(a, qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
 #pragma unroll
                 for (int jj = 0; jj < 4; jj++) {
                     u32 b[4];
@@ -254,17 +298,29 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                     fa_mma(s[2 * jj + 1], a, b[2], b[3], s[2 * jj + 1]);
                 }
             }
-            // Scale, mask, the chunk's maxima (rows g, g + 8).
+            // Scale, mask (only where some row of the warp lacks some of the chunk's keys),
+            // the chunk's maxima (rows g, g + 8).
+            const bool masked = c0 < w_all_lo || c0 + FA_CHUNK > w_all_hi;
             float mx[2] = {NEG_INF, NEG_INF};
+            if (masked) {
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int rr = e >> 1, p = c0 + 8 * j + 2 * t4 + (e & 1);
-                    const bool ok = p >= first[rr] && p < n_keys[rr];
-                    s[j][e] = ok ? __fmul_rn(s[j][e], scale2) : NEG_INF;
-                    mx[rr] = fmaxf(mx[rr], s[j][e]);
-                }
+                    for (int e = 0; e < 4; e++) {
+                        const int rr = e >> 1, p = c0 + 8 * j + 2 * t4 + (e & 1);
+                        const bool ok = p >= first[rr] && p < n_keys[rr];
+                        s[j][e] = ok ? __fmul_rn(s[j][e], scale2) : NEG_INF;
+                        mx[rr] = fmaxf(mx[rr], s[j][e]);
+                    }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        s[j][e] = __fmul_rn(s[j][e], scale2);
+                        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+                    }
+            }
             bool keep[2];
             float alpha[2];
 #pragma unroll
@@ -276,45 +332,60 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                 alpha[rr] = keep[rr] ? 1.0f : fa_exp2(m[rr] - mn);
                 m[rr] = mn;
             }
-            float sum[2] = {0.0f, 0.0f};
+            // The probabilities and P V. Where no live row of the warp keeps its state, every
+            // maximum is above -inf, so 2^(s - m) of a masked score is already 0 and each row
+            // takes its MMA result: the selects are dropped, the bits are the same.
+            auto softmax_pv = [&](auto selects) {
+                constexpr bool SEL = decltype(selects)::value;
+                float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int rr = e >> 1;
-                    s[j][e] = s[j][e] == NEG_INF ? 0.0f : fa_exp2(s[j][e] - m[rr]);
-                    sum[rr] = __fadd_rn(sum[rr], s[j][e]);
+                    for (int e = 0; e < 4; e++) {
+                        const int rr = e >> 1;
+                        s[j][e] = SEL && s[j][e] == NEG_INF ? 0.0f : fa_exp2(s[j][e] - m[rr]);
+                        sum[rr] = __fadd_rn(sum[rr], s[j][e]);
+                    }
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 1));
+                    sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 2));
+                    l[rr] = __fadd_rn(__fmul_rn(l[rr], alpha[rr]), sum[rr]);
                 }
 #pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 1));
-                sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 2));
-                l[rr] = __fadd_rn(__fmul_rn(l[rr], alpha[rr]), sum[rr]);
-            }
+                for (int n = 0; n < NT; n++)
 #pragma unroll
-            for (int n = 0; n < NT; n++)
+                    for (int e = 0; e < 4; e++) acc[n][e] = __fmul_rn(acc[n][e], alpha[e >> 1]);
+                // Output += P V: four 16-key steps, P rounded to bf16.
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[n][e] = __fmul_rn(acc[n][e], alpha[e >> 1]);
-            // Output += P V: four 16-key steps, P rounded to bf16.
+                for (int kk = 0; kk < 4; kk++) {
+                    const u32 a[4] = {fa_pack(s[2 * kk][0], s[2 * kk][1]), fa_pack(s[2 * kk][2], s[2 * kk][3]),
+                                      fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                      fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                const u32 a[4] = {fa_pack(s[2 * kk][0], s[2 * kk][1]), fa_pack(s[2 * kk][2], s[2 * kk][3]),
-                                  fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                  fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                    for (int nn = 0; nn < NT / 2; nn++) {
+                        if (2 * nn >= nt_n) break;
+                        u32 b[4];
+                        fa_ldsm_x4_trans(b, vs + fa_at(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * nn + 8 * (lane >> 4), hdp));
 #pragma unroll
-                for (int nn = 0; nn < NT / 2; nn++) {
-                    if (2 * nn >= nt_n) break;
-                    u32 b[4];
-                    fa_ldsm_x4_trans(b, vs + fa_at(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * nn + 8 * (lane >> 4), hdp));
+                        for (int h = 0; h < 2; h++) {
+                            if constexpr (SEL) {
+                                float d[4];
+                                fa_mma(d, a, b[2 * h], b[2 * h + 1], acc[2 * nn + h]);
 #pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        float d[4];
-                        fa_mma(d, a, b[2 * h], b[2 * h + 1], acc[2 * nn + h]);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) acc[2 * nn + h][e] = keep[e >> 1] ? acc[2 * nn + h][e] : d[e];
+                                for (int e = 0; e < 4; e++) acc[2 * nn + h][e] = keep[e >> 1] ? acc[2 * nn + h][e] : d[e];
+                            } else {
+                                fa_mma(acc[2 * nn + h], a, b[2 * h], b[2 * h + 1], acc[2 * nn + h]);
+                            }
+                        }
                     }
                 }
-            }
+            };
+            const bool live_keeps = (keep[0] && g < n_rows - 16 * warp) || (keep[1] && g + 8 < n_rows - 16 * warp);
+            if (__any_sync(0xffffffffu, live_keeps))
+                softmax_pv(FaBool<true>{});
+            else
+                softmax_pv(FaBool<false>{});
         }
         // A segment ends: merge its state into the query's, start the next one empty.
         if (!partial && warp_live && (c == c_end || (c + 1) % FA_SEG_CHUNKS == 0)) {
@@ -376,16 +447,19 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     }
 }
 
-#define FLASH_KERNEL(name, MAX_HD)                                                                           \
+#define FLASH_KERNEL(name, MAX_HD, FULL)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * FA_MAX_WARPS) name(                                    \
         const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows, const int* tiles,    \
         int layer, int heads, int kv_heads, int hd, float scale, int splits, int window) {                   \
-        flash_impl<MAX_HD>(q, out, partial, toks, rows, tiles, layer, heads, kv_heads, hd, scale, splits,     \
-                           window);                                                                          \
+        flash_impl<MAX_HD, FULL>(q, out, partial, toks, rows, tiles, layer, heads, kv_heads, hd, scale,       \
+                                 splits, window);                                                            \
     }
-FLASH_KERNEL(flash_attention_32, 32)
-FLASH_KERNEL(flash_attention_64, 64)
-FLASH_KERNEL(flash_attention_128, 128)
+FLASH_KERNEL(flash_attention_32, 32, false)
+FLASH_KERNEL(flash_attention_64, 64, false)
+FLASH_KERNEL(flash_attention_128, 128, false)
+FLASH_KERNEL(flash_attention_32_full, 32, true)
+FLASH_KERNEL(flash_attention_64_full, 64, true)
+FLASH_KERNEL(flash_attention_128_full, 128, true)
 
 // Merges the segment states `flash_attention` stored in `partial` (tokens x heads x max_segs
 // states of hd + 2 floats), in segment order, with `fa_merge`; lane j

@@ -385,8 +385,9 @@ struct Functions {
     /// block, 256, 512.
     attention: [[CudaFunction; 5]; 4],
     attention_merge: CudaFunction,
-    /// Tensor-core attention (flash.cuh) by head-size tier, and its merge.
-    flash: [CudaFunction; 3],
+    /// Tensor-core attention (flash.cuh) by head-size tier: any head size of the tier, and
+    /// the tier's own (sizes known at compile time); and its merge.
+    flash: [[CudaFunction; 2]; 3],
     flash_merge: CudaFunction,
     /// By unit ([`kv_unit_index`]).
     kv_move: [CudaFunction; 2],
@@ -622,7 +623,11 @@ impl Cuda {
                 ],
             ],
             attention_merge: get("attention_merge")?,
-            flash: [get("flash_attention_32")?, get("flash_attention_64")?, get("flash_attention_128")?],
+            flash: [
+                [get("flash_attention_32")?, get("flash_attention_32_full")?],
+                [get("flash_attention_64")?, get("flash_attention_64_full")?],
+                [get("flash_attention_128")?, get("flash_attention_128_full")?],
+            ],
             flash_merge: get("flash_merge")?,
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
             kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
@@ -647,11 +652,14 @@ impl Cuda {
                     .map_err(|e| format!("shared memory for {kernel:?} ({bytes} bytes): {e:?}"))?;
             }
         }
-        for (func, max_hd) in f.flash.iter().zip(flash::TIERS) {
+        for (funcs, max_hd) in f.flash.iter().zip(flash::TIERS) {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
             let bytes = flash::most_smem_bytes(max_hd);
-            func.set_attribute(MAX, bytes as i32)
-                .map_err(|e| format!("shared memory for the tensor-core attention ({bytes} bytes): {e:?}"))?;
+            for func in funcs {
+                func.set_attribute(MAX, bytes as i32).map_err(|e| {
+                    format!("shared memory for the tensor-core attention ({bytes} bytes): {e:?}")
+                })?;
+            }
         }
         for (func, bytes) in f.linear_wg.iter().flatten().zip(hopper::SMEM_BYTES) {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
@@ -1665,7 +1673,9 @@ impl Cuda {
     ) -> Result<()> {
         check_gpu_kv(kv, heads.head_dim, "CUDA")?;
         if let Some(tier) = flash::pick(self.activations, kv, heads) {
-            let (f, max_hd) = (&self.f.flash[tier], flash::TIERS[tier]);
+            let max_hd = flash::TIERS[tier];
+            // The full-width kernel where the head size is the tier's: the same bits, sizes constant.
+            let f = &self.f.flash[tier][usize::from(heads.head_dim == max_hd)];
             return self.launch_flash(f, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
         }
         let s = &self.stream;
