@@ -366,9 +366,8 @@ fn attention_checkpoint(
 
 /// The tensor-core attention (bf16 activations and bf16 K/V), for every head-size tier and
 /// group size it takes: head size 16 to 128 (24 and 120: dims padded to the 16-wide MMA
-/// step), 1 to 8 query heads per KV head (one warp to eight a block), and 80 over 5 warps
-/// (a row of 10 16-byte pieces: not a power of two, and not split evenly between a block's
-/// threads). f32 weights, so the
+/// step; 80: a row of 10 16-byte pieces, not a power of two, which 128 threads do not split
+/// evenly), 1 to 8 query heads per KV head (one warp to eight a block). f32 weights, so the
 /// matmuls are the CPU's exactly and the bound sees attention's roundings alone (q, K, V
 /// and the probabilities in bf16): decoded logits within 2e-2 of the CPU's f32 scale (a
 /// wrong head, dim or key would be off by the scale). At 37 to 600 keys a query's bits are
@@ -386,7 +385,7 @@ fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
         (16, 2, 64), // 64, 8 warps
         (4, 2, 128), // 128, 2 warps
         (4, 1, 120), // 128, 4 warps, padded dims
-        (10, 2, 80), // 128, 5 warps: a thread's K/V pieces change key and dim chunk to chunk
+        (8, 2, 80),  // 128, 4 warps: a thread's K/V pieces change dims from key to key
     ];
     let mut rng = Lcg(43);
     for (heads, kv_heads, head_dim) in shapes {
