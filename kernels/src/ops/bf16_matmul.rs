@@ -394,8 +394,11 @@ pub unsafe fn tile<S: Bf16Dot, const MR: usize, const NR: usize>(
     while i < full {
         let wv: [S::C; NR] = std::array::from_fn(|j| {
             let p = w.add(j * w_stride + i * 2);
-            // The same place in the next block's rows (decoding reads each weight once).
-            S::prefetch(p.wrapping_add(NR * w_stride));
+            // The same place in the next block's rows (decoding reads each weight once); one
+            // row is a stream the hardware prefetcher follows (see `simd::tile_pairs`).
+            if NR > 1 {
+                S::prefetch(p.wrapping_add(NR * w_stride));
+            }
             S::load(p as *const u16)
         });
         for (r, row) in acc.iter_mut().enumerate() {

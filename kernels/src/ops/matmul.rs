@@ -147,7 +147,7 @@ unsafe fn bf16_columns_native(
 ) {
     use bf16_matmul::Avx512Native as S;
     if m == 1 {
-        bf16_columns_generic::<S, 1, 8>(x, m, k, w, n0, n1, out, ldo)
+        bf16_columns_generic::<S, 1, 1>(x, m, k, w, n0, n1, out, ldo)
     } else {
         bf16_columns_generic::<S, 4, 4>(x, m, k, w, n0, n1, out, ldo)
     }
@@ -168,7 +168,7 @@ unsafe fn bf16_columns_avx512(
 ) {
     use bf16_matmul::Avx512Emulated as S;
     if m == 1 {
-        bf16_columns_generic::<S, 1, 8>(x, m, k, w, n0, n1, out, ldo)
+        bf16_columns_generic::<S, 1, 1>(x, m, k, w, n0, n1, out, ldo)
     } else {
         bf16_columns_generic::<S, 4, 4>(x, m, k, w, n0, n1, out, ldo)
     }
@@ -187,11 +187,17 @@ unsafe fn bf16_columns_avx2(
     out: *mut f32,
     ldo: usize,
 ) {
-    bf16_columns_generic::<bf16_matmul::Avx2Emulated, 2, 2>(x, m, k, w, n0, n1, out, ldo)
+    use bf16_matmul::Avx2Emulated as S;
+    if m == 1 {
+        bf16_columns_generic::<S, 1, 1>(x, m, k, w, n0, n1, out, ldo)
+    } else {
+        bf16_columns_generic::<S, 2, 2>(x, m, k, w, n0, n1, out, ldo)
+    }
 }
 
 /// Columns `n0..n1` for all `m` rows in `MR x NR` bf16-activation tiles; the edges in tiles
-/// of one row or one output (the order per output is the same whatever the tile).
+/// of one row or one output (the order per output is the same whatever the tile). One row
+/// (`m == 1`) takes `1 x 1` tiles, as [`columns_generic`] says why.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn bf16_columns_generic<S: bf16_matmul::Bf16Dot, const MR: usize, const NR: usize>(
@@ -306,6 +312,8 @@ unsafe fn quant_columns_avx512(
     ldo: usize,
 ) {
     if m == 1 {
+        // Unpacking makes one row compute-bound (unlike 16-bit weights): 8 columns give
+        // enough independent sums to hide the FMA latency.
         quant_columns_generic::<super::simd::Avx512, 1, 8>(x, xsum, m, k, q, n0, n1, out, ldo)
     } else {
         quant_columns_generic::<super::simd::Avx512, 4, 4>(x, xsum, m, k, q, n0, n1, out, ldo)
@@ -473,8 +481,7 @@ unsafe fn columns_avx512(
     ldo: usize,
 ) {
     if m == 1 {
-        // One row: more columns per pass, so enough independent sums hide the FMA latency.
-        columns_generic::<super::simd::Avx512, 1, 8>(x, m, k, w, d, n0, n1, out, ldo)
+        columns_generic::<super::simd::Avx512, 1, 1>(x, m, k, w, d, n0, n1, out, ldo)
     } else {
         columns_generic::<super::simd::Avx512, 4, 4>(x, m, k, w, d, n0, n1, out, ldo)
     }
@@ -494,11 +501,18 @@ unsafe fn columns_avx2(
     out: *mut f32,
     ldo: usize,
 ) {
-    columns_generic::<super::simd::Avx2, 2, 2>(x, m, k, w, d, n0, n1, out, ldo)
+    if m == 1 {
+        columns_generic::<super::simd::Avx2, 1, 1>(x, m, k, w, d, n0, n1, out, ldo)
+    } else {
+        columns_generic::<super::simd::Avx2, 2, 2>(x, m, k, w, d, n0, n1, out, ldo)
+    }
 }
 
 /// Tiles columns `n0..n1` for all `m` rows: `NR` weight rows stay hot in L1 while the
-/// `MR`-row blocks of `x` stream past them.
+/// `MR`-row blocks of `x` stream past them. One row (`m == 1`, decoding) takes `1 x 1`
+/// tiles: each weight row is read front to back, a stream the hardware prefetcher follows,
+/// and out-of-order execution overlaps one row's sum with the next (on Zen 4, 1.2-1.4x the
+/// bandwidth of 8 interleaved rows with software prefetch; docs/benchmarks.md).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn columns_generic<S: Simd16, const MR: usize, const NR: usize>(

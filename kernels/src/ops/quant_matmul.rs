@@ -128,7 +128,9 @@ pub unsafe fn tile_quant<S: Simd16, const MR: usize, const NR: usize, const BITS
             let mut odd = [S::zero(); NR];
             for j in 0..NR {
                 let p = q.packed.add((n + j) * q.row_bytes + i / PAIR_CHUNK * chunk_bytes);
-                S::prefetch(p.wrapping_add(NR * q.row_bytes));
+                if NR > 1 {
+                    S::prefetch(p.wrapping_add(NR * q.row_bytes));
+                }
                 (even[j], odd[j]) = if BITS == 4 {
                     S::load_q4_scaled(p, scale[j])
                 } else {
