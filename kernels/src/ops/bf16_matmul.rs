@@ -392,15 +392,20 @@ pub unsafe fn tile<S: Bf16Dot, const MR: usize, const NR: usize>(
     let mut acc = [[S::zero(); NR]; MR];
     let mut i = 0;
     while i < full {
-        let wv: [S::C; NR] = std::array::from_fn(|j| {
+        // A loop, not `array::from_fn`: a closure does not inherit the caller's target
+        // features, and the emulated paths' intrinsics became calls (40-70x slower).
+        let mut wv = [S::load(w.add(i * 2) as *const u16); NR];
+        for (j, v) in wv.iter_mut().enumerate() {
             let p = w.add(j * w_stride + i * 2);
             // The same place in the next block's rows (decoding reads each weight once); one
             // row is a stream the hardware prefetcher follows (see `simd::tile_pairs`).
             if NR > 1 {
                 S::prefetch(p.wrapping_add(NR * w_stride));
             }
-            S::load(p as *const u16)
-        });
+            if j > 0 {
+                *v = S::load(p as *const u16);
+            }
+        }
         for (r, row) in acc.iter_mut().enumerate() {
             let xv = S::load(x.add(r * kp + i));
             for j in 0..NR {
