@@ -212,6 +212,77 @@ fn attention_never_reads_past_its_position() {
     }
 }
 
+/// The attention order written out one value at a time (`ops::attention`'s contract): chunks
+/// of 32 keys anchored at position 0; scores the canonical dot (`simd::dot_f32`) times
+/// `scale`; the running maximum and, where it grows, `l` and the output rescaled by
+/// `exp(old - new)`; then in key order `l += p` and `o += p * v`, each a product rounded
+/// and a sum rounded (`fused`: one fused multiply-add instead, the control's order);
+/// finally `o * (1 / l)`.
+#[allow(clippy::too_many_arguments)]
+fn attention_written_out(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    first: usize,
+    n_keys: usize,
+    (kvd, off, hd): (usize, usize, usize),
+    scale: f32,
+    fused: bool,
+) -> Vec<f32> {
+    let (mut m, mut l, mut o) = (f32::NEG_INFINITY, 0.0f32, vec![0.0f32; hd]);
+    for chunk in first / 32..n_keys.div_ceil(32) {
+        let (c0, c1) = ((chunk * 32).max(first), ((chunk + 1) * 32).min(n_keys));
+        let s: Vec<f32> = (c0..c1).map(|p| simd::dot_f32(q, &keys[p * kvd + off..][..hd]) * scale).collect();
+        let m_new = s.iter().copied().fold(m, f32::max);
+        if m_new > m {
+            let alpha = (m - m_new).exp();
+            l *= alpha;
+            o.iter_mut().for_each(|x| *x *= alpha);
+            m = m_new;
+        }
+        for (score, pos) in s.iter().zip(c0..c1) {
+            let p = (score - m).exp();
+            l += p;
+            for (x, &v) in o.iter_mut().zip(&values[pos * kvd + off..][..hd]) {
+                *x = if fused { p.mul_add(v, *x) } else { *x + p * v };
+            }
+        }
+    }
+    let inv = 1.0 / l;
+    o.iter().map(|x| x * inv).collect()
+}
+
+/// Every head of `attend_heads` has exactly the bits of the order written out, for head
+/// sizes whose values split into whole register blocks, a remainder or both (16, 24, 80,
+/// 128, 200), 1 to 5 heads, full and sliding ranges. Control: the written-out order with a
+/// fused multiply-add in `o += p * v` differs, so the comparison sees that step's rounding.
+#[test]
+fn attention_has_the_bits_of_its_order_written_out() {
+    use mtp::kernels::ops::attend_heads;
+    let mut rng = Lcg(23);
+    let mut control_differs = false;
+    for (hd, g) in [(16, 1), (24, 2), (80, 3), (128, 2), (200, 5)] {
+        let (kvh, n_keys) = (2, 75);
+        let kvd = hd * kvh;
+        let (keys, values) = (rng.vec(n_keys * kvd), rng.vec(n_keys * kvd));
+        let view = KvView::contiguous(&keys, &values, kvd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let q = rng.vec(g * hd);
+        for (kv_head, first, end) in [(0, 0, n_keys), (1, 0, 33), (1, 40, n_keys)] {
+            let mut got = vec![0.0; g * hd];
+            attend_heads(&q, hd, &view, first, end, kv_head * hd, scale, &mut got);
+            for (h, (qh, o)) in q.chunks(hd).zip(got.chunks(hd)).enumerate() {
+                let at = (kvd, kv_head * hd, hd);
+                let want = attention_written_out(qh, &keys, &values, first, end, at, scale, false);
+                assert_eq!(bits(o), bits(&want), "head size {hd}, head {h} of {g}, keys [{first}, {end})");
+                let fused = attention_written_out(qh, &keys, &values, first, end, at, scale, true);
+                control_differs |= bits(&fused) != bits(&want);
+            }
+        }
+    }
+    assert!(control_differs, "control: a fused P·V step gave the same bits everywhere");
+}
+
 /// Query heads sharing a KV head computed together (`attend_heads`: each K/V row read once
 /// for up to four heads) give each head the bits it has alone, for 1 to 9 heads (blocks of
 /// 4, 3, 2 and 1), both KV heads, full and sliding ranges. Control: the same heads with

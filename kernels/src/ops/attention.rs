@@ -121,6 +121,7 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
     // f32 one lends slices; bf16 keys go to the tile as stored, which widens them exactly
     // as it loads: the bits of f32 keys holding the same values).
     let mut buf = if kv.reads_into_buffer() { vec![0.0f32; hd] } else { Vec::new() };
+    let mut vbuf = vec![0.0f32; if kv.reads_into_buffer() { CHUNK * hd } else { 0 }];
     for chunk in (first / CHUNK)..n_keys.div_ceil(CHUNK) {
         let (c0, c1) = ((chunk * CHUNK).max(first), ((chunk + 1) * CHUNK).min(n_keys));
         let n = c1 - c0;
@@ -149,21 +150,70 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
                 m[b] = m_new;
             }
         }
-        for j in 0..n {
-            let v = kv.value(c0 + j, kv_off, hd, &mut buf);
-            for (((row, o), mb), lb) in scores.iter().zip(out.chunks_mut(hd)).zip(m).zip(l.iter_mut()) {
-                let p = (row[j] - mb).exp();
-                *lb += p;
-                for (o, &vv) in o.iter_mut().zip(v) {
-                    *o += p * vv;
-                }
+        // Each head's probabilities, `l += p` in key order.
+        let mut probs = [[0.0f32; CHUNK]; B];
+        for b in 0..B {
+            for j in 0..n {
+                let p = (scores[b][j] - m[b]).exp();
+                l[b] += p;
+                probs[b][j] = p;
             }
         }
+        // The chunk's V rows: lent by an f32 cache, widened or dequantized into `vbuf`.
+        let mut rows: [&[f32]; CHUNK] = [&[]; CHUNK];
+        let mut spare = vbuf.chunks_mut(hd);
+        for (row, pos) in rows.iter_mut().zip(c0..c1) {
+            // An f32 cache lends its own rows and leaves the buffer alone.
+            *row = kv.value(pos, kv_off, hd, spare.next().unwrap_or(&mut []));
+        }
+        accumulate_pv::<B>(&probs, &rows[..n], out, hd);
     }
     for b in 0..B {
         let inv = 1.0 / l[b];
         for o in out[b * hd..(b + 1) * hd].iter_mut() {
             *o *= inv;
+        }
+    }
+}
+
+/// Values of each head's output one pass of [`accumulate_pv`] keeps in registers.
+const PV_BLOCK: usize = 64;
+
+/// `out[b] += p[b][j] * v[j]` for the chunk's keys `j` in order, each a product rounded
+/// and then a sum rounded, as element-wise loops give it: `PV_BLOCK` values of every head at
+/// a time stay in registers while the keys stream past, where a loop over keys would load
+/// and store the whole output for each key (the same bits: each value's sum runs over the
+/// keys in the same order).
+#[inline(always)]
+fn accumulate_pv<const B: usize>(probs: &[[f32; CHUNK]; B], rows: &[&[f32]], out: &mut [f32], hd: usize) {
+    let mut e0 = 0;
+    while e0 + PV_BLOCK <= hd {
+        let mut acc = [[0.0f32; PV_BLOCK]; B];
+        for (b, a) in acc.iter_mut().enumerate() {
+            a.copy_from_slice(&out[b * hd + e0..b * hd + e0 + PV_BLOCK]);
+        }
+        for (j, v) in rows.iter().enumerate() {
+            let v = &v[e0..e0 + PV_BLOCK];
+            for (a, p) in acc.iter_mut().zip(probs) {
+                let p = p[j];
+                for (a, &vv) in a.iter_mut().zip(v) {
+                    *a += p * vv;
+                }
+            }
+        }
+        for (b, a) in acc.iter().enumerate() {
+            out[b * hd + e0..b * hd + e0 + PV_BLOCK].copy_from_slice(a);
+        }
+        e0 += PV_BLOCK;
+    }
+    if e0 < hd {
+        for (j, v) in rows.iter().enumerate() {
+            for (o, p) in out.chunks_mut(hd).zip(probs) {
+                let p = p[j];
+                for (o, &vv) in o[e0..].iter_mut().zip(&v[e0..]) {
+                    *o += p * vv;
+                }
+            }
         }
     }
 }
