@@ -117,11 +117,12 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
     let mut l = [0.0f32; B];
     out.fill(0.0);
     let mut scores = [[0.0f32; CHUNK]; B];
-    // Where a bf16 or quantized cache widens one head's V or dequantizes its K or V (an
-    // f32 one lends slices; bf16 keys go to the tile as stored, which widens them exactly
-    // as it loads: the bits of f32 keys holding the same values).
+    // Where a bf16 or quantized cache widens or dequantizes a key (`buf`) and a chunk's
+    // values (`vbuf`); an f32 one lends slices, and bf16 keys go to the tile as stored,
+    // which widens them exactly as it loads: the bits of f32 keys holding the same values.
     let mut buf = if kv.reads_into_buffer() { vec![0.0f32; hd] } else { Vec::new() };
-    let mut vbuf = vec![0.0f32; if kv.reads_into_buffer() { CHUNK * hd } else { 0 }];
+    let chunk_keys = CHUNK.min(n_keys - first);
+    let mut vbuf = vec![0.0f32; if kv.reads_into_buffer() { chunk_keys * hd } else { 0 }];
     for chunk in (first / CHUNK)..n_keys.div_ceil(CHUNK) {
         let (c0, c1) = ((chunk * CHUNK).max(first), ((chunk + 1) * CHUNK).min(n_keys));
         let n = c1 - c0;

@@ -509,10 +509,11 @@ unsafe fn columns_avx2(
 }
 
 /// Tiles columns `n0..n1` for all `m` rows: `NR` weight rows stay hot in L1 while the
-/// `MR`-row blocks of `x` stream past them. One row (`m == 1`, decoding) takes `1 x 1`
-/// tiles: each weight row is read front to back, a stream the hardware prefetcher follows,
-/// and out-of-order execution overlaps one row's sum with the next (on Zen 4, 1.2-1.4x the
-/// bandwidth of 8 interleaved rows with software prefetch; docs/benchmarks.md).
+/// `MR`-row blocks of `x` stream past them. On x86 one row (`m == 1`, decoding) takes
+/// `1 x 1` tiles: each weight row is read front to back, a stream the hardware prefetcher
+/// follows, and out-of-order execution overlaps one row's sum with the next (on Zen 4,
+/// 1.2-1.4x the bandwidth of 8 interleaved rows with software prefetch; docs/benchmarks.md).
+/// The portable path keeps `2 x 2` (not measured where it runs, on Arm).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn columns_generic<S: Simd16, const MR: usize, const NR: usize>(
