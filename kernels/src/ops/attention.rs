@@ -117,19 +117,22 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
     let mut l = [0.0f32; B];
     out.fill(0.0);
     let mut scores = [[0.0f32; CHUNK]; B];
-    // Where a bf16 or quantized cache widens or dequantizes a key (`buf`) and a chunk's
-    // values (`vbuf`); an f32 one lends slices, and bf16 keys go to the tile as stored,
-    // which widens them exactly as it loads: the bits of f32 keys holding the same values.
-    let mut buf = if kv.reads_into_buffer() { vec![0.0f32; hd] } else { Vec::new() };
+    // Where a bf16 or quantized cache widens or dequantizes a chunk's values, and before
+    // them each key into the first row (consumed by its dot at once); an f32 cache lends
+    // slices, and bf16 keys go to the tile as stored, which widens them exactly as it
+    // loads: the bits of f32 keys holding the same values.
     let chunk_keys = CHUNK.min(n_keys - first);
-    let mut vbuf = vec![0.0f32; if kv.reads_into_buffer() { chunk_keys * hd } else { 0 }];
+    let mut buf = vec![0.0f32; if kv.reads_into_buffer() { chunk_keys * hd } else { 0 }];
+    let key_buf = buf.len().min(hd);
     for chunk in (first / CHUNK)..n_keys.div_ceil(CHUNK) {
         let (c0, c1) = ((chunk * CHUNK).max(first), ((chunk + 1) * CHUNK).min(n_keys));
         let n = c1 - c0;
         for j in 0..n {
             let (key, dtype) = match kv.key_bf16(c0 + j, kv_off, hd) {
                 Some(k) => (k.as_ptr() as *const u8, WeightDtype::Bf16),
-                None => (kv.key(c0 + j, kv_off, hd, &mut buf).as_ptr() as *const u8, WeightDtype::F32),
+                None => {
+                    (kv.key(c0 + j, kv_off, hd, &mut buf[..key_buf]).as_ptr() as *const u8, WeightDtype::F32)
+                }
             };
             let mut dots = [0.0f32; B];
             // SAFETY: `q` holds B rows of hd f32 and `key` hd values of `dtype`; B outputs,
@@ -160,9 +163,9 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
                 probs[b][j] = p;
             }
         }
-        // The chunk's V rows: lent by an f32 cache, widened or dequantized into `vbuf`.
+        // The chunk's V rows: lent by an f32 cache, widened or dequantized into `buf`.
         let mut rows: [&[f32]; CHUNK] = [&[]; CHUNK];
-        let mut spare = vbuf.chunks_mut(hd);
+        let mut spare = buf.chunks_mut(hd);
         for (row, pos) in rows.iter_mut().zip(c0..c1) {
             // An f32 cache lends its own rows and leaves the buffer alone.
             *row = kv.value(pos, kv_off, hd, spare.next().unwrap_or(&mut []));
