@@ -39,6 +39,33 @@ impl WeightDtype {
         }
     }
 
+    /// Elements `start .. start + out.len()` of an array of this dtype at `p`, as f32: what
+    /// [`WeightDtype::read`] gives for each, with one dtype match for the whole run.
+    ///
+    /// # Safety
+    /// `p` must point to at least `(start + out.len()) * self.size()` readable bytes.
+    #[inline(always)]
+    pub unsafe fn widen(self, p: *const u8, start: usize, out: &mut [f32]) {
+        let at = p.add(start * self.size());
+        match self {
+            WeightDtype::F32 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = std::ptr::read_unaligned((at as *const f32).add(i));
+                }
+            }
+            WeightDtype::Bf16 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = f32::from_bits((std::ptr::read_unaligned((at as *const u16).add(i)) as u32) << 16);
+                }
+            }
+            WeightDtype::F16 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = half::f16::from_bits(std::ptr::read_unaligned((at as *const u16).add(i))).to_f32();
+                }
+            }
+        }
+    }
+
     /// `x` rounded to this dtype and widened back (what `tensor.to(dtype)` of a scalar
     /// gives), round to nearest even.
     pub fn round(self, x: f32) -> f32 {

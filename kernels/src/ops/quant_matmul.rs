@@ -92,6 +92,10 @@ impl QuantCols {
     }
 }
 
+/// Groups whose scales and biases a tile widens to f32 at a time: one dtype match per block,
+/// not one per group and row.
+const GROUP_BLOCK: usize = 16;
+
 /// An `MR x NR` block in the quantized order: rows of pair-split `x` (their group sums at
 /// `xsum`, `groups` a row) against weight rows `n .. n + NR`, into `out[r*ldo + j]`.
 ///
@@ -112,47 +116,57 @@ pub unsafe fn tile_quant<S: Simd16, const MR: usize, const NR: usize, const BITS
     let mut acc = [[S::zero(); NR]; MR];
     let mut bsum = [[0.0f32; NR]; MR];
     let chunk_bytes = PAIR_CHUNK * BITS / 8;
-    for g in 0..q.groups {
-        // 4-bit: the group's `scale * q` table (or the scale, per path); 8-bit: the scale.
-        let mut scale = [S::zero(); NR];
-        let mut bias = [0.0f32; NR];
+    // A block of groups' scales and biases, widened to f32 (`NR x GROUP_BLOCK` each).
+    let mut scales = [[0.0f32; GROUP_BLOCK]; NR];
+    let mut biases = [[0.0f32; GROUP_BLOCK]; NR];
+    let mut g0 = 0;
+    while g0 < q.groups {
+        let block = GROUP_BLOCK.min(q.groups - g0);
         for j in 0..NR {
-            let at = (n + j) * q.groups + g;
-            let s = q.scale_dtype.read(q.scales, at);
-            scale[j] = if BITS == 4 { S::q4_table(s) } else { S::splat(s) };
-            bias[j] = q.bias_dtype.read(q.biases, at);
+            let at = (n + j) * q.groups + g0;
+            q.scale_dtype.widen(q.scales, at, &mut scales[j][..block]);
+            q.bias_dtype.widen(q.biases, at, &mut biases[j][..block]);
         }
-        let mut i = g * q.group;
-        while i < (g + 1) * q.group {
-            let mut even = [S::zero(); NR];
-            let mut odd = [S::zero(); NR];
+        for b in 0..block {
+            let g = g0 + b;
+            // 4-bit: the group's `scale * q` table (or the scale, per path); 8-bit: the scale.
+            let mut scale = [S::zero(); NR];
             for j in 0..NR {
-                let p = q.packed.add((n + j) * q.row_bytes + i / PAIR_CHUNK * chunk_bytes);
-                if NR > 1 {
-                    S::prefetch(p.wrapping_add(NR * q.row_bytes));
-                }
-                (even[j], odd[j]) = if BITS == 4 {
-                    S::load_q4_scaled(p, scale[j])
-                } else {
-                    let (e, o) = S::load_q8_pairs(p);
-                    (S::mul(scale[j], e), S::mul(scale[j], o))
-                };
+                scale[j] = if BITS == 4 { S::q4_table(scales[j][b]) } else { S::splat(scales[j][b]) };
             }
-            for (r, row) in acc.iter_mut().enumerate() {
-                let xe = S::load(x.add(r * k + i));
-                let xo = S::load(x.add(r * k + i + LANES));
+            let mut i = g * q.group;
+            while i < (g + 1) * q.group {
+                let mut even = [S::zero(); NR];
+                let mut odd = [S::zero(); NR];
                 for j in 0..NR {
-                    row[j] = S::fma(S::fma(row[j], xe, even[j]), xo, odd[j]);
+                    let p = q.packed.add((n + j) * q.row_bytes + i / PAIR_CHUNK * chunk_bytes);
+                    if NR > 1 {
+                        S::prefetch(p.wrapping_add(NR * q.row_bytes));
+                    }
+                    (even[j], odd[j]) = if BITS == 4 {
+                        S::load_q4_scaled(p, scale[j])
+                    } else {
+                        let (e, o) = S::load_q8_pairs(p);
+                        (S::mul(scale[j], e), S::mul(scale[j], o))
+                    };
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let xe = S::load(x.add(r * k + i));
+                    let xo = S::load(x.add(r * k + i + LANES));
+                    for j in 0..NR {
+                        row[j] = S::fma(S::fma(row[j], xe, even[j]), xo, odd[j]);
+                    }
+                }
+                i += PAIR_CHUNK;
+            }
+            for (r, row) in bsum.iter_mut().enumerate() {
+                let s = *xsum.add(r * q.groups + g);
+                for (j, sum) in row.iter_mut().enumerate() {
+                    *sum = biases[j][b].mul_add(s, *sum);
                 }
             }
-            i += PAIR_CHUNK;
         }
-        for (r, row) in bsum.iter_mut().enumerate() {
-            let s = *xsum.add(r * q.groups + g);
-            for (b, w) in row.iter_mut().zip(bias) {
-                *b = w.mul_add(s, *b);
-            }
-        }
+        g0 += block;
     }
     for r in 0..MR {
         for j in 0..NR {
@@ -168,6 +182,18 @@ mod tests {
 
     /// A quantized `rows x k` weight with `bits`, `group` and bf16 scales and biases.
     fn weight(rows: usize, k: usize, bits: usize, group: usize, seed: u64) -> Weight {
+        weight_with(rows, k, bits, group, seed, WeightDtype::Bf16)
+    }
+
+    /// A quantized `rows x k` weight whose scales and biases are stored as `dtype`.
+    fn weight_with(
+        rows: usize,
+        k: usize,
+        bits: usize,
+        group: usize,
+        seed: u64,
+        dtype: WeightDtype,
+    ) -> Weight {
         let mut s = seed;
         let mut next = || {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -175,15 +201,19 @@ mod tests {
         };
         let words: Vec<u8> = (0..rows * k * bits / 32).flat_map(|_| next().to_le_bytes()).collect();
         let groups = rows * k / group;
-        let bf16 = |v: f32| ((v.to_bits() >> 16) as u16).to_le_bytes();
+        let store = |v: f32| match dtype {
+            WeightDtype::F32 => v.to_le_bytes().to_vec(),
+            WeightDtype::Bf16 => ((v.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
+            WeightDtype::F16 => half::f16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+        };
         let scales: Vec<u8> =
-            (0..groups).flat_map(|_| bf16((next() % 1000) as f32 / 40000.0 + 1e-3)).collect();
-        let biases: Vec<u8> = (0..groups).flat_map(|_| bf16(-((next() % 1000) as f32) / 5000.0)).collect();
+            (0..groups).flat_map(|_| store((next() % 1000) as f32 / 40000.0 + 1e-3)).collect();
+        let biases: Vec<u8> = (0..groups).flat_map(|_| store(-((next() % 1000) as f32) / 5000.0)).collect();
         let quant = Quant {
             bits,
             group,
-            scales: Weight::from_le_bytes(scales, WeightDtype::Bf16, rows, k / group),
-            biases: Some(Weight::from_le_bytes(biases, WeightDtype::Bf16, rows, k / group)),
+            scales: Weight::from_le_bytes(scales, dtype, rows, k / group),
+            biases: Some(Weight::from_le_bytes(biases, dtype, rows, k / group)),
         };
         Weight::quantized(Weight::from_le_bytes(words, WeightDtype::F32, rows, k * bits / 32), rows, k, quant)
     }
@@ -242,12 +272,24 @@ mod tests {
     }
 
     /// Every ISA path computes the scalar model's bits, at 4 and 8 bits, through the matmul's
-    /// tiles (several rows and columns, and their edges) and one output at a time.
+    /// tiles (several rows and columns, and their edges) and one output at a time; rows of
+    /// more groups than a tile widens at once (`GROUP_BLOCK`), and f16 and f32 scales.
     #[test]
     fn paths_compute_the_documented_order() {
-        for (bits, group, k) in [(4, 64, 256), (4, 32, 96), (8, 64, 192), (4, 128, 384), (8, 32, 64)] {
+        let cases = [
+            (4, 64, 256, WeightDtype::Bf16),
+            (4, 32, 96, WeightDtype::Bf16),
+            (8, 64, 192, WeightDtype::Bf16),
+            (4, 128, 384, WeightDtype::Bf16),
+            (8, 32, 64, WeightDtype::Bf16),
+            (4, 32, 32 * (2 * GROUP_BLOCK + 5), WeightDtype::Bf16),
+            (8, 32, 32 * (GROUP_BLOCK + 3), WeightDtype::F16),
+            (4, 64, 64 * (GROUP_BLOCK + 1), WeightDtype::F32),
+            (4, 64, 64 * GROUP_BLOCK, WeightDtype::F16),
+        ];
+        for (bits, group, k, dtype) in cases {
             let n = 9;
-            let w = weight(n, k, bits, group, bits as u64 * 7 + k as u64);
+            let w = weight_with(n, k, bits, group, bits as u64 * 7 + k as u64, dtype);
             for m in [1, 5] {
                 let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 777.0).collect();
                 let want: Vec<u32> =
@@ -255,7 +297,7 @@ mod tests {
                 let bits_of = |v: Vec<f32>| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 let mut out = vec![0.0f32; m * n];
                 crate::ops::linear(&x, m, &w, None, &mut out);
-                assert_eq!(bits_of(out), want, "matmul, {bits} bits, group {group}, m {m}");
+                assert_eq!(bits_of(out), want, "matmul, {bits} bits, group {group}, k {k}, {dtype:?}, m {m}");
                 assert_eq!(bits_of(one_by_one::<Portable>(&x, m, k, &w)), want, "portable, {bits} bits");
                 #[cfg(target_arch = "x86_64")]
                 if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
