@@ -352,6 +352,83 @@ fn bf16_kv_attention_has_the_bits_of_f32_kv_holding_the_rounded_values() {
     }
 }
 
+/// Attention scores keys four at a time where their rows are evenly spaced in the store and
+/// one at a time elsewhere (a ring's wrap, the open window after the committed positions):
+/// a ring store with its window, in f32 and bf16, gives every query the bits of a plain
+/// store holding the same positions, for keys starting at each offset into a group of four.
+/// Control: the same ring read with one position's slot moved (another key) differs.
+#[test]
+fn attention_has_the_same_bits_wherever_its_keys_are_stored() {
+    use mtp::cache::{Bf16Kv, HostKv, KvStore, SlotMap};
+    use mtp::kernels::ops::attend_heads;
+    let mut rng = Lcg(23);
+    let (hd, kvh, n_keys) = (64, 2, 70);
+    let kvd = hd * kvh;
+    let (keys, values) = (rng.vec(n_keys * kvd), rng.vec(n_keys * kvd));
+    // Ring of 48 slots holding committed positions 14..62 (position p at slot p % 48, so
+    // the ring wraps at position 48), the window 62..70 at slots 48..56.
+    let (ring, committed) = (48, 62);
+    let map = SlotMap { committed, base: ring, ring };
+    let slot_of = |p: usize| map.slot(p);
+    let mut f32_ring = HostKv::<f32>::new(1, kvd);
+    let mut bf16_ring = Bf16Kv::new(1, kvd);
+    let mut bf16_plain = Bf16Kv::new(1, kvd);
+    f32_ring.grow(ring + n_keys - committed).unwrap();
+    bf16_ring.grow(ring + n_keys - committed).unwrap();
+    bf16_plain.grow(n_keys).unwrap();
+    for p in 0..n_keys {
+        let (k, v) = (&keys[p * kvd..(p + 1) * kvd], &values[p * kvd..(p + 1) * kvd]);
+        bf16_plain.write(0, p, k, v);
+        if p >= committed - ring {
+            f32_ring.write(0, slot_of(p), k, v);
+            bf16_ring.write(0, slot_of(p), k, v);
+        }
+    }
+    let plain_map = SlotMap { committed: n_keys, base: n_keys, ring: 0 };
+    let views = [
+        (KvView::contiguous(&keys, &values, kvd), KvView::of_store(&f32_ring, 0, map).unwrap(), "f32"),
+        (
+            KvView::of_store(&bf16_plain, 0, plain_map).unwrap(),
+            KvView::of_store(&bf16_ring, 0, map).unwrap(),
+            "bf16",
+        ),
+    ];
+    let scale = 1.0 / (hd as f32).sqrt();
+    for (plain, ringed, dtype) in &views {
+        for g in [1, 2, 3] {
+            let q = rng.vec(g * hd);
+            for first in [14, 15, 16, 17, 33, 45, 47, 60, 66] {
+                for kv_head in 0..kvh {
+                    let run = |view: &KvView| {
+                        let mut out = vec![0.0; g * hd];
+                        attend_heads(&q, hd, view, first, n_keys, kv_head * hd, scale, &mut out);
+                        bits(&out)
+                    };
+                    assert_eq!(
+                        run(ringed),
+                        run(plain),
+                        "{dtype}: {g} heads, keys from {first}, KV head {kv_head}"
+                    );
+                }
+            }
+        }
+    }
+    // Control: position 50's slot (2) holds position 20's key instead.
+    let mut moved = HostKv::<f32>::new(1, kvd);
+    moved.grow(ring + n_keys - committed).unwrap();
+    for p in committed - ring..n_keys {
+        let src = if p == 50 { 20 } else { p };
+        moved.write(0, slot_of(p), &keys[src * kvd..(src + 1) * kvd], &values[src * kvd..(src + 1) * kvd]);
+    }
+    let q = rng.vec(hd);
+    let run = |view: &KvView| {
+        let mut out = vec![0.0; hd];
+        attend_heads(&q, hd, view, 14, n_keys, 0, scale, &mut out);
+        bits(&out)
+    };
+    assert_ne!(run(&KvView::of_store(&moved, 0, map).unwrap()), run(&views[0].0), "control: a moved key");
+}
+
 /// Negative control: stock attention (matmul, masked softmax, matmul) over a zero-padded
 /// key length gives different bits for the same query as the unpadded length.
 #[test]

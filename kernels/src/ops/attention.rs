@@ -127,7 +127,35 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
     for chunk in (first / CHUNK)..n_keys.div_ceil(CHUNK) {
         let (c0, c1) = ((chunk * CHUNK).max(first), ((chunk + 1) * CHUNK).min(n_keys));
         let n = c1 - c0;
-        for j in 0..n {
+        let mut j = 0;
+        while j < n {
+            // KEY_TILE keys at once where their rows are evenly spaced: B x KEY_TILE
+            // independent sums instead of B chains of dependent FMAs, each the same dot.
+            if j + KEY_TILE <= n {
+                if let Some((key, dtype, stride)) = key_block(kv, c0 + j, kv_off, hd, &mut buf) {
+                    let mut dots = [[0.0f32; KEY_TILE]; B];
+                    // SAFETY: `q` holds B rows of hd f32, `key_block` KEY_TILE rows of hd
+                    // values of `dtype` `stride` bytes apart; outputs `dots[b][t]`.
+                    unsafe {
+                        tile::<S, B, KEY_TILE>(
+                            q.as_ptr(),
+                            hd,
+                            key,
+                            dtype,
+                            stride,
+                            dots.as_mut_ptr().cast(),
+                            KEY_TILE,
+                        )
+                    };
+                    for (row, dots) in scores.iter_mut().zip(dots) {
+                        for (t, dot) in dots.into_iter().enumerate() {
+                            row[j + t] = dot * scale;
+                        }
+                    }
+                    j += KEY_TILE;
+                    continue;
+                }
+            }
             let (key, dtype) = match kv.key_bf16(c0 + j, kv_off, hd) {
                 Some(k) => (k.as_ptr() as *const u8, WeightDtype::Bf16),
                 None => {
@@ -141,6 +169,7 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
             for (row, dot) in scores.iter_mut().zip(dots) {
                 row[j] = dot * scale;
             }
+            j += 1;
         }
         for b in 0..B {
             let cm = scores[b][..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -178,6 +207,46 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
             *o *= inv;
         }
     }
+}
+
+/// Keys whose scores one tile computes together.
+const KEY_TILE: usize = 4;
+
+/// The K rows of positions `pos .. pos + KEY_TILE` as one evenly spaced block: (first
+/// row, dtype, bytes from one row to the next). A bf16 or f32 cache lends its rows (evenly
+/// spaced where the positions' slots are, as a page's consecutive slots are; None
+/// otherwise); a quantized cache's rows are dequantized into the first rows of `buf`.
+#[inline(always)]
+fn key_block(
+    kv: &KvView,
+    pos: usize,
+    kv_off: usize,
+    hd: usize,
+    buf: &mut [f32],
+) -> Option<(*const u8, WeightDtype, usize)> {
+    let mut rows = [std::ptr::null::<u8>(); KEY_TILE];
+    let dtype = if kv.key_bf16(pos, kv_off, hd).is_some() {
+        for (t, row) in rows.iter_mut().enumerate() {
+            *row = kv.key_bf16(pos + t, kv_off, hd)?.as_ptr().cast();
+        }
+        WeightDtype::Bf16
+    } else if kv.reads_into_buffer() {
+        if buf.len() < KEY_TILE * hd {
+            return None;
+        }
+        for ((t, row), b) in rows.iter_mut().enumerate().zip(buf.chunks_mut(hd)) {
+            *row = kv.key(pos + t, kv_off, hd, b).as_ptr().cast();
+        }
+        WeightDtype::F32
+    } else {
+        for (t, row) in rows.iter_mut().enumerate() {
+            *row = kv.key(pos + t, kv_off, hd, &mut []).as_ptr().cast();
+        }
+        WeightDtype::F32
+    };
+    let stride = (rows[1] as usize).checked_sub(rows[0] as usize)?;
+    let even = rows.windows(2).all(|w| (w[1] as usize).checked_sub(w[0] as usize) == Some(stride));
+    (stride > 0 && even).then_some((rows[0], dtype, stride))
 }
 
 /// Values of each head's output one pass of [`accumulate_pv`] keeps in registers.
