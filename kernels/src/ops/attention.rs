@@ -214,8 +214,8 @@ const KEY_TILE: usize = 4;
 
 /// The K rows of positions `pos .. pos + KEY_TILE` as one evenly spaced block: (first
 /// row, dtype, bytes from one row to the next). A bf16 or f32 cache lends its rows (evenly
-/// spaced where the positions' slots are, as a page's consecutive slots are; None
-/// otherwise); a quantized cache's rows are dequantized into the first rows of `buf`.
+/// spaced where the positions' slots are consecutive; None across a ring's wrap or the
+/// window's edge); a quantized cache's rows are dequantized into the first rows of `buf`.
 #[inline(always)]
 fn key_block(
     kv: &KvView,
