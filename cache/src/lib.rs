@@ -193,21 +193,42 @@ impl<'a> KvView<'a> {
     /// K of logical position `pos`, values `[off, off + len)` (one KV head: `off` is a
     /// multiple of `len` = head_dim for a quantized store): a slice of an f32 store, or the
     /// values widened (bf16) or dequantized into `buf` (at least `len` long).
-    #[inline]
+    #[inline(always)]
     pub fn key<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
         self.read(pos, off, len, buf, true)
     }
 
     /// V of logical position `pos`, like [`KvView::key`].
-    #[inline]
+    #[inline(always)]
     pub fn value<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
         self.read(pos, off, len, buf, false)
     }
 
-    #[inline]
+    #[inline(always)]
     fn read<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32], key: bool) -> &'b [f32] {
+        match self.data {
+            Data::F32 { k, v } => {
+                let s = self.map.slot(pos) * self.stride + off;
+                &(if key { k } else { v })[s..s + len]
+            }
+            _ => self.read_into(pos, off, len, buf, key),
+        }
+    }
+
+    /// [`KvView::read`] of a store that widens or dequantizes into `buf`: apart, so the f32
+    /// store's lending inlines into the attention loop (one call per key and value row).
+    #[inline(never)]
+    fn read_into<'b>(
+        &'b self,
+        pos: usize,
+        off: usize,
+        len: usize,
+        buf: &'b mut [f32],
+        key: bool,
+    ) -> &'b [f32] {
         let slot = self.map.slot(pos);
         match self.data {
+            // (Not taken: `read` lends an f32 store's rows itself.)
             Data::F32 { k, v } => {
                 let s = slot * self.stride + off;
                 &(if key { k } else { v })[s..s + len]
