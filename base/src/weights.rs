@@ -46,23 +46,17 @@ impl WeightDtype {
     /// `p` must point to at least `(start + out.len()) * self.size()` readable bytes.
     #[inline(always)]
     pub unsafe fn widen(self, p: *const u8, start: usize, out: &mut [f32]) {
-        let at = p.add(start * self.size());
+        // Each arm calls `read` with a constant dtype, so its match folds away in the loop.
+        #[inline(always)]
+        unsafe fn each(d: WeightDtype, p: *const u8, start: usize, out: &mut [f32]) {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = d.read(p, start + i);
+            }
+        }
         match self {
-            WeightDtype::F32 => {
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = std::ptr::read_unaligned((at as *const f32).add(i));
-                }
-            }
-            WeightDtype::Bf16 => {
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = f32::from_bits((std::ptr::read_unaligned((at as *const u16).add(i)) as u32) << 16);
-                }
-            }
-            WeightDtype::F16 => {
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = half::f16::from_bits(std::ptr::read_unaligned((at as *const u16).add(i))).to_f32();
-                }
-            }
+            WeightDtype::F32 => each(WeightDtype::F32, p, start, out),
+            WeightDtype::Bf16 => each(WeightDtype::Bf16, p, start, out),
+            WeightDtype::F16 => each(WeightDtype::F16, p, start, out),
         }
     }
 

@@ -228,11 +228,8 @@ impl<'a> KvView<'a> {
     ) -> &'b [f32] {
         let slot = self.map.slot(pos);
         match self.data {
-            // (Not taken: `read` lends an f32 store's rows itself.)
-            Data::F32 { k, v } => {
-                let s = slot * self.stride + off;
-                &(if key { k } else { v })[s..s + len]
-            }
+            // Not taken (`read` lends an f32 store's rows before calling this); lent the same way.
+            Data::F32 { .. } => self.read(pos, off, len, buf, key),
             Data::Bf16 { k, v } => {
                 let s = slot * self.stride + off;
                 let src = &(if key { k } else { v })[s..s + len];

@@ -156,12 +156,7 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
                     continue;
                 }
             }
-            let (key, dtype) = match kv.key_bf16(c0 + j, kv_off, hd) {
-                Some(k) => (k.as_ptr() as *const u8, WeightDtype::Bf16),
-                None => {
-                    (kv.key(c0 + j, kv_off, hd, &mut buf[..key_buf]).as_ptr() as *const u8, WeightDtype::F32)
-                }
-            };
+            let (key, dtype) = key_row(kv, c0 + j, kv_off, hd, &mut buf[..key_buf]);
             let mut dots = [0.0f32; B];
             // SAFETY: `q` holds B rows of hd f32 and `key` hd values of `dtype`; B outputs,
             // one per row (each the canonical dot of `simd::dot_f32`).
@@ -224,29 +219,27 @@ fn key_block(
     hd: usize,
     buf: &mut [f32],
 ) -> Option<(*const u8, WeightDtype, usize)> {
-    let mut rows = [std::ptr::null::<u8>(); KEY_TILE];
-    let dtype = if kv.key_bf16(pos, kv_off, hd).is_some() {
-        for (t, row) in rows.iter_mut().enumerate() {
-            *row = kv.key_bf16(pos + t, kv_off, hd)?.as_ptr().cast();
-        }
-        WeightDtype::Bf16
-    } else if kv.reads_into_buffer() {
-        if buf.len() < KEY_TILE * hd {
-            return None;
-        }
-        for ((t, row), b) in rows.iter_mut().enumerate().zip(buf.chunks_mut(hd)) {
-            *row = kv.key(pos + t, kv_off, hd, b).as_ptr().cast();
-        }
-        WeightDtype::F32
-    } else {
-        for (t, row) in rows.iter_mut().enumerate() {
-            *row = kv.key(pos + t, kv_off, hd, &mut []).as_ptr().cast();
-        }
-        WeightDtype::F32
-    };
+    if kv.reads_into_buffer() && buf.len() < KEY_TILE * hd {
+        return None;
+    }
+    let (mut rows, mut dtype) = ([std::ptr::null::<u8>(); KEY_TILE], WeightDtype::F32);
+    let mut spare = buf.chunks_mut(hd);
+    for (t, row) in rows.iter_mut().enumerate() {
+        (*row, dtype) = key_row(kv, pos + t, kv_off, hd, spare.next().unwrap_or(&mut []));
+    }
     let stride = (rows[1] as usize).checked_sub(rows[0] as usize)?;
     let even = rows.windows(2).all(|w| (w[1] as usize).checked_sub(w[0] as usize) == Some(stride));
     (stride > 0 && even).then_some((rows[0], dtype, stride))
+}
+
+/// The K row of position `pos` for a tile: bf16 as a bf16 store holds it (the tile widens
+/// it as it loads), else f32, lent by an f32 store or widened or dequantized into `buf`.
+#[inline(always)]
+fn key_row(kv: &KvView, pos: usize, kv_off: usize, hd: usize, buf: &mut [f32]) -> (*const u8, WeightDtype) {
+    match kv.key_bf16(pos, kv_off, hd) {
+        Some(k) => (k.as_ptr().cast(), WeightDtype::Bf16),
+        None => (kv.key(pos, kv_off, hd, buf).as_ptr().cast(), WeightDtype::F32),
+    }
 }
 
 /// Values of each head's output one pass of [`accumulate_pv`] keeps in registers.

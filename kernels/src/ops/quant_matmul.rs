@@ -17,7 +17,7 @@
 //! stock-matmul negative control). Mathematically it is `sum_g scale_g * dot(x_g, q_g) +
 //! bias_g * sum(x_g)`, the weights' affine form, with the scale multiplied into each value.
 
-use super::simd::{split_pairs_into, Simd16, LANES, PAIR_CHUNK};
+use super::simd::{pair_step, split_pairs_into, Simd16, LANES, PAIR_CHUNK};
 use mtp_base::weights::{Quant, Weight, WeightDtype};
 
 /// Whether `q` takes the fused kernel: affine (with biases) at 4 or 8 bits, in groups of
@@ -150,13 +150,7 @@ pub unsafe fn tile_quant<S: Simd16, const MR: usize, const NR: usize, const BITS
                         (S::mul(scale[j], e), S::mul(scale[j], o))
                     };
                 }
-                for (r, row) in acc.iter_mut().enumerate() {
-                    let xe = S::load(x.add(r * k + i));
-                    let xo = S::load(x.add(r * k + i + LANES));
-                    for j in 0..NR {
-                        row[j] = S::fma(S::fma(row[j], xe, even[j]), xo, odd[j]);
-                    }
-                }
+                pair_step::<S, MR, NR>(&mut acc, x, k, i, &even, &odd);
                 i += PAIR_CHUNK;
             }
             for (r, row) in bsum.iter_mut().enumerate() {

@@ -420,6 +420,30 @@ pub unsafe fn tile<S: Simd16, const MR: usize, const NR: usize>(
     store::<S, MR, NR>(&acc, out, ldo);
 }
 
+/// One pair chunk at `i` into `acc`, in the pair order: for every row `r` of pair-split `x`
+/// (`k` a row) and weight row `j`, `acc += x_even * even[j]`, then `+= x_odd * odd[j]`, each
+/// a fused multiply-add (what [`tile_pairs`] and the quantized tile add per chunk).
+///
+/// # Safety
+/// `x` must hold `MR` rows of `k` floats with a whole pair chunk at `i`.
+#[inline(always)]
+pub unsafe fn pair_step<S: Simd16, const MR: usize, const NR: usize>(
+    acc: &mut [[S::V; NR]; MR],
+    x: *const f32,
+    k: usize,
+    i: usize,
+    even: &[S::V; NR],
+    odd: &[S::V; NR],
+) {
+    for (r, row) in acc.iter_mut().enumerate() {
+        let xe = S::load(x.add(r * k + i));
+        let xo = S::load(x.add(r * k + i + LANES));
+        for j in 0..NR {
+            row[j] = S::fma(S::fma(row[j], xe, even[j]), xo, odd[j]);
+        }
+    }
+}
+
 /// The canonical 16-lane accumulation of elements `start..k` into `acc` (16-lane chunks,
 /// then the zero-padded tail): all of [`tile`], and the rest of K after [`tile_pairs`]'s
 /// pair chunks.
@@ -561,13 +585,7 @@ pub unsafe fn tile_pairs<S: Simd16, const MR: usize, const NR: usize>(
             }
             (even[j], odd[j]) = S::load_bf16_pairs(p);
         }
-        for (r, row) in acc.iter_mut().enumerate() {
-            let xe = S::load(x.add(r * k + i));
-            let xo = S::load(x.add(r * k + i + LANES));
-            for j in 0..NR {
-                row[j] = S::fma(S::fma(row[j], xe, even[j]), xo, odd[j]);
-            }
-        }
+        pair_step::<S, MR, NR>(&mut acc, x, k, i, &even, &odd);
         i += PAIR_CHUNK;
     }
     lanes_from::<S, MR, NR>(&mut acc, i, x, k, w, d, w_stride);
