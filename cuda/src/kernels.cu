@@ -364,6 +364,18 @@ __device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const floa
     __syncthreads();
 }
 
+// 16 bytes of a weight streamed by a pass kernel: through the non-coherent path (a forward
+// never writes its weights), not kept in L1 (each is read once a pass), the L2 fetching the
+// whole 256-byte sector group (the next lanes' and warps' bytes). 8B decode on the H100:
+// +3-4% at B=1, +8% at B=8 over a plain load (docs/notes/cuda-speed-notes.md, v22).
+__device__ __forceinline__ uint4 ld_weights16(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 // MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
 // `block`: which 16 columns (blockIdx.x, or its place among a multi-weight launch's parts).
 template <int MT, int TERMS>
@@ -393,7 +405,7 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
                 const int kb = kc + u * 32;
                 if (kb < k) {
 #pragma unroll
-                    for (int h = 0; h < 2; h++) wv[u][h] = *reinterpret_cast<const uint4*>(wr[h] + kb);
+                    for (int h = 0; h < 2; h++) wv[u][h] = ld_weights16(wr[h] + kb);
                 }
             }
 #pragma unroll
@@ -603,7 +615,7 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
                     if (used == 4) {
 #pragma unroll
                         for (int l = 0; l < WORDS; l++) {
-                            const uint4 v4 = *reinterpret_cast<const uint4*>(qr[h] + base + 4 * l);
+                            const uint4 v4 = ld_weights16(qr[h] + base + 4 * l);
                             const u32 w4[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
                             for (int e = 0; e < 4; e++) wq[c][(4 * l + e) / WORDS][h][(4 * l + e) % WORDS] = w4[e];
