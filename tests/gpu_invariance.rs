@@ -205,6 +205,51 @@ fn stacked_own_bits(cuda: &Cuda) {
     assert!(control_differs, "cuBLAS matched bit for bit at every M: the check cannot see a change");
 }
 
+/// SwiGLU's gate and up projections with silu(gate) * up in one launch (`linear_swiglu`,
+/// the pass kernel up to 32 tokens) leave the gate's output with the bits of
+/// `linear_parts` then `swiglu`: partial 8-column blocks, with and without biases, at 1-32
+/// tokens and past them (the three launches, unfused). Controls: the projections by cuBLAS
+/// must differ at some M, and so must gate and up swapped.
+#[test]
+fn swiglu_in_the_projection_keeps_the_bits_of_three_launches() {
+    for mode in MODES {
+        swiglu_fused_bits(&Cuda::shared_with(mode).unwrap(), mode);
+    }
+}
+
+fn swiglu_fused_bits(cuda: &Cuda, mode: Activations) {
+    let mut rng = Lcg(31);
+    let (mut stock_differs, mut swap_differs) = (false, false);
+    for (n, k, with_bias) in [(203, 1056, true), (100, 96, false), (1024, 4096, false)] {
+        let (gw, uw) = (weight(&mut rng, WeightDtype::Bf16, n, k), weight(&mut rng, WeightDtype::Bf16, n, k));
+        let (gm, um) = (cuda.matrix(&gw).unwrap(), cuda.matrix(&uw).unwrap());
+        let (gb, ub) = (cuda.upload(&rng.vec(n)).unwrap(), cuda.upload(&rng.vec(n)).unwrap());
+        let (gb, ub) = if with_bias { (Some(&gb), Some(&ub)) } else { (None, None) };
+        for m in [1, 3, 8, 9, 16, 17, 32, 40] {
+            let x = cuda.upload(&rng.vec(m * k)).unwrap();
+            let apart = |gate: (&_, _), up: (&_, _), stock: bool| {
+                mtp::kernels::negative_control::set_stock_matmul(stock);
+                let (mut g, mut u) = (cuda.alloc(m * n).unwrap(), cuda.alloc(m * n).unwrap());
+                cuda.linear_parts(&x, m, &[gate, up], &mut [&mut g, &mut u]).unwrap();
+                cuda.swiglu(&mut g, &u).unwrap();
+                mtp::kernels::negative_control::set_stock_matmul(false);
+                bits(&cuda.download(g).unwrap())
+            };
+            let (mut g, mut u) = (cuda.alloc(m * n).unwrap(), cuda.alloc(m * n).unwrap());
+            cuda.linear_swiglu(&x, m, (&gm, gb), (&um, ub), &mut g, &mut u).unwrap();
+            let fused = bits(&cuda.download(g).unwrap());
+            assert!(
+                fused == apart((&gm, gb), (&um, ub), false),
+                "{n}x{k}, M={m}, {mode:?}: the fused launch changed some value's bits"
+            );
+            stock_differs |= fused != apart((&gm, gb), (&um, ub), true);
+            swap_differs |= fused != apart((&um, ub), (&gm, gb), false);
+        }
+    }
+    assert!(stock_differs, "{mode:?}: cuBLAS matched bit for bit at every M: the check cannot see a change");
+    assert!(swap_differs, "{mode:?}: gate and up swapped went unseen");
+}
+
 #[test]
 fn attention_alone_equals_batched_and_batch_sized_splits_do_not() {
     let (ours, control) = attention_batch_invariant_and_control(Backend::Cuda);

@@ -364,10 +364,47 @@ __device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const floa
     __syncthreads();
 }
 
+// SwiGLU's one value: silu(g) * u.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// store_warp_sums for linear_tc_swiglu: the warp sums added in warp order, then each of the
+// pass's tokens' 8 columns written as silu_mul(gate + bias, up + up_bias) (sum rows 0-7 the
+// gate's columns c0.., rows 8-15 the up's).
+template <int MT>
+__device__ __forceinline__ void store_swiglu(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m, int c0,
+                                             int n, const float* __restrict__ bias,
+                                             const float* __restrict__ up_bias, float* __restrict__ out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    for (int v = 0; v < KWARPS; v++) {
+        if (warp == v) {
+#pragma unroll
+            for (int j = 0; j < MT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
+                    *y = v == 0 ? acc[j][e] : *y + acc[j][e];
+                }
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < TC_COLS / 2 * 8 * MT; i += blockDim.x) {
+        const int c = i % (TC_COLS / 2), a = i / (TC_COLS / 2);
+        const int r = r0 + a, col = c0 + c;
+        if (r < m && col < n) {
+            float gv = sum[c][a], uv = sum[c + TC_COLS / 2][a];
+            if (bias) gv += bias[col];
+            if (up_bias) uv += up_bias[col];
+            out[(long long)r * n + col] = silu_mul(gv, uv);
+        }
+    }
+    __syncthreads();
+}
+
 // 16 bytes of a weight streamed by a pass kernel: through the non-coherent path (a forward
 // never writes its weights), not kept in L1 (each is read once a pass), the L2 fetching the
 // whole 256-byte sector group (the next lanes' and warps' bytes). 8B decode on the H100:
-// +3-4% at B=1, +8% at B=8 over a plain load (docs/notes/cuda-speed-notes.md, v22).
+// +3.5% at B=1, +6.5% at B=8 over a plain load (docs/notes/cuda-speed-notes.md, v22).
 __device__ __forceinline__ uint4 ld_weights16(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -378,19 +415,26 @@ __device__ __forceinline__ uint4 ld_weights16(const void* p) {
 
 // MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
 // `block`: which 16 columns (blockIdx.x, or its place among a multi-weight launch's parts).
-template <int MT, int TERMS>
+// With SWIGLU (linear_tc_swiglu): the block's 16 MMA rows are 8 columns of w (the gate) and
+// the same 8 of `up`, and it writes out = silu_mul(gate + bias, up + up_bias) for them: each
+// dot the MMAs' same sum (which MMA row holds a weight row never changes its bits), each
+// value swiglu's of what the two outputs would have held.
+template <int MT, int TERMS, bool SWIGLU = false>
 __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
-                               int block) {
+                               int block, const u16* __restrict__ up = nullptr,
+                               const float* __restrict__ up_bias = nullptr) {
     __shared__ float sum[TC_COLS][8 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int c0 = block * TC_COLS;
-    // This lane's two weight rows (g, g + 8); rows past n read the last row (their outputs
-    // are never stored).
+    const int c0 = block * (SWIGLU ? TC_COLS / 2 : TC_COLS);
+    // This lane's two weight rows (g, g + 8; with `up`, row g of w and of up); rows past n
+    // read the last row (their outputs are never stored).
     const u16* wr[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) wr[h] = w + (long long)min(c0 + 8 * h + g, n - 1) * k + 8 * t;
+    for (int h = 0; h < 2; h++)
+        wr[h] = SWIGLU ? (h ? up : w) + (long long)min(c0 + g, n - 1) * k + 8 * t
+                       : w + (long long)min(c0 + 8 * h + g, n - 1) * k + 8 * t;
     for (int r0 = 0; r0 < m; r0 += 8 * MT) {
         float acc[MT][4];
 #pragma unroll
@@ -434,7 +478,10 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
                 }
             }
         }
-        store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
+        if constexpr (SWIGLU)
+            store_swiglu<MT>(sum, acc, r0, m, c0, n, bias, up_bias, out);
+        else
+            store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
     }
 }
 
@@ -475,6 +522,18 @@ struct TcParts {
 LINEAR_TC_PARTS(linear_tc_parts_bf16_8, 1)
 LINEAR_TC_PARTS(linear_tc_parts_bf16_16, 2)
 LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
+
+// SwiGLU's gate and up projections and silu(gate) * up in one launch (n columns each, 8 a
+// block): out = what linear_tc_parts then swiglu would leave in the gate's output.
+#define LINEAR_TC_SWIGLU_T(NAME, MT, TERMS)                                                                 \
+    extern "C" __global__ void NAME(const float* x, int m, int k, const u16* gate, const u16* up, int n,    \
+                                    const float* gate_bias, const float* up_bias, float* out) {             \
+        linear_tc_impl<MT, TERMS, true>(x, m, k, gate, n, gate_bias, out, 0, blockIdx.x, up, up_bias);            \
+    }
+#define LINEAR_TC_SWIGLU(NAME, MT) LINEAR_TC_SWIGLU_T(NAME##_x3, MT, 3) LINEAR_TC_SWIGLU_T(NAME##_x1, MT, 1)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_8, 1)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_16, 2)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_32, 4)
 
 // ---------------------------------------------------------------------------------------
 // MLX-quantized weights on the tensor cores, bf16 activations (affine 4- or 8-bit codes,
@@ -1070,13 +1129,10 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int n, float
     for (; i < n; i += NORM_THREADS) o[i] = w[i] * (xr[i] * inv);
 }
 
-// gate <- silu(gate) * up
+// gate <- silu(gate) * up (silu_mul, shared with linear_tc_swiglu's epilogue)
 extern "C" __global__ void swiglu(float* g, const float* u, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        const float v = g[i];
-        g[i] = v / (1.0f + expf(-v)) * u[i];
-    }
+    if (i < n) g[i] = silu_mul(g[i], u[i]);
 }
 
 // out[i] = x[rows[i]] (rows of `width`). grid: selected rows.

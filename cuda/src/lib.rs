@@ -356,6 +356,7 @@ struct Functions {
     linear_tc: [CudaFunction; 4],
     /// The same, up to 3 weights in one launch, by tokens per pass (8, 16, 32).
     linear_tc_parts: [CudaFunction; 3],
+    linear_tc_swiglu: [CudaFunction; 3],
     /// The same, tiled in shared memory, on activations split (or rounded) by
     /// `split_activations`: by
     /// [`TcKernel::tile`]'s index, unphased and phase-split.
@@ -540,6 +541,11 @@ impl Cuda {
                 tc("linear_tc_bf16_16")?,
                 tc("linear_tc_bf16_32")?,
                 tc("linear_tc_bf16_64")?,
+            ],
+            linear_tc_swiglu: [
+                tc("linear_tc_swiglu_bf16_8")?,
+                tc("linear_tc_swiglu_bf16_16")?,
+                tc("linear_tc_swiglu_bf16_32")?,
             ],
             linear_tc_parts: [
                 tc("linear_tc_parts_bf16_8")?,
@@ -1461,6 +1467,47 @@ impl Kernels for Cuda {
         let (xp, wp, op, ni, ow, c) =
             (ptr(x, s), ptr(w, s), ptr(out, s), n as i32, out_width as i32, col as i32);
         launch!(self, &self.f.rms_norm, (rows, 1), 256, "rms_norm", [xp, wp, ni, eps, op, ow, c])
+    }
+
+    /// One launch (`linear_tc_swiglu`) where [`Kernels::linear_parts`] would take the pass
+    /// kernel for the pair (bf16 weights of one shape, up to 32 tokens, no tile picked):
+    /// decode and small verifies. Elsewhere `linear_parts` then `swiglu`.
+    fn linear_swiglu(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        gate: (&CudaMat, Option<&CudaSlice<f32>>),
+        up: (&CudaMat, Option<&CudaSlice<f32>>),
+        gate_out: &mut CudaSlice<f32>,
+        up_out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let ((gw, gb), (uw, ub)) = (gate, up);
+        let (n, k) = (gw.rows, gw.cols);
+        let fused = (1..=32).contains(&m)
+            && !negative_control::stock_matmul()
+            && tensor_core_path(gw)
+            && tensor_core_path(uw)
+            && (uw.rows, uw.cols) == (n, k)
+            && n > 0
+            && !PARTS_TILES.contains(&self.pick(m, 2 * n, k));
+        if !fused {
+            self.linear_parts(x, m, &[gate, up], &mut [&mut *gate_out, &mut *up_out])?;
+            return self.swiglu(gate_out, up_out);
+        }
+        let s = &self.stream;
+        let pass = (m > 8) as usize + (m > 16) as usize;
+        let (xp, gp, upp, op) = (ptr(x, s), ptr(&gw.buf, s), ptr(&uw.buf, s), ptr(gate_out, s));
+        let (gbp, ubp) = (gb.map_or(0, |b| ptr(b, s)), ub.map_or(0, |b| ptr(b, s)));
+        let (mi, ki, ni) = (m as i32, k as i32, n as i32);
+        let blocks = n.div_ceil(LINEAR_TC_COLS_PER_BLOCK / 2) as u32;
+        launch!(
+            self,
+            &self.f.linear_tc_swiglu[pass],
+            (blocks, 1),
+            LINEAR_THREADS,
+            "linear_swiglu",
+            [xp, mi, ki, gp, upp, ni, gbp, ubp, op]
+        )
     }
 
     fn swiglu(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<()> {

@@ -383,6 +383,21 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     ) -> Result<()>;
     /// `gate <- silu(gate) * up`.
     fn swiglu(&self, gate: &mut Self::Act, up: &Self::Act) -> Result<()>;
+    /// The gate and up projections of `m` rows of `x`, then SwiGLU: `gate_out` ends as
+    /// [`Kernels::linear_parts`] then [`Kernels::swiglu`] leave it, bit for bit; `up_out` is
+    /// scratch (a backend that fuses the three may leave it unwritten).
+    fn linear_swiglu(
+        &self,
+        x: &Self::Act,
+        m: usize,
+        gate: (&Self::Mat, Option<&Self::Vec>),
+        up: (&Self::Mat, Option<&Self::Vec>),
+        gate_out: &mut Self::Act,
+        up_out: &mut Self::Act,
+    ) -> Result<()> {
+        self.linear_parts(x, m, &[gate, up], &mut [&mut *gate_out, &mut *up_out])?;
+        self.swiglu(gate_out, up_out)
+    }
     /// Per-head RMSNorm of q and k (when `norms` is given), RoPE at each token's position,
     /// and the window's K and V stored into `plane` of each row's cache (q alone, no
     /// store, without `kv`: a layer that reads another layer's K/V).

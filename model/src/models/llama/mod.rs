@@ -174,8 +174,7 @@ impl<B: Kernels> Block<B> {
         be.attention(q, batch, caches, Plane::Main(li), heads, scale, None, attn)?;
         self.residual(be, &self.o, attn, m, x, part)?;
         be.rms_norm(x, &self.post_norm, c.rms_norm_eps, normed, h, 0)?;
-        be.linear_parts(normed, m, &[self.gate.part(), self.up.part()], &mut [gate, up])?;
-        be.swiglu(gate, up)?;
+        be.linear_swiglu(normed, m, self.gate.part(), self.up.part(), gate, up)?;
         self.residual(be, &self.down, gate, m, x, part)
     }
 
