@@ -329,14 +329,10 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The end of a tensor-core pass (linear_tc, linear_tcq): each warp's accumulators
-// (acc[j][0..1] = (column g, tokens 8j + 2t, +1), acc[j][2..3] = (column g + 8, same))
-// added into `sum` in warp order, then each output of the pass's tokens r0 .. (plus its
-// bias) written to `out` or added to it.
+// Each warp's accumulators (acc[j][0..1] = (MMA row g, tokens 8j + 2t, +1), acc[j][2..3] =
+// (row g + 8, same)) added into `sum` in warp order.
 template <int MT>
-__device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m,
-                                                int c0, int n, const float* __restrict__ bias,
-                                                float* __restrict__ out, int accumulate) {
+__device__ __forceinline__ void add_warp_sums(float (*sum)[8 * MT], const float (&acc)[MT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     for (int v = 0; v < KWARPS; v++) {
@@ -351,6 +347,15 @@ __device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const floa
         }
         __syncthreads();
     }
+}
+
+// The end of a tensor-core pass (linear_tc, linear_tcq): add_warp_sums, then each output
+// of the pass's tokens r0 .. (plus its bias) written to `out` or added to it.
+template <int MT>
+__device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m,
+                                                int c0, int n, const float* __restrict__ bias,
+                                                float* __restrict__ out, int accumulate) {
+    add_warp_sums<MT>(sum, acc);
     for (int i = threadIdx.x; i < TC_COLS * 8 * MT; i += blockDim.x) {
         const int c = i % TC_COLS, a = i / TC_COLS;
         const int r = r0 + a, col = c0 + c;
@@ -367,27 +372,14 @@ __device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const floa
 // SwiGLU's one value: silu(g) * u.
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// store_warp_sums for linear_tc_swiglu: the warp sums added in warp order, then each of the
-// pass's tokens' 8 columns written as silu_mul(gate + bias, up + up_bias) (sum rows 0-7 the
-// gate's columns c0.., rows 8-15 the up's).
+// store_warp_sums for linear_tc_swiglu: add_warp_sums, then each of the pass's tokens' 8
+// columns written as silu_mul(gate + bias, up + up_bias) (sum rows 0-7 the gate's columns
+// c0.., rows 8-15 the up's).
 template <int MT>
 __device__ __forceinline__ void store_swiglu(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m, int c0,
                                              int n, const float* __restrict__ bias,
                                              const float* __restrict__ up_bias, float* __restrict__ out) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    for (int v = 0; v < KWARPS; v++) {
-        if (warp == v) {
-#pragma unroll
-            for (int j = 0; j < MT; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
-                    *y = v == 0 ? acc[j][e] : *y + acc[j][e];
-                }
-        }
-        __syncthreads();
-    }
+    add_warp_sums<MT>(sum, acc);
     for (int i = threadIdx.x; i < TC_COLS / 2 * 8 * MT; i += blockDim.x) {
         const int c = i % (TC_COLS / 2), a = i / (TC_COLS / 2);
         const int r = r0 + a, col = c0 + c;
