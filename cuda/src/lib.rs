@@ -780,6 +780,20 @@ impl Cuda {
         !kernel.is_wgmma() || (self.f.linear_wg.is_some() && k.is_multiple_of(128))
     }
 
+    /// The pass kernel (8, 16 or 32 tokens a pass: `linear_tc_parts`' and
+    /// `linear_tc_swiglu`'s index) that takes `parts` over `m` tokens in one launch, where
+    /// [`Kernels::linear_parts`] gives them one: 1-3 bf16 weights of one K on the tensor
+    /// cores, none empty, up to 32 tokens, their total width picking no phase-split tile.
+    fn parts_pass(&self, m: usize, parts: &[(&CudaMat, Option<&CudaSlice<f32>>)]) -> Option<usize> {
+        let k = parts.first()?.0.cols;
+        let one_launch = (1..=32).contains(&m)
+            && (1..=3).contains(&parts.len())
+            && !negative_control::stock_matmul()
+            && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k && w.rows > 0)
+            && !PARTS_TILES.contains(&self.pick(m, parts.iter().map(|(w, _)| w.rows).sum(), k));
+        one_launch.then_some((m > 8) as usize + (m > 16) as usize)
+    }
+
     /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
     /// [`TcKernel::for_shape`], except that where wgmma runs it takes the tiles' place past
     /// 32 tokens (fewer are recorded in CUDA graphs, which the TMA descriptors' addresses
@@ -1390,6 +1404,22 @@ impl Kernels for Cuda {
         if m > 0 && parts.len() == outs.len() && tcq_stackable(parts) && !negative_control::stock_matmul() {
             return self.linear_tcq(x, m, parts, outs, Out::Write);
         }
+        if let Some(pass) = self.parts_pass(m, parts).filter(|_| parts.len() == outs.len()) {
+            let s = &self.stream;
+            let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
+            let mut blocks = 0;
+            for (i, ((w, bias), out)) in parts.iter().zip(outs.iter()).enumerate() {
+                p.w[i] = ptr(&w.buf, s);
+                p.bias[i] = bias.map_or(0, |b| ptr(b, s));
+                p.out[i] = ptr(&**out, s);
+                p.n[i] = w.rows as i32;
+                p.first_block[i] = blocks as i32;
+                blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
+            }
+            let (xp, mi, ki) = (ptr(x, s), m as i32, k as i32);
+            let f = &self.f.linear_tc_parts[pass];
+            return launch!(self, f, (blocks as u32, 1), LINEAR_THREADS, "linear", [xp, mi, ki, p]);
+        }
         let tensor_cores = parts.len() == outs.len()
             && !negative_control::stock_matmul()
             && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k);
@@ -1403,53 +1433,29 @@ impl Kernels for Cuda {
             let split = self.split_activations(x, m * k)?;
             return self.linear_tile_parts(kernel, &split, m, parts, outs);
         }
-        if m > 32 {
-            // Past 32 tokens every width takes a tile kernel or wgmma, each kind's split made
-            // once.
-            let (mut split, mut steps) = (None, None);
-            for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
-                if w.rows == 0 {
-                    continue;
-                }
-                let kernel = self.pick(m, w.rows, k);
-                if kernel.is_wgmma() {
-                    let steps = match &steps {
-                        Some(s) => s,
-                        None => steps.insert(self.split_steps(x, m * k)?),
-                    };
-                    self.linear_wgmma(kernel, steps, m, w, *bias, out, Out::Write)?;
-                } else {
-                    let split = match &split {
-                        Some(s) => s,
-                        None => split.insert(self.split_activations(x, m * k)?),
-                    };
-                    self.linear_tile(kernel, split, m, w, *bias, out, Out::Write)?;
-                }
+        // Past 32 tokens (fewer took the pass kernel or a tile above) every width takes a
+        // tile kernel or wgmma, each kind's split made once.
+        let (mut split, mut steps) = (None, None);
+        for ((w, bias), out) in parts.iter().zip(outs.iter_mut()) {
+            if w.rows == 0 {
+                continue;
             }
-            return Ok(());
+            let kernel = self.pick(m, w.rows, k);
+            if kernel.is_wgmma() {
+                let steps = match &steps {
+                    Some(s) => s,
+                    None => steps.insert(self.split_steps(x, m * k)?),
+                };
+                self.linear_wgmma(kernel, steps, m, w, *bias, out, Out::Write)?;
+            } else {
+                let split = match &split {
+                    Some(s) => s,
+                    None => split.insert(self.split_activations(x, m * k)?),
+                };
+                self.linear_tile(kernel, split, m, w, *bias, out, Out::Write)?;
+            }
         }
-        let s = &self.stream;
-        let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
-        let mut blocks = 0;
-        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter()).enumerate() {
-            p.w[i] = ptr(&w.buf, s);
-            p.bias[i] = bias.map_or(0, |b| ptr(b, s));
-            p.out[i] = ptr(&**out, s);
-            p.n[i] = w.rows as i32;
-            p.first_block[i] = blocks as i32;
-            blocks += w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
-        }
-        // Pass8, Pass16 or Pass32 by m (at most 32): `linear_tc_parts`' order.
-        let pass = (m > 8) as usize + (m > 16) as usize;
-        let (xp, mi, ki) = (ptr(x, s), m as i32, k as i32);
-        launch!(
-            self,
-            &self.f.linear_tc_parts[pass],
-            (blocks as u32, 1),
-            LINEAR_THREADS,
-            "linear",
-            [xp, mi, ki, p]
-        )
+        Ok(())
     }
 
     fn rms_norm(
@@ -1483,19 +1489,12 @@ impl Kernels for Cuda {
     ) -> Result<()> {
         let ((gw, gb), (uw, ub)) = (gate, up);
         let (n, k) = (gw.rows, gw.cols);
-        let fused = (1..=32).contains(&m)
-            && !negative_control::stock_matmul()
-            && tensor_core_path(gw)
-            && tensor_core_path(uw)
-            && (uw.rows, uw.cols) == (n, k)
-            && n > 0
-            && !PARTS_TILES.contains(&self.pick(m, 2 * n, k));
-        if !fused {
+        let pass = self.parts_pass(m, &[gate, up]).filter(|_| (uw.rows, uw.cols) == (n, k));
+        let Some(pass) = pass else {
             self.linear_parts(x, m, &[gate, up], &mut [&mut *gate_out, &mut *up_out])?;
             return self.swiglu(gate_out, up_out);
-        }
+        };
         let s = &self.stream;
-        let pass = (m > 8) as usize + (m > 16) as usize;
         let (xp, gp, upp, op) = (ptr(x, s), ptr(&gw.buf, s), ptr(&uw.buf, s), ptr(gate_out, s));
         let (gbp, ubp) = (gb.map_or(0, |b| ptr(b, s)), ub.map_or(0, |b| ptr(b, s)));
         let (mi, ki, ni) = (m as i32, k as i32, n as i32);
