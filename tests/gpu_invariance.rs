@@ -690,11 +690,12 @@ fn argmax(logits: &[f32]) -> u32 {
 /// launch past 512 keys, verify blocks after mixed accepts): on the f32 hf-tiny target
 /// (CUDA-core matmuls; 15-token verify steps) and on the trained bf16 target (tensor cores;
 /// 24-token verify steps, whose 8,192-wide LM head takes a phase-split tile, its scratch
-/// allocated inside the recording). Control: replays that do not copy each step's tables
+/// allocated inside the recording; and 42-token ones, whose matmuls take wgmma on an H100,
+/// the TMA descriptors naming that scratch). Control: replays that do not copy each step's tables
 /// into the recording recompute the recorded step, and must differ.
 #[test]
 fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
-    for (dir, block) in [(fixture("qwen3-target"), 5), (trained("target"), 8)] {
+    for (dir, block) in [(fixture("qwen3-target"), 5), (trained("target"), 8), (trained("target"), 14)] {
         let eager = decode_and_verify_bits(&dir, block, false, false);
         assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * block));
         let name = dir.display();

@@ -18,11 +18,12 @@ use mtp_base::error::{Error, Result};
 use mtp_kernels::negative_control;
 use mtp_kernels::{run_body, ForwardBody, Kernels};
 
-/// Forwards of more tokens than this run eagerly: replays of a B=8 k=4 verify (40 tokens)
-/// measured no faster than launching it (docs/notes/cuda-speed-notes.md, v8). Below it, the
-/// phase-split tiles of 17-32 tokens allocate their scratch (split activations, partials)
-/// inside the recording, as graph memory nodes.
-const MOST_RECORDED_TOKENS: usize = 32;
+/// Forwards of more tokens than this run eagerly. 48 takes a B=8 verify of k=5 and less:
+/// a k=4 one (40 tokens) replayed costs 9.7-10.0 ms against 10.6-11.2 launched (8B, H100,
+/// docs/notes/cuda-speed-notes.md, v23). The phase-split tiles and wgmma allocate their
+/// scratch (split activations, partials) inside the recording, as graph memory nodes, whose
+/// addresses stay the graph's, so the TMA descriptors recorded with them stay true.
+const MOST_RECORDED_TOKENS: usize = 48;
 /// Recordings a model keeps (the least recently replayed goes first).
 const MOST_RECORDINGS: usize = 16;
 
