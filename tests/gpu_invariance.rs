@@ -154,7 +154,9 @@ fn every_kernel_same_bits(cuda: &Cuda, mode: Activations) {
 /// different widths (partial 16-column blocks), with and without a bias, at every pass size
 /// (1 to 32 tokens) and past it (40, 64: one phase-split 128x32 tile launch for all three),
 /// and a set 4,272 wide together that takes one phase-split tile launch from 32 tokens on
-/// (128x32 at 32, 128x48 at 33 and 40, 128x64 at 64). Control: the same comparison
+/// (128x32 at 32, 128x48 at 33 and 40, 128x64 at 64); at K = 1,056 and at 1,152, where on
+/// an H100 past 32 tokens the three take one launch of the wgmma phases
+/// (`linear_wg_phases_parts`). Control: the same comparison
 /// against cuBLAS's products (the stock-matmul control) must differ at some M.
 #[test]
 fn stacked_projections_give_each_weight_its_own_bits() {
@@ -165,9 +167,9 @@ fn stacked_projections_give_each_weight_its_own_bits() {
 
 fn stacked_own_bits(cuda: &Cuda) {
     let mut rng = Lcg(29);
-    let k = 1056;
     let mut control_differs = false;
-    for (widths, ms) in [([200, 72, 40], [1, 7, 16, 32, 40, 64]), ([4000, 72, 200], [1, 8, 32, 33, 40, 64])] {
+    let sets = [([200, 72, 40], [1, 7, 16, 32, 40, 64]), ([4000, 72, 200], [1, 8, 32, 33, 40, 64])];
+    for (k, (widths, ms)) in [1056, 1152].into_iter().flat_map(|k| sets.map(|set| (k, set))) {
         let ws: Vec<_> = widths.iter().map(|&n| weight(&mut rng, WeightDtype::Bf16, n, k)).collect();
         let mats: Vec<_> = ws.iter().map(|w| cuda.matrix(w).unwrap()).collect();
         let bias = cuda.upload(&rng.vec(72)).unwrap();

@@ -280,3 +280,29 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                                      int m, int k, int n, float* __restrict__ part) {
     linear_wg_impl<128, true>(wmap, xmap, m, k, n, nullptr, part, 0, blockIdx.x, blockIdx.y / 8, blockIdx.y % 8);
 }
+
+// Up to 3 weights of one K over the same activations in one launch of the 128x64 phase
+// tiles (q/k/v past 32 tokens: the narrow k and v alone would leave most SMs idle): grid
+// x's tiles [first_tile[i], first_tile[i + 1]) are part i's 128-column tiles, each writing
+// its phases' partials to part[i] (8 m n[i]) as its own launch would, so the merge gives
+// each output its bits. Missing parts' maps repeat the first's (never read).
+struct WgParts {
+    float* part[3];
+    int n[3];
+    int first_tile[3];
+    int parts;
+};
+extern "C" __global__ void __launch_bounds__(384, 2)
+    linear_wg_phases_parts_bf16_128x64_x1(const __grid_constant__ TensorMap w0, const __grid_constant__ TensorMap w1,
+                                          const __grid_constant__ TensorMap w2,
+                                          const __grid_constant__ TensorMap xmap, int m, int k,
+                                          const __grid_constant__ WgParts p) {
+    const int b = blockIdx.x;
+    const int i = (p.parts > 2 && b >= p.first_tile[2]) ? 2 : (p.parts > 1 && b >= p.first_tile[1]) ? 1 : 0;
+    // Chosen by conditionals, as kernels.cu's TC_PART (a dynamic index would copy to the stack).
+    const TensorMap* w = i == 0 ? &w0 : i == 1 ? &w1 : &w2;
+    float* part = i == 0 ? p.part[0] : i == 1 ? p.part[1] : p.part[2];
+    const int n = i == 0 ? p.n[0] : i == 1 ? p.n[1] : p.n[2];
+    const int first = i == 0 ? p.first_tile[0] : i == 1 ? p.first_tile[1] : p.first_tile[2];
+    linear_wg_impl<64, true>(*w, xmap, m, k, n, nullptr, part, 0, b - first, blockIdx.y / 8, blockIdx.y % 8);
+}

@@ -15,10 +15,11 @@ use crate::{driver, ptr, Cuda, CudaMat, TcKernel};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
 /// A block: 128 weight rows (output columns) x 128 tokens (`linear_wg_bf16_128x128_x1`,
-/// `linear_wg_phases_bf16_128x128_x1`) or 64 (`linear_wg_phases_bf16_128x64_x1`), a
-/// warpgroup loading and two multiplying; in `Functions::linear_wg`'s order.
+/// `linear_wg_phases_bf16_128x128_x1`) or 64 (`linear_wg_phases_bf16_128x64_x1`,
+/// `linear_wg_phases_parts_bf16_128x64_x1`), a warpgroup loading and two multiplying; in
+/// `Functions::linear_wg`'s order.
 const COLS: usize = 128;
-const TOKS: [usize; 3] = [128, 64, 128];
+const TOKS: [usize; 4] = [128, 64, 128, 64];
 const THREADS: u32 = 384;
 /// K per stage (one 128-byte swizzled row of the tokens' tile), stages in flight.
 const STAGE_K: usize = 64;
@@ -28,7 +29,8 @@ const WEIGHT_BOX_K: usize = 32;
 const STAGES: usize = 4;
 /// Each kernel's dynamic shared memory: the stages, 1,024 bytes to align them to the
 /// swizzle's period, and the 2 x STAGES barriers.
-pub(crate) const SMEM_BYTES: [u32; 3] = [smem_bytes(TOKS[0]), smem_bytes(TOKS[1]), smem_bytes(TOKS[2])];
+pub(crate) const SMEM_BYTES: [u32; 4] =
+    [smem_bytes(TOKS[0]), smem_bytes(TOKS[1]), smem_bytes(TOKS[2]), smem_bytes(TOKS[3])];
 
 const fn smem_bytes(toks: usize) -> u32 {
     (STAGES * (COLS + toks) * STAGE_K * 2 + 1024 + 16 * STAGES) as u32
@@ -53,6 +55,19 @@ struct TensorMap(sys::CUtensorMap);
 // SAFETY: the driver's opaque 128-byte descriptor, read by the kernel as its own
 // 128-byte, 64-aligned `TensorMap` parameter.
 unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+/// `WgParts` in hopper.cu: each part's partials, columns and first 128-column tile.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct WgParts {
+    part: [u64; 3],
+    n: [i32; 3],
+    first_tile: [i32; 3],
+    parts: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
+unsafe impl cudarc::driver::DeviceRepr for WgParts {}
 
 /// `rows` x `k` bf16 elements at `addr` (row-major) as boxes of `box_k` x `box_rows`,
 /// plain (the weights, read into registers) or in the 128-byte swizzle wgmma reads (the
@@ -163,5 +178,55 @@ impl Cuda {
             "linear",
             [wmap, xmap, mi, k, n, bp, op, acc, tokens_first]
         )
+    }
+
+    /// `outs[i]` = `split` (as [`Cuda::linear_wgmma`]'s) times `parts[i]`'s transpose (+ its
+    /// bias) for 1-3 weights of one K, each of which [`Cuda::pick`] gives
+    /// [`TcKernel::WgmmaPhases128x64`]: their tiles in one launch, then each part's phase
+    /// merge, so every output has the bits of its own launch.
+    pub(crate) fn linear_wgmma_parts(
+        &self,
+        split: &CudaSlice<u16>,
+        m: usize,
+        parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
+            Error::Backend(
+                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
+            )
+        })?;
+        let (Some((first, _)), true) = (parts.first(), parts.len() <= 3 && parts.len() == outs.len()) else {
+            return Err(Error::Backend(format!(
+                "{} weights for {} outputs in one wgmma launch",
+                parts.len(),
+                outs.len()
+            )));
+        };
+        let (s, k) = (&self.stream, first.cols);
+        let xmap = tensor_map(ptr(split, s), m, k, (STAGE_K, TOKS[3]), true, "the activations")?;
+        let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
+        // SAFETY: every phase block writes its whole tile of partials before the merges.
+        let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
+        let base = ptr(&partials, s);
+        let mut p = WgParts { parts: parts.len() as i32, ..WgParts::default() };
+        let mut maps = Vec::with_capacity(3);
+        let (mut offset, mut tiles) = (0, 0);
+        for (i, (w, _)) in parts.iter().enumerate() {
+            maps.push(tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?);
+            p.part[i] = base + (4 * offset) as u64;
+            p.n[i] = w.rows as i32;
+            p.first_tile[i] = tiles as i32;
+            offset += 8 * m * w.rows;
+            tiles += w.rows.div_ceil(COLS);
+        }
+        let (w0, w1, w2) = (maps[0], *maps.get(1).unwrap_or(&maps[0]), *maps.get(2).unwrap_or(&maps[0]));
+        let (mi, ki, toks) = (m as i32, k as i32, m.div_ceil(TOKS[3]) as u32);
+        let grid = (tiles as u32, 8 * toks);
+        launch!(self, &fs[3], grid, THREADS, SMEM_BYTES[3], "linear", [w0, w1, w2, xmap, mi, ki, p])?;
+        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
+            self.merge_phases(p.part[i], m, w.rows, *bias, out, Out::Write)?;
+        }
+        Ok(())
     }
 }

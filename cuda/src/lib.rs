@@ -174,6 +174,10 @@ pub enum TcKernel {
     WgmmaPhases128x128,
 }
 
+/// The H100's SMs, by which the kernel choice judges a grid (a block alone on an SM waits
+/// on its loads: two an SM is the least that keeps one busy).
+const GRID_SMS: usize = 132;
+
 /// A tile kernel's shape: output columns and tokens per block, stages of loads in
 /// flight (the shared memory it takes), and whether its K walk is phase-split.
 #[derive(Clone, Copy)]
@@ -237,7 +241,7 @@ impl TcKernel {
     /// 128x32 tiles up to 128 tokens (below 4,096 columns, passes up to 32 tokens: narrower
     /// N unmeasured). Otherwise the plain 128x32 tile.
     pub fn for_shape(m: usize, n: usize) -> TcKernel {
-        let phased = n.div_ceil(128) * m.div_ceil(32) < 264;
+        let phased = n.div_ceil(128) * m.div_ceil(32) < 2 * GRID_SMS;
         let wide = phased && n >= 4096;
         match m {
             0..=8 => TcKernel::Pass8,
@@ -365,8 +369,9 @@ struct Functions {
     /// Phase-split tiles over up to 3 weights, as `PARTS_TILES`.
     linear_tt_parts: [CudaFunction; 3],
     /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only;
-    /// 128x128, then the phase-split 128x64 and 128x128.
-    linear_wg: Option<[CudaFunction; 3]>,
+    /// 128x128, then the phase-split 128x64 and 128x128, then the phase-split 128x64 over
+    /// up to 3 weights.
+    linear_wg: Option<[CudaFunction; 4]>,
     split_activations: CudaFunction,
     /// bf16 activations in MMA-step order, for wgmma.
     split_activations_steps: CudaFunction,
@@ -577,6 +582,7 @@ impl Cuda {
                         f("linear_wg_bf16_128x128_x1")?,
                         f("linear_wg_phases_bf16_128x64_x1")?,
                         f("linear_wg_phases_bf16_128x128_x1")?,
+                        f("linear_wg_phases_parts_bf16_128x64_x1")?,
                     ])
                 }
                 _ => None,
@@ -795,17 +801,23 @@ impl Cuda {
     }
 
     /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
-    /// [`TcKernel::for_shape`], except that where wgmma runs it takes the tiles' place past
-    /// 32 tokens (fewer are recorded in CUDA graphs, which the TMA descriptors' addresses
-    /// would tie): the 128x128 tiles past 128 tokens and from 49 where N has 64 such
-    /// tiles, else phase-split tiles of 64 tokens up to 64, of 128 past that (measured on
-    /// an H200 and an H100 at 33-128 tokens on the 8B's shapes, notes v20: 12288 x 4096 at
-    /// 96 tokens 0.045 ms against the 128x32 tile's 0.147; 4096 x 12288 at 40 0.043 against
-    /// the 128x48 phases' 0.054, at 96 0.062 against the 64-token phases' 0.095).
+    /// [`TcKernel::for_shape`], except where wgmma runs:
+    /// - past 16 tokens, where N's 128-column tiles alone give every SM two blocks (an LM
+    ///   head), the 128x128 tiles: 151936 x 4096 at 32 tokens 0.600 ms against Pass32's
+    ///   0.858, at 40 0.450 against the 64-token phases' 0.821 (H100, notes v23);
+    /// - past 32 tokens in place of the tiles: the 128x128 tiles past 128 tokens and from 49
+    ///   where N has 64 such tiles, else phase-split tiles of 64 tokens up to 64, of 128
+    ///   past that (measured on an H200 and an H100 at 33-128 tokens on the 8B's shapes,
+    ///   notes v20: 12288 x 4096 at 96 tokens 0.045 ms against the 128x32 tile's 0.147;
+    ///   4096 x 12288 at 40 0.043 against the 128x48 phases' 0.054, at 96 0.062 against the
+    ///   64-token phases' 0.095).
     pub fn pick(&self, m: usize, n: usize, k: usize) -> TcKernel {
         let kernel = TcKernel::for_shape(m, n);
         let tiled = kernel.tile().is_some();
-        if m <= 32 || !tiled || !self.runs(TcKernel::WgmmaPhases128x64, k) {
+        let wgmma = self.runs(TcKernel::WgmmaPhases128x64, k);
+        if wgmma && m > 16 && n.div_ceil(128) >= 2 * GRID_SMS {
+            TcKernel::Wgmma128x128
+        } else if m <= 32 || !tiled || !wgmma {
             kernel
         } else if m > 128 || (m > 48 && n >= 64 * 128) {
             TcKernel::Wgmma128x128
@@ -1432,6 +1444,17 @@ impl Kernels for Cuda {
         if stackable && PARTS_TILES.contains(&kernel) {
             let split = self.split_activations(x, m * k)?;
             return self.linear_tile_parts(kernel, &split, m, parts, outs);
+        }
+        // Where each part would take the 64-token wgmma phases and some alone would give
+        // fewer than two blocks an SM (k and v), one launch for all. Wide parts keep a launch
+        // each: 24576 x 4096 at 40 tokens took 0.155 ms, two 12288 x 4096 0.063 each (notes v23).
+        let phase_blocks = |rows: usize| rows.div_ceil(128) * 8 * m.div_ceil(64);
+        if stackable
+            && parts.iter().all(|(w, _)| self.pick(m, w.rows, k) == TcKernel::WgmmaPhases128x64)
+            && parts.iter().any(|(w, _)| phase_blocks(w.rows) < 2 * GRID_SMS)
+        {
+            let steps = self.split_steps(x, m * k)?;
+            return self.linear_wgmma_parts(&steps, m, parts, outs);
         }
         // Past 32 tokens (fewer took the pass kernel or a tile above) every width takes a
         // tile kernel or wgmma, each kind's split made once.
