@@ -629,9 +629,17 @@ fn each_mode_near_its_own_function(what: &str, w: &mtp::base::Weight, x: &[f32],
 /// bits: three rows prefilled to 20, 40 and 530 tokens (the last past a 512-key segment, so
 /// its decode steps take the split attention launch), six greedy decode steps of all three,
 /// four of the first row alone, then three verify steps of `block` tokens a row keeping
-/// two (mixed accepts, the window rewritten). Each decode and verify shape runs at least
-/// three times: eagerly the first time, recorded the second, replayed after.
-fn decode_and_verify_bits(dir: &Path, block: usize, graphs: bool, stale: bool) -> Vec<Vec<u32>> {
+/// two (mixed accepts, the window rewritten); if `uneven`, the steps' 3 x `block` tokens
+/// split among the rows as block, block, block, then block + 2, block - 1, block - 1, then
+/// block + 1, block + 1, block - 2. Each decode and verify shape runs at least three times:
+/// eagerly the first time, recorded the second, replayed after.
+fn decode_and_verify_bits(
+    dir: &Path,
+    block: usize,
+    uneven: bool,
+    graphs: bool,
+    stale: bool,
+) -> Vec<Vec<u32>> {
     Cuda::set_graphs(graphs);
     let model = Model::load_on(dir, Backend::Cuda).unwrap();
     let vocab = model.config.vocab_size;
@@ -660,9 +668,14 @@ fn decode_and_verify_bits(dir: &Path, block: usize, graphs: bool, stale: bool) -
         }
         caches[..rows_now].iter_mut().for_each(|c| c.commit_window(1));
     }
-    for _ in 0..3 {
-        let blocks: Vec<Vec<u32>> =
-            (0..3).map(|_| (0..block).map(|_| rng.below(vocab) as u32).collect()).collect();
+    // Uneven: each step's 3 x block tokens split differently among the rows (the most a
+    // row holds changes; up to 8, one recording serves them all).
+    let spreads = if uneven { [[0, 0, 0], [2, -1, -1], [1, 1, -2]] } else { [[0; 3]; 3] };
+    for spread in spreads {
+        let blocks: Vec<Vec<u32>> = spread
+            .iter()
+            .map(|&d| (0..block.checked_add_signed(d).unwrap()).map(|_| rng.below(vocab) as u32).collect())
+            .collect();
         let mut rows: Vec<RowInput> = caches
             .iter_mut()
             .zip(&blocks)
@@ -692,21 +705,28 @@ fn argmax(logits: &[f32]) -> u32 {
 /// launch past 512 keys, verify blocks after mixed accepts): on the f32 hf-tiny target
 /// (CUDA-core matmuls; 15-token verify steps) and on the trained bf16 target (tensor cores;
 /// 24-token verify steps, whose 8,192-wide LM head takes a phase-split tile, its scratch
-/// allocated inside the recording; and 42-token ones, whose matmuls take wgmma on an H100,
-/// the TMA descriptors naming that scratch). Control: replays that do not copy each step's tables
+/// allocated inside the recording; 42-token ones, whose matmuls take wgmma on an H100, the
+/// TMA descriptors naming that scratch; and 15-token ones whose rows' 5-7 tokens share one
+/// recording of the tensor-core attention). Control: replays that do not copy each step's tables
 /// into the recording recompute the recorded step, and must differ.
 #[test]
 fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
-    for (dir, block) in [(fixture("qwen3-target"), 5), (trained("target"), 8), (trained("target"), 14)] {
-        let eager = decode_and_verify_bits(&dir, block, false, false);
+    let cases = [
+        (fixture("qwen3-target"), 5, false),
+        (trained("target"), 5, true),
+        (trained("target"), 8, false),
+        (trained("target"), 14, false),
+    ];
+    for (dir, block, uneven) in cases {
+        let eager = decode_and_verify_bits(&dir, block, uneven, false, false);
         assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * block));
         let name = dir.display();
         assert!(
-            decode_and_verify_bits(&dir, block, true, false) == eager,
+            decode_and_verify_bits(&dir, block, uneven, true, false) == eager,
             "{name}: a replayed forward changed some row's bits"
         );
         assert!(
-            decode_and_verify_bits(&dir, block, true, true) != eager,
+            decode_and_verify_bits(&dir, block, uneven, true, true) != eager,
             "{name}: replays with stale tables went unnoticed"
         );
     }

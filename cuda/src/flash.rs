@@ -46,6 +46,20 @@ pub(super) fn tiles(rows: &[usize]) -> (Vec<i32>, usize) {
     (out, most)
 }
 
+/// The block's warps for tiles of at most `most` tokens and `per_kv` query heads a KV head
+/// (16 query rows a warp; at least 4: a decode step's few rows need one, its K/V loads more
+/// threads).
+fn warps(most: usize, per_kv: usize) -> usize {
+    (most * per_kv).div_ceil(16).clamp(4, MAX_WARPS)
+}
+
+/// What of a batch's `most` its launches depend on: every tier takes 4 warps for tiles of up
+/// to 8 tokens (at most 8 query heads a KV head), so a CUDA graph recorded for one such
+/// batch serves them all (a verify whose rows draft 2-7 tokens each, in any mix).
+pub(super) fn launch_most(most: usize) -> usize {
+    most.max(16 * 4 / MAX_WARPS)
+}
+
 /// The kernel tier (index into [`TIERS`]) for `heads`, or `None` where the CUDA-core
 /// kernels run: head size a multiple of 8 up to 128, at most 8 query heads per KV head.
 pub(super) fn tier(heads: Heads) -> Option<usize> {
@@ -94,8 +108,7 @@ impl Cuda {
     ) -> Result<()> {
         let s = &self.stream;
         let per_kv = heads.heads / heads.kv_heads;
-        // At least 4 warps: a decode step's few rows need one, its K/V loads more threads.
-        let warps = (tiles.most * per_kv).div_ceil(16).clamp(4, MAX_WARPS);
+        let warps = warps(tiles.most, per_kv);
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
         let partial =
@@ -143,6 +156,18 @@ mod tests {
         assert_eq!(tiles(&[0, 1, 2]), (vec![0, 1, 1, 1, 2, 1], 1));
         let rows: Vec<usize> = [vec![0; 20], vec![1; 3], vec![0; 2]].concat();
         assert_eq!(tiles(&rows), (vec![0, 16, 16, 4, 20, 3, 23, 2], 16));
+    }
+
+    #[test]
+    fn batches_of_one_launch_most_take_the_same_warps() {
+        for per_kv in 1..=MAX_WARPS {
+            for most in 1..=TILE {
+                assert_eq!(warps(launch_most(most), per_kv), warps(most, per_kv), "{most} tokens, {per_kv}");
+            }
+        }
+        // Control: one token more than launch_most's floor can take more warps.
+        let floor = launch_most(1);
+        assert_ne!(warps(floor + 1, MAX_WARPS), warps(floor, MAX_WARPS));
     }
 
     #[test]

@@ -41,7 +41,8 @@ struct Shape {
     /// CUDA-core kernel is two) for the most keys a token reads: the split launch's grid
     /// follows it.
     segments: usize,
-    /// The tensor-core attention's tiles and the most tokens one holds (its grid and block).
+    /// The tensor-core attention's tiles and the most tokens one holds, as far as its grid
+    /// and block depend on it ([`flash::launch_most`]).
     tiles: (usize, usize),
     ring: bool,
     /// The K/V dtype (which attention and store kernels the recording launches).
@@ -109,7 +110,7 @@ impl CudaGraphs {
             tokens: batch.m,
             rows: batch.rows.len() / 5,
             segments: batch.most_keys.div_ceil(flash::SEGMENT),
-            tiles: (batch.tiles.count, batch.tiles.most),
+            tiles: (batch.tiles.count, flash::launch_most(batch.tiles.most)),
             ring: batch.ring_rows.is_some(),
             kv: batch.kv,
             out_lens: out_lens.to_vec(),
