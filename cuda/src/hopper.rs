@@ -32,6 +32,12 @@ const STAGES: usize = 4;
 pub(crate) const SMEM_BYTES: [u32; 4] =
     [smem_bytes(TOKS[0]), smem_bytes(TOKS[1]), smem_bytes(TOKS[2]), smem_bytes(TOKS[3])];
 
+/// Blocks of a 64-token phase-split launch over `rows` weight rows and `m` tokens: 8 phases
+/// a 128-column, 64-token tile.
+pub(crate) fn phase_blocks_64(rows: usize, m: usize) -> usize {
+    rows.div_ceil(COLS) * 8 * m.div_ceil(TOKS[1])
+}
+
 const fn smem_bytes(toks: usize) -> u32 {
     (STAGES * (COLS + toks) * STAGE_K * 2 + 1024 + 16 * STAGES) as u32
 }
@@ -196,7 +202,7 @@ impl Cuda {
                 "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
             )
         })?;
-        let (Some((first, _)), true) = (parts.first(), parts.len() <= 3 && parts.len() == outs.len()) else {
+        let Some((first, _)) = parts.first().filter(|_| parts.len() <= 3 && parts.len() == outs.len()) else {
             return Err(Error::Backend(format!(
                 "{} weights for {} outputs in one wgmma launch",
                 parts.len(),
@@ -210,17 +216,20 @@ impl Cuda {
         let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
         let base = ptr(&partials, s);
         let mut p = WgParts { parts: parts.len() as i32, ..WgParts::default() };
-        let mut maps = Vec::with_capacity(3);
+        let map = |w: &CudaMat| {
+            tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")
+        };
+        let mut maps = [map(first)?; 3];
         let (mut offset, mut tiles) = (0, 0);
         for (i, (w, _)) in parts.iter().enumerate() {
-            maps.push(tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?);
+            maps[i] = map(w)?;
             p.part[i] = base + (4 * offset) as u64;
             p.n[i] = w.rows as i32;
             p.first_tile[i] = tiles as i32;
             offset += 8 * m * w.rows;
             tiles += w.rows.div_ceil(COLS);
         }
-        let (w0, w1, w2) = (maps[0], *maps.get(1).unwrap_or(&maps[0]), *maps.get(2).unwrap_or(&maps[0]));
+        let [w0, w1, w2] = maps;
         let (mi, ki, toks) = (m as i32, k as i32, m.div_ceil(TOKS[3]) as u32);
         let grid = (tiles as u32, 8 * toks);
         launch!(self, &fs[3], grid, THREADS, SMEM_BYTES[3], "linear", [w0, w1, w2, xmap, mi, ki, p])?;

@@ -1448,10 +1448,9 @@ impl Kernels for Cuda {
         // Where each part would take the 64-token wgmma phases and some alone would give
         // fewer than two blocks an SM (k and v), one launch for all. Wide parts keep a launch
         // each: 24576 x 4096 at 40 tokens took 0.155 ms, two 12288 x 4096 0.063 each (notes v23).
-        let phase_blocks = |rows: usize| rows.div_ceil(128) * 8 * m.div_ceil(64);
         if stackable
             && parts.iter().all(|(w, _)| self.pick(m, w.rows, k) == TcKernel::WgmmaPhases128x64)
-            && parts.iter().any(|(w, _)| phase_blocks(w.rows) < 2 * GRID_SMS)
+            && parts.iter().any(|(w, _)| hopper::phase_blocks_64(w.rows, m) < 2 * GRID_SMS)
         {
             let steps = self.split_steps(x, m * k)?;
             return self.linear_wgmma_parts(&steps, m, parts, outs);
