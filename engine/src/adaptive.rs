@@ -11,6 +11,9 @@
 //! - draft cost as a line in draft steps (the longest row's k), draft tokens and catch-up
 //!   (positions an idle drafter must run through first, paid once when a row starts).
 //!
+//! Until a verify has been timed (the first round is warm-up; on CUDA a verify shape's first
+//! run and its recording teach nothing) it judges by priors in plain rounds: a verify token
+//! past a plain round's costs a fixed share of one, a draft step the drafter's relative cost.
 //! It judges each row at every depth it could reach but at most doubles its k (plus one)
 //! per round (so a wrong guess costs little, and a row whose drafts keep landing reaches
 //! k = 8 in four rounds, not eight), starts a row only for a clear gain, and when
@@ -434,19 +437,22 @@ impl KChooser {
             limit.push(lim);
         }
         let searching = limit.iter().any(|&l| l > 0);
-        if searching && self.verify.seen() {
+        if searching {
             // The search may look as deep as each row can go (a batch may gain only from
-            // deep drafts); the step taken is at most twice last round's, plus one.
+            // deep drafts); the step taken is at most twice last round's, plus one. Before
+            // any verify was timed it judges by the prior costs (`round_cost`).
             self.search(&mut ks, &p, &fill, &catch_up, &limit, others, MIN_GAIN);
             for ((k, &cap), &l) in ks.iter_mut().zip(&step_cap).zip(&limit) {
                 if l > 0 {
                     *k = (*k).min(cap);
                 }
             }
-        } else if searching {
-            // Nothing timed yet: one draft for the cheapest row, to start measuring.
-            if let Some(i) = cheapest(&catch_up, &limit) {
-                ks[i] = 1;
+            // Nothing timed yet and the priors say no: one draft for the cheapest row, to
+            // start measuring.
+            if !self.verify.seen() && ks.iter().zip(&limit).all(|(&k, &l)| l == 0 || k == 0) {
+                if let Some(i) = cheapest(&catch_up, &limit) {
+                    ks[i] = 1;
+                }
             }
         }
         // Probe when speculation has been off for a while: acceptance and costs drift.
@@ -520,6 +526,30 @@ impl KChooser {
         }
     }
 
+    /// A round's cost by its verify tokens, draft steps, draft tokens and catch-up: in
+    /// seconds as measured, or before any verify was timed (the first rounds, and on CUDA
+    /// the rounds whose verify shapes were new or recorded) in plain rounds of
+    /// `plain_tokens` tokens by the priors: each verify token past those costs
+    /// `PRIOR_MARGINAL_SHARE` of a plain token, a draft step `drafter_cost`, a position
+    /// caught up on `CATCH_UP_SHARE` of a step.
+    fn round_cost(&self, plain_tokens: f64) -> impl Fn(f64, usize, usize, f64) -> f64 + '_ {
+        let timed = self.verify.seen();
+        let [steps_c, tokens_c, behind_c] = if timed {
+            self.draft.fit()
+        } else {
+            [self.drafter_cost, 0.0, self.drafter_cost * CATCH_UP_SHARE]
+        };
+        let plain = plain_tokens.max(1.0);
+        move |verify_tokens, steps, drafted, behind| {
+            let verify = if timed {
+                self.verify.predict(verify_tokens)
+            } else {
+                1.0 + PRIOR_MARGINAL_SHARE * (verify_tokens - plain).max(0.0) / plain
+            };
+            verify + steps_c * steps as f64 + tokens_c * drafted as f64 + behind_c * behind
+        }
+    }
+
     /// Greedy search: from the current k's, repeatedly apply the single raise (one row,
     /// by any amount up to its limit) that most improves expected tokens per second (by
     /// `min_gain` at least, for a row that would start drafting).
@@ -534,13 +564,9 @@ impl KChooser {
         others: usize,
         min_gain: f64,
     ) {
-        let [dc_steps, dc_tokens, dc_behind] = self.draft.fit();
+        let cost = self.round_cost((ks.len() + others) as f64);
         let rate = |tokens: f64, verify_tokens: f64, steps: usize, drafted: usize, behind: f64| {
-            let secs = self.verify.predict(verify_tokens)
-                + dc_steps * steps as f64
-                + dc_tokens * drafted as f64
-                + dc_behind * behind;
-            tokens / secs.max(1e-12)
+            tokens / cost(verify_tokens, steps, drafted, behind).max(1e-12)
         };
         let mut tokens: f64 =
             others as f64 + (0..ks.len()).map(|i| expected_tokens(&p[i], ks[i])).sum::<f64>();
@@ -689,6 +715,43 @@ mod tests {
         assert_eq!(before.to_bits(), after.to_bits());
         let (before, after) = learn(true);
         assert!(after > before, "the control learned nothing: {before} -> {after}");
+    }
+
+    /// The first rounds of 8 rows whose drafts are always accepted, while no verify is
+    /// timed (the first round is warm-up; on CUDA a new verify shape's first run and its
+    /// recording are not learned from): each round's k's.
+    fn cold_rounds(drafter_cost: f64) -> Vec<Vec<usize>> {
+        let mut c = KChooser::new(8, drafter_cost).with_token_group(8);
+        let cands: Vec<Candidate> = (0..8).map(|r| cand(r, 8)).collect();
+        (0..4)
+            .map(|_| {
+                let ks = c.choose(&cands, 0);
+                let outcomes: Vec<Outcome> = ks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &k)| Outcome { row: i as u64, behind: 2, asked: k, drafted: k, accepted: k })
+                    .collect();
+                c.observe(&outcomes, 0.001, 0.01, 8 + ks.iter().sum::<usize>(), false);
+                ks
+            })
+            .collect()
+    }
+
+    /// Before any verify is timed, the k's follow the priors and the acceptance seen so far:
+    /// a free drafter starts every row at 2 and reaches 8 by the third round (it was one
+    /// row at k = 1 for as long as nothing was timed: three rounds of a 64-token request on
+    /// CUDA). Control: a drafter as costly as the target stays at k = 1 (one row's draft, to
+    /// measure, topped up to a whole group of 8 verify tokens).
+    #[test]
+    fn untimed_rounds_follow_the_priors() {
+        let free = cold_rounds(0.0);
+        println!("free drafter: {free:?}");
+        assert!(free[0].iter().all(|&k| k >= 2), "{free:?}");
+        assert!(free[2].iter().all(|&k| k == 8), "{free:?}");
+        let costly = cold_rounds(1.0);
+        println!("costly drafter: {costly:?}");
+        assert!(costly[0].iter().any(|&k| k > 0), "{costly:?}");
+        assert!(costly.iter().flatten().all(|&k| k <= 1), "{costly:?}");
     }
 
     /// The k's of 5 rows over 40 rounds (acceptance 0.8, verify nearly free per token) with
