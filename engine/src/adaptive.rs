@@ -829,9 +829,10 @@ mod tests {
             );
             last = k;
         }
-        // Doubling from the second drafting round: 1, 1, 3, 7, 8 (one more a round would
-        // reach 8 in the ninth).
-        assert_eq!(ks[4], 8, "perfect free drafts should reach k = 8 by the fifth round: {ks:?}");
+        // 1, 2 (the priors, nothing timed yet), then doubling: 5, 8 (one more a round would
+        // reach 8 in the eighth).
+        println!("{ks:?}");
+        assert_eq!(ks[3], 8, "perfect free drafts should reach k = 8 by the fourth round: {ks:?}");
     }
 
     #[test]
