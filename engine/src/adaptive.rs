@@ -14,6 +14,7 @@
 //! Until a verify has been timed (the first round is warm-up; on CUDA a verify shape's first
 //! run and its recording teach nothing) it judges by priors in plain rounds: a verify token
 //! past a plain round's costs a fixed share of one, a draft step the drafter's relative cost.
+//!
 //! It judges each row at every depth it could reach but at most doubles its k (plus one)
 //! per round (so a wrong guess costs little, and a row whose drafts keep landing reaches
 //! k = 8 in four rounds, not eight), starts a row only for a clear gain, and when
@@ -651,6 +652,20 @@ mod tests {
         Candidate { row, cap, self_paced: false, behind: 2, remaining: 100 }
     }
 
+    /// Row i's outcome for its `ks[i]` drafts, `accepted(i, k)` of them accepted.
+    fn outcomes(ks: &[usize], behind: usize, accepted: impl Fn(usize, usize) -> usize) -> Vec<Outcome> {
+        ks.iter()
+            .enumerate()
+            .map(|(i, &k)| Outcome { row: i as u64, behind, asked: k, drafted: k, accepted: accepted(i, k) })
+            .collect()
+    }
+
+    /// Drafts row i accepts of k in `round`: a deterministic pattern accepting each
+    /// position with rate `p`.
+    fn patterned(round: usize, i: usize, k: usize, p: f64) -> usize {
+        (0..k).take_while(|j| ((round * 7 + i * 3 + j * 5) % 100) as f64 / 100.0 < p).count()
+    }
+
     /// Drives the chooser with a simulated cost model and acceptance `p` per position.
     fn settle(
         max_k: usize,
@@ -663,16 +678,7 @@ mod tests {
         let mut ks = Vec::new();
         for round in 0..200 {
             ks = c.choose(&cands, 0);
-            let outcomes: Vec<Outcome> = ks
-                .iter()
-                .enumerate()
-                .map(|(i, &k)| {
-                    // Deterministic acceptance pattern with rate p per position.
-                    let accepted =
-                        (0..k).take_while(|j| ((round * 7 + i * 3 + j * 5) % 100) as f64 / 100.0 < p).count();
-                    Outcome { row: i as u64, behind: 2, asked: k, drafted: k, accepted }
-                })
-                .collect();
+            let outcomes = outcomes(&ks, 2, |i, k| patterned(round, i, k, p));
             let steps = ks.iter().copied().max().unwrap_or(0);
             let tokens: usize = rows + ks.iter().sum::<usize>();
             let (d, v) = round_secs(steps, tokens);
@@ -726,11 +732,7 @@ mod tests {
         (0..4)
             .map(|_| {
                 let ks = c.choose(&cands, 0);
-                let outcomes: Vec<Outcome> = ks
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &k)| Outcome { row: i as u64, behind: 2, asked: k, drafted: k, accepted: k })
-                    .collect();
+                let outcomes = outcomes(&ks, 2, |_, k| k);
                 c.observe(&outcomes, 0.001, 0.01, 8 + ks.iter().sum::<usize>(), false);
                 ks
             })
@@ -762,16 +764,7 @@ mod tests {
         (0..40)
             .map(|round| {
                 let ks = c.choose(&cands, 0);
-                let outcomes: Vec<Outcome> = ks
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &k)| {
-                        let accepted = (0..k)
-                            .take_while(|j| ((round * 7 + i * 3 + j * 5) % 100) as f64 / 100.0 < 0.8)
-                            .count();
-                        Outcome { row: i as u64, behind: 1, asked: k, drafted: k, accepted }
-                    })
-                    .collect();
+                let outcomes = outcomes(&ks, 1, |i, k| patterned(round, i, k, 0.8));
                 let tokens = 5 + ks.iter().sum::<usize>();
                 c.observe(&outcomes, 0.01, 10.0 + 0.05 * tokens as f64, tokens, true);
                 tokens
