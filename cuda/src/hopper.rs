@@ -222,7 +222,9 @@ impl Cuda {
         let mut maps = [map(first)?; 3];
         let (mut offset, mut tiles) = (0, 0);
         for (i, (w, _)) in parts.iter().enumerate() {
-            maps[i] = map(w)?;
+            if i > 0 {
+                maps[i] = map(w)?;
+            }
             p.part[i] = base + (4 * offset) as u64;
             p.n[i] = w.rows as i32;
             p.first_tile[i] = tiles as i32;
