@@ -4,7 +4,8 @@
 //! GB/s of weights read. Works for bf16, f16, f32 and MLX-quantized checkpoints.
 //!
 //! `cargo run --release --example cpu_matmul -- --checkpoint DIR [--m 1,8] [--reps R]
-//! [--activations bf16]` (bf16: the bf16-activation matmul, for bf16 weights)
+//! [--activations bf16]` (bf16: the bf16-activation matmul, for the weights it takes: bf16,
+//! and MLX 4-bit with bf16 scales)
 //! (`mtp synth --like qwen3 --out DIR` makes a Qwen3-0.6B-shaped one).
 
 use std::path::PathBuf;
@@ -12,6 +13,7 @@ use std::time::Instant;
 
 use mtp::base::{Checkpoint, Config};
 use mtp::kernels::ops::{linear, linear_bf16};
+use mtp::kernels::Activations;
 
 fn main() -> anyhow::Result<()> {
     mtp::init_threads();
@@ -63,7 +65,7 @@ fn main() -> anyhow::Result<()> {
             for _ in 0..=reps {
                 let t = Instant::now();
                 for w in ws {
-                    if bf16 && w.quant().is_none() && w.dtype == mtp::base::WeightDtype::Bf16 {
+                    if bf16 && Activations::Bf16.for_weight(w) == Activations::Bf16 {
                         linear_bf16(&x, m, w, None, &mut out);
                     } else {
                         linear(&x, m, w, None, &mut out);

@@ -9,11 +9,12 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{bits, Lcg};
-use mtp::base::Checkpoint;
+use mtp::base::weights::Quant;
+use mtp::base::{Checkpoint, Weight, WeightDtype};
 use mtp::cache::QuantLayout;
 use mtp::engine::{prefill, EngineOptions, Request};
-use mtp::kernels::ops::linear;
-use mtp::kernels::{negative_control, KvDtype, Numerics};
+use mtp::kernels::ops::{linear, linear_bf16};
+use mtp::kernels::{negative_control, Activations, KvDtype, Numerics};
 use mtp::model::Model;
 use serde_json::Value;
 
@@ -30,6 +31,9 @@ const FIXTURES: [&str; 11] = [
     "gemma4-moe-mm-q4g32-mixed",
     "gemma4-dense-mm-q4g64",
 ];
+
+/// A matmul entry: `linear` (f32 activations) or `linear_bf16`.
+type MatmulFn = fn(&[f32], usize, &Weight, Option<&[f32]>, &mut [f32]);
 
 /// How far our logits may sit from mlx-lm's: both dequantize `scale * q + bias` in f32,
 /// but mlx's quantized matmul sums in its own order.
@@ -100,6 +104,7 @@ fn greedy_tokens_match_mlx_lm() {
 #[test]
 fn quantized_matmul_rows_do_not_depend_on_m() {
     let mut rng = Lcg(7);
+    let mut bf16_checked = 0;
     for name in FIXTURES {
         let ck = Checkpoint::open(&mlx(name)).unwrap();
         let model = Model::load(&mlx(name)).unwrap();
@@ -133,33 +138,65 @@ fn quantized_matmul_rows_do_not_depend_on_m() {
         assert!(!weights.is_empty(), "{name}: no quantized projection to test");
         for w in weights {
             let x = rng.vec(40 * w.cols);
-            let mut alone = vec![0.0; 40 * w.rows];
-            for (r, o) in alone.chunks_mut(w.rows).enumerate() {
-                linear(&x[r * w.cols..(r + 1) * w.cols], 1, &w, None, o);
+            // f32 activations; bf16 ones on the weight with its scales and biases in bf16 (as
+            // mlx-lm writes a bf16 model's), where that mode takes it (4-bit).
+            let mut kernels: Vec<(&str, MatmulFn, Weight)> = vec![("f32", linear, w.clone())];
+            let w16 = with_bf16_scales(&w);
+            if Activations::Bf16.for_weight(&w16) == Activations::Bf16 {
+                kernels.push(("bf16", linear_bf16, w16));
+                bf16_checked += 1;
             }
-            for m in [1, 2, 3, 5, 17, 40] {
-                let mut out = vec![0.0; m * w.rows];
-                linear(&x[..m * w.cols], m, &w, None, &mut out);
-                assert_eq!(bits(&out), bits(&alone[..m * w.rows]), "{name}: M = {m}");
+            for (mode, matmul, w) in kernels {
+                let mut alone = vec![0.0; 40 * w.rows];
+                for (r, o) in alone.chunks_mut(w.rows).enumerate() {
+                    matmul(&x[r * w.cols..(r + 1) * w.cols], 1, &w, None, o);
+                }
+                for m in [1, 2, 3, 5, 17, 40] {
+                    let mut out = vec![0.0; m * w.rows];
+                    matmul(&x[..m * w.cols], m, &w, None, &mut out);
+                    assert_eq!(bits(&out), bits(&alone[..m * w.rows]), "{name}, {mode} activations: M = {m}");
+                }
             }
         }
     }
+    assert!(bf16_checked >= 8, "only {bf16_checked} weights went through the bf16 mode");
 }
 
-/// Negative control: candle's stock matmul over the same dequantized weights gives rows
-/// whose bits depend on M.
+/// `w` (quantized, f32 scales and biases) with its scales and biases rounded to bf16.
+fn with_bf16_scales(w: &Weight) -> Weight {
+    let q = w.quant().unwrap();
+    let round = |t: &Weight| {
+        let bytes = t.to_f32().iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        Weight::from_le_bytes(bytes, WeightDtype::Bf16, t.rows, t.cols)
+    };
+    let quant = Quant {
+        bits: q.bits,
+        group: q.group,
+        scales: round(&q.scales),
+        biases: q.biases.as_ref().map(round),
+    };
+    let packed =
+        Weight::from_le_bytes(w.bytes().to_vec(), WeightDtype::F32, w.rows, w.bytes().len() / w.rows / 4);
+    Weight::quantized(packed, w.rows, w.cols, quant)
+}
+
+/// Negative control: candle's stock matmul over the same dequantized weights, in place of
+/// either activation mode's kernel, gives rows whose bits depend on M.
 #[test]
 fn negative_control_stock_matmul_of_quantized_weights_depends_on_m() {
     let ck = Checkpoint::open(&mlx("trained-q4g64")).unwrap();
-    let w = ck.get("model.layers.0.mlp.up_proj.weight", &[1024, 384]).unwrap();
+    let w = with_bf16_scales(&ck.get("model.layers.0.mlp.up_proj.weight", &[1024, 384]).unwrap());
+    assert_eq!(Activations::Bf16.for_weight(&w), Activations::Bf16, "the bf16 mode takes this weight");
     let x = Lcg(3).vec(40 * w.cols);
-    negative_control::set_stock_matmul(true);
-    let mut alone = vec![0.0; w.rows];
-    linear(&x[..w.cols], 1, &w, None, &mut alone);
-    let mut batched = vec![0.0; 40 * w.rows];
-    linear(&x, 40, &w, None, &mut batched);
-    negative_control::set_stock_matmul(false);
-    assert_ne!(bits(&alone), bits(&batched[..w.rows]), "the stock matmul should vary with M");
+    for matmul in [linear as MatmulFn, linear_bf16] {
+        negative_control::set_stock_matmul(true);
+        let mut alone = vec![0.0; w.rows];
+        matmul(&x[..w.cols], 1, &w, None, &mut alone);
+        let mut batched = vec![0.0; 40 * w.rows];
+        matmul(&x, 40, &w, None, &mut batched);
+        negative_control::set_stock_matmul(false);
+        assert_ne!(bits(&alone), bits(&batched[..w.rows]), "the stock matmul should vary with M");
+    }
 }
 
 /// A copy of a quantized fixture in a temporary directory, with `edit` applied.

@@ -141,7 +141,8 @@ impl KvDtype {
 /// accumulation, as transformers, vLLM and SGLang compute bf16 models. `F32` keeps f32
 /// activations (CUDA splits each exactly into three bf16 terms: three MMAs a product).
 /// f32 and f16 weights take f32 activations in every mode, and so do quantized weights
-/// except on CUDA, whose bf16 mode takes MLX 4- and 8-bit weights with bf16 scales on the
+/// except MLX 4-bit ones with bf16 scales and biases, which follow the mode on the CPU
+/// ([`ops::q4_bf16`]) and CUDA, and 8-bit ones with bf16 scales, which follow it on CUDA's
 /// tensor cores ([`Kernels::activations_for`]). Within a mode every
 /// guarantee holds for every M (batched == alone, speculative == plain, decode ==
 /// prefill); the two modes give different bits, as two backends do.
@@ -174,11 +175,13 @@ impl Activations {
         }
     }
 
-    /// What a kernel set in mode `self` (resolved) does where it meets `w`: `Bf16` only for
-    /// unquantized bf16 weights.
+    /// What a kernel set in mode `self` (resolved) does where it meets `w`: `Bf16` for
+    /// unquantized bf16 weights and MLX 4-bit weights with bf16 scales and biases in groups
+    /// of 32, 64 or 128 ([`ops::q4_bf16::takes`]).
     pub fn for_weight(self, w: &Weight) -> Activations {
+        let plain = w.dtype == WeightDtype::Bf16 && w.quant().is_none();
         match self {
-            Activations::Bf16 if w.dtype == WeightDtype::Bf16 && w.quant().is_none() => Activations::Bf16,
+            Activations::Bf16 if plain || ops::q4_bf16::takes(w) => Activations::Bf16,
             _ => Activations::F32,
         }
     }
@@ -264,8 +267,8 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         Activations::F32
     }
     /// How this kernel set's matmuls take activations where they meet `w`: by default
-    /// [`Activations::for_weight`] (bf16 only for unquantized bf16 weights); CUDA adds the
-    /// quantized weights its tensor cores take.
+    /// [`Activations::for_weight`] (bf16 for bf16 weights and MLX 4-bit ones with bf16
+    /// scales); CUDA adds the 8-bit weights its tensor cores take.
     fn activations_for(&self, w: &Weight) -> Activations {
         self.activations().for_weight(w)
     }

@@ -5,6 +5,7 @@
 use rayon::prelude::*;
 
 use super::bf16_matmul;
+use super::q4_bf16;
 use super::quant_matmul::{self, tile_quant, QuantCols};
 use super::simd::{isa, split_pairs_into, tile, tile_pairs, with_scratch, Portable, Simd16};
 use mtp_base::weights::{Weight, WeightDtype};
@@ -82,10 +83,16 @@ fn for_column_tasks(
     });
 }
 
-/// `out (m x n) = x (m x k) . w^T` (+ `bias`) for bf16 weights with bf16 activations: `x`
-/// rounded to bf16 at the input, the bf16-activation order of [`bf16_matmul`].
+/// `out (m x n) = x (m x k) . w^T` (+ `bias`) with bf16 activations, for the weights
+/// [`crate::Activations::for_weight`] gives them: bf16 weights (`x` rounded to bf16 at the
+/// input, the bf16-activation order of [`bf16_matmul`]) and MLX 4-bit weights with bf16
+/// scales (the order of [`q4_bf16`]).
 pub fn linear_bf16(x: &[f32], m: usize, w: &Weight, bias: Option<&[f32]>, out: &mut [f32]) {
-    assert!(w.dtype == WeightDtype::Bf16 && w.quant().is_none(), "linear_bf16: weights are not plain bf16");
+    if w.quant().is_some() {
+        assert!(q4_bf16::takes(w), "linear_bf16: a quantized weight the bf16 order does not take");
+        return matmul_with(x, m, w, bias, out, q4_bf16_linear);
+    }
+    assert!(w.dtype == WeightDtype::Bf16, "linear_bf16: weights are not plain bf16");
     matmul_with(x, m, w, bias, out, |x, m, w, out| {
         let (n, k, wb) = (w.rows, w.cols, w.bytes());
         with_bf16_scratch(|rounded| {
@@ -108,6 +115,149 @@ fn with_bf16_scratch<R>(f: impl FnOnce(&mut Vec<u16>) -> R) -> R {
         Ok(mut buf) => f(&mut buf),
         Err(_) => f(&mut Vec::new()),
     })
+}
+
+/// An MLX 4-bit weight with bf16 activations: `x` rounded and laid out once (with its
+/// group sums), then each task's columns in [`q4_bf16::tile`]s.
+fn q4_bf16_linear(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    let q = QuantCols::of(w);
+    with_bf16_scratch(|words| {
+        with_scratch(|sums| {
+            q4_bf16::prepare_into(x, m, k, q.group(), words, sums);
+            // SAFETY: `words` and `sums` hold m prepared rows; each task owns columns n0..n1.
+            for_column_tasks(n, m * n * k, out, |n0, n1, o| unsafe {
+                q4_bf16_columns(words.as_ptr(), sums.as_ptr(), m, &q, n0, n1, o, n)
+            });
+        })
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_bf16_columns(
+    x: *const u16,
+    xsum: *const f32,
+    m: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    match bf16_matmul::path() {
+        #[cfg(target_arch = "x86_64")]
+        bf16_matmul::Path::Native => q4_bf16_columns_native(x, xsum, m, q, n0, n1, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        bf16_matmul::Path::Avx512Emulated => q4_bf16_columns_avx512(x, xsum, m, q, n0, n1, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        bf16_matmul::Path::Avx2Emulated => q4_bf16_columns_avx2(x, xsum, m, q, n0, n1, out, ldo),
+        _ => q4_bf16_columns_generic::<bf16_matmul::Portable, 2, 2>(x, xsum, m, q, n0, n1, out, ldo),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+unsafe fn q4_bf16_columns_native(
+    x: *const u16,
+    xsum: *const f32,
+    m: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    use bf16_matmul::Avx512Native as S;
+    if m == 1 {
+        // As the f32-activation tiles: 8 columns of independent sums for one row.
+        q4_bf16_columns_generic::<S, 1, 8>(x, xsum, m, q, n0, n1, out, ldo)
+    } else {
+        q4_bf16_columns_generic::<S, 4, 4>(x, xsum, m, q, n0, n1, out, ldo)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn q4_bf16_columns_avx512(
+    x: *const u16,
+    xsum: *const f32,
+    m: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    q4_bf16_columns_generic::<bf16_matmul::Avx512Emulated, 2, 4>(x, xsum, m, q, n0, n1, out, ldo)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_bf16_columns_avx2(
+    x: *const u16,
+    xsum: *const f32,
+    m: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    q4_bf16_columns_generic::<bf16_matmul::Avx2Emulated, 2, 2>(x, xsum, m, q, n0, n1, out, ldo)
+}
+
+/// Columns `n0..n1` for all `m` rows in `MR x NR` tiles of [`q4_bf16::tile`]; the edges in
+/// tiles of one row or one output (one order per output whatever the tile).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn q4_bf16_columns_generic<S: q4_bf16::Q4Bf16, const MR: usize, const NR: usize>(
+    x: *const u16,
+    xsum: *const f32,
+    m: usize,
+    q: &QuantCols,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let (kp, gp) = q4_bf16::padded(q.group() * q.groups(), q.group());
+    let mut n = n0;
+    while n < n1 {
+        let nr = NR.min(n1 - n);
+        let mut r = 0;
+        while r < m {
+            let mr = MR.min(m - r);
+            let (xp, sp, op) = (x.add(r * kp), xsum.add(r * gp), out.add(r * ldo + n));
+            if mr == MR && nr == NR {
+                q4_bf16::tile::<S, MR, NR>(xp, sp, kp, gp, q, n, op, ldo);
+            } else if nr == NR {
+                for i in 0..mr {
+                    q4_bf16::tile::<S, 1, NR>(
+                        xp.add(i * kp),
+                        sp.add(i * gp),
+                        kp,
+                        gp,
+                        q,
+                        n,
+                        op.add(i * ldo),
+                        ldo,
+                    );
+                }
+            } else {
+                for i in 0..mr {
+                    for j in 0..nr {
+                        let (xr, sr, o) = (xp.add(i * kp), sp.add(i * gp), op.add(i * ldo + j));
+                        q4_bf16::tile::<S, 1, 1>(xr, sr, kp, gp, q, n + j, o, ldo);
+                    }
+                }
+            }
+            r += mr;
+        }
+        n += nr;
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

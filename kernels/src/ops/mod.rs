@@ -7,6 +7,7 @@ pub mod attention;
 pub mod bf16_matmul;
 pub mod matmul;
 pub mod norm;
+pub mod q4_bf16;
 pub mod quant_matmul;
 pub mod rope;
 pub mod simd;

@@ -90,6 +90,29 @@ impl QuantCols {
     pub fn groups(&self) -> usize {
         self.groups
     }
+
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
+    /// The packed codes: `row_bytes` a row.
+    pub fn packed(&self) -> *const u8 {
+        self.packed
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The scales (`groups` a row) in their dtype.
+    pub fn scales(&self) -> *const u8 {
+        self.scales
+    }
+
+    /// The biases (`groups` a row) in their dtype.
+    pub fn biases(&self) -> *const u8 {
+        self.biases
+    }
 }
 
 /// Groups whose scales and biases a tile widens to f32 at a time: one dtype match per block,
