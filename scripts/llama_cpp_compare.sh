@@ -25,8 +25,8 @@
 # mtp MLX affine 4-bit g64), and prints one markdown table of medians and min-max.
 #
 # Environment: THREADS (2), REPEATS (3), TG_TOKENS (128), PP_TOKENS (512), BATCH (8),
-# MTP_ACTIVATIONS (auto: mtp's matmul activations, --activations; bf16 rounds them as
-# llama.cpp's bf16 matmul does), MTP_PREFILL_CHUNK (64, the CPU default: tokens per
+# MTP_ACTIVATIONS (auto: mtp's matmul activations, --activations; auto is bf16 on CPUs
+# with AVX512-BF16, rounding them as llama.cpp's bf16 matmul does, f32 on others), MTP_PREFILL_CHUNK (64, the CPU default: tokens per
 # prefill forward; llama-bench's pp runs the prompt as one batch),
 # MTP_BIN_DIR (default: target/release of this repository, built if mtp or mtp-bench is
 # missing), PYTHON (python3, 3.10 or newer, to create the venv).

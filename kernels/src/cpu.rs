@@ -17,8 +17,8 @@ use crate::{
     Plane, Slot,
 };
 
-/// The CPU kernel set; `activations` says how matmuls meet bf16 weights (resolved: `F32`,
-/// the default, or `Bf16`).
+/// The CPU kernel set; `activations` says how matmuls meet bf16 weights (resolved: `F32`
+/// or `Bf16`).
 #[derive(Clone, Copy, Debug)]
 pub struct Cpu {
     activations: Activations,
@@ -31,10 +31,15 @@ impl Default for Cpu {
 }
 
 impl Cpu {
-    /// The kernel set computing matmul activations as `activations` says (`Auto` is `F32`).
+    /// The kernel set computing matmul activations as `activations` says. `Auto` is `Bf16`
+    /// where this CPU computes the bf16 order natively (AVX512-BF16's `vdpbf16ps`, checked
+    /// against the order written out), else `F32`: elsewhere the bf16 order's emulation costs
+    /// more than f32 activations (docs/benchmarks.md, "Against llama.cpp").
     pub fn with_activations(activations: Activations) -> Cpu {
+        let native = || crate::ops::bf16_matmul::path() == crate::ops::bf16_matmul::Path::Native;
         match activations {
             Activations::Bf16 => Cpu { activations },
+            Activations::Auto if native() => Cpu { activations: Activations::Bf16 },
             Activations::Auto | Activations::F32 => Cpu::default(),
         }
     }

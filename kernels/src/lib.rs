@@ -136,7 +136,8 @@ impl KvDtype {
 }
 
 /// The precision of activations at the input of a matmul. `Auto` is each backend's
-/// default: on CUDA, `Bf16`; on the CPU and Metal, `F32`. `Bf16` rounds each activation to
+/// default: on CUDA, `Bf16`; on the CPU, `Bf16` where it has bf16 dot products
+/// (AVX512-BF16), else `F32`; on Metal, `F32`. `Bf16` rounds each activation to
 /// bf16 (nearest even) where it meets a bf16 weight, one tensor-core MMA a product with f32
 /// accumulation, as transformers, vLLM and SGLang compute bf16 models. `F32` keeps f32
 /// activations (CUDA splits each exactly into three bf16 terms: three MMAs a product).

@@ -74,8 +74,8 @@ struct Cli {
     /// Quantized K/V: 8 or 4 bits (as for `mtp generate`).
     #[arg(long)]
     kv_bits: Option<usize>,
-    /// Matmul activations: auto (bf16 on CUDA, f32 elsewhere), bf16 or f32 (as for `mtp
-    /// generate`).
+    /// Matmul activations: auto (bf16 on CUDA and on CPUs with AVX512-BF16, f32 elsewhere),
+    /// bf16 or f32 (as for `mtp generate`).
     #[arg(long, default_value = "auto")]
     activations: String,
     /// Tokens per prefill forward (as for `mtp generate`; default 2048 on cuda, 64 elsewhere).

@@ -261,11 +261,13 @@ struct ModelArgs {
     /// per head_dim values). Rollback and batching stay exact.
     #[arg(long)]
     kv_bits: Option<usize>,
-    /// Matmul activations where they meet bf16 weights: auto (bf16 on CUDA, f32 on the CPU
-    /// and Metal), bf16 (CUDA: rounded to bf16, one tensor-core MMA a product, as
-    /// transformers computes bf16 models; with bf16 K/V attention runs on the tensor cores
-    /// too), or f32 (CUDA: exact, three MMAs a product; attention in f32). Every guarantee
-    /// holds in each; the two give different bits.
+    /// Matmul activations where they meet bf16 weights (and MLX 4-bit ones with bf16
+    /// scales): auto (bf16 on CUDA and on CPUs with AVX512-BF16; f32 on other CPUs and
+    /// Metal), bf16 (rounded to bf16, exact products, f32 sums, as transformers computes
+    /// bf16 models: one tensor-core MMA a product on CUDA, where with bf16 K/V attention
+    /// runs on the tensor cores too; `vdpbf16ps` or its emulation on the CPU), or f32 (CUDA:
+    /// exact, three MMAs a product; attention in f32). Every guarantee holds in each; the two
+    /// give different bits, and each gives the same bits on every CPU.
     #[arg(long, default_value = "auto")]
     activations: String,
     /// Split the target between N ranks (tensor parallelism: N GPUs on CUDA, N threads on
