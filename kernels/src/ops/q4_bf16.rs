@@ -175,19 +175,26 @@ mod x86 {
     use crate::ops::bf16_matmul::{Avx2Emulated, Avx512Emulated, Avx512Native};
     use std::arch::x86_64::*;
 
+    /// The lane arithmetic of the two paths whose 16 lanes are one zmm register.
+    macro_rules! zmm_lanes {
+        () => {
+            #[inline(always)]
+            fn lanes(v: __m512) -> [f32; LANES] {
+                unsafe { std::mem::transmute::<__m512, [f32; LANES]>(v) }
+            }
+            #[inline(always)]
+            fn from_lanes(a: [f32; LANES]) -> __m512 {
+                unsafe { std::mem::transmute::<[f32; LANES], __m512>(a) }
+            }
+            #[inline(always)]
+            fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+                unsafe { _mm512_fmadd_ps(a, b, c) }
+            }
+        };
+    }
+
     impl Q4Bf16 for Avx512Native {
-        #[inline(always)]
-        fn lanes(v: __m512) -> [f32; LANES] {
-            unsafe { std::mem::transmute::<__m512, [f32; LANES]>(v) }
-        }
-        #[inline(always)]
-        fn from_lanes(a: [f32; LANES]) -> __m512 {
-            unsafe { std::mem::transmute::<[f32; LANES], __m512>(a) }
-        }
-        #[inline(always)]
-        fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
-            unsafe { _mm512_fmadd_ps(a, b, c) }
-        }
+        zmm_lanes!();
         #[inline(always)]
         unsafe fn widen(p: *const u16, n: usize) -> __m512 {
             let raw = _mm256_maskz_loadu_epi16(((1u32 << n) - 1) as u16, p as *const i16);
@@ -230,18 +237,7 @@ mod x86 {
     }
 
     impl Q4Bf16 for Avx512Emulated {
-        #[inline(always)]
-        fn lanes(v: __m512) -> [f32; LANES] {
-            unsafe { std::mem::transmute::<__m512, [f32; LANES]>(v) }
-        }
-        #[inline(always)]
-        fn from_lanes(a: [f32; LANES]) -> __m512 {
-            unsafe { std::mem::transmute::<[f32; LANES], __m512>(a) }
-        }
-        #[inline(always)]
-        fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
-            unsafe { _mm512_fmadd_ps(a, b, c) }
-        }
+        zmm_lanes!();
     }
 
     impl Q4Bf16 for Avx2Emulated {
