@@ -38,12 +38,13 @@ fn tolerance(model: &Model) -> f32 {
 
 /// The test backend's numerics: its default, and on CUDA also f32 K/V and activations,
 /// which checks the GPU kernels against transformers as tightly as the CPU's; on the CPU
-/// also bf16 activations (the bf16-activation matmul, for the bf16 trained family).
+/// both activation modes by name (its `auto` is one of them, by the CPU: bf16 with
+/// AVX512-BF16, for the bf16 trained family's weights, else f32).
 fn numerics() -> Vec<Numerics> {
     match common::backend() {
-        Backend::Cpu => {
-            vec![Numerics::default(), Numerics { kv: KvDtype::Auto, activations: Activations::Bf16 }]
-        }
+        Backend::Cpu => [Activations::F32, Activations::Bf16]
+            .map(|activations| Numerics { kv: KvDtype::Auto, activations })
+            .to_vec(),
         _ => vec![Numerics::default(), Numerics { kv: KvDtype::F32, activations: Activations::F32 }],
     }
 }

@@ -324,7 +324,8 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
         let (dir, prompts) =
             attention_checkpoint(&base, (heads, kv_heads, head_dim), 7, None, "att", &mut rng);
         let cpu_decoded = |kv: KvDtype| -> Vec<Vec<f32>> {
-            let cpu = Model::load_with(&dir, Backend::Cpu, kv).unwrap();
+            let exact = Numerics { kv, activations: Activations::F32 };
+            let cpu = Model::load_with(&dir, Backend::Cpu, exact).unwrap();
             prompts.iter().map(|p| prefill_then_decode(&cpu, p)).collect()
         };
         let cpu_f32 = cpu_decoded(KvDtype::F32);
@@ -444,7 +445,8 @@ fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
             "flash",
             &mut rng,
         );
-        let cpu = Model::load_with(&dir, Backend::Cpu, KvDtype::F32).unwrap();
+        let exact = Numerics { kv: KvDtype::F32, activations: Activations::F32 };
+        let cpu = Model::load_with(&dir, Backend::Cpu, exact).unwrap();
         let numerics = Numerics { kv: KvDtype::Bf16, activations: Activations::Bf16 };
         let model = Model::load_with(&dir, Backend::Cuda, numerics).unwrap();
         let shape = format!("{heads} heads, {kv_heads} KV heads, head size {head_dim}");
