@@ -235,9 +235,13 @@ mod x86 {
         fn mul(a: __m512, b: __m512) -> __m512 {
             unsafe { _mm512_mul_ps(a, b) }
         }
+        // Into L2, not L1: a tile streaming several weight rows keeps few enough of its
+        // own L1 misses in flight that prefetches into L1 held it to ~10 GB/s a core at
+        // M = 8, into L2 ~16 (docs/benchmarks.md, 2026-11-28 (session 32)).
         #[inline(always)]
         fn prefetch(p: *const u8) {
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+            // Into L2, as `Avx512::prefetch` says why.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
         }
         #[inline(always)]
         fn fma(acc: __m512, a: __m512, b: __m512) -> __m512 {
@@ -330,7 +334,7 @@ mod x86 {
         }
         #[inline(always)]
         fn prefetch(p: *const u8) {
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
         }
         #[inline(always)]
         fn mul(a: Self::V, b: Self::V) -> Self::V {
