@@ -169,6 +169,18 @@ impl<'a> KvView<'a> {
         }
     }
 
+    /// V of logical position `pos` as stored in a bf16 store, like [`KvView::key_bf16`].
+    #[inline]
+    pub fn value_bf16(&self, pos: usize, off: usize, len: usize) -> Option<&'a [half::bf16]> {
+        match self.data {
+            Data::Bf16 { v, .. } => {
+                let s = self.map.slot(pos) * self.stride + off;
+                Some(&v[s..s + len])
+            }
+            _ => None,
+        }
+    }
+
     /// Layer `layer` of a quantized host store, read through `map`.
     pub fn of_quant(store: &'a QuantKv, layer: usize, map: SlotMap) -> Self {
         let (k, v) = store.layer(layer);

@@ -3,6 +3,7 @@
 //! boundaries are anchored at position 0, so the result depends only on `p` and the
 //! row's K/V: never on padding, batch, other rows or how many queries ran together.
 
+use half::bf16;
 use mtp_base::weights::WeightDtype;
 use mtp_cache::KvView;
 
@@ -187,14 +188,24 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, out: &mut [f3
                 probs[b][j] = p;
             }
         }
-        // The chunk's V rows: lent by an f32 cache, widened or dequantized into `buf`.
-        let mut rows: [&[f32]; CHUNK] = [&[]; CHUNK];
-        let mut spare = buf.chunks_mut(hd);
-        for (row, pos) in rows.iter_mut().zip(c0..c1) {
-            // An f32 cache lends its own rows and leaves the buffer alone.
-            *row = kv.value(pos, kv_off, hd, spare.next().unwrap_or(&mut []));
+        // The chunk's V rows: a bf16 cache's as stored (widened as they load: the bits of
+        // f32 rows holding the same values), an f32 cache's lent, a quantized cache's
+        // dequantized into `buf`.
+        if kv.value_bf16(c0, kv_off, hd).is_some() {
+            let mut rows: [&[bf16]; CHUNK] = [&[]; CHUNK];
+            for (row, pos) in rows.iter_mut().zip(c0..c1) {
+                *row = kv.value_bf16(pos, kv_off, hd).unwrap_or(&[]);
+            }
+            accumulate_pv::<B, bf16>(&probs, &rows[..n], out, hd);
+        } else {
+            let mut rows: [&[f32]; CHUNK] = [&[]; CHUNK];
+            let mut spare = buf.chunks_mut(hd);
+            for (row, pos) in rows.iter_mut().zip(c0..c1) {
+                // An f32 cache lends its own rows and leaves the buffer alone.
+                *row = kv.value(pos, kv_off, hd, spare.next().unwrap_or(&mut []));
+            }
+            accumulate_pv::<B, f32>(&probs, &rows[..n], out, hd);
         }
-        accumulate_pv::<B>(&probs, &rows[..n], out, hd);
     }
     for b in 0..B {
         let inv = 1.0 / l[b];
@@ -242,6 +253,25 @@ fn key_row(kv: &KvView, pos: usize, kv_off: usize, hd: usize, buf: &mut [f32]) -
     }
 }
 
+/// A stored V value as the P·V step reads it (bf16 widened exactly).
+trait Widen: Copy {
+    fn f32(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
 /// Values of each head's output one pass of [`accumulate_pv`] keeps in registers.
 const PV_BLOCK: usize = 64;
 
@@ -251,7 +281,7 @@ const PV_BLOCK: usize = 64;
 /// and store the whole output for each key (the same bits: each value's sum runs over the
 /// keys in the same order).
 #[inline(always)]
-fn accumulate_pv<const B: usize>(probs: &[[f32; CHUNK]; B], rows: &[&[f32]], out: &mut [f32], hd: usize) {
+fn accumulate_pv<const B: usize, T: Widen>(probs: &[[f32; CHUNK]; B], rows: &[&[T]], out: &mut [f32], hd: usize) {
     let mut e0 = 0;
     while e0 + PV_BLOCK <= hd {
         let mut acc = [[0.0f32; PV_BLOCK]; B];
@@ -263,7 +293,7 @@ fn accumulate_pv<const B: usize>(probs: &[[f32; CHUNK]; B], rows: &[&[f32]], out
             for (a, p) in acc.iter_mut().zip(probs) {
                 let p = p[j];
                 for (a, &vv) in a.iter_mut().zip(v) {
-                    *a += p * vv;
+                    *a += p * vv.f32();
                 }
             }
         }
@@ -277,7 +307,7 @@ fn accumulate_pv<const B: usize>(probs: &[[f32; CHUNK]; B], rows: &[&[f32]], out
             for (o, p) in out.chunks_mut(hd).zip(probs) {
                 let p = p[j];
                 for (o, &vv) in o[e0..].iter_mut().zip(&v[e0..]) {
-                    *o += p * vv;
+                    *o += p * vv.f32();
                 }
             }
         }
