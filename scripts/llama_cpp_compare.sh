@@ -26,8 +26,10 @@
 #
 # Environment: THREADS (2), REPEATS (3), TG_TOKENS (128), PP_TOKENS (512), BATCH (8),
 # MTP_ACTIVATIONS (auto: mtp's matmul activations, --activations; auto is bf16 on CPUs
-# with AVX512-BF16, rounding them as llama.cpp's bf16 matmul does, f32 on others), MTP_PREFILL_CHUNK (64, the CPU default: tokens per
-# prefill forward; llama-bench's pp runs the prompt as one batch),
+# with AVX512-BF16, rounding them as llama.cpp's bf16 matmul does, f32 on others),
+# MTP_KV_DTYPE (auto: --kv-dtype; auto is bf16 for these 16-bit checkpoints, as llama.cpp
+# keeps f16 K/V), MTP_PREFILL_CHUNK (64, the CPU default: tokens per prefill forward;
+# llama-bench's pp runs the prompt as one batch),
 # MTP_BIN_DIR (default: target/release of this repository, built if mtp or mtp-bench is
 # missing), PYTHON (python3, 3.10 or newer, to create the venv).
 set -euo pipefail
@@ -43,6 +45,7 @@ PP_TOKENS=${PP_TOKENS:-512}
 BATCH=${BATCH:-8}
 PYTHON=${PYTHON:-python3}
 MTP_ACTIVATIONS=${MTP_ACTIVATIONS:-auto}
+MTP_KV_DTYPE=${MTP_KV_DTYPE:-auto}
 MTP_PREFILL_CHUNK=${MTP_PREFILL_CHUNK:-64}
 LLAMA_CPP_PYTHON=0.3.36
 
@@ -291,7 +294,7 @@ measure() {  # measure ROW ENGINE REP
     local json=$RUN/mtp-bench.json  # mtp-bench's --json, moved to OUT_FILE (its stdout is the .md)
     [ "$engine" = mtp ] && OUT_FILE=$RUN/$row-$engine-$rep.md
     local mtpb=(env RAYON_NUM_THREADS="$THREADS" "$MTP_BENCH" --drafters '' --temperatures 0 --repeats 1
-                --activations "$MTP_ACTIVATIONS" --prefill-chunk "$MTP_PREFILL_CHUNK")
+                --activations "$MTP_ACTIVATIONS" --kv-dtype "$MTP_KV_DTYPE" --prefill-chunk "$MTP_PREFILL_CHUNK")
     case "$row-$engine" in
         a-llama.cpp) record a llama.cpp "$BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p 0 -n "$TG_TOKENS" -r 1 -o json
                      v=$(value llama-bench "$OUT_FILE") ;;
@@ -378,7 +381,7 @@ EOF
     echo "- mtp: mtp-bench, plain decoding only (--drafters ''), greedy, after its untimed warm-up run; decode tok/s ="
     echo "  (tokens - requests) / (run seconds - prefill seconds), the first token of each request coming from its prefill;"
     echo "  prefill tok/s = $PP_TOKENS / prefill_seconds of the JSON (--prefill-chunk $MTP_PREFILL_CHUNK: tokens a forward);"
-    echo "  greedy sampling and logprobs included; f32 K/V, --activations $MTP_ACTIVATIONS."
+    echo "  greedy sampling and logprobs included; --kv-dtype $MTP_KV_DTYPE, --activations $MTP_ACTIVATIONS."
     echo
     [ -f "$WORKDIR/gguf-check.txt" ] && { cat "$WORKDIR/gguf-check.txt"; echo; }
     echo "Commands (RUN = $RUN; each repeat writes RUN/ROW-ENGINE-REPEAT.json):"

@@ -57,7 +57,7 @@ use mtp_base::weights::{Weight, WeightDtype};
 use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    check_gpu_heads, check_gpu_kv, device_kv_dtype, held_keys, linear_each, open_windows, Activations,
+    auto_kv_dtype, check_gpu_heads, check_gpu_kv, held_keys, linear_each, open_windows, Activations,
     AssistantKernels, Backend, ForwardBody, Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
@@ -1227,7 +1227,7 @@ impl Kernels for Cuda {
     }
 
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
-        device_kv_dtype(kv, weights)
+        auto_kv_dtype(kv, weights)
     }
 
     fn kv_store(

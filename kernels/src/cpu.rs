@@ -104,11 +104,10 @@ impl Kernels for Cpu {
         Ok(table)
     }
 
-    fn kv_dtype(&self, kv: KvDtype, _weights: WeightDtype) -> Result<KvDtype> {
-        match kv {
-            KvDtype::Auto | KvDtype::F32 => Ok(KvDtype::F32),
-            KvDtype::Bf16 | KvDtype::Q8 | KvDtype::Q4 => Ok(kv),
-        }
+    // The GPUs' rule: bf16 K/V for 16-bit checkpoints (half the bytes; attention widens
+    // them as it loads, as fast as f32 K/V: docs/benchmarks.md, 2026-11-28 (session 32)).
+    fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+        crate::auto_kv_dtype(kv, weights)
     }
 
     fn kv_store(

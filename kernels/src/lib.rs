@@ -63,8 +63,8 @@ impl Backend {
     }
 }
 
-/// How K/V are stored. `Auto` is each backend's default: f32 on the CPU; on CUDA, bf16 for
-/// 16-bit checkpoints (half the memory; logits move by about 1e-2) and f32 for f32 ones.
+/// How K/V are stored. `Auto`, on every backend: bf16 for 16-bit checkpoints (half the
+/// memory; logits move by about 1e-2) and f32 for f32 ones.
 /// `Q8` / `Q4` (`--kv-bits 8|4`, every backend): each position's K or V of one KV head
 /// quantized as one group with an f32 scale and bias (`mtp_cache::QuantLayout`, one format
 /// on every backend).
@@ -625,9 +625,9 @@ pub fn held_keys(cache: &RowCache, r: usize, plane: Plane, keys: KeyRange) -> Re
     }
 }
 
-/// The GPU backends' K/V dtype: f32 for f32 weights and bf16 for 16-bit ones by default (half
+/// Every backend's K/V dtype: f32 for f32 weights and bf16 for 16-bit ones by default (half
 /// the memory), or as chosen (quantized included).
-pub fn device_kv_dtype(kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
+pub fn auto_kv_dtype(kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
     Ok(match (kv, weights) {
         (KvDtype::Auto, WeightDtype::F32) => KvDtype::F32,
         (KvDtype::Auto, _) => KvDtype::Bf16,

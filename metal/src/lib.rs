@@ -32,8 +32,8 @@ use mtp_base::weights::{Weight, WeightDtype};
 use mtp_kernels::negative_control;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    check_gpu_heads, check_gpu_kv, device_kv_dtype, held_keys, open_windows, AssistantKernels, Backend,
-    Heads, Kernels, KeyRange, KvDtype, Out, Plane, Slot,
+    auto_kv_dtype, check_gpu_heads, check_gpu_kv, held_keys, open_windows, AssistantKernels, Backend, Heads,
+    Kernels, KeyRange, KvDtype, Out, Plane, Slot,
 };
 
 /// Output columns per matmul threadgroup (4 SIMD-groups of 4: see kernels.metal).
@@ -311,7 +311,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
     }
 
     fn kv_dtype(&self, kv: KvDtype, weights: WeightDtype) -> Result<KvDtype> {
-        device_kv_dtype(kv, weights)
+        auto_kv_dtype(kv, weights)
     }
 
     fn kv_store(

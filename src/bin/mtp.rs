@@ -253,8 +253,8 @@ struct ModelArgs {
     /// the CPU emulator: slow, for testing).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// How K/V are stored: auto (f32 on the CPU; on CUDA and Metal bf16 for 16-bit checkpoints,
-    /// f32 for f32 ones), f32, or bf16 (CUDA and Metal).
+    /// How K/V are stored: auto (bf16 for 16-bit checkpoints, f32 for f32 ones), f32, or
+    /// bf16.
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
     /// Quantize K/V to 8 or 4 bits (CPU; per position and KV head: an f32 scale and bias

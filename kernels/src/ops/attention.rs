@@ -281,7 +281,12 @@ const PV_BLOCK: usize = 64;
 /// and store the whole output for each key (the same bits: each value's sum runs over the
 /// keys in the same order).
 #[inline(always)]
-fn accumulate_pv<const B: usize, T: Widen>(probs: &[[f32; CHUNK]; B], rows: &[&[T]], out: &mut [f32], hd: usize) {
+fn accumulate_pv<const B: usize, T: Widen>(
+    probs: &[[f32; CHUNK]; B],
+    rows: &[&[T]],
+    out: &mut [f32],
+    hd: usize,
+) {
     let mut e0 = 0;
     while e0 + PV_BLOCK <= hd {
         let mut acc = [[0.0f32; PV_BLOCK]; B];
