@@ -315,6 +315,61 @@ fn grouped_query_heads_have_the_bits_of_each_head_alone() {
     }
 }
 
+/// Query rows with ranges of their own computed together (`attend_rows`: a prompt's tokens
+/// and their heads, blocks of up to four reading each K/V row of the ranges' union once)
+/// give each row the bits it has alone, for 1 to 9 rows whose ranges end and start inside
+/// chunks, on chunk boundaries and in different chunks (sliding windows), over f32 and bf16
+/// stores, head sizes with and without a remainder past the P·V register block. Control:
+/// the first row given the second's range differs, so the comparison sees which keys a
+/// row read.
+#[test]
+fn query_rows_with_their_own_ranges_have_the_bits_of_each_row_alone() {
+    use mtp::cache::{Bf16Kv, KvStore, SlotMap};
+    use mtp::kernels::ops::{attend_from, attend_rows};
+    let mut rng = Lcg(31);
+    let ranges = [(0, 70), (0, 71), (0, 33), (40, 64), (10, 65), (63, 77), (0, 5), (39, 40), (0, 77)];
+    for hd in [64, 80] {
+        let (kvh, n_keys) = (2, 77);
+        let kvd = hd * kvh;
+        let (keys, values) = (rng.vec(n_keys * kvd), rng.vec(n_keys * kvd));
+        let mut store = Bf16Kv::new(1, kvd);
+        store.grow(n_keys).unwrap();
+        store.write(0, 0, &keys, &values);
+        let map = SlotMap { committed: n_keys, base: n_keys, ring: 0 };
+        let views = [KvView::contiguous(&keys, &values, kvd), KvView::of_store(&store, 0, map).unwrap()];
+        let scale = 1.0 / (hd as f32).sqrt();
+        for view in &views {
+            for rows in 1..=ranges.len() {
+                let q = rng.vec(rows * hd);
+                for kv_head in 0..kvh {
+                    let mut together = vec![0.0; rows * hd];
+                    attend_rows(&q, hd, view, &ranges[..rows], kv_head * hd, scale, &mut together);
+                    let mut alone = vec![0.0; rows * hd];
+                    for ((qr, o), &(first, end)) in q.chunks(hd).zip(alone.chunks_mut(hd)).zip(&ranges) {
+                        attend_from(qr, view, first, end, kv_head * hd, scale, o);
+                    }
+                    assert_eq!(
+                        bits(&together),
+                        bits(&alone),
+                        "head size {hd}, {rows} rows, KV head {kv_head}"
+                    );
+                    if rows > 1 {
+                        let mut moved = ranges[..rows].to_vec();
+                        moved[0] = ranges[1];
+                        let mut other = vec![0.0; rows * hd];
+                        attend_rows(&q, hd, view, &moved, kv_head * hd, scale, &mut other);
+                        assert_ne!(
+                            bits(&other[..hd]),
+                            bits(&alone[..hd]),
+                            "control: {rows} rows, KV head {kv_head}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// bf16 K/V (`--kv-dtype bf16` on the CPU): attention over a bf16 store gives, bit for bit,
 /// what it gives over f32 K/V holding the same rounded values (keys widen exactly as the
 /// tile loads them, values as they are read), for 1 to 5 query heads, both KV heads, full

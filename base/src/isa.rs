@@ -15,7 +15,15 @@ pub fn isa() -> Isa {
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx512f") {
+            // What the AVX-512 paths are compiled with (every AVX-512 CPU since Skylake-SP
+            // has the three; VL lets 256- and 128-bit operations use all 32 registers).
+            if std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
                 return Isa::Avx512;
             }
             if std::is_x86_feature_detected!("avx2")

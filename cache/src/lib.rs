@@ -150,10 +150,11 @@ impl<'a> KvView<'a> {
         any.downcast_ref::<QuantKv>().map(|q| KvView::of_quant(q, layer, map))
     }
 
-    /// Whether reads convert (bf16 widened, or dequantized) and so need a buffer of one
-    /// head.
-    pub fn reads_into_buffer(&self) -> bool {
-        !matches!(self.data, Data::F32 { .. })
+    /// Whether K and V rows can be read as stored (an f32 store through [`KvView::key`],
+    /// a bf16 one through [`KvView::key_bf16`] and [`KvView::value_bf16`]): only a
+    /// quantized store's reads need a buffer to dequantize into.
+    pub fn lends_rows(&self) -> bool {
+        !matches!(self.data, Data::Quant { .. })
     }
 
     /// K of logical position `pos`, values `[off, off + len)`, as stored in a bf16 store

@@ -10,7 +10,8 @@ use mtp_base::error::{Error, Result};
 use mtp_base::weights::{Weight, WeightDtype};
 
 use crate::ops::{
-    attend_heads, gelu_tanh_mul, linear, linear_bf16, rms_norm, rms_norm_inplace, swiglu, RopeTable,
+    attend_heads, attend_rows, gelu_tanh_mul, linear, linear_bf16, rms_norm, rms_norm_inplace, swiglu,
+    RopeTable,
 };
 use crate::{
     held_keys, open_windows, Activations, AssistantKernels, Backend, Heads, Kernels, KeyRange, KvDtype, Out,
@@ -281,18 +282,50 @@ impl Kernels for Cpu {
             .map(|(r, c)| view(c, r, plane, batch.map(r, plane)?))
             .collect::<Result<Vec<KvView>>>()?;
         let slots = &batch.slots;
-        // One task per (token, KV head), its query heads together (each K/V row read once
-        // for them): a single decode token still uses every core. Tasks go KV head by KV
-        // head, so a thread's next task reads the K/V its last one left in cache (token by
-        // token, every KV head's K/V of a long prompt passed through L2 for each token).
+        // One task per KV head and token, or per KV head and a run of a row's consecutive
+        // tokens with up to 16 query rows (tokens x query heads) in all: `attend_rows`
+        // reads a prompt's K/V rows once for all of them, and a single decode token still
+        // uses every core. Tasks go KV head by KV head, so a thread's next task reads the
+        // K/V its last one left in cache (token by token, every KV head's K/V of a long
+        // prompt passed through L2 for each token).
         let g = nh / nkv;
-        let mut tasks: Vec<(usize, &mut [f32])> = out.chunks_mut(g * hd).enumerate().collect();
-        tasks.sort_by_key(|&(i, _)| (i % nkv, i / nkv));
-        tasks.into_par_iter().for_each(|(i, o)| {
-            let (s, kv_head) = (&slots[i / nkv], i % nkv);
-            let first = window.map_or(0, |w| (s.pos + 1).saturating_sub(w));
-            let qs = &q[i * g * hd..(i + 1) * g * hd];
-            attend_heads(qs, hd, &views[s.row], first, s.pos + 1, kv_head * hd, scale, o);
+        let per_task = (16 / g).max(1);
+        let mut chunks: Vec<Option<&mut [f32]>> = out.chunks_mut(g * hd).map(Some).collect();
+        let mut tasks = Vec::new();
+        for kv_head in 0..nkv {
+            let mut t = 0;
+            while t < slots.len() {
+                let mut n = 1;
+                while n < per_task && t + n < slots.len() && slots[t + n].row == slots[t].row {
+                    n += 1;
+                }
+                // Each (token, KV head) output is taken once: by its KV head's run.
+                let outs: Vec<&mut [f32]> =
+                    (t..t + n).filter_map(|u| chunks[u * nkv + kv_head].take()).collect();
+                debug_assert_eq!(outs.len(), n);
+                tasks.push((kv_head, t, outs));
+                t += n;
+            }
+        }
+        let keys = |u: usize| {
+            let end = slots[u].pos + 1;
+            (window.map_or(0, |w| end.saturating_sub(w)), end)
+        };
+        tasks.into_par_iter().for_each(|(kv_head, t, mut outs)| {
+            let (view, qs) = (&views[slots[t].row], |u: usize| &q[(u * nkv + kv_head) * g * hd..][..g * hd]);
+            if let [o] = &mut outs[..] {
+                let (first, end) = keys(t);
+                return attend_heads(qs(t), hd, view, first, end, kv_head * hd, scale, o);
+            }
+            let n = outs.len();
+            let rows: Vec<f32> = (t..t + n).flat_map(|u| qs(u).iter().copied()).collect();
+            let ranges: Vec<(usize, usize)> =
+                (t..t + n).flat_map(|u| std::iter::repeat_n(keys(u), g)).collect();
+            let mut o = vec![0.0; n * g * hd];
+            attend_rows(&rows, hd, view, &ranges, kv_head * hd, scale, &mut o);
+            for (dst, src) in outs.iter_mut().zip(o.chunks(g * hd)) {
+                dst.copy_from_slice(src);
+            }
         });
         Ok(())
     }

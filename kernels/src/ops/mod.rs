@@ -12,7 +12,7 @@ pub mod quant_matmul;
 pub mod rope;
 pub mod simd;
 
-pub use attention::{attend, attend_from, attend_heads};
+pub use attention::{attend, attend_from, attend_heads, attend_rows};
 pub use matmul::{linear, linear_bf16};
 pub use norm::{gelu_tanh_mul, rms_norm, rms_norm_inplace, swiglu};
 pub use rope::RopeTable;
