@@ -161,22 +161,21 @@ impl<'a> KvView<'a> {
     /// (`None` for any other): what a kernel widening bf16 as it loads reads directly.
     #[inline]
     pub fn key_bf16(&self, pos: usize, off: usize, len: usize) -> Option<&'a [half::bf16]> {
-        match self.data {
-            Data::Bf16 { k, .. } => {
-                let s = self.map.slot(pos) * self.stride + off;
-                Some(&k[s..s + len])
-            }
-            _ => None,
-        }
+        self.bf16_row(pos, off, len, true)
     }
 
     /// V of logical position `pos` as stored in a bf16 store, like [`KvView::key_bf16`].
     #[inline]
     pub fn value_bf16(&self, pos: usize, off: usize, len: usize) -> Option<&'a [half::bf16]> {
+        self.bf16_row(pos, off, len, false)
+    }
+
+    #[inline]
+    fn bf16_row(&self, pos: usize, off: usize, len: usize, key: bool) -> Option<&'a [half::bf16]> {
         match self.data {
-            Data::Bf16 { v, .. } => {
+            Data::Bf16 { k, v } => {
                 let s = self.map.slot(pos) * self.stride + off;
-                Some(&v[s..s + len])
+                Some(&(if key { k } else { v })[s..s + len])
             }
             _ => None,
         }

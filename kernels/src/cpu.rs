@@ -286,8 +286,7 @@ impl Kernels for Cpu {
         // tokens with up to 16 query rows (tokens x query heads) in all: `attend_rows`
         // reads a prompt's K/V rows once for all of them, and a single decode token still
         // uses every core. Tasks go KV head by KV head, so a thread's next task reads the
-        // K/V its last one left in cache (token by token, every KV head's K/V of a long
-        // prompt passed through L2 for each token).
+        // K/V its last one left in cache.
         let g = nh / nkv;
         let per_task = (16 / g).max(1);
         let mut chunks: Vec<Option<&mut [f32]>> = out.chunks_mut(g * hd).map(Some).collect();

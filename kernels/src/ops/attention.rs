@@ -251,8 +251,7 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, row0: usize, 
                         continue;
                     }
                 }
-                let one_key = hd.min(key_buf.len());
-                let (key, dtype) = key_row(kv, c0 + j, kv_off, hd, &mut key_buf[..one_key]);
+                let (key, dtype) = key_row(kv, c0 + j, kv_off, hd, &mut key_buf);
                 let mut dots = [0.0f32; B];
                 // SAFETY: `q` holds B rows of hd f32 and `key` hd values of `dtype`; B
                 // outputs, one per row (each the canonical dot of `simd::dot_f32`).
@@ -310,7 +309,7 @@ const KEY_TILE: usize = 4;
 /// The K rows of positions `pos .. pos + KEY_TILE` as one evenly spaced block: (first
 /// row, dtype, bytes from one row to the next). A bf16 or f32 cache lends its rows (evenly
 /// spaced where the positions' slots are consecutive; None across a ring's wrap or the
-/// window's edge); a quantized cache's rows are dequantized into the first rows of `buf`.
+/// window's edge); a quantized cache's rows are dequantized into `buf` (`KEY_TILE` rows).
 #[inline(always)]
 fn key_block(
     kv: &KvView,
@@ -319,9 +318,6 @@ fn key_block(
     hd: usize,
     buf: &mut [f32],
 ) -> Option<(*const u8, WeightDtype, usize)> {
-    if !kv.lends_rows() && buf.len() < KEY_TILE * hd {
-        return None;
-    }
     let (mut rows, mut dtype) = ([std::ptr::null::<u8>(); KEY_TILE], WeightDtype::F32);
     let mut spare = buf.chunks_mut(hd);
     for (t, row) in rows.iter_mut().enumerate() {
@@ -389,10 +385,7 @@ fn accumulate_pv<const B: usize, T: Widen>(
             for (j, v) in rows.iter().enumerate() {
                 let v = &v[e0..e0 + PV_BLOCK];
                 for (a, p) in acc.iter_mut().zip(probs) {
-                    let p = p[j];
-                    for (a, &vv) in a.iter_mut().zip(v) {
-                        *a += p * vv.f32();
-                    }
+                    add_scaled(a, p[j], v);
                 }
             }
         } else {
@@ -402,10 +395,7 @@ fn accumulate_pv<const B: usize, T: Widen>(
                     if j < lo || j >= hi {
                         continue;
                     }
-                    let p = p[j];
-                    for (a, &vv) in a.iter_mut().zip(v) {
-                        *a += p * vv.f32();
-                    }
+                    add_scaled(a, p[j], v);
                 }
             }
         }
@@ -420,11 +410,16 @@ fn accumulate_pv<const B: usize, T: Widen>(
                 if j < lo || j >= hi {
                     continue;
                 }
-                let p = p[j];
-                for (o, &vv) in o[e0..].iter_mut().zip(&v[e0..]) {
-                    *o += p * vv.f32();
-                }
+                add_scaled(&mut o[e0..], p[j], &v[e0..]);
             }
         }
+    }
+}
+
+/// `out[e] += p * v[e]`, a product rounded and then a sum rounded, for each value.
+#[inline(always)]
+fn add_scaled<T: Widen>(out: &mut [f32], p: f32, v: &[T]) {
+    for (o, &vv) in out.iter_mut().zip(v) {
+        *o += p * vv.f32();
     }
 }

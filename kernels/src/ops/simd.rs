@@ -240,7 +240,6 @@ mod x86 {
         // M = 8, into L2 ~16 (docs/benchmarks.md, 2026-11-28 (session 32)).
         #[inline(always)]
         fn prefetch(p: *const u8) {
-            // Into L2, as `Avx512::prefetch` says why.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
         }
         #[inline(always)]
@@ -332,6 +331,7 @@ mod x86 {
         fn splat(v: f32) -> Self::V {
             unsafe { (_mm256_set1_ps(v), _mm256_set1_ps(v)) }
         }
+        // Into L2, as `Avx512::prefetch` says why.
         #[inline(always)]
         fn prefetch(p: *const u8) {
             unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
