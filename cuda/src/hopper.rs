@@ -15,11 +15,11 @@ use crate::{driver, ptr, Cuda, CudaMat, TcKernel};
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
 /// A block: 128 weight rows (output columns) x 128 tokens (`linear_wg_bf16_128x128_x1`,
-/// `linear_wg_phases_bf16_128x128_x1`) or 64 (`linear_wg_phases_bf16_128x64_x1`,
-/// `linear_wg_phases_parts_bf16_128x64_x1`), a warpgroup loading and two multiplying; in
-/// `Functions::linear_wg`'s order.
+/// `linear_wg_phases_bf16_128x128_x1`), 64 (`linear_wg_phases_bf16_128x64_x1`,
+/// `linear_wg_phases_parts_bf16_128x64_x1`) or 192 (`linear_wg_bf16_128x192_x1`), a
+/// warpgroup loading and two multiplying; in `Functions::linear_wg`'s order.
 const COLS: usize = 128;
-const TOKS: [usize; 4] = [128, 64, 128, 64];
+const TOKS: [usize; 5] = [128, 64, 128, 64, 192];
 const THREADS: u32 = 384;
 /// K per stage (one 128-byte swizzled row of the tokens' tile), stages in flight.
 const STAGE_K: usize = 64;
@@ -29,8 +29,8 @@ const WEIGHT_BOX_K: usize = 32;
 const STAGES: usize = 4;
 /// Each kernel's dynamic shared memory: the stages, 1,024 bytes to align them to the
 /// swizzle's period, and the 2 x STAGES barriers.
-pub(crate) const SMEM_BYTES: [u32; 4] =
-    [smem_bytes(TOKS[0]), smem_bytes(TOKS[1]), smem_bytes(TOKS[2]), smem_bytes(TOKS[3])];
+pub(crate) const SMEM_BYTES: [u32; 5] =
+    [smem_bytes(TOKS[0]), smem_bytes(TOKS[1]), smem_bytes(TOKS[2]), smem_bytes(TOKS[3]), smem_bytes(TOKS[4])];
 
 /// Blocks of a 64-token phase-split launch over `rows` weight rows and `m` tokens: 8 phases
 /// a 128-column, 64-token tile.
@@ -151,9 +151,10 @@ impl Cuda {
             TcKernel::Wgmma128x128 => 0,
             TcKernel::WgmmaPhases128x64 => 1,
             TcKernel::WgmmaPhases128x128 => 2,
+            TcKernel::Wgmma128x192 => 4,
             _ => return Err(Error::Backend(format!("{kernel:?} is not a wgmma kernel"))),
         };
-        let (f, tile_toks, phased) = (&fs[i], TOKS[i], i > 0);
+        let (f, tile_toks, phased) = (&fs[i], TOKS[i], i == 1 || i == 2);
         let s = &self.stream;
         let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
         let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, tile_toks), true, "the activations")?;
@@ -180,7 +181,7 @@ impl Cuda {
             f,
             grid,
             THREADS,
-            SMEM_BYTES[0],
+            SMEM_BYTES[i],
             "linear",
             [wmap, xmap, mi, k, n, bp, op, acc, tokens_first]
         )

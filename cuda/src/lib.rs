@@ -168,6 +168,8 @@ pub enum TcKernel {
     /// wgmma over TMA-fed 128x128 tiles (`hopper.cu`): compute capability 9.0, bf16
     /// activations and K % 128 == 0 only ([`Cuda::runs`]).
     Wgmma128x128,
+    /// The same over 128x192 tiles: a quarter fewer L2 reads per MAC.
+    Wgmma128x192,
     /// wgmma over 128x64 or 128x128 tiles, a block a phase (then the phase merge): a
     /// verify's 33-128 tokens, on the same conditions.
     WgmmaPhases128x64,
@@ -206,7 +208,7 @@ fn activation_terms(a: Activations) -> usize {
 }
 
 impl TcKernel {
-    pub const ALL: [TcKernel; 16] = [
+    pub const ALL: [TcKernel; 17] = [
         TcKernel::Pass8,
         TcKernel::Pass16,
         TcKernel::Pass32,
@@ -221,13 +223,20 @@ impl TcKernel {
         TcKernel::Phases128x64,
         TcKernel::Phases128x48,
         TcKernel::Wgmma128x128,
+        TcKernel::Wgmma128x192,
         TcKernel::WgmmaPhases128x64,
         TcKernel::WgmmaPhases128x128,
     ];
 
     /// The Hopper kernels (`hopper.cu`).
     pub fn is_wgmma(self) -> bool {
-        matches!(self, TcKernel::Wgmma128x128 | TcKernel::WgmmaPhases128x64 | TcKernel::WgmmaPhases128x128)
+        matches!(
+            self,
+            TcKernel::Wgmma128x128
+                | TcKernel::Wgmma128x192
+                | TcKernel::WgmmaPhases128x64
+                | TcKernel::WgmmaPhases128x128
+        )
     }
 
     /// The fastest kernel for M tokens and N output columns, as measured on an H100
@@ -255,6 +264,21 @@ impl TcKernel {
         }
     }
 
+    /// The plain wgmma tile for M tokens and N columns: 128x192 where its grid takes fewer
+    /// waves of one block an SM, each wave costing 1.25 of the 128x128 tiles' (1.5 times
+    /// the MACs at 1.2 times the rate), else 128x128. On an H100 (notes v25) this picks the
+    /// faster at every measured point: 128x192 at 2,048 and 4,096 tokens on the 8B's shapes
+    /// (12288 x 4096 at 4,096: 0.898 ms against 1.030), 128x128 at 512 and 1,024 (4096 x
+    /// 4096 at 1,024: 0.131 against 0.148) and for narrow weights (k and v's 1,024 rows).
+    fn wgmma_tile(m: usize, n: usize) -> TcKernel {
+        let waves = |toks: usize| (n.div_ceil(128) * m.div_ceil(toks)).div_ceil(GRID_SMS);
+        if 5 * waves(192) < 4 * waves(128) {
+            TcKernel::Wgmma128x192
+        } else {
+            TcKernel::Wgmma128x128
+        }
+    }
+
     /// The tile kernel's shape, and its function's index in `Functions::linear_tt`
     /// (unphased) or `linear_tt_phases`; None for the pass kernels and wgmma.
     fn tile(self) -> Option<(usize, Tile)> {
@@ -265,6 +289,7 @@ impl TcKernel {
             | TcKernel::Pass32
             | TcKernel::Pass64
             | TcKernel::Wgmma128x128
+            | TcKernel::Wgmma128x192
             | TcKernel::WgmmaPhases128x64
             | TcKernel::WgmmaPhases128x128 => return None,
             TcKernel::Tile256x16 => (0, t(256, 16, 2, false)),
@@ -371,7 +396,7 @@ struct Functions {
     /// wgmma tiles (`hopper.cu`): on compute capability 9.0 with bf16 activations only;
     /// 128x128, then the phase-split 128x64 and 128x128, then the phase-split 128x64 over
     /// up to 3 weights.
-    linear_wg: Option<[CudaFunction; 4]>,
+    linear_wg: Option<[CudaFunction; 5]>,
     split_activations: CudaFunction,
     /// bf16 activations in MMA-step order, for wgmma.
     split_activations_steps: CudaFunction,
@@ -583,6 +608,7 @@ impl Cuda {
                         f("linear_wg_phases_bf16_128x64_x1")?,
                         f("linear_wg_phases_bf16_128x128_x1")?,
                         f("linear_wg_phases_parts_bf16_128x64_x1")?,
+                        f("linear_wg_bf16_128x192_x1")?,
                     ])
                 }
                 _ => None,
@@ -805,7 +831,9 @@ impl Cuda {
     /// - past 16 tokens, where N's 128-column tiles alone give every SM two blocks (an LM
     ///   head), the 128x128 tiles: 151936 x 4096 at 32 tokens 0.600 ms against Pass32's
     ///   0.858, at 40 0.450 against the 64-token phases' 0.821 (H100, notes v23);
-    /// - past 32 tokens in place of the tiles: the 128x128 tiles past 128 tokens and from 49
+    /// - past 128 tokens, the plain wgmma tiles of [`TcKernel::wgmma_tile`] (128x128 or
+    ///   128x192 by the grid's waves);
+    /// - past 32 tokens in place of the tiles: the 128x128 tiles from 49
     ///   where N has 64 such tiles, else phase-split tiles of 64 tokens up to 64, of 128
     ///   past that (measured on an H200 and an H100 at 33-128 tokens on the 8B's shapes,
     ///   notes v20: 12288 x 4096 at 96 tokens 0.045 ms against the 128x32 tile's 0.147;
@@ -815,7 +843,9 @@ impl Cuda {
         let kernel = TcKernel::for_shape(m, n);
         let tiled = kernel.tile().is_some();
         let wgmma = self.runs(TcKernel::WgmmaPhases128x64, k);
-        if wgmma && m > 16 && n.div_ceil(128) >= 2 * GRID_SMS {
+        if wgmma && m > 128 {
+            TcKernel::wgmma_tile(m, n)
+        } else if wgmma && m > 16 && n.div_ceil(128) >= 2 * GRID_SMS {
             TcKernel::Wgmma128x128
         } else if m <= 32 || !tiled || !wgmma {
             kernel
@@ -1891,7 +1921,27 @@ fn check_heads(h: Heads) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::repack_codes;
+    use super::{repack_codes, TcKernel};
+
+    /// The wave rule picks the tile that was faster at each point measured on an H100
+    /// (notes v25): 128x192 at 2,048 and 4,096 tokens on the 8B's wide shapes, 128x128 at
+    /// 512 and 1,024 tokens and for k and v's 1,024 rows.
+    #[test]
+    fn the_wgmma_tile_is_the_one_measured_faster() {
+        for (m, n, want) in [
+            (2048, 4096, TcKernel::Wgmma128x192),
+            (4096, 4096, TcKernel::Wgmma128x192),
+            (2048, 12288, TcKernel::Wgmma128x192),
+            (4096, 12288, TcKernel::Wgmma128x192),
+            (512, 4096, TcKernel::Wgmma128x128),
+            (1024, 4096, TcKernel::Wgmma128x128),
+            (512, 12288, TcKernel::Wgmma128x128),
+            (1024, 12288, TcKernel::Wgmma128x128),
+            (2048, 1024, TcKernel::Wgmma128x128),
+        ] {
+            assert_eq!(TcKernel::wgmma_tile(m, n), want, "M = {m}, N = {n}");
+        }
+    }
 
     /// Every MLX word lands once, and where `linear_tcq`'s lane t reads block u of a chunk
     /// (its words together: whole chunks, and the partial last chunk of K = 96 and 160).
