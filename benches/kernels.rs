@@ -180,7 +180,8 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     };
     let decode = time(&mut || {
         let mut c = base.try_clone().unwrap();
-        let mut rows = [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last, full_logits: true }];
+        let mut rows =
+            [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last, full_logits: true, hidden: true }];
         model.forward(&mut rows).unwrap();
     });
     println!("| decode (1 token) | {:.1} | 1.00 |", decode * 1e3);
@@ -222,8 +223,13 @@ fn decode(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
         let mut t = mtp::base::logits::argmax(&l);
         let start = Instant::now();
         for _ in 0..steps {
-            let mut rows =
-                [RowInput { tokens: &[t], cache: &mut cache, logits: Logits::Last, full_logits: true }];
+            let mut rows = [RowInput {
+                tokens: &[t],
+                cache: &mut cache,
+                logits: Logits::Last,
+                full_logits: true,
+                hidden: true,
+            }];
             let out = model.forward(&mut rows).unwrap();
             cache.commit_window(1);
             t = mtp::base::logits::argmax(&out[0].logits[0]);

@@ -288,10 +288,12 @@ fn alone_batched_decoded(model: &Model, prompts: &[Vec<u32>]) -> (bool, bool) {
 fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let (head, last) = prompt.split_at(prompt.len() - 1);
     let mut cache = model.new_cache();
-    let mut rows = [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    let mut rows =
+        [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true }];
     model.forward(&mut rows).unwrap();
     cache.commit_window(head.len());
-    let mut rows = [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    let mut rows =
+        [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true }];
     model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
 }
 
@@ -343,6 +345,7 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
                     cache: &mut cache,
                     logits: Logits::Last,
                     full_logits: true,
+                    hidden: true,
                 }];
                 let err = model.forward(&mut rows).err().map(|e| e.to_string()).unwrap_or_default();
                 assert!(
@@ -549,8 +552,13 @@ fn device_out_of_memory_is_a_clear_error() {
     let mut cache = model.new_cache();
     let err = cache.try_reserve_window(0, 1 << 40).unwrap_err();
     assert!(err.to_string().contains("out of GPU memory"), "{err}");
-    let mut rows =
-        [RowInput { tokens: &[5, 6, 7], cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    let mut rows = [RowInput {
+        tokens: &[5, 6, 7],
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true,
+    }];
     assert_eq!(model.forward(&mut rows).unwrap()[0].logits.len(), 1);
 }
 
@@ -650,7 +658,8 @@ fn decode_and_verify_bits(
     let mut next = Vec::new();
     for (cache, n) in caches.iter_mut().zip([20, 40, 530]) {
         let prompt: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
-        let mut rows = [RowInput { tokens: &prompt, cache, logits: Logits::Last, full_logits: true }];
+        let mut rows =
+            [RowInput { tokens: &prompt, cache, logits: Logits::Last, full_logits: true, hidden: true }];
         next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
         cache.commit_window(n);
     }
@@ -661,7 +670,13 @@ fn decode_and_verify_bits(
         let mut rows: Vec<RowInput> = caches[..rows_now]
             .iter_mut()
             .zip(&tokens)
-            .map(|(cache, t)| RowInput { tokens: t, cache, logits: Logits::Last, full_logits: true })
+            .map(|(cache, t)| RowInput {
+                tokens: t,
+                cache,
+                logits: Logits::Last,
+                full_logits: true,
+                hidden: true,
+            })
             .collect();
         for (r, out) in model.forward(&mut rows).unwrap().into_iter().enumerate() {
             next[r] = argmax(&out.logits[0]);
@@ -681,7 +696,13 @@ fn decode_and_verify_bits(
         let mut rows: Vec<RowInput> = caches
             .iter_mut()
             .zip(&blocks)
-            .map(|(cache, b)| RowInput { tokens: b, cache, logits: Logits::All, full_logits: true })
+            .map(|(cache, b)| RowInput {
+                tokens: b,
+                cache,
+                logits: Logits::All,
+                full_logits: true,
+                hidden: true,
+            })
             .collect();
         for out in model.forward(&mut rows).unwrap() {
             seen.extend(out.logits.iter().map(|l| common::bits(l)));

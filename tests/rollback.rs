@@ -152,6 +152,7 @@ fn rows_as_if_alone(model: &Model, name: &str) {
                 cache: &mut c,
                 logits: Logits::None,
                 full_logits: true,
+                hidden: true,
             }];
             model.forward(&mut rows).unwrap();
             c.commit_window(1);
@@ -183,7 +184,8 @@ fn skipped_compaction_is_caught(model: &Model) {
 /// Target hidden states for `seq`, computed in one prefill forward.
 fn hidden_of(model: &Model, seq: &[u32]) -> Vec<f32> {
     let mut c = model.new_cache();
-    let mut rows = [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true }];
+    let mut rows =
+        [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true, hidden: true }];
     model.forward(&mut rows).unwrap().remove(0).hidden
 }
 

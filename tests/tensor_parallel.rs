@@ -305,15 +305,27 @@ fn splits_the_model_cannot_take_are_refused_by_name() {
     let model = load(&fixture("qwen3-target"), 2);
     let mut cache = model.new_cache();
     let bad = [model.config.vocab_size as u32];
-    let mut rows = [RowInput { tokens: &bad, cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    let mut rows =
+        [RowInput { tokens: &bad, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true }];
     let e = model.forward(&mut rows).expect_err("refused").to_string();
     assert!(e.contains("row 0") && e.contains("outside the vocabulary"), "{e}");
-    let mut rows =
-        [RowInput { tokens: &[1, 2, 3], cache: &mut cache, logits: Logits::Last, full_logits: true }];
+    let mut rows = [RowInput {
+        tokens: &[1, 2, 3],
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true,
+    }];
     assert_eq!(model.forward(&mut rows).unwrap()[0].logits[0].len(), model.config.vocab_size);
     // A cache another model made is refused by name.
     let mut foreign = Model::load_on(&fixture("qwen3-target"), common::backend()).unwrap().new_cache();
-    let mut rows = [RowInput { tokens: &[1], cache: &mut foreign, logits: Logits::Last, full_logits: true }];
+    let mut rows = [RowInput {
+        tokens: &[1],
+        cache: &mut foreign,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true,
+    }];
     let e = model.forward(&mut rows).expect_err("refused").to_string();
     assert!(e.contains("not made by this 2-rank model"), "{e}");
 }

@@ -156,6 +156,7 @@ impl Drafter for DraftModelDrafter {
                     cache: &mut r.cache,
                     logits: Logits::Last,
                     full_logits,
+                    hidden: false,
                 });
             }
             let outs = self.model.forward(&mut inputs)?;

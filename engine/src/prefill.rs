@@ -44,7 +44,8 @@ fn run_piece(
     hidden: Option<&mut Vec<f32>>,
     full_logits: bool,
 ) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
-    let out = forward_alone(model, piece_input(cache, piece, last, full_logits));
+    let want_hidden = hidden.is_some();
+    let out = forward_alone(model, piece_input(cache, piece, last, full_logits, want_hidden));
     absorb(cache, piece.len(), out, hidden)
 }
 
@@ -54,10 +55,16 @@ fn forward_alone(model: &Model, row: RowInput) -> Result<RowOutput, Error> {
 }
 
 /// A prompt's piece as a forward's row: logits after its last token only if it ends the
-/// prompt.
-fn piece_input<'a>(cache: &'a mut RowCache, piece: &'a [u32], last: bool, full_logits: bool) -> RowInput<'a> {
+/// prompt; its hidden states only for a drafter that reads them.
+fn piece_input<'a>(
+    cache: &'a mut RowCache,
+    piece: &'a [u32],
+    last: bool,
+    full_logits: bool,
+    hidden: bool,
+) -> RowInput<'a> {
     let logits = if last { Logits::Last } else { Logits::None };
-    RowInput { tokens: piece, cache, logits, full_logits }
+    RowInput { tokens: piece, cache, logits, full_logits, hidden }
 }
 
 /// Commits a piece's forward (nothing of a failed one) and returns its LM-head reading, if
@@ -158,7 +165,8 @@ impl Prompt {
     /// `piece` as a row of a forward (its own, or a verify's: `verify_beside`).
     pub fn input(&mut self, piece: Piece) -> RowInput<'_> {
         let last = self.is_last(piece);
-        piece_input(&mut self.cache, &self.request.prompt[piece.start..piece.end], last, self.full_logits)
+        let piece = &self.request.prompt[piece.start..piece.end];
+        piece_input(&mut self.cache, piece, last, self.full_logits, self.want_hidden)
     }
 
     /// Commits `piece`'s forward; after the last piece, the LM head's reading.

@@ -171,6 +171,10 @@ pub struct RowInput<'a> {
     /// Whether it wants those logits whole, or their [`LogitSummary`] is enough (greedy
     /// rows: the logits then stay where they were computed).
     pub full_logits: bool,
+    /// Whether it wants its tokens' final hidden states ([`RowOutput::hidden`]): a drafter
+    /// reads them. A prompt's forward without them leaves its 2,048 x 4,096 floats (an 8B
+    /// model's) on the device.
+    pub hidden: bool,
 }
 
 #[derive(Debug, Default)]
@@ -181,7 +185,8 @@ pub struct RowOutput {
     /// One summary per wanted token, always.
     pub summaries: Vec<LogitSummary>,
     /// The last layer's output after the final norm, one `hidden_size` row per input
-    /// token: the hidden state MTP heads read.
+    /// token: the hidden state MTP heads read. Empty unless the row asked for it
+    /// ([`RowInput::hidden`]).
     pub hidden: Vec<f32>,
 }
 
@@ -205,7 +210,7 @@ pub(crate) fn wanted_tokens(rows: &[RowInput]) -> Vec<usize> {
 }
 
 /// Each row's outputs from the wanted tokens' `head` results and every token's
-/// final-normed `hidden` state (`h` wide).
+/// final-normed `hidden` state (`h` wide; may be empty where no row wants it).
 pub(crate) fn row_outputs(
     rows: &[RowInput],
     head: &Head,
@@ -228,7 +233,10 @@ pub(crate) fn row_outputs(
         outs.push(RowOutput {
             logits,
             summaries: head.summaries[wanted..wanted + n].to_vec(),
-            hidden: hidden[off * h..(off + t) * h].to_vec(),
+            hidden: match hidden.get(off * h..(off + t) * h) {
+                Some(states) if row.hidden => states.to_vec(),
+                _ => Vec::new(),
+            },
         });
         off += t;
         wanted += n;
@@ -272,7 +280,7 @@ pub(crate) fn head_outputs<B: Kernels>(
             }
         }
     }
-    let hidden = be.download(normed)?;
+    let hidden = if rows.iter().any(|r| r.hidden) { be.download(normed)? } else { Vec::new() };
     Ok(row_outputs(rows, &head, &hidden, vocab, h))
 }
 

@@ -271,18 +271,19 @@ impl Net for TensorParallel {
         let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
         slots_for(&sizes, self.max_positions())?;
         check_tokens(rows.iter().map(|r| r.tokens), self.vocab, "row")?;
-        let meta: Vec<(&[u32], Logits, bool)> =
-            rows.iter().map(|r| (r.tokens, r.logits, r.full_logits)).collect();
+        let meta: Vec<(&[u32], Logits, bool, bool)> =
+            rows.iter().map(|r| (r.tokens, r.logits, r.full_logits, r.hidden)).collect();
         let caches = rows.iter_mut().map(|r| &mut *r.cache).collect();
         on_ranks(&self.ranks, &*self.sync, caches, |net, views| {
             let mut inputs: Vec<RowInput> = meta
                 .iter()
                 .zip(views.iter_mut())
-                .map(|(&(tokens, logits, full_logits), cache)| RowInput {
+                .map(|(&(tokens, logits, full_logits, hidden), cache)| RowInput {
                     tokens,
                     cache,
                     logits,
                     full_logits,
+                    hidden,
                 })
                 .collect();
             net.forward(&mut inputs)

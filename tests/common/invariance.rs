@@ -86,8 +86,13 @@ pub fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32
             break;
         }
         let piece = &seq[at..(at + c).min(seq.len())];
-        let mut rows =
-            [RowInput { tokens: piece, cache: &mut cache, logits: Logits::All, full_logits: true }];
+        let mut rows = [RowInput {
+            tokens: piece,
+            cache: &mut cache,
+            logits: Logits::All,
+            full_logits: true,
+            hidden: true,
+        }];
         let out = model.forward(&mut rows).unwrap();
         cache.commit_window(piece.len());
         logits.extend(out[0].logits.iter().map(|l| bits(l)));
@@ -115,6 +120,7 @@ pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<V
                 cache: c,
                 logits: Logits::Last,
                 full_logits: true,
+                hidden: true,
             })
             .collect();
         model.forward(&mut rows).unwrap().into_iter().map(|o| bits(&o.logits[0])).collect::<Vec<_>>()

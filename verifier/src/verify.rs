@@ -146,7 +146,15 @@ pub fn verify_beside(
             // A greedy row reads its logits' summaries alone, unless it reports alternatives
             // or masks them.
             let full_logits = !row.sampling.is_greedy() || row.top_logprobs > 0 || row.masks.is_some();
-            inputs.push(RowInput { tokens, cache: &mut *row.cache, logits: Logits::All, full_logits });
+            // The hidden states too: a drafter's next proposal may read them (a decode's few are
+            // fetched with a recorded forward's outputs anyway).
+            inputs.push(RowInput {
+                tokens,
+                cache: &mut *row.cache,
+                logits: Logits::All,
+                full_logits,
+                hidden: true,
+            });
         }
     }
     let h = model.config.hidden_size;
