@@ -139,41 +139,46 @@ fn negative_control_stock_matmul_breaks_batch_invariance() {
 
 /// A row gets its hidden states back exactly when it asks (`RowInput::hidden`), whether
 /// the batch beside it asks or not, with the bits of a forward where every row asks; the
-/// logits do not depend on it. Control: the row that asks gets them (not empty).
+/// logits do not depend on it. Both forwards: a prompt's (logits of the last token; the
+/// hidden states downloaded or not) and a verify's (every token's logits: the outputs a
+/// backend may record and replay, fetched or not). Control: the row that asks gets them
+/// (not empty).
 #[test]
 fn hidden_states_come_back_only_to_rows_that_ask() {
     let mut rng = Lcg(23);
     let model = common::load(&fixture("qwen3-target"));
     let (vocab, h) = (model.config.vocab_size, model.config.hidden_size);
     let seqs: Vec<Vec<u32>> = [7, 12].iter().map(|&n| random_seq(&mut rng, n, vocab)).collect();
-    // Each row's (logits bits, hidden bits) with the rows asking as `asks` says.
-    let run = |asks: [bool; 2]| {
-        let mut caches: Vec<_> = (0..2).map(|_| model.new_cache()).collect();
-        let mut rows: Vec<RowInput> = caches
-            .iter_mut()
-            .zip(&seqs)
-            .zip(asks)
-            .map(|((c, s), hidden)| RowInput {
-                tokens: s,
-                cache: c,
-                logits: Logits::Last,
-                full_logits: true,
-                hidden,
-            })
-            .collect();
-        let out = model.forward(&mut rows).unwrap();
-        out.iter().map(|o| (bits(&o.logits[0]), bits(&o.hidden))).collect::<Vec<_>>()
-    };
-    let both = run([true, true]);
-    for (i, s) in seqs.iter().enumerate() {
-        assert_eq!(both[i].1.len(), s.len() * h, "row {i} asked for its hidden states and got none");
-    }
-    for asks in [[true, false], [false, true], [false, false]] {
-        let got = run(asks);
-        for i in 0..2 {
-            assert_eq!(got[i].0, both[i].0, "row {i}'s logits moved with {asks:?}");
-            let want = if asks[i] { both[i].1.clone() } else { Vec::new() };
-            assert_eq!(got[i].1, want, "row {i}'s hidden states with {asks:?}");
+    for logits in [Logits::Last, Logits::All] {
+        // Each row's (logits bits, hidden bits) with the rows asking as `asks` says.
+        let run = |asks: [bool; 2]| {
+            let mut caches: Vec<_> = (0..2).map(|_| model.new_cache()).collect();
+            let mut rows: Vec<RowInput> = caches
+                .iter_mut()
+                .zip(&seqs)
+                .zip(asks)
+                .map(|((c, s), hidden)| RowInput { tokens: s, cache: c, logits, full_logits: true, hidden })
+                .collect();
+            let out = model.forward(&mut rows).unwrap();
+            out.iter()
+                .map(|o| (o.logits.iter().map(|l| bits(l)).collect::<Vec<_>>(), bits(&o.hidden)))
+                .collect::<Vec<_>>()
+        };
+        let both = run([true, true]);
+        for (i, s) in seqs.iter().enumerate() {
+            assert_eq!(
+                both[i].1.len(),
+                s.len() * h,
+                "{logits:?}: row {i} asked for its hidden states and got none"
+            );
+        }
+        for asks in [[true, false], [false, true], [false, false]] {
+            let got = run(asks);
+            for i in 0..2 {
+                assert_eq!(got[i].0, both[i].0, "{logits:?}: row {i}'s logits moved with {asks:?}");
+                let want = if asks[i] { both[i].1.clone() } else { Vec::new() };
+                assert_eq!(got[i].1, want, "{logits:?}: row {i}'s hidden states with {asks:?}");
+            }
         }
     }
 }

@@ -94,7 +94,7 @@ impl CudaGraphs {
         cuda: &Cuda,
         batch: CudaBatch,
         out_lens: &[usize],
-        fetch: usize,
+        fetch: &[bool],
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
         // The stock-matmul control uploads inside the forward; the split control sizes its
@@ -126,7 +126,7 @@ impl CudaGraphs {
                 cuda.refresh_tables(&mut r.batch, &batch)?;
             }
             r.graph.launch().map_err(driver("graph replay"))?;
-            return cuda.outputs_to_host(&r.outs[..fetch.min(r.outs.len())]);
+            return cuda.outputs_to_host(&r.outs, fetch);
         }
         if rec.refused.contains(&shape) {
             drop(guard);
@@ -163,7 +163,7 @@ impl CudaGraphs {
             started.elapsed().as_micros(),
             rec.replayed
         );
-        let host = cuda.outputs_to_host(&outs[..fetch.min(outs.len())]);
+        let host = cuda.outputs_to_host(&outs, fetch);
         if rec.graphs.len() >= MOST_RECORDINGS {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
             if let Some(s) = oldest {
@@ -212,9 +212,12 @@ impl Cuda {
         Ok((graph, outs))
     }
 
-    /// A recording's outputs, in host memory.
-    fn outputs_to_host(&self, outs: &[CudaSlice<f32>]) -> Result<Vec<Vec<f32>>> {
-        outs.iter().map(|o| self.to_host(o)).collect()
+    /// A recording's outputs in host memory where `fetch` says so (empty elsewhere).
+    fn outputs_to_host(&self, outs: &[CudaSlice<f32>], fetch: &[bool]) -> Result<Vec<Vec<f32>>> {
+        outs.iter()
+            .zip(fetch.iter().chain(std::iter::repeat(&false)))
+            .map(|(o, &wanted)| if wanted { self.to_host(o) } else { Ok(Vec::new()) })
+            .collect()
     }
 
     /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape),

@@ -1368,7 +1368,7 @@ impl Kernels for Cuda {
         recordings: &CudaGraphs,
         batch: CudaBatch,
         out_lens: &[usize],
-        fetch: usize,
+        fetch: &[bool],
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
         recordings.run(self, batch, out_lens, fetch, body)

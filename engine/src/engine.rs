@@ -567,6 +567,7 @@ impl<'a> Engine<'a> {
         let verify_tokens = batch + verified.iter().sum::<usize>();
         let piece = self.next_piece(verify_tokens, events);
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
+        let hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
         let mut rows: Vec<VerifyRow> = self
             .active
             .iter_mut()
@@ -580,6 +581,7 @@ impl<'a> Engine<'a> {
                 sampling: r.sampling,
                 top_logprobs: r.top_logprobs,
                 masks: m.as_deref(),
+                hidden,
             })
             .collect();
         let beside = piece.map(|piece| self.prompts[0].input(piece)).into_iter().collect();
@@ -771,8 +773,8 @@ impl<'a> Engine<'a> {
             }
             let kept: Vec<u32> =
                 std::iter::once(pending[i]).chain(drafts[i].tokens[..v.accepted].iter().copied()).collect();
-            let hidden: &[f32] =
-                if self.drafter.as_ref().is_some_and(|d| d.needs_hidden()) { &v.hidden } else { &[] };
+            // Empty unless the drafter reads hidden states (the verify asked for them then).
+            let hidden: &[f32] = &v.hidden;
             self.drafter_commit(&mut row, Commit { start: starts[i], tokens: &kept, hidden, next: bonus });
             keep.push(row);
         }

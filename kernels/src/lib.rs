@@ -323,8 +323,8 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn embed_batch(&self, table: &Self::Mat, batch: &Self::Batch, out: &mut Self::Act) -> Result<()>;
 
     /// Runs `body`, a forward's device work over `batch` writing one activation of each
-    /// length in `out_lens`, and returns the first `fetch` of those outputs in host memory
-    /// (the others are never read). The caller promises
+    /// length in `out_lens`, and returns each output in host memory where `fetch` (one flag
+    /// an output) says so, an empty vector elsewhere (never read, never copied). The caller promises
     /// that `body`'s launches and their arguments depend only on the batch's shape (its
     /// token and row counts and the most keys a token reads) and that everything else it
     /// reads comes from the batch's device tables; a backend may then record `body` once
@@ -335,7 +335,7 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         _recordings: &Self::Recordings,
         batch: Self::Batch,
         out_lens: &[usize],
-        fetch: usize,
+        fetch: &[bool],
         body: &mut ForwardBody<'_, Self>,
     ) -> Result<Vec<Vec<f32>>> {
         run_body(self, batch, out_lens, fetch, body)
@@ -476,12 +476,15 @@ pub fn run_body<B: Kernels>(
     be: &B,
     batch: B::Batch,
     out_lens: &[usize],
-    fetch: usize,
+    fetch: &[bool],
     body: &mut ForwardBody<'_, B>,
 ) -> Result<Vec<Vec<f32>>> {
     let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
     body(&batch, &mut outs)?;
-    outs.into_iter().take(fetch).map(|o| be.download(o)).collect()
+    outs.into_iter()
+        .zip(fetch.iter().chain(std::iter::repeat(&false)))
+        .map(|(o, &wanted)| if wanted { be.download(o) } else { Ok(Vec::new()) })
+        .collect()
 }
 
 /// Values a [`LogitSummary`] takes in a backend's buffer: argmax (as f32), max, lse.

@@ -45,6 +45,9 @@ pub struct VerifyRow<'a> {
     /// A constrained row's grammar mask at each window position (`draft.len() + 1` of
     /// them): every decision picks among the allowed tokens only.
     pub masks: Option<&'a [TokenMask]>,
+    /// Whether [`Verified::hidden`] is wanted (a drafter that reads the target's hidden
+    /// states); without it the forward leaves them on the device.
+    pub hidden: bool,
 }
 
 impl<'a> VerifyRow<'a> {
@@ -58,6 +61,7 @@ impl<'a> VerifyRow<'a> {
             sampling: SamplingParams::default(),
             top_logprobs: 0,
             masks: None,
+            hidden: true,
         }
     }
 }
@@ -76,7 +80,8 @@ pub struct Verified {
     /// lists when it asked for none).
     pub top: Vec<Vec<(u32, f32)>>,
     /// The target's final-normed hidden state at each kept position (`pending` and the
-    /// accepted drafts), `(accepted + 1) * hidden_size` floats: what MTP heads read.
+    /// accepted drafts), `(accepted + 1) * hidden_size` floats: what MTP heads read. Empty
+    /// unless the row asked for it ([`VerifyRow::hidden`]).
     pub hidden: Vec<f32>,
 }
 
@@ -146,14 +151,12 @@ pub fn verify_beside(
             // A greedy row reads its logits' summaries alone, unless it reports alternatives
             // or masks them.
             let full_logits = !row.sampling.is_greedy() || row.top_logprobs > 0 || row.masks.is_some();
-            // The hidden states too: a drafter's next proposal may read them (a decode's few are
-            // fetched with a recorded forward's outputs anyway).
             inputs.push(RowInput {
                 tokens,
                 cache: &mut *row.cache,
                 logits: Logits::All,
                 full_logits,
-                hidden: true,
+                hidden: row.hidden,
             });
         }
     }
@@ -231,7 +234,7 @@ pub fn verify_beside(
             for ((&i, out), (a, tokens, logprobs, top)) in live.iter().zip(outs).zip(decided) {
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
-                let hidden = out.hidden[..(a + 1) * h].to_vec();
+                let hidden = out.hidden.get(..(a + 1) * h).map_or_else(Vec::new, <[f32]>::to_vec);
                 results[i] = Some(Ok(Verified { accepted: a, tokens, logprobs, top, hidden }));
             }
             Ok(beside_out)

@@ -299,7 +299,8 @@ impl<B: Kernels> Decoder<B> {
             tokens = s.local_tokens(&tokens, vocab);
         }
         let every_logit = wanted_tokens(rows).len() == m;
-        let fetch = if rows.iter().any(|r| r.full_logits) { 3 } else { 2 };
+        // The hidden states, the summaries and the logits: which come back to the host.
+        let fetch = [rows.iter().any(|r| r.hidden), true, rows.iter().any(|r| r.full_logits)];
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
         let batch = be.batch(&slots, &tokens, &mut caches)?;
         let lm_head = LmHead { w: &*self.lm_head, shard: self.shard.as_deref() };
@@ -322,9 +323,10 @@ impl<B: Kernels> Decoder<B> {
         if m > 0 && every_logit {
             // Decode and verify: with the LM head over every token, the whole forward's
             // launches follow the batch's shape, so the backend may record and replay it.
-            // The logits come back only when some row wants them whole.
+            // The logits come back only when some row wants them whole, the hidden states
+            // when some row wants them.
             let lens = [m * h, SUMMARY_VALUES * m, m * vocab];
-            let mut outs = be.run_recorded(&self.recordings, batch, &lens, fetch, &mut |batch, outs| {
+            let outs = be.run_recorded(&self.recordings, batch, &lens, &fetch, &mut |batch, outs| {
                 let [normed, summaries, logits] = outs else {
                     return Err(Error::Backend("a recorded forward got the wrong outputs".into()));
                 };
@@ -333,10 +335,9 @@ impl<B: Kernels> Decoder<B> {
                 be.logit_summaries(logits, m, vocab, summaries)
             })?;
             drop(caches);
-            let logits = if fetch == 3 { outs.pop() } else { None };
-            let [hidden, summaries]: [Vec<f32>; 2] =
+            let [hidden, summaries, logits]: [Vec<f32>; 3] =
                 outs.try_into().map_err(|_| Error::Backend("a recorded forward lost its outputs".into()))?;
-            let head = Head { summaries: summaries_from(&summaries), logits: logits.unwrap_or_default() };
+            let head = Head { summaries: summaries_from(&summaries), logits };
             return Ok(row_outputs(rows, &head, &hidden, vocab, h));
         }
         let mut normed = be.alloc(m * h)?;
