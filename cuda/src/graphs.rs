@@ -215,7 +215,7 @@ impl Cuda {
     /// A recording's outputs in host memory where `fetch` says so (empty elsewhere).
     fn outputs_to_host(&self, outs: &[CudaSlice<f32>], fetch: &[bool]) -> Result<Vec<Vec<f32>>> {
         outs.iter()
-            .zip(fetch.iter().chain(std::iter::repeat(&false)))
+            .zip(fetch)
             .map(|(o, &wanted)| if wanted { self.to_host(o) } else { Ok(Vec::new()) })
             .collect()
     }

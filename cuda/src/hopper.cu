@@ -265,24 +265,20 @@ __device__ __forceinline__ void linear_wg_impl(const TensorMap& wmap, const Tens
 // tokens' when the weight has more rows than there are tokens), so the blocks running at
 // once share a few tiles of the larger, each read from DRAM once, while the smaller stays in
 // L2.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    linear_wg_bf16_128x128_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
-                              int m, int k, int n, const float* __restrict__ bias, float* __restrict__ out,
-                              int accumulate, int tokens_first) {
-    const int tile_c = tokens_first ? blockIdx.y : blockIdx.x, tile_t = tokens_first ? blockIdx.x : blockIdx.y;
-    linear_wg_impl<128, false>(wmap, xmap, m, k, n, bias, out, accumulate, tile_c, tile_t, -1);
-}
-
+//
 // 128 x 192 tiles, the same grid in 192-token tiles: 24 KB read from L2 per 1 M MACs
 // against the 128 x 128 tiles' 32, and 1.5 times the MMA work per fragment load and wait
 // (H100: 10-15% faster at 2,048 and 4,096 tokens; fewer blocks to fill the GPU below).
-extern "C" __global__ void __launch_bounds__(384, 1)
-    linear_wg_bf16_128x192_x1(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap,
-                              int m, int k, int n, const float* __restrict__ bias, float* __restrict__ out,
-                              int accumulate, int tokens_first) {
-    const int tile_c = tokens_first ? blockIdx.y : blockIdx.x, tile_t = tokens_first ? blockIdx.x : blockIdx.y;
-    linear_wg_impl<192, false>(wmap, xmap, m, k, n, bias, out, accumulate, tile_c, tile_t, -1);
-}
+#define WG_PLAIN_KERNEL(name, TOKS)                                                                           \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                      \
+        name(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, int m, int k,    \
+             int n, const float* __restrict__ bias, float* __restrict__ out, int accumulate, int tokens_first) { \
+        const int tile_c = tokens_first ? blockIdx.y : blockIdx.x;                                            \
+        const int tile_t = tokens_first ? blockIdx.x : blockIdx.y;                                            \
+        linear_wg_impl<TOKS, false>(wmap, xmap, m, k, n, bias, out, accumulate, tile_c, tile_t, -1);          \
+    }
+WG_PLAIN_KERNEL(linear_wg_bf16_128x128_x1, 128)
+WG_PLAIN_KERNEL(linear_wg_bf16_128x192_x1, 192)
 
 // 128 weight rows x 64 (128) tokens, a block a phase: grid (ceil(n / 128), 8 ceil(m / 64
 // (128))), y = 8 token tile + phase; `part` takes the 8 phases' partials (8 m n). For

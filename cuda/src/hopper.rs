@@ -147,14 +147,15 @@ impl Cuda {
                 "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
             )
         })?;
-        let i = match kernel {
-            TcKernel::Wgmma128x128 => 0,
-            TcKernel::WgmmaPhases128x64 => 1,
-            TcKernel::WgmmaPhases128x128 => 2,
-            TcKernel::Wgmma128x192 => 4,
+        // The kernel's index in `Functions::linear_wg`, and whether it writes phase partials.
+        let (i, phased) = match kernel {
+            TcKernel::Wgmma128x128 => (0, false),
+            TcKernel::WgmmaPhases128x64 => (1, true),
+            TcKernel::WgmmaPhases128x128 => (2, true),
+            TcKernel::Wgmma128x192 => (4, false),
             _ => return Err(Error::Backend(format!("{kernel:?} is not a wgmma kernel"))),
         };
-        let (f, tile_toks, phased) = (&fs[i], TOKS[i], i == 1 || i == 2);
+        let (f, tile_toks) = (&fs[i], TOKS[i]);
         let s = &self.stream;
         let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
         let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, tile_toks), true, "the activations")?;

@@ -324,7 +324,8 @@ pub trait Kernels: Send + Sync + Sized + 'static {
 
     /// Runs `body`, a forward's device work over `batch` writing one activation of each
     /// length in `out_lens`, and returns each output in host memory where `fetch` (one flag
-    /// an output) says so, an empty vector elsewhere (never read, never copied). The caller promises
+    /// an output, as many as `out_lens`) says so, an empty vector elsewhere (never read,
+    /// never copied). The caller promises
     /// that `body`'s launches and their arguments depend only on the batch's shape (its
     /// token and row counts and the most keys a token reads) and that everything else it
     /// reads comes from the batch's device tables; a backend may then record `body` once
@@ -482,7 +483,7 @@ pub fn run_body<B: Kernels>(
     let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
     body(&batch, &mut outs)?;
     outs.into_iter()
-        .zip(fetch.iter().chain(std::iter::repeat(&false)))
+        .zip(fetch)
         .map(|(o, &wanted)| if wanted { be.download(o) } else { Ok(Vec::new()) })
         .collect()
 }
