@@ -18,6 +18,7 @@ fn cuda() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=src/walk.cuh");
     println!("cargo:rerun-if-changed=src/flash.cuh");
+    println!("cargo:rerun-if-changed=src/forward.cuh");
     let nvcc = std::env::var_os("NVCC")
         .map(PathBuf::from)
         .or_else(|| {

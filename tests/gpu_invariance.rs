@@ -284,6 +284,30 @@ fn alone_batched_decoded(model: &Model, prompts: &[Vec<u32>]) -> (bool, bool) {
     (last_logits(model, prompts, false) == batched, decoded)
 }
 
+/// The logits of `prompt`'s last token, its last `tail` tokens one forward after a prefill of
+/// the rest (a prompt continued past a cached prefix).
+fn prefill_in_two(model: &Model, prompt: &[u32], tail: usize) -> Vec<f32> {
+    let (head, rest) = prompt.split_at(prompt.len() - tail);
+    let mut cache = model.new_cache();
+    let mut rows = [RowInput {
+        tokens: head,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: false,
+    }];
+    model.forward(&mut rows).unwrap();
+    cache.commit_window(head.len());
+    let mut rows = [RowInput {
+        tokens: rest,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: false,
+    }];
+    model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
+}
+
 /// The logits of `prompt`'s last token, decoded alone after a prefill of the rest.
 fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let (head, last) = prompt.split_at(prompt.len() - 1);
@@ -423,20 +447,26 @@ fn attention_checkpoint(
 /// and the probabilities in bf16): decoded logits within 2e-2 of the CPU's f32 scale (a
 /// wrong head, dim or key would be off by the scale). At 37 to 600 keys a query's bits are
 /// the same alone, batched, and decoded after a prefill (the decode past 256 keys takes
-/// the split launch and the merge, the prefill the walking one). Control: a chunk anchor
-/// that follows the batch must break both.
+/// the split launch and the merge, the prefill the walking one), and as the last of 40
+/// tokens continuing a prompt (the split launch of a prompt's tiles). At head size 128 with
+/// 4 or more query heads per KV head a prompt's tiles take the wgmma kernel on Hopper, and
+/// decode the mma.sync one. Control: a chunk anchor that follows the batch must break the
+/// first two.
 #[test]
 fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
     let base = common::load(&fixture("qwen3-target")).config;
     // (query heads, KV heads, head size): tier, warps a 16-token tile.
     let shapes = [
-        (8, 2, 32),  // 32, 4 warps
-        (6, 2, 24),  // 32, 3 warps, padded dims
-        (4, 4, 16),  // 32, 1 warp
-        (16, 2, 64), // 64, 8 warps
-        (4, 2, 128), // 128, 2 warps
-        (4, 1, 120), // 128, 4 warps, padded dims
-        (8, 2, 80),  // 128, 4 warps: a thread's K/V pieces change dims from key to key
+        (8, 2, 32),   // 32, 4 warps
+        (6, 2, 24),   // 32, 3 warps, padded dims
+        (4, 4, 16),   // 32, 1 warp
+        (16, 2, 64),  // 64, 8 warps
+        (4, 2, 128),  // 128, 2 warps
+        (8, 2, 128),  // 128, 4 warps: a warpgroup (wgmma on Hopper)
+        (16, 2, 128), // 128, 8 warps: two warpgroups
+        (6, 1, 128),  // 128, 6 warps: two warpgroups, the second half padding
+        (4, 1, 120),  // 128, 4 warps, padded dims
+        (8, 2, 80),   // 128, 4 warps: a thread's K/V pieces change dims from key to key
     ];
     let mut rng = Lcg(43);
     for (heads, kv_heads, head_dim) in shapes {
@@ -461,6 +491,8 @@ fn tensor_core_attention_agrees_with_the_cpu_and_with_itself() {
             println!("{shape}, tensor cores, {} keys: within {worst:e} of the CPU (scale {scale})", p.len());
             assert!(worst <= 2e-2 * scale, "{shape}, tensor cores, {} keys: off the CPU by {worst}", p.len());
         }
+        let continued = bits(&prefill_in_two(&model, &prompts[0], 40));
+        assert!(continued == bits(&prefill_then_decode(&model, &prompts[0])), "{shape}: a continued prompt");
         let (ours, control) = with_split_attention_control(|| alone_batched_decoded(&model, &prompts));
         assert_eq!(ours, (true, true), "{shape}, tensor cores: (alone == batched, decode == prefill)");
         assert_eq!(control, (false, false), "{shape}, tensor cores: a batch-sized chunk anchor went unseen");

@@ -1,4 +1,4 @@
-// Attention on the tensor cores, included by kernels.cu after the CUDA-core attention.
+// Attention on the tensor cores: included by kernels.cu (the mma.sync kernels) and hopper.cu (wgmma).
 //
 // Taken where activations are bf16 and K/V are stored in bf16 (CUDA's default for 16-bit
 // checkpoints), for head sizes that are multiples of 8 up to 128 and at most 8 query heads
@@ -25,6 +25,12 @@
 // without the keep-state select (a masked probability is then exactly 0 already), and a
 // chunk of consecutive slots copies K/V by stepped addresses; the full-width kernel
 // (hd == MAX_HD) is compiled with its sizes constant.
+// On Hopper (hopper.cu: `Wg` = FaWgmma) a warpgroup's 64 rows take each chunk's scores and
+// P V as wgmma chains over the same 16-wide steps, K and V read by the tensor cores from
+// shared memory in the 128-byte swizzle (a wgmma over 16 k gives the bits of mma.sync over
+// the same 16 k: cuda/probes/mma_bits.cu), and each row's softmax as above; a chunk where
+// some live row of the warpgroup keeps its state, or lies outside a live warp's keys, takes
+// the mma.sync P V of its warps. So a query's bits are the same from either kernel.
 // Two launches compute the same bits, as for the CUDA-core kernel: a block per (tile, KV
 // head) walking the segments (`partial` null), or a block per (tile, KV head, segment)
 // writing each query's segment state to `partial` for `flash_merge`.
@@ -32,8 +38,9 @@
 // offset (64 - 2 splits), so a query's chunking follows the batch.
 // grid: (tiles, kv_heads * segments), block: 32 W (W warps, 16 W >= the tile's tokens x
 // G; at least 4, so that a decode step's few rows still load with 128 threads), dynamic
-// shared memory as `smem_bytes` in flash.rs lays it out (q tile, two K/V stages, each
-// lane's merged outputs).
+// shared memory as `smem_bytes` in flash.rs lays it out (two K/V stages, the q tile, each
+// lane's merged outputs, each warp's key range): the stages first, at the start (1,024-byte
+// aligned), as the swizzle wgmma reads needs them.
 #define FA_CHUNK 64
 #define FA_SEG_CHUNKS 4
 #define FA_MAX_WARPS 8
@@ -41,6 +48,11 @@
 template <bool B>
 struct FaBool {
     static constexpr bool value = B;
+};
+
+// The mma.sync kernels' `Wg`: no wgmma.
+struct FaMmaSync {
+    static constexpr bool on = false;
 };
 
 __device__ __forceinline__ float fa_exp2(float x) {
@@ -92,6 +104,26 @@ __device__ __forceinline__ int fa_at(int r, int d, int hdp) {
     return r * hdp + (((d >> 3) ^ (r & mask)) << 3) + (d & 7);
 }
 
+// Element (r, d) of a chunk's K or V tile ([FA_CHUNK][hdp] bf16): where hdp is a multiple of
+// 64, 64-dim blocks of 128-byte rows ([d / 64][r][64]) in the 128-byte swizzle (piece
+// (d % 64) / 8 of row r at piece ^ (r % 8)), the layout wgmma reads; else `fa_at`.
+__device__ __forceinline__ int fa_kv_at(int r, int d, int hdp) {
+    if (hdp % 64) return fa_at(r, d, hdp);
+    return ((d >> 6) * FA_CHUNK + r) * 64 + ((((d >> 3) & 7) ^ (r & 7)) << 3) + (d & 7);
+}
+
+// Whether `v` holds for every thread of the block's warpgroup whose named barrier is
+// `barrier` (128 threads).
+__device__ __forceinline__ bool fa_group_all(bool v, int barrier) {
+    u32 r;
+    asm volatile(
+        "{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.and.pred p, %2, 128, q; selp.u32 %0, 1, 0, p; }"
+        : "=r"(r)
+        : "r"((u32)v), "r"(barrier)
+        : "memory");
+    return r != 0;
+}
+
 // Merges the state (m2, l2, acc2) of later keys into (m, l, acc) (maxima in log2 units): taken
 // as is into an empty state, else both scaled to the larger maximum. A state without keys
 // (l2 == 0) adds nothing. `flash_attention` and `flash_merge` both merge with it: either
@@ -116,7 +148,7 @@ __device__ __forceinline__ void fa_merge(float& m, float& l, float* acc, float m
 
 // FULL: hd == MAX_HD (the host launches the `_full` kernel only then), so every size below
 // is known at compile time; the arithmetic is the same.
-template <int MAX_HD, bool FULL>
+template <int MAX_HD, bool FULL, class Wg>
 __device__ void flash_impl(const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows,
                            const int* tiles, int layer, int heads, int kv_heads, int hd, float scale, int splits,
                            int window) {
@@ -126,9 +158,13 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     const int hdp = (hd + 15) & ~15, ks_n = hdp / 16, nt_n = hdp / 8, cpr = hdp / 8;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    u16* qs = reinterpret_cast<u16*>(fa_smem);
-    u16* kvs = qs + 16 * warps * hdp;  // [stage][K, V][FA_CHUNK][hdp]
-    float* tot = reinterpret_cast<float*>(kvs + 2 * 2 * FA_CHUNK * hdp) + warp * 32 * (MAX_HD / 2);
+    u16* kvs = reinterpret_cast<u16*>(fa_smem);  // [stage][K, V][FA_CHUNK][hdp]
+    u16* qs = kvs + 2 * 2 * FA_CHUNK * hdp;
+    float* tots = reinterpret_cast<float*>(qs + 16 * warps * hdp);
+    float* tot = tots + warp * 32 * (MAX_HD / 2);
+    int* warp_keys = reinterpret_cast<int*>(tots + warps * 32 * (MAX_HD / 2));  // [warp][lo, hi)
+    if constexpr (Wg::on)
+        if ((__cvta_generic_to_shared(kvs) & 1023) != 0) __trap();  // the swizzle's period
 
     // The last tiles first: a prompt's later tokens read the most keys (the long blocks start
     // early, the short ones fill the tail).
@@ -175,6 +211,10 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         w_hi = max(w_hi, nk);
         w_all_lo = max(w_all_lo, fk);
         w_all_hi = min(w_all_hi, nk);
+    }
+    if (lane == 0) {
+        warp_keys[2 * warp] = w_lo;
+        warp_keys[2 * warp + 1] = w_hi;
     }
 
     // q rounded to bf16, rows past the tile's and dims past hd zero: QU pairs' loads issued
@@ -227,8 +267,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             const long long at = ok ? (kv_slot(row, c0) + key0) * kvd + 8 * piece0 : 0;
             const long long g_step = ok ? (long long)step_key * kvd : 0;
             const u16 *kg = kbuf + at, *vg = vbuf + at;
-            u16 *kd = ks + fa_at(key0, 8 * piece0, hdp), *vd = vs + fa_at(key0, 8 * piece0, hdp);
-            const int d_step = step_key * hdp;
+            u16 *kd = ks + fa_kv_at(key0, 8 * piece0, hdp), *vd = vs + fa_kv_at(key0, 8 * piece0, hdp);
+            const int d_step = step_key * (hdp % 64 ? hdp : 64);
             for (int key = key0; key < FA_CHUNK; key += step_key) {
                 fa_cp16(kd, kg, ok);
                 fa_cp16(vd, vg, ok);
@@ -240,8 +280,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             const int p = c0 + key;
             const bool ok = p >= lo && p < hi && 8 * piece < hd;
             const long long at = ok ? kv_slot(row, p) * kvd + 8 * piece : 0;
-            fa_cp16(ks + fa_at(key, 8 * piece, hdp), kbuf + at, ok ? 16 : 0);
-            fa_cp16(vs + fa_at(key, 8 * piece, hdp), vbuf + at, ok ? 16 : 0);
+            fa_cp16(ks + fa_kv_at(key, 8 * piece, hdp), kbuf + at, ok ? 16 : 0);
+            fa_cp16(vs + fa_kv_at(key, 8 * piece, hdp), vbuf + at, ok ? 16 : 0);
             key += step_key;
             piece += step_piece;
             if (piece >= cpr) piece -= cpr, key++;
@@ -259,6 +299,13 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         for (int e = 0; e < 4; e++) acc[n][e] = 0.0f;
     const bool warp_live = 16 * warp < n_rows;
     __syncthreads();
+    // The keys of the warpgroup's live warps (a warp without rows keeps the empty range).
+    int g_lo = 0x7fffffff, g_hi = 0;
+    if constexpr (Wg::on)
+        for (int w = warp & ~3; w < (warp & ~3) + 4; w++) {
+            g_lo = min(g_lo, warp_keys[2 * w]);
+            g_hi = max(g_hi, warp_keys[2 * w + 1]);
+        }
 
     if (c_begin <= c_end) {
         load(c_begin, 0);
@@ -272,9 +319,14 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
+        // This thread's cp.async stores, made visible to the tensor cores' reads (async proxy).
+        if constexpr (Wg::on) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
         const int c0 = c * FA_CHUNK - shift;
-        if (warp_live && c0 < w_hi && c0 + FA_CHUNK > w_lo) {
+        const bool warp_in = warp_live && c0 < w_hi && c0 + FA_CHUNK > w_lo;
+        // With wgmma a warpgroup multiplies together: each of its warps enters where one does.
+        const bool group_in = Wg::on ? c0 < g_hi && c0 + FA_CHUNK > g_lo : warp_in;
+        if (group_in) {
             const u16* ks = kvs + stage * 2 * FA_CHUNK * hdp;
             const u16* vs = ks + FA_CHUNK * hdp;
             // Scores: 16 rows x 64 keys, one chain over the dims a key tile.
@@ -283,60 +335,78 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
+            if constexpr (Wg::on) {
+                // The warp's q fragments of every 16 dims, then the warpgroup's chain.
+                u32 a[MAX_HD / 16][4];
 #pragma unroll
-            for (int kk = 0; kk < MAX_HD / 16; kk++) {
-                if (kk >= ks_n) break;
-                // The warp's q fragment for these 16 dims (from shared memory each chunk: in
-                // registers it would cost 32 of them, and the full-width kernel would spill).
-                u32 a[4];
-                fa_ldsm_x4(a, qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
+                for (int kk = 0; kk < MAX_HD / 16; kk++)
+                    fa_ldsm_x4(a[kk], qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
+                Wg::scores(s, a, ks);
+            } else {
 #pragma unroll
-                for (int jj = 0; jj < 4; jj++) {
-                    u32 b[4];
-                    fa_ldsm_x4(b, ks + fa_at(16 * jj + (lane & 7) + 8 * (lane >> 4), 16 * kk + 8 * ((lane >> 3) & 1), hdp));
-                    fa_mma(s[2 * jj], a, b[0], b[1], s[2 * jj]);
-                    fa_mma(s[2 * jj + 1], a, b[2], b[3], s[2 * jj + 1]);
+                for (int kk = 0; kk < MAX_HD / 16; kk++) {
+                    if (kk >= ks_n) break;
+                    // The warp's q fragment for these 16 dims (from shared memory each chunk:
+                    // in registers it would cost 32 of them, and the full-width kernel would
+                    // spill).
+                    u32 a[4];
+                    fa_ldsm_x4(a, qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
+#pragma unroll
+                    for (int jj = 0; jj < 4; jj++) {
+                        u32 b[4];
+                        fa_ldsm_x4(b, ks + fa_kv_at(16 * jj + (lane & 7) + 8 * (lane >> 4),
+                                                    16 * kk + 8 * ((lane >> 3) & 1), hdp));
+                        fa_mma(s[2 * jj], a, b[0], b[1], s[2 * jj]);
+                        fa_mma(s[2 * jj + 1], a, b[2], b[3], s[2 * jj + 1]);
+                    }
                 }
             }
             // Scale, mask (only where some row of the warp lacks some of the chunk's keys),
-            // the chunk's maxima (rows g, g + 8).
-            const bool masked = c0 < w_all_lo || c0 + FA_CHUNK > w_all_hi;
-            float mx[2] = {NEG_INF, NEG_INF};
-            if (masked) {
+            // the chunk's maxima (rows g, g + 8). A warp outside the chunk (it entered with its
+            // warpgroup) leaves its state as it was.
+            bool keep[2] = {false, false};
+            float alpha[2] = {1.0f, 1.0f};
+            bool live_keeps = false;
+            if (warp_in) {
+                const bool masked = c0 < w_all_lo || c0 + FA_CHUNK > w_all_hi;
+                float mx[2] = {NEG_INF, NEG_INF};
+                if (masked) {
 #pragma unroll
-                for (int j = 0; j < 8; j++)
+                    for (int j = 0; j < 8; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int rr = e >> 1, p = c0 + 8 * j + 2 * t4 + (e & 1);
-                        const bool ok = p >= first[rr] && p < n_keys[rr];
-                        s[j][e] = ok ? __fmul_rn(s[j][e], scale2) : NEG_INF;
-                        mx[rr] = fmaxf(mx[rr], s[j][e]);
-                    }
-            } else {
+                        for (int e = 0; e < 4; e++) {
+                            const int rr = e >> 1, p = c0 + 8 * j + 2 * t4 + (e & 1);
+                            const bool ok = p >= first[rr] && p < n_keys[rr];
+                            s[j][e] = ok ? __fmul_rn(s[j][e], scale2) : NEG_INF;
+                            mx[rr] = fmaxf(mx[rr], s[j][e]);
+                        }
+                } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++)
+                    for (int j = 0; j < 8; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        s[j][e] = __fmul_rn(s[j][e], scale2);
-                        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-                    }
+                        for (int e = 0; e < 4; e++) {
+                            s[j][e] = __fmul_rn(s[j][e], scale2);
+                            mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+                        }
+                }
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+                    mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+                    keep[rr] = mx[rr] == NEG_INF;  // none of the row's keys: its state stays
+                    const float mn = fmaxf(m[rr], mx[rr]);
+                    alpha[rr] = keep[rr] ? 1.0f : fa_exp2(m[rr] - mn);
+                    m[rr] = mn;
+                }
+                live_keeps = (keep[0] && g < n_rows - 16 * warp) || (keep[1] && g + 8 < n_rows - 16 * warp);
             }
-            bool keep[2];
-            float alpha[2];
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-                keep[rr] = mx[rr] == NEG_INF;  // none of the row's keys: its state stays
-                const float mn = fmaxf(m[rr], mx[rr]);
-                alpha[rr] = keep[rr] ? 1.0f : fa_exp2(m[rr] - mn);
-                m[rr] = mn;
-            }
-            // The probabilities and P V. Where no live row of the warp keeps its state, every
-            // maximum is above -inf, so 2^(s - m) of a masked score is already 0 and each row
-            // takes its MMA result: the selects are dropped, the bits are the same.
-            auto softmax_pv = [&](auto selects) {
-                constexpr bool SEL = decltype(selects)::value;
+            // Where no live row of the warp keeps its state, every maximum is above -inf, so
+            // 2^(s - m) of a masked score is already 0 and each row takes its MMA result: the
+            // selects are dropped, the bits are the same.
+            const bool selects = __any_sync(0xffffffffu, live_keeps);
+            // The probabilities (rounded to bf16 by P V), the sums, the rescaled output.
+            auto probabilities = [&](auto with_selects) {
+                constexpr bool SEL = decltype(with_selects)::value;
                 float sum[2] = {0.0f, 0.0f};
 #pragma unroll
                 for (int j = 0; j < 8; j++)
@@ -356,7 +426,10 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                 for (int n = 0; n < NT; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) acc[n][e] = __fmul_rn(acc[n][e], alpha[e >> 1]);
-                // Output += P V: four 16-key steps, P rounded to bf16.
+            };
+            // Output += P V by mma.sync: four 16-key steps, P rounded to bf16.
+            auto pv = [&](auto with_selects) {
+                constexpr bool SEL = decltype(with_selects)::value;
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
                     const u32 a[4] = {fa_pack(s[2 * kk][0], s[2 * kk][1]), fa_pack(s[2 * kk][2], s[2 * kk][3]),
@@ -366,7 +439,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                     for (int nn = 0; nn < NT / 2; nn++) {
                         if (2 * nn >= nt_n) break;
                         u32 b[4];
-                        fa_ldsm_x4_trans(b, vs + fa_at(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * nn + 8 * (lane >> 4), hdp));
+                        fa_ldsm_x4_trans(b, vs + fa_kv_at(16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                                          16 * nn + 8 * (lane >> 4), hdp));
 #pragma unroll
                         for (int h = 0; h < 2; h++) {
                             if constexpr (SEL) {
@@ -381,11 +455,19 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                     }
                 }
             };
-            const bool live_keeps = (keep[0] && g < n_rows - 16 * warp) || (keep[1] && g + 8 < n_rows - 16 * warp);
-            if (__any_sync(0xffffffffu, live_keeps))
-                softmax_pv(FaBool<true>{});
-            else
-                softmax_pv(FaBool<false>{});
+            // wgmma's P V where every live warp of the warpgroup is in the chunk without selects.
+            bool group_pv = false;
+            if constexpr (Wg::on) group_pv = fa_group_all(!warp_live || (warp_in && !selects), 1 + (warp >> 2));
+            if (group_pv) {
+                if (warp_in) probabilities(FaBool<false>{});
+                if constexpr (Wg::on) Wg::pv(acc, s, vs);
+            } else if (warp_in && selects) {
+                probabilities(FaBool<true>{});
+                pv(FaBool<true>{});
+            } else if (warp_in) {
+                probabilities(FaBool<false>{});
+                pv(FaBool<false>{});
+            }
         }
         // A segment ends: merge its state into the query's, start the next one empty.
         if (!partial && warp_live && (c == c_end || (c + 1) % FA_SEG_CHUNKS == 0)) {
@@ -447,37 +529,11 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     }
 }
 
-#define FLASH_KERNEL(name, MAX_HD, FULL)                                                                     \
+// A kernel of flash_impl: `Wg` FaMmaSync (kernels.cu's six) or FaWgmma (hopper.cu's).
+#define FLASH_KERNEL(name, MAX_HD, FULL, WG)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * FA_MAX_WARPS) name(                                    \
         const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows, const int* tiles,    \
         int layer, int heads, int kv_heads, int hd, float scale, int splits, int window) {                   \
-        flash_impl<MAX_HD, FULL>(q, out, partial, toks, rows, tiles, layer, heads, kv_heads, hd, scale,       \
-                                 splits, window);                                                            \
+        flash_impl<MAX_HD, FULL, WG>(q, out, partial, toks, rows, tiles, layer, heads, kv_heads, hd, scale,   \
+                                     splits, window);                                                        \
     }
-FLASH_KERNEL(flash_attention_32, 32, false)
-FLASH_KERNEL(flash_attention_64, 64, false)
-FLASH_KERNEL(flash_attention_128, 128, false)
-FLASH_KERNEL(flash_attention_32_full, 32, true)
-FLASH_KERNEL(flash_attention_64_full, 64, true)
-FLASH_KERNEL(flash_attention_128_full, 128, true)
-
-// Merges the segment states `flash_attention` stored in `partial` (tokens x heads x max_segs
-// states of hd + 2 floats), in segment order, with `fa_merge`; lane j
-// keeps dims j + 32 i. grid: (tokens, heads), block: 32.
-extern "C" __global__ void flash_merge(const float* partial, float* out, int heads, int hd, int max_segs) {
-    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
-    const float* src = partial + ((long long)t * heads + head) * max_segs * (hd + 2);
-    float m = __int_as_float(0xff800000), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s = 0; s < max_segs; s++) {
-        const float* p = src + (long long)s * (hd + 2);
-        float a[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) a[i] = lane + 32 * i < hd ? p[2 + lane + 32 * i] : 0.0f;
-        fa_merge<4>(m, l, acc, p[0], p[1], a);
-    }
-    float* o = out + ((long long)t * heads + head) * hd;
-    const float inv = 1.0f / l;
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        if (lane + 32 * i < hd) o[lane + 32 * i] = __fmul_rn(acc[i], inv);
-}

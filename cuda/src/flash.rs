@@ -2,7 +2,9 @@
 //! it, and its two launches. With bf16 activations and bf16 K/V (CUDA's defaults for 16-bit
 //! checkpoints) every layer whose head shape fits takes it, in every forward; other layers
 //! and modes keep the CUDA-core kernels. The choice follows the mode and the model's shape
-//! alone, so each guarantee holds within a mode.
+//! alone, so each guarantee holds within a mode. On Hopper, launches whose tiles fill a
+//! warpgroup at head size 128 (a prompt's) take `flash_attention_128_wg` (hopper.cu), the
+//! same arithmetic by wgmma: which kernel runs never changes a query's bits.
 
 use cudarc::driver::{CudaFunction, CudaSlice};
 
@@ -53,6 +55,25 @@ fn warps(most: usize, per_kv: usize) -> usize {
     (most * per_kv).div_ceil(16).clamp(4, MAX_WARPS)
 }
 
+/// Whether a launch of tiles of at most `most` tokens takes the wgmma kernel (where the GPU
+/// has it): head size 128 (the full-width tier's), tiles of a prompt's run (16 tokens) whose
+/// rows fill a warpgroup (64 of them). Decode and verify tiles keep mma.sync: most of a
+/// warpgroup's rows would be padding.
+pub(super) fn takes_wgmma(most: usize, heads: Heads) -> bool {
+    let per_kv = heads.heads / heads.kv_heads.max(1);
+    heads.head_dim == 128 && most == TILE && most * per_kv >= 64
+}
+
+/// The block's warps: [`warps`], whole warpgroups for the wgmma kernel.
+fn block_warps(most: usize, per_kv: usize, wgmma: bool) -> usize {
+    let w = warps(most, per_kv);
+    if wgmma {
+        w.next_multiple_of(4)
+    } else {
+        w
+    }
+}
+
 /// What of a batch's `most` its launches depend on: every tier takes 4 warps for tiles of up
 /// to 8 tokens (at most 8 query heads a KV head), so a CUDA graph recorded for one such
 /// batch serves them all (a verify whose rows draft 2-7 tokens each, in any mix).
@@ -76,11 +97,11 @@ pub(super) fn pick(activations: Activations, kv: KvDtype, heads: Heads) -> Optio
     (activations == Activations::Bf16 && kv == KvDtype::Bf16).then(|| tier(heads)).flatten()
 }
 
-/// Dynamic shared memory of a block, as flash.cuh lays it out: the q tile (16 rows a warp),
-/// two stages of a chunk's K and V, each lane's merged outputs.
+/// Dynamic shared memory of a block, as flash.cuh lays it out: two stages of a chunk's K and
+/// V, the q tile (16 rows a warp), each lane's merged outputs, each warp's key range.
 pub(super) fn smem_bytes(max_hd: usize, head_dim: usize, warps: usize) -> usize {
     let hdp = head_dim.next_multiple_of(16);
-    16 * warps * hdp * 2 + 2 * 2 * CHUNK * hdp * 2 + warps * 32 * (max_hd / 2) * 4
+    2 * 2 * CHUNK * hdp * 2 + 16 * warps * hdp * 2 + warps * 32 * (max_hd / 2) * 4 + warps * 2 * 4
 }
 
 /// The most shared memory a tier's kernel asks for (every warp, the widest head).
@@ -90,11 +111,13 @@ pub(super) fn most_smem_bytes(max_hd: usize) -> usize {
 
 impl Cuda {
     /// Tensor-core attention of `keys.tokens` queries over their rows' K/V: a block per
-    /// (tile, KV head), or per (tile, KV head, segment) and the merge.
+    /// (tile, KV head), or per (tile, KV head, segment) and the merge; `f` the wgmma kernel
+    /// where `wgmma`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_flash(
         &self,
         f: &CudaFunction,
+        wgmma: bool,
         max_hd: usize,
         q: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
@@ -108,7 +131,7 @@ impl Cuda {
     ) -> Result<()> {
         let s = &self.stream;
         let per_kv = heads.heads / heads.kv_heads;
-        let warps = warps(tiles.most, per_kv);
+        let warps = block_warps(tiles.most, per_kv, wgmma);
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
         let partial =
@@ -180,5 +203,20 @@ mod tests {
         assert_eq!(tier(h(8, 2, 12)), None, "not a multiple of 8");
         assert_eq!(tier(h(16, 1, 64)), None, "16 query heads per KV head");
         assert!(smem_bytes(128, 128, MAX_WARPS) <= 227 * 1024);
+    }
+
+    #[test]
+    fn prompt_tiles_that_fill_a_warpgroup_take_wgmma() {
+        let h = |heads, kv_heads, head_dim| Heads { heads, kv_heads, head_dim };
+        assert!(takes_wgmma(TILE, h(32, 8, 128)), "a prompt of the 8B shape");
+        assert!(takes_wgmma(TILE, h(12, 2, 128)));
+        assert!(!takes_wgmma(TILE - 1, h(32, 8, 128)), "a verify's tiles");
+        assert!(!takes_wgmma(TILE, h(16, 8, 128)), "32 rows a tile: half a warpgroup");
+        assert!(!takes_wgmma(TILE, h(32, 8, 64)), "another tier");
+        // Whole warpgroups: 6 query heads a KV head fill 6 warps, launched as 8.
+        assert_eq!(block_warps(TILE, 6, true), 8);
+        assert_eq!(block_warps(TILE, 6, false), 6);
+        // Two blocks of a warpgroup fit an SM (228 KB, 1 KB of it reserved a block).
+        assert!(2 * (smem_bytes(128, 128, 4) + 1024) <= 228 * 1024);
     }
 }

@@ -320,3 +320,62 @@ extern "C" __global__ void __launch_bounds__(384, 2)
     const int first = i == 0 ? p.first_tile[0] : i == 1 ? p.first_tile[1] : p.first_tile[2];
     linear_wg_impl<64, true>(*w, xmap, m, k, n, nullptr, part, 0, b - first, blockIdx.y / 8, blockIdx.y % 8);
 }
+
+// Attention's wgmma (flash.cuh, `Wg` = FaWgmma): a warpgroup's 64 (token, head) rows, warp w
+// holding rows 16 w.. in mma.sync's layouts, so each row's softmax runs as in the mma.sync
+// kernel. K and V are a chunk's tiles in fa_kv_at's layout: 64-dim blocks of 64 keys x 128
+// bytes in the 128-byte swizzle.
+#include "forward.cuh"
+#include "flash.cuh"
+
+// d (+)= a b over 16 keys, b a [16 keys][128 dims] tile read transposed (MN-major): 8-key
+// groups 1,024 bytes apart, the two 64-dim blocks 8,192 (m64n128k16, B transposed).
+__device__ __forceinline__ void wgmma_tile_vt(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, const u16* v) {
+    const u64 desc = (u64)((smem_addr(v) & 0x3FFFF) >> 4) | ((u64)(8192 >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+                     (1ull << 62);
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+
+struct FaWgmma {
+    static constexpr bool on = true;
+    // s = q K^T over a chunk's 64 keys: 8 m64n64k16 over the dims in increasing 16-wide
+    // steps (mma.sync's chain), q's fragments `a` in registers, K in shared memory.
+    __device__ static void scores(float (&s)[8][4], const u32 (&a)[8][4], const u16* ks) {
+        float(&d)[32] = reinterpret_cast<float(&)[32]>(s);
+        fence_regs(d);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+            wgmma_tile(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc(ks + (kk >> 2) * FA_CHUNK * 64 + 16 * (kk & 3)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(d);
+    }
+    // acc += P V over the chunk's four 16-key steps (P rounded to bf16 as mma.sync's path
+    // rounds it), V in shared memory.
+    __device__ static void pv(float (&acc)[16][4], const float (&s)[8][4], const u16* vs) {
+        u32 a[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            a[kk][0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
+            a[kk][1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
+            a[kk][2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[kk][3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+        float(&d)[64] = reinterpret_cast<float(&)[64]>(acc);
+        fence_regs(d);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) wgmma_tile_vt(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], vs + kk * 16 * 64);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(d);
+    }
+};
+
+// The full-width (head size 128) tensor-core attention with wgmma, for tiles that fill a
+// warpgroup (flash.rs picks it); the same bits as flash_attention_128_full.
+FLASH_KERNEL(flash_attention_128_wg, 128, true, FaWgmma)

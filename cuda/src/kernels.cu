@@ -1214,28 +1214,7 @@ extern "C" __global__ void logit_summaries(const float* logits, int vocab, float
 }
 
 // ---------------------------------------------------------------------------------------
-// A forward's layout, uploaded once: per token (row, logical position, RoPE position, first
-// key it may read: 0 but for an assistant's explicit key range);
-// per row (K/V buffer address, units per plane (elements; words of quantized K/V),
-// committed length, window base slot, ring capacity). A row's buffer holds 2 * layers
-// planes [layer][K, V][slot][kv_heads * KvIo::units(hd)].
-// A ring (sliding-window layers) keeps committed position p at slot p % ring; a plain
-// store (ring 0) at slot p; the open window sits from window_base on in both.
-struct Tok {
-    int row, pos, rope_pos, first;
-};
-struct RowKv {
-    u64 base;
-    long long plane;
-    long long committed;
-    long long window_base;
-    long long ring;
-};
-
-__device__ __forceinline__ long long kv_slot(const RowKv& row, long long p) {
-    if (p >= row.committed) return row.window_base + (p - row.committed);
-    return row.ring ? p % row.ring : p;
-}
+#include "forward.cuh"
 
 // Quantized K/V (`--kv-bits 8|4`) in the CPU's format (mtp_cache::QuantLayout): the K (or
 // V) of one KV head at one position is one group of words: f32 scale, f32 bias (the
@@ -1988,3 +1967,31 @@ extern "C" __global__ void rope_rows(float* x, int width, int hd, const int* pos
 
 // Attention on the tensor cores (bf16 activations and K/V).
 #include "flash.cuh"
+
+FLASH_KERNEL(flash_attention_32, 32, false, FaMmaSync)
+FLASH_KERNEL(flash_attention_64, 64, false, FaMmaSync)
+FLASH_KERNEL(flash_attention_128, 128, false, FaMmaSync)
+FLASH_KERNEL(flash_attention_32_full, 32, true, FaMmaSync)
+FLASH_KERNEL(flash_attention_64_full, 64, true, FaMmaSync)
+FLASH_KERNEL(flash_attention_128_full, 128, true, FaMmaSync)
+
+// Merges the segment states `flash_attention` stored in `partial` (tokens x heads x max_segs
+// states of hd + 2 floats), in segment order, with `fa_merge`; lane j
+// keeps dims j + 32 i. grid: (tokens, heads), block: 32.
+extern "C" __global__ void flash_merge(const float* partial, float* out, int heads, int hd, int max_segs) {
+    const int t = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+    const float* src = partial + ((long long)t * heads + head) * max_segs * (hd + 2);
+    float m = __int_as_float(0xff800000), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < max_segs; s++) {
+        const float* p = src + (long long)s * (hd + 2);
+        float a[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = lane + 32 * i < hd ? p[2 + lane + 32 * i] : 0.0f;
+        fa_merge<4>(m, l, acc, p[0], p[1], a);
+    }
+    float* o = out + ((long long)t * heads + head) * hd;
+    const float inv = 1.0f / l;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        if (lane + 32 * i < hd) o[lane + 32 * i] = __fmul_rn(acc[i], inv);
+}

@@ -419,6 +419,8 @@ struct Functions {
     /// Tensor-core attention (flash.cuh) by head-size tier: any head size of the tier, and
     /// the tier's own (sizes known at compile time); and its merge.
     flash: [[CudaFunction; 2]; 3],
+    /// The full-width head-size-128 kernel by wgmma (`hopper.cu`), on compute capability 9.0.
+    flash_wg: Option<CudaFunction>,
     flash_merge: CudaFunction,
     /// By unit ([`kv_unit_index`]).
     kv_move: [CudaFunction; 2],
@@ -666,6 +668,13 @@ impl Cuda {
                 [get("flash_attention_64")?, get("flash_attention_64_full")?],
                 [get("flash_attention_128")?, get("flash_attention_128_full")?],
             ],
+            flash_wg: match &hopper {
+                Some(h) => Some(
+                    h.load_function("flash_attention_128_wg")
+                        .map_err(|e| format!("kernel flash_attention_128_wg: {e:?}"))?,
+                ),
+                None => None,
+            },
             flash_merge: get("flash_merge")?,
             kv_move: [get("kv_move_4")?, get("kv_move_2")?],
             kv_copy: [get("kv_copy_4")?, get("kv_copy_2")?],
@@ -690,14 +699,16 @@ impl Cuda {
                     .map_err(|e| format!("shared memory for {kernel:?} ({bytes} bytes): {e:?}"))?;
             }
         }
-        for (funcs, max_hd) in f.flash.iter().zip(flash::TIERS) {
+        let flash_funcs = f
+            .flash
+            .iter()
+            .zip(flash::TIERS)
+            .flat_map(|(funcs, max_hd)| funcs.iter().map(move |f| (f, max_hd)));
+        for (func, max_hd) in flash_funcs.chain(f.flash_wg.iter().map(|f| (f, 128))) {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
             let bytes = flash::most_smem_bytes(max_hd);
-            for func in funcs {
-                func.set_attribute(MAX, bytes as i32).map_err(|e| {
-                    format!("shared memory for the tensor-core attention ({bytes} bytes): {e:?}")
-                })?;
-            }
+            func.set_attribute(MAX, bytes as i32)
+                .map_err(|e| format!("shared memory for the tensor-core attention ({bytes} bytes): {e:?}"))?;
         }
         for (func, bytes) in f.linear_wg.iter().flatten().zip(hopper::SMEM_BYTES) {
             use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
@@ -1772,9 +1783,12 @@ impl Cuda {
         check_gpu_kv(kv, heads.head_dim, "CUDA")?;
         if let Some(tier) = flash::pick(self.activations, kv, heads) {
             let max_hd = flash::TIERS[tier];
+            if let Some(f) = self.f.flash_wg.as_ref().filter(|_| flash::takes_wgmma(tiles.most, heads)) {
+                return self.launch_flash(f, true, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
+            }
             // The full-width kernel where the head size is the tier's: the same bits, sizes constant.
             let f = &self.f.flash[tier][usize::from(heads.head_dim == max_hd)];
-            return self.launch_flash(f, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
+            return self.launch_flash(f, false, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
         }
         let s = &self.stream;
         let (variant, group) = attention_variant(heads);
