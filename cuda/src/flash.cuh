@@ -422,10 +422,13 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                     sum[rr] = __fadd_rn(sum[rr], __shfl_xor_sync(0xffffffffu, sum[rr], 2));
                     l[rr] = __fadd_rn(__fmul_rn(l[rr], alpha[rr]), sum[rr]);
                 }
+                // The output rescaled where some row's maximum moved (a product with 1 is the
+                // value itself: past a prompt's first chunks the maxima seldom move).
+                if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
 #pragma unroll
-                for (int n = 0; n < NT; n++)
+                    for (int n = 0; n < NT; n++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[n][e] = __fmul_rn(acc[n][e], alpha[e >> 1]);
+                        for (int e = 0; e < 4; e++) acc[n][e] = __fmul_rn(acc[n][e], alpha[e >> 1]);
             };
             // Output += P V by mma.sync: four 16-key steps, P rounded to bf16.
             auto pv = [&](auto with_selects) {
