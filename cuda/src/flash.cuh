@@ -154,7 +154,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                            int window) {
     constexpr int NT = MAX_HD / 8;  // 8-dim output tiles a row holds at most
     if (FULL) hd = MAX_HD;
-    extern __shared__ __align__(16) unsigned char fa_smem[];
+    // 1,024-byte aligned: the period of the 128-byte swizzle wgmma reads K and V in.
+    extern __shared__ __align__(1024) unsigned char fa_smem[];
     const int hdp = (hd + 15) & ~15, ks_n = hdp / 16, nt_n = hdp / 8, cpr = hdp / 8;
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -164,7 +165,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     float* tot = tots + warp * 32 * (MAX_HD / 2);
     int* warp_keys = reinterpret_cast<int*>(tots + warps * 32 * (MAX_HD / 2));  // [warp][lo, hi)
     if constexpr (Wg::on)
-        if ((__cvta_generic_to_shared(kvs) & 1023) != 0) __trap();  // the swizzle's period
+        if ((__cvta_generic_to_shared(kvs) & 1023) != 0) __trap();  // never, by fa_smem's alignment
 
     // The last tiles first: a prompt's later tokens read the most keys (the long blocks start
     // early, the short ones fill the tail).
