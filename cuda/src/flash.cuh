@@ -124,6 +124,15 @@ __device__ __forceinline__ bool fa_group_all(bool v, int barrier) {
     return r != 0;
 }
 
+// The A fragment of P's 16-key step kk (keys 16 kk..16 kk + 15 of this lane's rows g, g + 8),
+// the probabilities `s` rounded to bf16: mma.sync's layout, and wgmma's from registers.
+__device__ __forceinline__ void fa_p_frag(u32 (&a)[4], const float (&s)[8][4], int kk) {
+    a[0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
 // Merges the state (m2, l2, acc2) of later keys into (m, l, acc) (maxima in log2 units): taken
 // as is into an empty state, else both scaled to the larger maximum. A state without keys
 // (l2 == 0) adds nothing. `flash_attention` and `flash_merge` both merge with it: either
@@ -436,9 +445,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                 constexpr bool SEL = decltype(with_selects)::value;
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
-                    const u32 a[4] = {fa_pack(s[2 * kk][0], s[2 * kk][1]), fa_pack(s[2 * kk][2], s[2 * kk][3]),
-                                      fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                      fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                    u32 a[4];
+                    fa_p_frag(a, s, kk);
 #pragma unroll
                     for (int nn = 0; nn < NT / 2; nn++) {
                         if (2 * nn >= nt_n) break;

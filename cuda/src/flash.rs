@@ -6,7 +6,7 @@
 //! warpgroup at head size 128 (a prompt's) take `flash_attention_128_wg` (hopper.cu), the
 //! same arithmetic by wgmma: which kernel runs never changes a query's bits.
 
-use cudarc::driver::{CudaFunction, CudaSlice};
+use cudarc::driver::CudaSlice;
 
 use super::{ptr, split_segments, AttentionKeys, Cuda};
 use mtp_base::error::Result;
@@ -110,15 +110,14 @@ pub(super) fn most_smem_bytes(max_hd: usize) -> usize {
 }
 
 impl Cuda {
-    /// Tensor-core attention of `keys.tokens` queries over their rows' K/V: a block per
-    /// (tile, KV head), or per (tile, KV head, segment) and the merge; `f` the wgmma kernel
-    /// where `wgmma`.
+    /// Tensor-core attention of `keys.tokens` queries over their rows' K/V by tier `tier`'s
+    /// kernel (the wgmma one where [`takes_wgmma`] and the GPU has it, the full-width one
+    /// where the head size is the tier's: the same bits): a block per (tile, KV head), or per
+    /// (tile, KV head, segment) and the merge.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_flash(
         &self,
-        f: &CudaFunction,
-        wgmma: bool,
-        max_hd: usize,
+        tier: usize,
         q: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         toks: &CudaSlice<i32>,
@@ -129,9 +128,12 @@ impl Cuda {
         scale: f32,
         keys: AttentionKeys,
     ) -> Result<()> {
+        let max_hd = TIERS[tier];
+        let wgmma = self.f.flash_wg.as_ref().filter(|_| takes_wgmma(tiles.most, heads));
+        let f = wgmma.unwrap_or(&self.f.flash[tier][usize::from(heads.head_dim == max_hd)]);
         let s = &self.stream;
         let per_kv = heads.heads / heads.kv_heads;
-        let warps = block_warps(tiles.most, per_kv, wgmma);
+        let warps = block_warps(tiles.most, per_kv, wgmma.is_some());
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
         let partial =

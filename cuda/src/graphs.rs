@@ -214,10 +214,7 @@ impl Cuda {
 
     /// A recording's outputs in host memory where `fetch` says so (empty elsewhere).
     fn outputs_to_host(&self, outs: &[CudaSlice<f32>], fetch: &[bool]) -> Result<Vec<Vec<f32>>> {
-        outs.iter()
-            .zip(fetch)
-            .map(|(o, &wanted)| if wanted { self.to_host(o) } else { Ok(Vec::new()) })
-            .collect()
+        mtp_kernels::fetched(outs, fetch, |o| self.to_host(o))
     }
 
     /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape),

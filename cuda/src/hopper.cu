@@ -65,6 +65,12 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* b
 __device__ __forceinline__ u64 sw128_desc(const void* p) {
     return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
+// An MN-major operand in the 128-byte swizzle read transposed (attention's V: rows of 64
+// dims, 128 bytes): 8-row (k) groups 1,024 bytes apart, 64-column blocks `block_bytes` apart.
+__device__ __forceinline__ u64 sw128_desc_mn(const void* p, u32 block_bytes) {
+    return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | ((u64)(block_bytes >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
 // d (+)= a b over 16 k: a, this lane's fragment of 64 weight rows (mma.sync's A layout,
 // warp w holding rows 16 w..), b the tokens' tile in shared memory (128 tokens, or 64:
 // m64n192k16, m64n128k16 or m64n64k16, d holding half as many floats as there are tokens).
@@ -74,11 +80,13 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[96], u32 a0, u32 a1, u32 a
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
+// TRANS_B: b read transposed (MN-major: attention's V).
+template <int TRANS_B = 0>
 __device__ __forceinline__ void wgmma_tile(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
     asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, %69;"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "n"(TRANS_B));
 }
 __device__ __forceinline__ void wgmma_tile(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {
     asm volatile(
@@ -328,17 +336,6 @@ extern "C" __global__ void __launch_bounds__(384, 2)
 #include "forward.cuh"
 #include "flash.cuh"
 
-// d (+)= a b over 16 keys, b a [16 keys][128 dims] tile read transposed (MN-major): 8-key
-// groups 1,024 bytes apart, the two 64-dim blocks 8,192 (m64n128k16, B transposed).
-__device__ __forceinline__ void wgmma_tile_vt(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, const u16* v) {
-    const u64 desc = (u64)((smem_addr(v) & 0x3FFFF) >> 4) | ((u64)(8192 >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
-                     (1ull << 62);
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
-}
-
 struct FaWgmma {
     static constexpr bool on = true;
     // s = q K^T over a chunk's 64 keys: 8 m64n64k16 over the dims in increasing 16-wide
@@ -355,21 +352,18 @@ struct FaWgmma {
         fence_regs(d);
     }
     // acc += P V over the chunk's four 16-key steps (P rounded to bf16 as mma.sync's path
-    // rounds it), V in shared memory.
+    // rounds it), V in shared memory read transposed: its 16 keys' rows, the two 64-dim
+    // blocks a chunk's 64 rows of 128 bytes apart.
     __device__ static void pv(float (&acc)[16][4], const float (&s)[8][4], const u16* vs) {
         u32 a[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            a[kk][0] = fa_pack(s[2 * kk][0], s[2 * kk][1]);
-            a[kk][1] = fa_pack(s[2 * kk][2], s[2 * kk][3]);
-            a[kk][2] = fa_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[kk][3] = fa_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
+        for (int kk = 0; kk < 4; kk++) fa_p_frag(a[kk], s, kk);
         float(&d)[64] = reinterpret_cast<float(&)[64]>(acc);
         fence_regs(d);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wgmma_tile_vt(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], vs + kk * 16 * 64);
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_tile<1>(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc_mn(vs + kk * 16 * 64, FA_CHUNK * 128));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(d);

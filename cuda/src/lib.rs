@@ -1782,13 +1782,7 @@ impl Cuda {
     ) -> Result<()> {
         check_gpu_kv(kv, heads.head_dim, "CUDA")?;
         if let Some(tier) = flash::pick(self.activations, kv, heads) {
-            let max_hd = flash::TIERS[tier];
-            if let Some(f) = self.f.flash_wg.as_ref().filter(|_| flash::takes_wgmma(tiles.most, heads)) {
-                return self.launch_flash(f, true, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
-            }
-            // The full-width kernel where the head size is the tier's: the same bits, sizes constant.
-            let f = &self.f.flash[tier][usize::from(heads.head_dim == max_hd)];
-            return self.launch_flash(f, false, max_hd, q, out, toks, rows, tiles, li, heads, scale, keys);
+            return self.launch_flash(tier, q, out, toks, rows, tiles, li, heads, scale, keys);
         }
         let s = &self.stream;
         let (variant, group) = attention_variant(heads);

@@ -482,10 +482,17 @@ pub fn run_body<B: Kernels>(
 ) -> Result<Vec<Vec<f32>>> {
     let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
     body(&batch, &mut outs)?;
-    outs.into_iter()
-        .zip(fetch)
-        .map(|(o, &wanted)| if wanted { be.download(o) } else { Ok(Vec::new()) })
-        .collect()
+    fetched(outs, fetch, |o| be.download(o))
+}
+
+/// A forward's outputs in host memory by `get` where `fetch` (one flag an output) says so,
+/// an empty vector elsewhere: what [`Kernels::run_recorded`] returns.
+pub fn fetched<T>(
+    outs: impl IntoIterator<Item = T>,
+    fetch: &[bool],
+    mut get: impl FnMut(T) -> Result<Vec<f32>>,
+) -> Result<Vec<Vec<f32>>> {
+    outs.into_iter().zip(fetch).map(|(o, &wanted)| if wanted { get(o) } else { Ok(Vec::new()) }).collect()
 }
 
 /// Values a [`LogitSummary`] takes in a backend's buffer: argmax (as f32), max, lse.
