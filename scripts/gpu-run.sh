@@ -334,13 +334,14 @@ if [ "$what" = long ]; then
         s65=$(mtp_seconds /tmp/pctx.jsonl 65 512 /tmp/qwen3-8b-1)
         echo "mtp 1 layer, context $ctx: $(python3 -c "print(f'{($s65 - $s1) / 64 * 1e6:.0f}')") us per decode step" | tee -a "$llog"
     done
-    # The same decode steps' attention launches alone (the attention kernel and its merge),
+    # The same decode steps' attention launches alone (the attention kernel and its merge:
+    # `attention*` with f32 K/V, `flash*` with bf16, the default),
     # GPU time under ncu with real clocks: skip the prefill's launches (one a 512-token
     # chunk), then 8 decode steps.
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     for ctx in 4096 32768; do
         prompt_of /tmp/pctx.jsonl $ctx
-        "$ncu" --kernel-name regex:^attention --launch-skip $((ctx / 512)) --metrics gpu__time_duration.sum \
+        "$ncu" --kernel-name 'regex:^(attention|flash)' --launch-skip $((ctx / 512)) --metrics gpu__time_duration.sum \
             --clock-control none --cache-control none --csv \
             "$bin/mtp" generate --target /tmp/qwen3-8b-1 --backend cuda --drafter none --max-batch 1 \
             --prompts /tmp/pctx.jsonl --max-tokens 9 --ignore-eos --prefill-chunk 512 > /tmp/ncu-att.csv 2>/dev/null

@@ -446,7 +446,7 @@ fn attention_checkpoint(
 /// matmuls are the CPU's exactly and the bound sees attention's roundings alone (q, K, V
 /// and the probabilities in bf16): decoded logits within 2e-2 of the CPU's f32 scale (a
 /// wrong head, dim or key would be off by the scale). At 37 to 600 keys a query's bits are
-/// the same alone, batched, and decoded after a prefill (the decode past 256 keys takes
+/// the same alone, batched, and decoded after a prefill (the decode past 512 keys takes
 /// the split launch and the merge, the prefill the walking one), and as the last of 40
 /// tokens continuing a prompt (the split launch of a prompt's tiles). At head size 128 with
 /// 4 or more query heads per KV head a prompt's tiles take the wgmma kernel on Hopper, and

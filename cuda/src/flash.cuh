@@ -5,7 +5,7 @@
 // per KV head (`Cuda::flash_runs`); other shapes keep the CUDA-core kernels. Every query,
 // in prefill, verify and decode alike, gets one arithmetic, fixed by positions alone:
 //   - q is rounded to bf16 (nearest even); keys are cut into chunks of FA_CHUNK (64)
-//     anchored at position 0, chunks into segments of FA_SEG_CHUNKS (4: 256 keys);
+//     anchored at position 0, chunks into segments of FA_SEG_CHUNKS (8: 512 keys);
 //   - a chunk's scores are one mma.sync m16n8k16 chain over the head dims in increasing
 //     16-wide steps (dims past hd are zero), times scale log2(e); the chunk's maximum and
 //     its sum of 2^(s - m) (each lane its 16 values in key order, then the quad's
@@ -42,7 +42,7 @@
 // lane's merged outputs, each warp's key range): the stages first, at the start (1,024-byte
 // aligned), as the swizzle wgmma reads needs them.
 #define FA_CHUNK 64
-#define FA_SEG_CHUNKS 4
+#define FA_SEG_CHUNKS 8
 #define FA_MAX_WARPS 8
 
 template <bool B>
@@ -228,7 +228,10 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     }
 
     // q rounded to bf16, rows past the tile's and dims past hd zero: QU pairs' loads issued
-    // before any is stored (one at a time, each waited for its load).
+    // before any is stored (one at a time, each waited for its load). With wgmma each
+    // warpgroup's 64 rows in fa_kv_at's layout (the tensor cores read q from there), else
+    // fa_at's (ldmatrix reads it).
+    auto q_at = [&](int r, int d) { return Wg::on ? (r >> 6) * 64 * hdp + fa_kv_at(r & 63, d, hdp) : fa_at(r, d, hdp); };
     {
         constexpr int QU = 8;
         const int pairs = 16 * warps * (hdp / 2);
@@ -245,9 +248,11 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #pragma unroll
             for (int u = 0; u < QU; u++) {
                 const int i = i0 + u * blockDim.x, r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
-                if (i < pairs) *reinterpret_cast<u32*>(qs + fa_at(r, d, hdp)) = fa_pack(v[u].x, v[u].y);
+                if (i < pairs) *reinterpret_cast<u32*>(qs + q_at(r, d)) = fa_pack(v[u].x, v[u].y);
             }
         }
+        // The stores, made visible to the tensor cores' reads (async proxy).
+        if constexpr (Wg::on) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
 
     // The chunks this block walks (in the shifted key space of the negative control).
@@ -317,6 +322,14 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             g_hi = max(g_hi, warp_keys[2 * w + 1]);
         }
 
+    // wgmma: the descriptors' start addresses of this warpgroup's q tile and of stage 0's K.
+    u32 q_desc = 0, kv_desc = 0;
+    if constexpr (Wg::on) {
+        // (The warpgroup by a shuffle: the compiler then knows it is the warp's, and keeps
+        // the descriptors in uniform registers.)
+        q_desc = Wg::at(qs + __shfl_sync(0xffffffffu, warp >> 2, 0) * 64 * hdp);
+        kv_desc = Wg::at(kvs);
+    }
     if (c_begin <= c_end) {
         load(c_begin, 0);
         asm volatile("cp.async.commit_group;");
@@ -346,12 +359,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #pragma unroll
                 for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
             if constexpr (Wg::on) {
-                // The warp's q fragments of every 16 dims, then the warpgroup's chain.
-                u32 a[MAX_HD / 16][4];
-#pragma unroll
-                for (int kk = 0; kk < MAX_HD / 16; kk++)
-                    fa_ldsm_x4(a[kk], qs + fa_at(16 * warp + (lane & 15), 16 * kk + 8 * (lane >> 4), hdp));
-                Wg::scores(s, a, ks);
+                // The warpgroup's chain, its q tile and K both read from shared memory.
+                Wg::scores(s, q_desc, kv_desc + ((stage * 2 * FA_CHUNK * hdp * 2) >> 4));
             } else {
 #pragma unroll
                 for (int kk = 0; kk < MAX_HD / 16; kk++) {
@@ -472,7 +481,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             if constexpr (Wg::on) group_pv = fa_group_all(!warp_live || (warp_in && !selects), 1 + (warp >> 2));
             if (group_pv) {
                 if (warp_in) probabilities(FaBool<false>{});
-                if constexpr (Wg::on) Wg::pv(acc, s, vs);
+                if constexpr (Wg::on) Wg::pv(acc, s, kv_desc + (((2 * stage + 1) * FA_CHUNK * hdp * 2) >> 4));
             } else if (warp_in && selects) {
                 probabilities(FaBool<true>{});
                 pv(FaBool<true>{});

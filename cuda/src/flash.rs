@@ -15,7 +15,7 @@ use mtp_kernels::{Activations, Heads, Kernels, KvDtype};
 /// Keys a chunk, chunks a segment, tokens a tile, warps a block (`FA_CHUNK`, `FA_SEG_CHUNKS`,
 /// `FA_MAX_WARPS` in flash.cuh; the tile is the host's).
 const CHUNK: usize = 64;
-pub(super) const SEGMENT: usize = 4 * CHUNK;
+pub(super) const SEGMENT: usize = 8 * CHUNK;
 const TILE: usize = 16;
 const MAX_WARPS: usize = 8;
 /// Head-size tiers, one kernel each: `flash_attention_{32, 64, 128}`.

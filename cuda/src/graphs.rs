@@ -37,8 +37,8 @@ static GRAPHS_ON: AtomicBool = AtomicBool::new(true);
 struct Shape {
     tokens: usize,
     rows: usize,
-    /// Attention's segments (256 keys, the tensor-core kernel's; a 512-key segment of the
-    /// CUDA-core kernel is two) for the most keys a token reads: the split launch's grid
+    /// Attention's segments (512 keys, the tensor-core kernel's and the CUDA-core
+    /// kernel's) for the most keys a token reads: the split launch's grid
     /// follows it.
     segments: usize,
     /// The tensor-core attention's tiles and the most tokens one holds, as far as its grid

@@ -60,16 +60,21 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* b
         ::"r"(smem_addr(dst)), "l"((u64)map), "r"(k), "r"(row), "r"(smem_addr(bar))
         : "memory");
 }
+// A shared-memory matrix descriptor's start address (16-byte units) of `p`: that of p + b
+// bytes is this + b / 16 (every shared address fits the field's 14 bits), so a kernel
+// computes it once and adds constants.
+__device__ __forceinline__ u32 desc_addr(const void* p) { return (smem_addr(p) & 0x3FFFF) >> 4; }
 // A K-major operand tile in the 128-byte swizzle (rows of 128 bytes, 8-row groups 1,024
-// bytes apart); + 2 j addresses its k 16 j..16 j + 15.
-__device__ __forceinline__ u64 sw128_desc(const void* p) {
-    return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
+// bytes apart) at start address `addr`; + 2 j addresses its k 16 j..16 j + 15.
+// (The fields are added, not or-ed, to the address: the compiler then folds a constant
+// offset of it and theirs into one add.)
+__device__ __forceinline__ u32 desc_hi(u32 stride_bytes) { return (stride_bytes >> 4) | (1u << 30); }
+__device__ __forceinline__ u64 sw128_desc(u32 addr) { return (u64)(addr + (1u << 16)) | ((u64)desc_hi(1024) << 32); }
+__device__ __forceinline__ u64 sw128_desc(const void* p) { return sw128_desc(desc_addr(p)); }
 // An MN-major operand in the 128-byte swizzle read transposed (attention's V: rows of 64
 // dims, 128 bytes): 8-row (k) groups 1,024 bytes apart, 64-column blocks `block_bytes` apart.
-__device__ __forceinline__ u64 sw128_desc_mn(const void* p, u32 block_bytes) {
-    return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | ((u64)(block_bytes >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
-           (1ull << 62);
+__device__ __forceinline__ u64 sw128_desc_mn(u32 addr, u32 block_bytes) {
+    return (u64)(addr + ((block_bytes >> 4) << 16)) | ((u64)desc_hi(1024) << 32);
 }
 // d (+)= a b over 16 k: a, this lane's fragment of 64 weight rows (mma.sync's A layout,
 // warp w holding rows 16 w..), b the tokens' tile in shared memory (128 tokens, or 64:
@@ -93,6 +98,13 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[32], u32 a0, u32 a1, u32 a
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+// d (+)= a b over 16 k, both operands K-major tiles in shared memory (m64n64k16).
+__device__ __forceinline__ void wgmma_tile_ss(float (&d)[32], u64 da, u64 db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -338,23 +350,29 @@ extern "C" __global__ void __launch_bounds__(384, 2)
 
 struct FaWgmma {
     static constexpr bool on = true;
+    // The descriptors' start address of a tile at `p` (flash_impl takes them once, then adds).
+    __device__ static u32 at(const void* p) { return desc_addr(p); }
     // s = q K^T over a chunk's 64 keys: 8 m64n64k16 over the dims in increasing 16-wide
-    // steps (mma.sync's chain), q's fragments `a` in registers, K in shared memory.
-    __device__ static void scores(float (&s)[8][4], const u32 (&a)[8][4], const u16* ks) {
+    // steps (mma.sync's chain), the warpgroup's q tile (64 rows) at `q` and K at `k`, both
+    // in shared memory in fa_kv_at's layout.
+    __device__ static void scores(float (&s)[8][4], u32 q, u32 k) {
         float(&d)[32] = reinterpret_cast<float(&)[32]>(s);
         fence_regs(d);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-            wgmma_tile(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc(ks + (kk >> 2) * FA_CHUNK * 64 + 16 * (kk & 3)));
+        for (int kk = 0; kk < 8; kk++) {
+            // Dims 16 kk..: 64-dim block kk / 4 (64 rows of 128 bytes), 32 bytes a step within it.
+            const u32 step = ((kk >> 2) * FA_CHUNK * 128 + 32 * (kk & 3)) >> 4;
+            wgmma_tile_ss(d, sw128_desc(q + step), sw128_desc(k + step));
+        }
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(d);
     }
     // acc += P V over the chunk's four 16-key steps (P rounded to bf16 as mma.sync's path
-    // rounds it), V in shared memory read transposed: its 16 keys' rows, the two 64-dim
-    // blocks a chunk's 64 rows of 128 bytes apart.
-    __device__ static void pv(float (&acc)[16][4], const float (&s)[8][4], const u16* vs) {
+    // rounds it), V at `v` in shared memory read transposed: its 16 keys' rows, the two
+    // 64-dim blocks a chunk's 64 rows of 128 bytes apart.
+    __device__ static void pv(float (&acc)[16][4], const float (&s)[8][4], u32 v) {
         u32 a[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) fa_p_frag(a[kk], s, kk);
@@ -363,7 +381,7 @@ struct FaWgmma {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_tile<1>(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc_mn(vs + kk * 16 * 64, FA_CHUNK * 128));
+            wgmma_tile<1>(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc_mn(v + ((kk * 16 * 128) >> 4), FA_CHUNK * 128));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(d);
