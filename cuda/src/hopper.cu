@@ -361,8 +361,7 @@ struct FaWgmma {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 8; kk++) {
-            // Dims 16 kk..: 64-dim block kk / 4 (64 rows of 128 bytes), 32 bytes a step within it.
-            const u32 step = ((kk >> 2) * FA_CHUNK * 128 + 32 * (kk & 3)) >> 4;
+            const u32 step = fa_kv_at(0, 16 * kk, 128) / 8;  // dims 16 kk.. of row 0
             wgmma_tile_ss(d, sw128_desc(q + step), sw128_desc(k + step));
         }
         wgmma_commit();
@@ -381,7 +380,7 @@ struct FaWgmma {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_tile<1>(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc_mn(v + ((kk * 16 * 128) >> 4), FA_CHUNK * 128));
+            wgmma_tile<1>(d, a[kk][0], a[kk][1], a[kk][2], a[kk][3], sw128_desc_mn(v + fa_kv_at(16 * kk, 0, 128) / 8, FA_CHUNK * 128));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(d);
