@@ -210,8 +210,10 @@ fn stacked_own_bits(cuda: &Cuda) {
 /// SwiGLU's gate and up projections with silu(gate) * up in one launch (`linear_swiglu`,
 /// the pass kernel up to 32 tokens) leave the gate's output with the bits of
 /// `linear_parts` then `swiglu`: partial 8-column blocks, with and without biases, at 1-32
-/// tokens and past them (the three launches, unfused). Controls: the projections by cuBLAS
-/// must differ at some M, and so must gate and up swapped.
+/// tokens and past them (on a Hopper the phase launches, stacked (1024 x 4096 at 40 and
+/// 64 tokens) or not (4352 x 1024 at 40, 64; 128-token tiles at 100), with the merges
+/// and SwiGLU in one launch; elsewhere the three launches, unfused). Controls: the
+/// projections by cuBLAS must differ at some M, and so must gate and up swapped.
 #[test]
 fn swiglu_in_the_projection_keeps_the_bits_of_three_launches() {
     for mode in MODES {
@@ -222,12 +224,12 @@ fn swiglu_in_the_projection_keeps_the_bits_of_three_launches() {
 fn swiglu_fused_bits(cuda: &Cuda, mode: Activations) {
     let mut rng = Lcg(31);
     let (mut stock_differs, mut swap_differs) = (false, false);
-    for (n, k, with_bias) in [(203, 1056, true), (100, 96, false), (1024, 4096, false)] {
+    for (n, k, with_bias) in [(203, 1056, true), (100, 96, false), (1024, 4096, false), (4352, 1024, true)] {
         let (gw, uw) = (weight(&mut rng, WeightDtype::Bf16, n, k), weight(&mut rng, WeightDtype::Bf16, n, k));
         let (gm, um) = (cuda.matrix(&gw).unwrap(), cuda.matrix(&uw).unwrap());
         let (gb, ub) = (cuda.upload(&rng.vec(n)).unwrap(), cuda.upload(&rng.vec(n)).unwrap());
         let (gb, ub) = if with_bias { (Some(&gb), Some(&ub)) } else { (None, None) };
-        for m in [1, 3, 8, 9, 16, 17, 32, 40] {
+        for m in [1, 3, 8, 9, 16, 17, 32, 40, 64, 100] {
             let x = cuda.upload(&rng.vec(m * k)).unwrap();
             let apart = |gate: (&_, _), up: (&_, _), stock: bool| {
                 mtp::kernels::negative_control::set_stock_matmul(stock);

@@ -142,17 +142,19 @@ impl Cuda {
         out: &mut CudaSlice<f32>,
         mode: Out,
     ) -> Result<()> {
+        if matches!(kernel, TcKernel::WgmmaPhases128x64 | TcKernel::WgmmaPhases128x128) {
+            let part = self.wgmma_partials(kernel, split, m, w)?;
+            return self.merge_phases(ptr(&part, &self.stream), m, w.rows, bias, out, mode);
+        }
         let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
             Error::Backend(
                 "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
             )
         })?;
-        // The kernel's index in `Functions::linear_wg`, and whether it writes phase partials.
-        let (i, phased) = match kernel {
-            TcKernel::Wgmma128x128 => (0, false),
-            TcKernel::WgmmaPhases128x64 => (1, true),
-            TcKernel::WgmmaPhases128x128 => (2, true),
-            TcKernel::Wgmma128x192 => (4, false),
+        // The kernel's index in `Functions::linear_wg`.
+        let i = match kernel {
+            TcKernel::Wgmma128x128 => 0,
+            TcKernel::Wgmma128x192 => 4,
             _ => return Err(Error::Backend(format!("{kernel:?} is not a wgmma kernel"))),
         };
         let (f, tile_toks) = (&fs[i], TOKS[i]);
@@ -162,14 +164,6 @@ impl Cuda {
         let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
         let (op, bp) = (ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
         let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(tile_toks) as u32);
-        if phased {
-            // SAFETY: every phase block writes its whole tile of partials before the merge.
-            let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
-            let pp = ptr(&part, s);
-            let smem = SMEM_BYTES[i];
-            launch!(self, f, (cols, 8 * toks), THREADS, smem, "linear", [wmap, xmap, mi, k, n, pp])?;
-            return self.merge_phases(pp, m, w.rows, bias, out, mode);
-        }
         // The grid's x walks the smaller operand's tiles, so the blocks running together share
         // a few tiles of the larger, each read from DRAM once (measured both ways on an H200,
         // notes v18: token tiles first at 12288 x 4096 and M = 2,048, 0.489 -> 0.435 ms;
@@ -188,10 +182,49 @@ impl Cuda {
         )
     }
 
+    /// The 8 phase partials (8 x M x N f32) of `split` times `w`'s transpose by `kernel`, a
+    /// phase-split wgmma kernel, for [`Cuda::merge_phases`] or a merge beside others.
+    pub(crate) fn wgmma_partials(
+        &self,
+        kernel: TcKernel,
+        split: &CudaSlice<u16>,
+        m: usize,
+        w: &CudaMat,
+    ) -> Result<CudaSlice<f32>> {
+        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
+            Error::Backend(
+                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
+            )
+        })?;
+        let i = match kernel {
+            TcKernel::WgmmaPhases128x64 => 1,
+            TcKernel::WgmmaPhases128x128 => 2,
+            _ => return Err(Error::Backend(format!("{kernel:?} is not a phase-split wgmma kernel"))),
+        };
+        let s = &self.stream;
+        let wmap = tensor_map(ptr(&w.buf, s), w.rows, w.cols, (WEIGHT_BOX_K, COLS), false, "the weight")?;
+        let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, TOKS[i]), true, "the activations")?;
+        let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
+        let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS[i]) as u32);
+        // SAFETY: every phase block writes its whole tile of partials before a merge reads them.
+        let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
+        let pp = ptr(&part, s);
+        launch!(
+            self,
+            &fs[i],
+            (cols, 8 * toks),
+            THREADS,
+            SMEM_BYTES[i],
+            "linear",
+            [wmap, xmap, mi, k, n, pp]
+        )?;
+        Ok(part)
+    }
+
     /// `outs[i]` = `split` (as [`Cuda::linear_wgmma`]'s) times `parts[i]`'s transpose (+ its
     /// bias) for 1-3 weights of one K, each of which [`Cuda::pick`] gives
-    /// [`TcKernel::WgmmaPhases128x64`]: their tiles in one launch, then each part's phase
-    /// merge, so every output has the bits of its own launch.
+    /// [`TcKernel::WgmmaPhases128x64`]: their tiles in one launch, then the parts' phase
+    /// merges in one more, so every output has the bits of its own launch.
     pub(crate) fn linear_wgmma_parts(
         &self,
         split: &CudaSlice<u16>,
@@ -199,21 +232,41 @@ impl Cuda {
         parts: &[(&CudaMat, Option<&CudaSlice<f32>>)],
         outs: &mut [&mut CudaSlice<f32>],
     ) -> Result<()> {
-        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
-            Error::Backend(
-                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
-            )
-        })?;
-        let Some((first, _)) = parts.first().filter(|_| parts.len() <= 3 && parts.len() == outs.len()) else {
+        if parts.len() != outs.len() {
             return Err(Error::Backend(format!(
                 "{} weights for {} outputs in one wgmma launch",
                 parts.len(),
                 outs.len()
             )));
+        }
+        let weights: Vec<&CudaMat> = parts.iter().map(|(w, _)| *w).collect();
+        let (partials, at) = self.wgmma_parts_partials(split, m, &weights)?;
+        let merges: Vec<_> = parts.iter().zip(at).map(|((w, bias), part)| (part, w.rows, *bias)).collect();
+        self.merge_phases_parts(m, &merges, outs)?;
+        drop(partials);
+        Ok(())
+    }
+
+    /// The phase partials of `split` times each of 1-3 weights of one K (as
+    /// [`Cuda::linear_wgmma_parts`] takes them) by one launch of the 64-token phase tiles:
+    /// the buffer and each weight's partials' device address in it.
+    pub(crate) fn wgmma_parts_partials(
+        &self,
+        split: &CudaSlice<u16>,
+        m: usize,
+        parts: &[&CudaMat],
+    ) -> Result<(CudaSlice<f32>, Vec<u64>)> {
+        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
+            Error::Backend(
+                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
+            )
+        })?;
+        let Some(first) = parts.first().filter(|_| parts.len() <= 3) else {
+            return Err(Error::Backend(format!("{} weights in one wgmma launch (1 to 3)", parts.len())));
         };
         let (s, k) = (&self.stream, first.cols);
         let xmap = tensor_map(ptr(split, s), m, k, (STAGE_K, TOKS[3]), true, "the activations")?;
-        let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
+        let total: usize = parts.iter().map(|w| w.rows).sum();
         // SAFETY: every phase block writes its whole tile of partials before the merges.
         let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
         let base = ptr(&partials, s);
@@ -223,7 +276,7 @@ impl Cuda {
         };
         let mut maps = [map(first)?; 3];
         let (mut offset, mut tiles) = (0, 0);
-        for (i, (w, _)) in parts.iter().enumerate() {
+        for (i, w) in parts.iter().enumerate() {
             if i > 0 {
                 maps[i] = map(w)?;
             }
@@ -237,9 +290,6 @@ impl Cuda {
         let (mi, ki, toks) = (m as i32, k as i32, m.div_ceil(TOKS[3]) as u32);
         let grid = (tiles as u32, 8 * toks);
         launch!(self, &fs[3], grid, THREADS, SMEM_BYTES[3], "linear", [w0, w1, w2, xmap, mi, ki, p])?;
-        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
-            self.merge_phases(p.part[i], m, w.rows, *bias, out, Out::Write)?;
-        }
-        Ok(())
+        Ok((partials, p.part[..parts.len()].to_vec()))
     }
 }

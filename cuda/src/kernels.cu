@@ -1017,17 +1017,53 @@ LINEAR_TT_PARTS(linear_tt_parts_bf16_128x32, 4, 2, 3, 2)
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x64, 4, 4, 3, 2)
 LINEAR_TT_PARTS(linear_tt_parts_bf16_128x48, 4, 3, 3, 2)
 
-// out (+)= the 8 phase partials added in phase order (linear_tc's warp order), + bias.
+// Output i of an m x n phase launch: its 8 partials (part[p][i], mn = m n) added in phase
+// order (linear_tc's warp order), + bias.
+__device__ __forceinline__ float merged(const float* part, long long mn, long long i, const float* bias, int n) {
+    float y = part[i];
+#pragma unroll
+    for (int p = 1; p < 8; p++) y += part[p * mn + i];
+    if (bias) y += bias[i % n];
+    return y;
+}
+
+// out (+)= the merged partials.
 extern "C" __global__ void linear_merge_phases(const float* part, int m, int n, const float* bias, float* out,
                                                int accumulate) {
     const long long mn = (long long)m * n;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < mn; i += (long long)gridDim.x * blockDim.x) {
-        float y = part[i];
-#pragma unroll
-        for (int p = 1; p < 8; p++) y += part[p * mn + i];
-        if (bias) y += bias[i % n];
+        const float y = merged(part, mn, i, bias, n);
         out[i] = accumulate ? out[i] + y : y;
     }
+}
+
+// Up to 3 phase launches' merges in one (q/k/v): part i's m n[i] outputs are the flat
+// indices [end[i - 1], end[i]), each written as linear_merge_phases writes it.
+struct MergeParts {
+    const float* part[3];
+    const float* bias[3];
+    float* out[3];
+    long long end[3];
+    int n[3];
+    int parts;
+};
+extern "C" __global__ void linear_merge_phases_parts(const __grid_constant__ MergeParts p, int m) {
+    const long long total = TC_PART(p, end, p.parts - 1);
+    for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < total; j += (long long)gridDim.x * blockDim.x) {
+        const int i = j >= p.end[0] ? (j >= p.end[1] ? 2 : 1) : 0;
+        const long long at = j - (i == 0 ? 0 : TC_PART(p, end, i - 1));
+        const int n = TC_PART(p, n, i);
+        TC_PART(p, out, i)[at] = merged(TC_PART(p, part, i), (long long)m * n, at, TC_PART(p, bias, i), n);
+    }
+}
+
+// SwiGLU over two phase launches (gate's, up's, both m x n): out = silu_mul of the merged
+// gate and up, the bits of their merges and then `swiglu`.
+extern "C" __global__ void linear_merge_phases_swiglu(const float* gate, const float* up, int m, int n,
+                                                      const float* gate_bias, const float* up_bias, float* out) {
+    const long long mn = (long long)m * n;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < mn; i += (long long)gridDim.x * blockDim.x)
+        out[i] = silu_mul(merged(gate, mn, i, gate_bias, n), merged(up, mn, i, up_bias, n));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -325,6 +325,22 @@ struct TcParts {
 // SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
 unsafe impl cudarc::driver::DeviceRepr for TcParts {}
 
+/// `MergeParts` in kernels.cu: up to 3 phase launches' partials merged in one launch, part
+/// i's outputs the flat indices up to `end[i]`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MergeParts {
+    part: [u64; 3],
+    bias: [u64; 3],
+    out: [u64; 3],
+    end: [i64; 3],
+    n: [i32; 3],
+    parts: i32,
+}
+
+// SAFETY: plain old data laid out as the kernel's struct (repr(C), the same field types).
+unsafe impl cudarc::driver::DeviceRepr for MergeParts {}
+
 /// `TcqParts` in kernels.cu: up to 3 quantized weights of one bits and group size in one
 /// `linear_tcq` launch.
 #[repr(C)]
@@ -401,6 +417,8 @@ struct Functions {
     /// bf16 activations in MMA-step order, for wgmma.
     split_activations_steps: CudaFunction,
     linear_merge_phases: CudaFunction,
+    linear_merge_phases_parts: CudaFunction,
+    linear_merge_phases_swiglu: CudaFunction,
     embed: [CudaFunction; 3],
     embed_q: [CudaFunction; 3],
     /// The same over codes in `linear_tcq`'s order ([`repack_codes`]), by bits (4, 8).
@@ -618,6 +636,8 @@ impl Cuda {
             split_activations: tc("split_activations")?,
             split_activations_steps: get("split_activations_steps")?,
             linear_merge_phases: get("linear_merge_phases")?,
+            linear_merge_phases_parts: get("linear_merge_phases_parts")?,
+            linear_merge_phases_swiglu: get("linear_merge_phases_swiglu")?,
             embed: [get("embed_f32")?, get("embed_bf16")?, get("embed_f16")?],
             embed_q: [get("embed_q2")?, get("embed_q4")?, get("embed_q8")?],
             embed_tcq: [get("embed_tcq4")?, get("embed_tcq8")?],
@@ -869,6 +889,20 @@ impl Cuda {
         }
     }
 
+    /// The phase-split wgmma kernel SwiGLU's gate and up both take at M tokens (one shape,
+    /// bf16 weights on the tensor cores), where their merges can go with SwiGLU's.
+    fn phased_wgmma_pair(&self, m: usize, gate: &CudaMat, up: &CudaMat) -> Option<TcKernel> {
+        let (n, k) = (gate.rows, gate.cols);
+        let tensor_cores = (up.rows, up.cols) == (n, k)
+            && n > 0
+            && !negative_control::stock_matmul()
+            && tensor_core_path(gate)
+            && tensor_core_path(up);
+        let kernel = self.pick(m, n, k);
+        let phased = matches!(kernel, TcKernel::WgmmaPhases128x64 | TcKernel::WgmmaPhases128x128);
+        (tensor_cores && phased && self.runs(kernel, k)).then_some(kernel)
+    }
+
     /// `len` f32 activations as the bf16 planes the tiles read: split exactly into three, or
     /// rounded into one (this instance's [`Activations`]).
     fn split_activations(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
@@ -989,9 +1023,8 @@ impl Cuda {
         let grid = (blocks as u32, 8 * m.div_ceil(toks) as u32);
         let smem = tile.smem_bytes(activation_terms(self.activations));
         launch!(self, f, grid, LINEAR_THREADS, smem, "linear", [sp, mi, k, p])?;
-        for (i, ((w, bias), out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
-            self.merge_phases(p.out[i], m, w.rows, *bias, out, Out::Write)?;
-        }
+        let merges: Vec<_> = parts.iter().zip(p.out).map(|((w, bias), part)| (part, w.rows, *bias)).collect();
+        self.merge_phases_parts(m, &merges, outs)?;
         drop(partials);
         Ok(())
     }
@@ -1069,6 +1102,61 @@ impl Cuda {
         let (mi, ni, acc) = (m as i32, n as i32, (mode == Out::Add) as i32);
         let blocks = (m * n).div_ceil(256).min(4096) as u32;
         launch!(self, &self.f.linear_merge_phases, (blocks, 1), 256, "merge", [part, mi, ni, bp, op, acc])
+    }
+
+    /// Each `outs[i]` = the 8 phase partials at device address `parts[i].0` (8 x M x
+    /// `parts[i].1` f32) added in phase order, + `parts[i].2`, for 1-3 parts in one launch:
+    /// each output as [`Cuda::merge_phases`] writes it.
+    pub(crate) fn merge_phases_parts(
+        &self,
+        m: usize,
+        parts: &[(u64, usize, Option<&CudaSlice<f32>>)],
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        if !(1..=3).contains(&parts.len()) || parts.len() != outs.len() {
+            return Err(Error::Backend(format!(
+                "{} merges for {} outputs in one launch (1 to 3)",
+                parts.len(),
+                outs.len()
+            )));
+        }
+        let s = &self.stream;
+        let mut p = MergeParts { parts: parts.len() as i32, ..MergeParts::default() };
+        let mut end = 0;
+        for (i, ((part, n, bias), out)) in parts.iter().zip(outs.iter()).enumerate() {
+            end += (m * n) as i64;
+            (p.part[i], p.bias[i], p.out[i]) = (*part, bias.map_or(0, |b| ptr(b, s)), ptr(&**out, s));
+            (p.end[i], p.n[i]) = (end, *n as i32);
+        }
+        let blocks = (end as usize).div_ceil(256).clamp(1, 4096) as u32;
+        let mi = m as i32;
+        launch!(self, &self.f.linear_merge_phases_parts, (blocks, 1), 256, "merge", [p, mi])
+    }
+
+    /// `out` = silu(gate) * up, gate and up each the merge of an M x N phase launch's
+    /// partials (at device addresses `gate.0`, `up.0`) + its bias: the bits of the two
+    /// merges and then [`Cuda::swiglu`], in one launch.
+    fn merge_phases_swiglu(
+        &self,
+        m: usize,
+        n: usize,
+        gate: (u64, Option<&CudaSlice<f32>>),
+        up: (u64, Option<&CudaSlice<f32>>),
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let s = &self.stream;
+        let (gb, ub) = (gate.1.map_or(0, |b| ptr(b, s)), up.1.map_or(0, |b| ptr(b, s)));
+        let (mi, ni, op) = (m as i32, n as i32, ptr(out, s));
+        let blocks = (m * n).div_ceil(256).clamp(1, 4096) as u32;
+        let (gp, upp) = (gate.0, up.0);
+        launch!(
+            self,
+            &self.f.linear_merge_phases_swiglu,
+            (blocks, 1),
+            256,
+            "merge",
+            [gp, upp, mi, ni, gb, ub, op]
+        )
     }
 
     /// Waits for every queued kernel (for timing).
@@ -1552,6 +1640,26 @@ impl Kernels for Cuda {
     ) -> Result<()> {
         let ((gw, gb), (uw, ub)) = (gate, up);
         let (n, k) = (gw.rows, gw.cols);
+        if let Some(kernel) = self.phased_wgmma_pair(m, gw, uw) {
+            // Past 32 tokens on a Hopper: the two phase launches (one where they stack, as
+            // linear_parts would), then their merges and SwiGLU in one launch.
+            let steps = self.split_steps(x, m * k)?;
+            let stacked =
+                kernel == TcKernel::WgmmaPhases128x64 && hopper::phase_blocks_64(n, m) < 2 * GRID_SMS;
+            if stacked {
+                let (partials, at) = self.wgmma_parts_partials(&steps, m, &[gw, uw])?;
+                self.merge_phases_swiglu(m, n, (at[0], gb), (at[1], ub), gate_out)?;
+                drop(partials);
+            } else {
+                let (gp, upp) = (
+                    self.wgmma_partials(kernel, &steps, m, gw)?,
+                    self.wgmma_partials(kernel, &steps, m, uw)?,
+                );
+                let s = &self.stream;
+                self.merge_phases_swiglu(m, n, (ptr(&gp, s), gb), (ptr(&upp, s), ub), gate_out)?;
+            }
+            return Ok(());
+        }
         let pass = self.parts_pass(m, &[gate, up]).filter(|_| (uw.rows, uw.cols) == (n, k));
         let Some(pass) = pass else {
             self.linear_parts(x, m, &[gate, up], &mut [&mut *gate_out, &mut *up_out])?;
