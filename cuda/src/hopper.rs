@@ -6,11 +6,11 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaContext, CudaModule, CudaSlice};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::Out;
 
-use crate::{driver, ptr, Cuda, CudaMat, TcKernel};
+use crate::{driver, ptr, Cuda, CudaMat, TcKernel, GRID_SMS};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
@@ -34,8 +34,16 @@ pub(crate) const SMEM_BYTES: [u32; 5] =
 
 /// Blocks of a 64-token phase-split launch over `rows` weight rows and `m` tokens: 8 phases
 /// a 128-column, 64-token tile.
-pub(crate) fn phase_blocks_64(rows: usize, m: usize) -> usize {
+fn phase_blocks_64(rows: usize, m: usize) -> usize {
     rows.div_ceil(COLS) * 8 * m.div_ceil(TOKS[1])
+}
+
+/// Whether weights of `rows` rows taking the 64-token phases over `m` tokens join others in
+/// one phase launch: alone they would give fewer than two blocks an SM (k and v). Wide
+/// weights keep a launch each: 24576 x 4096 at 40 tokens took 0.155 ms, two 12288 x 4096
+/// 0.063 each (notes v23).
+pub(crate) fn stacks_64(rows: usize, m: usize) -> bool {
+    phase_blocks_64(rows, m) < 2 * GRID_SMS
 }
 
 const fn smem_bytes(toks: usize) -> u32 {
@@ -128,6 +136,15 @@ fn tensor_map(
 }
 
 impl Cuda {
+    /// The wgmma kernels, in the order of `Functions::linear_wg`.
+    fn wgmma_functions(&self) -> Result<&[CudaFunction; 5]> {
+        self.f.linear_wg.as_ref().ok_or_else(|| {
+            Error::Backend(
+                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
+            )
+        })
+    }
+
     /// `out` (+)= `split` (M x K bf16: activations rounded in MMA-step order by
     /// [`Cuda::split_steps`]) times `w`'s transpose by wgmma: `kernel` is one of
     /// [`TcKernel::is_wgmma`], and the caller checked [`Cuda::runs`].
@@ -146,11 +163,7 @@ impl Cuda {
             let part = self.wgmma_partials(kernel, split, m, w)?;
             return self.merge_phases(ptr(&part, &self.stream), m, w.rows, bias, out, mode);
         }
-        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
-            Error::Backend(
-                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
-            )
-        })?;
+        let fs = self.wgmma_functions()?;
         // The kernel's index in `Functions::linear_wg`.
         let i = match kernel {
             TcKernel::Wgmma128x128 => 0,
@@ -191,11 +204,7 @@ impl Cuda {
         m: usize,
         w: &CudaMat,
     ) -> Result<CudaSlice<f32>> {
-        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
-            Error::Backend(
-                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
-            )
-        })?;
+        let fs = self.wgmma_functions()?;
         let i = match kernel {
             TcKernel::WgmmaPhases128x64 => 1,
             TcKernel::WgmmaPhases128x128 => 2,
@@ -256,11 +265,7 @@ impl Cuda {
         m: usize,
         parts: &[&CudaMat],
     ) -> Result<(CudaSlice<f32>, Vec<u64>)> {
-        let fs = self.f.linear_wg.as_ref().ok_or_else(|| {
-            Error::Backend(
-                "the wgmma matmul runs on compute capability 9.0 with bf16 activations only".into(),
-            )
-        })?;
+        let fs = self.wgmma_functions()?;
         let Some(first) = parts.first().filter(|_| parts.len() <= 3) else {
             return Err(Error::Backend(format!("{} weights in one wgmma launch (1 to 3)", parts.len())));
         };

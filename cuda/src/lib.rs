@@ -1574,12 +1574,11 @@ impl Kernels for Cuda {
             let split = self.split_activations(x, m * k)?;
             return self.linear_tile_parts(kernel, &split, m, parts, outs);
         }
-        // Where each part would take the 64-token wgmma phases and some alone would give
-        // fewer than two blocks an SM (k and v), one launch for all. Wide parts keep a launch
-        // each: 24576 x 4096 at 40 tokens took 0.155 ms, two 12288 x 4096 0.063 each (notes v23).
+        // Where each part would take the 64-token wgmma phases and some would stack
+        // (`hopper::stacks_64`), one launch for all.
         if stackable
             && parts.iter().all(|(w, _)| self.pick(m, w.rows, k) == TcKernel::WgmmaPhases128x64)
-            && parts.iter().any(|(w, _)| hopper::phase_blocks_64(w.rows, m) < 2 * GRID_SMS)
+            && parts.iter().any(|(w, _)| hopper::stacks_64(w.rows, m))
         {
             let steps = self.split_steps(x, m * k)?;
             return self.linear_wgmma_parts(&steps, m, parts, outs);
@@ -1644,9 +1643,7 @@ impl Kernels for Cuda {
             // Past 32 tokens on a Hopper: the two phase launches (one where they stack, as
             // linear_parts would), then their merges and SwiGLU in one launch.
             let steps = self.split_steps(x, m * k)?;
-            let stacked =
-                kernel == TcKernel::WgmmaPhases128x64 && hopper::phase_blocks_64(n, m) < 2 * GRID_SMS;
-            if stacked {
+            if kernel == TcKernel::WgmmaPhases128x64 && hopper::stacks_64(n, m) {
                 let (partials, at) = self.wgmma_parts_partials(&steps, m, &[gw, uw])?;
                 self.merge_phases_swiglu(m, n, (at[0], gb), (at[1], ub), gate_out)?;
                 drop(partials);
