@@ -329,21 +329,24 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Each warp's accumulators (acc[j][0..1] = (MMA row g, tokens 8j + 2t, +1), acc[j][2..3] =
-// (row g + 8, same)) added into `sum` in warp order.
-template <int MT>
-__device__ __forceinline__ void add_warp_sums(float (*sum)[8 * MT], const float (&acc)[MT][4]) {
+// Each warp's accumulators (acc[c][j][0..1] = (MMA row g of column group c, tokens 8j + 2t,
+// +1), acc[c][j][2..3] = (row g + 8, same)) added into `sum` (row 16 c + MMA row) in warp
+// order.
+template <int MT, int CB = 1>
+__device__ __forceinline__ void add_warp_sums(float (*sum)[8 * MT], const float (&acc)[CB][MT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     for (int v = 0; v < KWARPS; v++) {
         if (warp == v) {
 #pragma unroll
-            for (int j = 0; j < MT; j++)
+            for (int c = 0; c < CB; c++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float* y = &sum[g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
-                    *y = v == 0 ? acc[j][e] : *y + acc[j][e];
-                }
+                for (int j = 0; j < MT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float* y = &sum[TC_COLS * c + g + 8 * (e >> 1)][8 * j + 2 * t + (e & 1)];
+                        *y = v == 0 ? acc[c][j][e] : *y + acc[c][j][e];
+                    }
         }
         __syncthreads();
     }
@@ -351,13 +354,13 @@ __device__ __forceinline__ void add_warp_sums(float (*sum)[8 * MT], const float 
 
 // The end of a tensor-core pass (linear_tc, linear_tcq): add_warp_sums, then each output
 // of the pass's tokens r0 .. (plus its bias) written to `out` or added to it.
-template <int MT>
-__device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m,
+template <int MT, int CB = 1>
+__device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const float (&acc)[CB][MT][4], int r0, int m,
                                                 int c0, int n, const float* __restrict__ bias,
                                                 float* __restrict__ out, int accumulate) {
-    add_warp_sums<MT>(sum, acc);
-    for (int i = threadIdx.x; i < TC_COLS * 8 * MT; i += blockDim.x) {
-        const int c = i % TC_COLS, a = i / TC_COLS;
+    add_warp_sums<MT, CB>(sum, acc);
+    for (int i = threadIdx.x; i < TC_COLS * CB * 8 * MT; i += blockDim.x) {
+        const int c = i % (TC_COLS * CB), a = i / (TC_COLS * CB);
         const int r = r0 + a, col = c0 + c;
         if (r < m && col < n) {
             float y = sum[c][a];
@@ -372,19 +375,20 @@ __device__ __forceinline__ void store_warp_sums(float (*sum)[8 * MT], const floa
 // SwiGLU's one value: silu(g) * u.
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// store_warp_sums for linear_tc_swiglu: add_warp_sums, then each of the pass's tokens' 8
-// columns written as silu_mul(gate + bias, up + up_bias) (sum rows 0-7 the gate's columns
-// c0.., rows 8-15 the up's).
-template <int MT>
-__device__ __forceinline__ void store_swiglu(float (*sum)[8 * MT], const float (&acc)[MT][4], int r0, int m, int c0,
-                                             int n, const float* __restrict__ bias,
+// store_warp_sums for linear_tc_swiglu: add_warp_sums, then each of the pass's tokens' 8 CB
+// columns written as silu_mul(gate + bias, up + up_bias) (column group c's sum rows 16 c ..
+// 16 c + 7 the gate's columns c0 + 8 c .., the next 8 the up's).
+template <int MT, int CB = 1>
+__device__ __forceinline__ void store_swiglu(float (*sum)[8 * MT], const float (&acc)[CB][MT][4], int r0, int m,
+                                             int c0, int n, const float* __restrict__ bias,
                                              const float* __restrict__ up_bias, float* __restrict__ out) {
-    add_warp_sums<MT>(sum, acc);
-    for (int i = threadIdx.x; i < TC_COLS / 2 * 8 * MT; i += blockDim.x) {
-        const int c = i % (TC_COLS / 2), a = i / (TC_COLS / 2);
-        const int r = r0 + a, col = c0 + c;
+    add_warp_sums<MT, CB>(sum, acc);
+    constexpr int COLS = TC_COLS / 2 * CB;
+    for (int i = threadIdx.x; i < COLS * 8 * MT; i += blockDim.x) {
+        const int c = i % COLS, a = i / COLS;
+        const int r = r0 + a, col = c0 + c, row = TC_COLS * (c / 8) + c % 8;
         if (r < m && col < n) {
-            float gv = sum[c][a], uv = sum[c + TC_COLS / 2][a];
+            float gv = sum[row][a], uv = sum[row + TC_COLS / 2][a];
             if (bias) gv += bias[col];
             if (up_bias) uv += up_bias[col];
             out[(long long)r * n + col] = silu_mul(gv, uv);
@@ -406,42 +410,52 @@ __device__ __forceinline__ uint4 ld_weights16(const void* p) {
 }
 
 // MT token tiles: 8 MT tokens per pass over the weights (never changes an output's order).
-// `block`: which 16 columns (blockIdx.x, or its place among a multi-weight launch's parts).
-// With SWIGLU (linear_tc_swiglu): the block's 16 MMA rows are 8 columns of w (the gate) and
+// CB column groups: a block owns 16 CB columns, each warp multiplying every group by the same
+// activation fragments (at 8 tokens a lane's activations are its own token's, read from L1
+// once per CB groups instead of once per group; the order of each output is unchanged).
+// `block`: which 16 CB columns (blockIdx.x, or its place among a multi-weight launch's parts).
+// With SWIGLU (linear_tc_swiglu): a group's 16 MMA rows are 8 columns of w (the gate) and
 // the same 8 of `up`, and it writes out = silu_mul(gate + bias, up + up_bias) for them: each
 // dot the MMAs' same sum (which MMA row holds a weight row never changes its bits), each
 // value swiglu's of what the two outputs would have held.
-template <int MT, int TERMS, bool SWIGLU = false>
+template <int MT, int TERMS, bool SWIGLU = false, int CB = 1>
 __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const u16* __restrict__ w, int n,
                                const float* __restrict__ bias, float* __restrict__ out, int accumulate,
                                int block, const u16* __restrict__ up = nullptr,
                                const float* __restrict__ up_bias = nullptr) {
-    __shared__ float sum[TC_COLS][8 * MT];
+    __shared__ float sum[TC_COLS * CB][8 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int c0 = block * (SWIGLU ? TC_COLS / 2 : TC_COLS);
-    // This lane's two weight rows (g, g + 8; with `up`, row g of w and of up); rows past n
-    // read the last row (their outputs are never stored).
-    const u16* wr[2];
+    constexpr int GROUP_COLS = SWIGLU ? TC_COLS / 2 : TC_COLS;
+    const int c0 = block * GROUP_COLS * CB;
+    // This lane's two weight rows a group (g, g + 8; with `up`, row g of w and of up); rows
+    // past n read the last row (their outputs are never stored).
+    const u16* wr[CB][2];
 #pragma unroll
-    for (int h = 0; h < 2; h++)
-        wr[h] = SWIGLU ? (h ? up : w) + (long long)min(c0 + g, n - 1) * k + 8 * t
-                       : w + (long long)min(c0 + 8 * h + g, n - 1) * k + 8 * t;
+    for (int c = 0; c < CB; c++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            wr[c][h] = SWIGLU ? (h ? up : w) + (long long)min(c0 + GROUP_COLS * c + g, n - 1) * k + 8 * t
+                              : w + (long long)min(c0 + GROUP_COLS * c + 8 * h + g, n - 1) * k + 8 * t;
     for (int r0 = 0; r0 < m; r0 += 8 * MT) {
-        float acc[MT][4];
+        float acc[CB][MT][4];
 #pragma unroll
-        for (int j = 0; j < MT; j++)
+        for (int c = 0; c < CB; c++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+            for (int j = 0; j < MT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[c][j][e] = 0.0f;
         for (int kc = warp * TC_CHUNK; kc < k; kc += TC_CHUNK * KWARPS) {
             // The chunk's blocks, loaded before their MMAs.
-            uint4 wv[TC_CHUNK / 32][2];
+            uint4 wv[TC_CHUNK / 32][CB][2];
 #pragma unroll
             for (int u = 0; u < TC_CHUNK / 32; u++) {
                 const int kb = kc + u * 32;
                 if (kb < k) {
 #pragma unroll
-                    for (int h = 0; h < 2; h++) wv[u][h] = ld_weights16(wr[h] + kb);
+                    for (int c = 0; c < CB; c++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) wv[u][c][h] = ld_weights16(wr[c][h] + kb);
                 }
             }
 #pragma unroll
@@ -462,18 +476,23 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
                     split3(p.z * keep, p.w * keep, b[0][1], b[1][1], b[2][1]);
                     split3(q.x * keep, q.y * keep, b[0][2], b[1][2], b[2][2]);
                     split3(q.z * keep, q.w * keep, b[0][3], b[1][3], b[2][3]);
-                    const uint4 a = wv[u][0], a8 = wv[u][1];
 #pragma unroll
-                    for (int sp = 0; sp < TERMS; sp++) mma_bf16(acc[j], a.x, a8.x, a.y, a8.y, b[sp][0], b[sp][1]);
+                    for (int c = 0; c < CB; c++) {
+                        const uint4 a = wv[u][c][0], a8 = wv[u][c][1];
 #pragma unroll
-                    for (int sp = 0; sp < TERMS; sp++) mma_bf16(acc[j], a.z, a8.z, a.w, a8.w, b[sp][2], b[sp][3]);
+                        for (int sp = 0; sp < TERMS; sp++)
+                            mma_bf16(acc[c][j], a.x, a8.x, a.y, a8.y, b[sp][0], b[sp][1]);
+#pragma unroll
+                        for (int sp = 0; sp < TERMS; sp++)
+                            mma_bf16(acc[c][j], a.z, a8.z, a.w, a8.w, b[sp][2], b[sp][3]);
+                    }
                 }
             }
         }
         if constexpr (SWIGLU)
-            store_swiglu<MT>(sum, acc, r0, m, c0, n, bias, up_bias, out);
+            store_swiglu<MT, CB>(sum, acc, r0, m, c0, n, bias, up_bias, out);
         else
-            store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
+            store_warp_sums<MT, CB>(sum, acc, r0, m, c0, n, bias, out, accumulate);
     }
 }
 
@@ -489,6 +508,15 @@ LINEAR_TC(linear_tc_bf16_8, 1)
 LINEAR_TC(linear_tc_bf16_16, 2)
 LINEAR_TC(linear_tc_bf16_32, 4)
 LINEAR_TC(linear_tc_bf16_64, 8)
+// 32 columns a block (two groups): 8 or 16 tokens on wide weights.
+#define LINEAR_TC_WIDE_T(NAME, MT, TERMS)                                                                 \
+    extern "C" __global__ void NAME(const float* x, int m, int k, const u16* w, int n, const float* bias,  \
+                                    float* out, int accumulate) {                                         \
+        linear_tc_impl<MT, TERMS, false, 2>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);            \
+    }
+#define LINEAR_TC_WIDE(NAME, MT) LINEAR_TC_WIDE_T(NAME##_x3, MT, 3) LINEAR_TC_WIDE_T(NAME##_x1, MT, 1)
+LINEAR_TC_WIDE(linear_tc_wide_bf16_8, 1)
+LINEAR_TC_WIDE(linear_tc_wide_bf16_16, 2)
 
 // Up to 3 weights over the same activations in one launch (q/k/v, gate/up): blocks
 // [first_block[i], first_block[i + 1]) compute part i's columns, each output exactly as its
@@ -526,6 +554,15 @@ LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
 LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_8, 1)
 LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_16, 2)
 LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_32, 4)
+// 16 gate and 16 up columns a block (two groups): 8 or 16 tokens on wide weights.
+#define LINEAR_TC_SWIGLU_WIDE_T(NAME, MT, TERMS)                                                            \
+    extern "C" __global__ void NAME(const float* x, int m, int k, const u16* gate, const u16* up, int n,    \
+                                    const float* gate_bias, const float* up_bias, float* out) {             \
+        linear_tc_impl<MT, TERMS, true, 2>(x, m, k, gate, n, gate_bias, out, 0, blockIdx.x, up, up_bias);   \
+    }
+#define LINEAR_TC_SWIGLU_WIDE(NAME, MT) LINEAR_TC_SWIGLU_WIDE_T(NAME##_x3, MT, 3) LINEAR_TC_SWIGLU_WIDE_T(NAME##_x1, MT, 1)
+LINEAR_TC_SWIGLU_WIDE(linear_tc_swiglu_wide_bf16_8, 1)
+LINEAR_TC_SWIGLU_WIDE(linear_tc_swiglu_wide_bf16_16, 2)
 
 // ---------------------------------------------------------------------------------------
 // MLX-quantized weights on the tensor cores, bf16 activations (affine 4- or 8-bit codes,
@@ -734,7 +771,7 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
                 }
             }
         }
-        store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
+        store_warp_sums<MT>(sum, reinterpret_cast<const float(&)[1][MT][4]>(acc), r0, m, c0, n, bias, out, accumulate);
     }
 }
 
@@ -1124,13 +1161,37 @@ __device__ float block_sum(float v, float* shared8) {
 }
 
 // RMSNorm of each n-wide row of x into columns [col, col + n) of out (rows out_width
-// wide). grid: rows, block: 256. Thread t sums x[i]^2 for i = t, t + 256, ...
+// wide). grid: rows, block: 256. Thread t sums x[i]^2 for i = t, t + 256, ... in order.
+// Rows of up to NORM_HELD * 256 values stay in registers with their weights between the
+// sum and the writes (one round of loads, all in flight at once); longer rows are read
+// twice, 8 loads in flight at a time. Either way the same sums and products.
+#define NORM_HELD 32
 extern "C" __global__ void rms_norm(const float* x, const float* w, int n, float eps, float* out, int out_width,
                                     int col) {
     __shared__ float part[NORM_THREADS / 32];
     const float* xr = x + (long long)blockIdx.x * n;
-    // Thread i sums elements i, i + NORM_THREADS, ... in order; 8 loads in flight at once.
+    float* o = out + (long long)blockIdx.x * out_width + col;
     float s = 0.0f;
+    if (n <= NORM_HELD * NORM_THREADS) {
+        float v[NORM_HELD], g[NORM_HELD];
+#pragma unroll
+        for (int u = 0; u < NORM_HELD; u++) {
+            const int i = threadIdx.x + u * NORM_THREADS;
+            v[u] = i < n ? xr[i] : 0.0f;
+            g[u] = i < n ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_HELD; u++)
+            if (threadIdx.x + u * NORM_THREADS < n) s = fmaf(v[u], v[u], s);
+        s = block_sum(s, part);
+        const float inv = 1.0f / sqrtf(s / (float)n + eps);
+#pragma unroll
+        for (int u = 0; u < NORM_HELD; u++) {
+            const int i = threadIdx.x + u * NORM_THREADS;
+            if (i < n) o[i] = g[u] * (v[u] * inv);
+        }
+        return;
+    }
     int i = threadIdx.x;
     for (; i + 7 * NORM_THREADS < n; i += 8 * NORM_THREADS) {
         float v[8];
@@ -1142,7 +1203,6 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, int n, float
     for (; i < n; i += NORM_THREADS) s = fmaf(xr[i], xr[i], s);
     s = block_sum(s, part);
     const float inv = 1.0f / sqrtf(s / (float)n + eps);
-    float* o = out + (long long)blockIdx.x * out_width + col;
     i = threadIdx.x;
     for (; i + 7 * NORM_THREADS < n; i += 8 * NORM_THREADS) {
         float v[8], g[8];

@@ -150,6 +150,10 @@ pub enum TcKernel {
     Pass16,
     Pass32,
     Pass64,
+    /// The passes of 8 and 16 tokens over 32 columns a block (two 16-column groups sharing
+    /// each activation fragment a warp loads): on wide weights, half the activation reads.
+    Pass8Wide,
+    Pass16Wide,
     /// Stage (columns x tokens) tiles in shared memory: a fetched weight or activation
     /// serves the whole tile.
     Tile256x16,
@@ -174,6 +178,15 @@ pub enum TcKernel {
     /// verify's 33-128 tokens, on the same conditions.
     WgmmaPhases128x64,
     WgmmaPhases128x128,
+}
+
+/// Whether a pass over `m` tokens takes the wide blocks for `groups` 16-column groups: 4 to
+/// 16 tokens (one token's activations are a broadcast, nothing to share), where the wide
+/// grid still gives every SM four blocks. H200, `gpu_matmul --kernels` (notes v30): at 8
+/// tokens 24576 x 4096 0.063 ms against 0.065, 151936 x 4096 0.321 against 0.331, but
+/// 12288 x 4096 (three wide blocks an SM) 0.039 against 0.037; at 2 tokens none faster.
+fn wide_pass(m: usize, groups: usize) -> bool {
+    (4..=16).contains(&m) && groups.div_ceil(2) >= 4 * GRID_SMS
 }
 
 /// The H100's SMs, by which the kernel choice judges a grid (a block alone on an SM waits
@@ -208,11 +221,13 @@ fn activation_terms(a: Activations) -> usize {
 }
 
 impl TcKernel {
-    pub const ALL: [TcKernel; 17] = [
+    pub const ALL: [TcKernel; 19] = [
         TcKernel::Pass8,
         TcKernel::Pass16,
         TcKernel::Pass32,
         TcKernel::Pass64,
+        TcKernel::Pass8Wide,
+        TcKernel::Pass16Wide,
         TcKernel::Tile256x16,
         TcKernel::Tile128x32,
         TcKernel::Tile64x64,
@@ -253,7 +268,9 @@ impl TcKernel {
         let phased = n.div_ceil(128) * m.div_ceil(32) < 2 * GRID_SMS;
         let wide = phased && n >= 4096;
         match m {
+            2..=8 if wide_pass(m, n.div_ceil(LINEAR_TC_COLS_PER_BLOCK)) => TcKernel::Pass8Wide,
             0..=8 => TcKernel::Pass8,
+            9..=16 if wide_pass(m, n.div_ceil(LINEAR_TC_COLS_PER_BLOCK)) => TcKernel::Pass16Wide,
             9..=16 => TcKernel::Pass16,
             17..=32 if wide => TcKernel::Phases128x32,
             17..=32 => TcKernel::Pass32,
@@ -288,6 +305,8 @@ impl TcKernel {
             | TcKernel::Pass16
             | TcKernel::Pass32
             | TcKernel::Pass64
+            | TcKernel::Pass8Wide
+            | TcKernel::Pass16Wide
             | TcKernel::Wgmma128x128
             | TcKernel::Wgmma128x192
             | TcKernel::WgmmaPhases128x64
@@ -395,13 +414,15 @@ struct Functions {
     /// then tokens per pass (8, 16, 32, 64); over activations made by `prep_q_acts`.
     linear_tcq: [[CudaFunction; 4]; 2],
     prep_q_acts: CudaFunction,
-    /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64); the
-    /// variants of this instance's [`Activations`] (kernels.cu's `_x1` or `_x3`), as every
-    /// tensor-core function below.
-    linear_tc: [CudaFunction; 4],
+    /// Tensor cores, bf16 weights with K % 32 == 0, by tokens per pass (8, 16, 32, 64), then
+    /// the wide passes (8, 16): `TcKernel`'s first six, in order; the variants of this
+    /// instance's [`Activations`] (kernels.cu's `_x1` or `_x3`), as every tensor-core
+    /// function below.
+    linear_tc: [CudaFunction; 6],
     /// The same, up to 3 weights in one launch, by tokens per pass (8, 16, 32).
     linear_tc_parts: [CudaFunction; 3],
-    linear_tc_swiglu: [CudaFunction; 3],
+    /// Gate and up then SwiGLU, by tokens per pass (8, 16, 32), then the wide passes (8, 16).
+    linear_tc_swiglu: [CudaFunction; 5],
     /// The same, tiled in shared memory, on activations split (or rounded) by
     /// `split_activations`: by
     /// [`TcKernel::tile`]'s index, unphased and phase-split.
@@ -591,11 +612,15 @@ impl Cuda {
                 tc("linear_tc_bf16_16")?,
                 tc("linear_tc_bf16_32")?,
                 tc("linear_tc_bf16_64")?,
+                tc("linear_tc_wide_bf16_8")?,
+                tc("linear_tc_wide_bf16_16")?,
             ],
             linear_tc_swiglu: [
                 tc("linear_tc_swiglu_bf16_8")?,
                 tc("linear_tc_swiglu_bf16_16")?,
                 tc("linear_tc_swiglu_bf16_32")?,
+                tc("linear_tc_swiglu_wide_bf16_8")?,
+                tc("linear_tc_swiglu_wide_bf16_16")?,
             ],
             linear_tc_parts: [
                 tc("linear_tc_parts_bf16_8")?,
@@ -830,7 +855,8 @@ impl Cuda {
             let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
             let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
             let f = &self.f.linear_tc[kernel as usize]; // declared first, in this order
-            let grid = (w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK) as u32, 1);
+            let wide = matches!(kernel, TcKernel::Pass8Wide | TcKernel::Pass16Wide);
+            let grid = (w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK << wide as usize) as u32, 1);
             return launch!(self, f, grid, LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
         }
         let split = self.split_activations(x, m * w.cols)?;
@@ -1666,11 +1692,16 @@ impl Kernels for Cuda {
         let (xp, gp, upp, op) = (ptr(x, s), ptr(&gw.buf, s), ptr(&uw.buf, s), ptr(gate_out, s));
         let (gbp, ubp) = (gb.map_or(0, |b| ptr(b, s)), ub.map_or(0, |b| ptr(b, s)));
         let (mi, ki, ni) = (m as i32, k as i32, n as i32);
-        let blocks = n.div_ceil(LINEAR_TC_COLS_PER_BLOCK / 2) as u32;
+        // A block's 16-column groups each take 8 gate and 8 up columns.
+        let groups = n.div_ceil(LINEAR_TC_COLS_PER_BLOCK / 2);
+        let (f, blocks) = match pass {
+            0 | 1 if wide_pass(m, groups) => (&self.f.linear_tc_swiglu[3 + pass], groups.div_ceil(2)),
+            _ => (&self.f.linear_tc_swiglu[pass], groups),
+        };
         launch!(
             self,
-            &self.f.linear_tc_swiglu[pass],
-            (blocks, 1),
+            f,
+            (blocks as u32, 1),
             LINEAR_THREADS,
             "linear_swiglu",
             [xp, mi, ki, gp, upp, ni, gbp, ubp, op]
@@ -2034,11 +2065,32 @@ fn check_heads(h: Heads) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{repack_codes, TcKernel};
+    use super::{repack_codes, wide_pass, TcKernel};
 
     /// The wave rule picks the tile that was faster at each point measured on an H100
     /// (notes v25): 128x192 at 2,048 and 4,096 tokens on the 8B's wide shapes, 128x128 at
     /// 512 and 1,024 tokens and for k and v's 1,024 rows.
+    /// The wide passes where the H200 measured them faster (notes v30): 8 and 16 tokens on
+    /// the LM head, 8 on 24,576 rows (gate and up together); not on 12,288 rows or at 1-2
+    /// tokens.
+    #[test]
+    fn the_wide_pass_is_taken_where_it_was_measured_faster() {
+        for (m, n, want) in [
+            (8, 151936, TcKernel::Pass8Wide),
+            (16, 151936, TcKernel::Pass16Wide),
+            (8, 24576, TcKernel::Pass8Wide),
+            (8, 12288, TcKernel::Pass8),
+            (16, 12288, TcKernel::Pass16),
+            (2, 151936, TcKernel::Pass8),
+            (1, 151936, TcKernel::Pass8),
+            (8, 4096, TcKernel::Pass8),
+        ] {
+            assert_eq!(TcKernel::for_shape(m, n), want, "M = {m}, N = {n}");
+        }
+        // SwiGLU's gate of 12,288 columns: 1,536 groups of 8 gate and 8 up columns.
+        assert!(wide_pass(8, 12288 / 8) && !wide_pass(2, 12288 / 8));
+    }
+
     #[test]
     fn the_wgmma_tile_is_the_one_measured_faster() {
         for (m, n, want) in [
