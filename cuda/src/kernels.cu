@@ -498,25 +498,19 @@ __device__ void linear_tc_impl(const float* __restrict__ x, int m, int k, const 
 
 // Each kernel in two numerics: NAME_x3 (activations as three exact bf16 terms) and NAME_x1
 // (activations rounded to bf16).
-#define LINEAR_TC_T(NAME, MT, TERMS)                                                                      \
+// CB = 2: 32 columns a block (two groups), the wide passes of 8 or 16 tokens on wide weights.
+#define LINEAR_TC_T(NAME, MT, TERMS, CB)                                                                  \
     extern "C" __global__ void NAME(const float* x, int m, int k, const u16* w, int n, const float* bias,  \
                                     float* out, int accumulate) {                                         \
-        linear_tc_impl<MT, TERMS>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);                      \
+        linear_tc_impl<MT, TERMS, false, CB>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);           \
     }
-#define LINEAR_TC(NAME, MT) LINEAR_TC_T(NAME##_x3, MT, 3) LINEAR_TC_T(NAME##_x1, MT, 1)
-LINEAR_TC(linear_tc_bf16_8, 1)
-LINEAR_TC(linear_tc_bf16_16, 2)
-LINEAR_TC(linear_tc_bf16_32, 4)
-LINEAR_TC(linear_tc_bf16_64, 8)
-// 32 columns a block (two groups): 8 or 16 tokens on wide weights.
-#define LINEAR_TC_WIDE_T(NAME, MT, TERMS)                                                                 \
-    extern "C" __global__ void NAME(const float* x, int m, int k, const u16* w, int n, const float* bias,  \
-                                    float* out, int accumulate) {                                         \
-        linear_tc_impl<MT, TERMS, false, 2>(x, m, k, w, n, bias, out, accumulate, blockIdx.x);            \
-    }
-#define LINEAR_TC_WIDE(NAME, MT) LINEAR_TC_WIDE_T(NAME##_x3, MT, 3) LINEAR_TC_WIDE_T(NAME##_x1, MT, 1)
-LINEAR_TC_WIDE(linear_tc_wide_bf16_8, 1)
-LINEAR_TC_WIDE(linear_tc_wide_bf16_16, 2)
+#define LINEAR_TC(NAME, MT, CB) LINEAR_TC_T(NAME##_x3, MT, 3, CB) LINEAR_TC_T(NAME##_x1, MT, 1, CB)
+LINEAR_TC(linear_tc_bf16_8, 1, 1)
+LINEAR_TC(linear_tc_bf16_16, 2, 1)
+LINEAR_TC(linear_tc_bf16_32, 4, 1)
+LINEAR_TC(linear_tc_bf16_64, 8, 1)
+LINEAR_TC(linear_tc_wide_bf16_8, 1, 2)
+LINEAR_TC(linear_tc_wide_bf16_16, 2, 2)
 
 // Up to 3 weights over the same activations in one launch (q/k/v, gate/up): blocks
 // [first_block[i], first_block[i + 1]) compute part i's columns, each output exactly as its
@@ -545,24 +539,18 @@ LINEAR_TC_PARTS(linear_tc_parts_bf16_32, 4)
 
 // SwiGLU's gate and up projections and silu(gate) * up in one launch (n columns each, 8 a
 // block): out = what linear_tc_parts then swiglu would leave in the gate's output.
-#define LINEAR_TC_SWIGLU_T(NAME, MT, TERMS)                                                                 \
+// CB = 2: 16 gate and 16 up columns a block (two groups), the wide passes.
+#define LINEAR_TC_SWIGLU_T(NAME, MT, TERMS, CB)                                                             \
     extern "C" __global__ void NAME(const float* x, int m, int k, const u16* gate, const u16* up, int n,    \
                                     const float* gate_bias, const float* up_bias, float* out) {             \
-        linear_tc_impl<MT, TERMS, true>(x, m, k, gate, n, gate_bias, out, 0, blockIdx.x, up, up_bias);            \
+        linear_tc_impl<MT, TERMS, true, CB>(x, m, k, gate, n, gate_bias, out, 0, blockIdx.x, up, up_bias);  \
     }
-#define LINEAR_TC_SWIGLU(NAME, MT) LINEAR_TC_SWIGLU_T(NAME##_x3, MT, 3) LINEAR_TC_SWIGLU_T(NAME##_x1, MT, 1)
-LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_8, 1)
-LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_16, 2)
-LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_32, 4)
-// 16 gate and 16 up columns a block (two groups): 8 or 16 tokens on wide weights.
-#define LINEAR_TC_SWIGLU_WIDE_T(NAME, MT, TERMS)                                                            \
-    extern "C" __global__ void NAME(const float* x, int m, int k, const u16* gate, const u16* up, int n,    \
-                                    const float* gate_bias, const float* up_bias, float* out) {             \
-        linear_tc_impl<MT, TERMS, true, 2>(x, m, k, gate, n, gate_bias, out, 0, blockIdx.x, up, up_bias);   \
-    }
-#define LINEAR_TC_SWIGLU_WIDE(NAME, MT) LINEAR_TC_SWIGLU_WIDE_T(NAME##_x3, MT, 3) LINEAR_TC_SWIGLU_WIDE_T(NAME##_x1, MT, 1)
-LINEAR_TC_SWIGLU_WIDE(linear_tc_swiglu_wide_bf16_8, 1)
-LINEAR_TC_SWIGLU_WIDE(linear_tc_swiglu_wide_bf16_16, 2)
+#define LINEAR_TC_SWIGLU(NAME, MT, CB) LINEAR_TC_SWIGLU_T(NAME##_x3, MT, 3, CB) LINEAR_TC_SWIGLU_T(NAME##_x1, MT, 1, CB)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_8, 1, 1)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_16, 2, 1)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_bf16_32, 4, 1)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_wide_bf16_8, 1, 2)
+LINEAR_TC_SWIGLU(linear_tc_swiglu_wide_bf16_16, 2, 2)
 
 // ---------------------------------------------------------------------------------------
 // MLX-quantized weights on the tensor cores, bf16 activations (affine 4- or 8-bit codes,
