@@ -671,11 +671,11 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
         sr[h] = sb + row * groups;
     }
     for (int r0 = 0; r0 < m; r0 += 8 * MT) {
-        float acc[MT][4];
+        float acc[1][MT][4]; // one column group: store_warp_sums's shape
 #pragma unroll
         for (int j = 0; j < MT; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+            for (int e = 0; e < 4; e++) acc[0][j][e] = 0.0f;
         for (int kc0 = warp * TC_CHUNK; kc0 < k; kc0 += TC_CHUNK * KWARPS * Q_CHUNKS) {
             // Q_CHUNKS chunks' codes and group words, loaded before their MMAs.
             u32 wq[Q_CHUNKS][4][2][WORDS];
@@ -752,14 +752,14 @@ __device__ void linear_tcq_impl(const u32* __restrict__ xb, const float* __restr
 #pragma unroll
                             for (int e = 0; e < 4; e++) {
                                 const int h = e >> 1;
-                                acc[j][e] = __fadd_rn(acc[j][e], __fmaf_rn(s[h], dot[j][e], __fmul_rn(cb[h], xg[j][e & 1])));
+                                acc[0][j][e] = __fadd_rn(acc[0][j][e], __fmaf_rn(s[h], dot[j][e], __fmul_rn(cb[h], xg[j][e & 1])));
                             }
                         }
                     }
                 }
             }
         }
-        store_warp_sums<MT>(sum, reinterpret_cast<const float(&)[1][MT][4]>(acc), r0, m, c0, n, bias, out, accumulate);
+        store_warp_sums<MT>(sum, acc, r0, m, c0, n, bias, out, accumulate);
     }
 }
 

@@ -186,7 +186,7 @@ pub enum TcKernel {
 /// tokens 24576 x 4096 0.063 ms against 0.065, 151936 x 4096 0.321 against 0.331, but
 /// 12288 x 4096 (three wide blocks an SM) 0.039 against 0.037; at 2 tokens none faster.
 fn wide_pass(m: usize, groups: usize) -> bool {
-    (4..=16).contains(&m) && groups.div_ceil(2) >= 4 * GRID_SMS
+    (4..=16).contains(&m) && groups.div_ceil(TcKernel::Pass8Wide.groups_per_block()) >= 4 * GRID_SMS
 }
 
 /// The H100's SMs, by which the kernel choice judges a grid (a block alone on an SM waits
@@ -242,6 +242,15 @@ impl TcKernel {
         TcKernel::WgmmaPhases128x64,
         TcKernel::WgmmaPhases128x128,
     ];
+
+    /// The 16-column groups a pass kernel's block owns: two for the wide passes, else one.
+    fn groups_per_block(self) -> usize {
+        if matches!(self, TcKernel::Pass8Wide | TcKernel::Pass16Wide) {
+            2
+        } else {
+            1
+        }
+    }
 
     /// The Hopper kernels (`hopper.cu`).
     pub fn is_wgmma(self) -> bool {
@@ -855,8 +864,8 @@ impl Cuda {
             let (xp, wp, op, bp) = (ptr(x, s), ptr(&w.buf, s), ptr(out, s), bias.map_or(0, |b| ptr(b, s)));
             let (mi, k, n, acc) = (m as i32, w.cols as i32, w.rows as i32, (mode == Out::Add) as i32);
             let f = &self.f.linear_tc[kernel as usize]; // declared first, in this order
-            let wide = matches!(kernel, TcKernel::Pass8Wide | TcKernel::Pass16Wide);
-            let grid = (w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK << wide as usize) as u32, 1);
+            let groups = w.rows.div_ceil(LINEAR_TC_COLS_PER_BLOCK);
+            let grid = (groups.div_ceil(kernel.groups_per_block()) as u32, 1);
             return launch!(self, f, grid, LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
         }
         let split = self.split_activations(x, m * w.cols)?;
@@ -1695,7 +1704,10 @@ impl Kernels for Cuda {
         // A block's 16-column groups each take 8 gate and 8 up columns.
         let groups = n.div_ceil(LINEAR_TC_COLS_PER_BLOCK / 2);
         let (f, blocks) = match pass {
-            0 | 1 if wide_pass(m, groups) => (&self.f.linear_tc_swiglu[3 + pass], groups.div_ceil(2)),
+            0 | 1 if wide_pass(m, groups) => {
+                let wide = [TcKernel::Pass8Wide, TcKernel::Pass16Wide][pass];
+                (&self.f.linear_tc_swiglu[3 + pass], groups.div_ceil(wide.groups_per_block()))
+            }
             _ => (&self.f.linear_tc_swiglu[pass], groups),
         };
         launch!(
