@@ -155,7 +155,7 @@ fn every_kernel_same_bits(cuda: &Cuda, mode: Activations) {
 /// (1 to 32 tokens) and past it (40, 64: one phase-split 128x32 tile launch for all three),
 /// and a set 4,272 wide together that takes one phase-split tile launch from 32 tokens on
 /// (128x32 at 32, 128x48 at 33 and 40, 128x64 at 64); at K = 1,056 and at 1,152, where on
-/// an H100 past 32 tokens the three take one launch of the wgmma phases
+/// a Hopper past 16 tokens (24, 32, ...) the three take one launch of the wgmma phases
 /// (`linear_wg_phases_parts`). Control: the same comparison
 /// against cuBLAS's products (the stock-matmul control) must differ at some M.
 #[test]
@@ -168,7 +168,7 @@ fn stacked_projections_give_each_weight_its_own_bits() {
 fn stacked_own_bits(cuda: &Cuda) {
     let mut rng = Lcg(29);
     let mut control_differs = false;
-    let sets = [([200, 72, 40], [1, 7, 16, 32, 40, 64]), ([4000, 72, 200], [1, 8, 32, 33, 40, 64])];
+    let sets = [([200, 72, 40], [1, 7, 16, 24, 32, 40, 64]), ([4000, 72, 200], [1, 8, 24, 32, 33, 40, 64])];
     for (k, (widths, ms)) in [1056, 1152].into_iter().flat_map(|k| sets.map(|set| (k, set))) {
         let ws: Vec<_> = widths.iter().map(|&n| weight(&mut rng, WeightDtype::Bf16, n, k)).collect();
         let mats: Vec<_> = ws.iter().map(|w| cuda.matrix(w).unwrap()).collect();
@@ -762,8 +762,9 @@ fn argmax(logits: &[f32]) -> u32 {
 /// launch past 512 keys, verify blocks after mixed accepts): on the f32 hf-tiny target
 /// (CUDA-core matmuls; 15-token verify steps) and on the trained bf16 target (tensor cores;
 /// 24-token verify steps, whose 8,192-wide LM head takes a phase-split tile, its scratch
-/// allocated inside the recording; 42-token ones, whose matmuls take wgmma on an H100, the
-/// TMA descriptors naming that scratch; and 15-token ones whose rows' 5-7 tokens share one
+/// allocated inside the recording; 42-token ones, whose matmuls take wgmma on a Hopper, the
+/// TMA descriptors naming that scratch; 66-token ones, the most a recording took before was
+/// 48; and 15-token ones whose rows' 5-7 tokens share one
 /// recording of the tensor-core attention). Control: replays that do not copy each step's tables
 /// into the recording recompute the recorded step, and must differ.
 #[test]
@@ -773,6 +774,7 @@ fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
         (trained("target"), 5, true),
         (trained("target"), 8, false),
         (trained("target"), 14, false),
+        (trained("target"), 22, false),
     ];
     for (dir, block, uneven) in cases {
         let eager = decode_and_verify_bits(&dir, block, uneven, false, false);

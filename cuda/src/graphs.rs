@@ -18,14 +18,21 @@ use mtp_base::error::{Error, Result};
 use mtp_kernels::negative_control;
 use mtp_kernels::{run_body, ForwardBody, Kernels};
 
-/// Forwards of more tokens than this run eagerly. 48 takes a B=8 verify of k=5 and less:
-/// a k=4 one (40 tokens) replayed costs 9.7-10.0 ms against 10.6-11.2 launched (8B, H100,
-/// docs/notes/cuda-speed-notes.md, v23). The phase-split tiles and wgmma allocate their
+/// Forwards of more tokens than this run eagerly. 72 takes every verify of the default
+/// batch (8 rows) at up to the most drafts adaptive k gives (8): a k=4 one (40 tokens)
+/// replayed costs 9.7-10.0 ms against 10.6-11.2 launched (8B, H100,
+/// docs/notes/cuda-speed-notes.md, v23); at 48 tokens the limit left 56-64-token verifies
+/// 1.2 ms slower than 48-token ones (H200, v31). The phase-split tiles and wgmma allocate their
 /// scratch (split activations, partials) inside the recording, as graph memory nodes, whose
 /// addresses stay the graph's, so the TMA descriptors recorded with them stay true.
-const MOST_RECORDED_TOKENS: usize = 48;
-/// Recordings a model keeps (the least recently replayed goes first).
-const MOST_RECORDINGS: usize = 16;
+const MOST_RECORDED_TOKENS: usize = 72;
+/// Recordings a model keeps, and the most bytes their outputs may hold (the least recently
+/// replayed goes first). A recording costs 2-10 ms beyond its forward, and an 8B B=8 run
+/// of 64-token requests meets ~40 shapes (k's, rows ending, the drafts' spread over rows):
+/// at 16 recordings each repeat of `mtp-bench` recorded its decode and verify shapes anew
+/// (H200, notes v31).
+const MOST_RECORDINGS: usize = 64;
+const MOST_RECORDED_BYTES: usize = 2 << 30;
 
 /// Whether forwards are recorded (process-wide; on unless [`Cuda::set_graphs`] turned
 /// them off).
@@ -164,7 +171,12 @@ impl CudaGraphs {
             rec.replayed
         );
         let host = cuda.outputs_to_host(&outs, fetch);
-        if rec.graphs.len() >= MOST_RECORDINGS {
+        let bytes = |r: &Recording| r.outs.iter().map(|o| o.len() * 4).sum::<usize>();
+        let new_bytes: usize = outs.iter().map(|o| o.len() * 4).sum();
+        while !rec.graphs.is_empty()
+            && (rec.graphs.len() >= MOST_RECORDINGS
+                || rec.graphs.values().map(bytes).sum::<usize>() + new_bytes > MOST_RECORDED_BYTES)
+        {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
             if let Some(s) = oldest {
                 rec.graphs.remove(&s);

@@ -290,6 +290,40 @@ impl TcKernel {
         }
     }
 
+    /// The kernel for M tokens and N columns: [`TcKernel::for_shape`] up to 16 tokens or
+    /// where wgmma does not run (`wgmma`: compute capability 9.0, bf16 activations, K %
+    /// 128 == 0), else wgmma:
+    /// - where N's 128-column tiles alone give every SM two blocks (an LM head), the
+    ///   128x128 tiles: 151936 x 4096 at 32 tokens 0.600 ms against Pass32's 0.858, at 40
+    ///   0.450 against the 64-token phases' 0.821 (H100, notes v23);
+    /// - past 128 tokens, the plain tiles of [`TcKernel::wgmma_tile`] (128x128 or 128x192
+    ///   by the grid's waves);
+    /// - else the 128x128 tiles from 49 tokens where N has 64 such tiles, phase-split tiles
+    ///   of 64 tokens up to 64, of 128 past that (H200 and H100 at 33-128 tokens on the
+    ///   8B's shapes, notes v20: 12288 x 4096 at 96 tokens 0.045 ms against the 128x32
+    ///   tile's 0.147; 4096 x 12288 at 40 0.043 against the 128x48 phases' 0.054). From 17
+    ///   tokens, not 33: an 8B B=8 verify of 24 or 32 tokens on the 128x32 phases took
+    ///   7.9 and 8.2 ms where one of 40 on the 64-token wgmma phases took 7.0 (H200,
+    ///   notes v31).
+    pub fn picked(m: usize, n: usize, wgmma: bool) -> TcKernel {
+        if !wgmma || m <= 16 {
+            TcKernel::for_shape(m, n)
+        } else if m > 128 {
+            TcKernel::wgmma_tile(m, n)
+        } else if n.div_ceil(128) >= 2 * GRID_SMS || (m > 48 && n >= 64 * 128) {
+            TcKernel::Wgmma128x128
+        } else if m > 64 {
+            TcKernel::WgmmaPhases128x128
+        } else {
+            TcKernel::WgmmaPhases128x64
+        }
+    }
+
+    /// The pass kernels: no tiles, no wgmma.
+    fn is_pass(self) -> bool {
+        self.tile().is_none() && !self.is_wgmma()
+    }
+
     /// The plain wgmma tile for M tokens and N columns: 128x192 where its grid takes fewer
     /// waves of one block an SM, each wave costing 1.25 of the 128x128 tiles' (1.5 times
     /// the MACs at 1.2 times the rate), else 128x128. On an H100 (notes v25) this picks the
@@ -881,47 +915,21 @@ impl Cuda {
     /// The pass kernel (8, 16 or 32 tokens a pass: `linear_tc_parts`' and
     /// `linear_tc_swiglu`'s index) that takes `parts` over `m` tokens in one launch, where
     /// [`Kernels::linear_parts`] gives them one: 1-3 bf16 weights of one K on the tensor
-    /// cores, none empty, up to 32 tokens, their total width picking no phase-split tile.
+    /// cores, none empty, up to 32 tokens, their total width picking a pass kernel.
     fn parts_pass(&self, m: usize, parts: &[(&CudaMat, Option<&CudaSlice<f32>>)]) -> Option<usize> {
         let k = parts.first()?.0.cols;
         let one_launch = (1..=32).contains(&m)
             && (1..=3).contains(&parts.len())
             && !negative_control::stock_matmul()
             && parts.iter().all(|(w, _)| tensor_core_path(w) && w.cols == k && w.rows > 0)
-            && !PARTS_TILES.contains(&self.pick(m, parts.iter().map(|(w, _)| w.rows).sum(), k));
+            && self.pick(m, parts.iter().map(|(w, _)| w.rows).sum(), k).is_pass();
         one_launch.then_some((m > 8) as usize + (m > 16) as usize)
     }
 
-    /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K: by
-    /// [`TcKernel::for_shape`], except where wgmma runs:
-    /// - past 16 tokens, where N's 128-column tiles alone give every SM two blocks (an LM
-    ///   head), the 128x128 tiles: 151936 x 4096 at 32 tokens 0.600 ms against Pass32's
-    ///   0.858, at 40 0.450 against the 64-token phases' 0.821 (H100, notes v23);
-    /// - past 128 tokens, the plain wgmma tiles of [`TcKernel::wgmma_tile`] (128x128 or
-    ///   128x192 by the grid's waves);
-    /// - past 32 tokens in place of the tiles: the 128x128 tiles from 49
-    ///   where N has 64 such tiles, else phase-split tiles of 64 tokens up to 64, of 128
-    ///   past that (measured on an H200 and an H100 at 33-128 tokens on the 8B's shapes,
-    ///   notes v20: 12288 x 4096 at 96 tokens 0.045 ms against the 128x32 tile's 0.147;
-    ///   4096 x 12288 at 40 0.043 against the 128x48 phases' 0.054, at 96 0.062 against the
-    ///   64-token phases' 0.095).
+    /// The kernel [`Kernels::linear`] takes for M tokens, N columns and K
+    /// ([`TcKernel::picked`], with wgmma where it runs for K).
     pub fn pick(&self, m: usize, n: usize, k: usize) -> TcKernel {
-        let kernel = TcKernel::for_shape(m, n);
-        let tiled = kernel.tile().is_some();
-        let wgmma = self.runs(TcKernel::WgmmaPhases128x64, k);
-        if wgmma && m > 128 {
-            TcKernel::wgmma_tile(m, n)
-        } else if wgmma && m > 16 && n.div_ceil(128) >= 2 * GRID_SMS {
-            TcKernel::Wgmma128x128
-        } else if m <= 32 || !tiled || !wgmma {
-            kernel
-        } else if m > 128 || (m > 48 && n >= 64 * 128) {
-            TcKernel::Wgmma128x128
-        } else if m > 64 {
-            TcKernel::WgmmaPhases128x128
-        } else {
-            TcKernel::WgmmaPhases128x64
-        }
+        TcKernel::picked(m, n, self.runs(TcKernel::WgmmaPhases128x64, k))
     }
 
     /// The phase-split wgmma kernel SwiGLU's gate and up both take at M tokens (one shape,
@@ -2118,6 +2126,24 @@ mod tests {
         ] {
             assert_eq!(TcKernel::wgmma_tile(m, n), want, "M = {m}, N = {n}");
         }
+    }
+
+    /// A verify's 17-32 tokens take the 64-token wgmma phases where wgmma runs, as 33-64
+    /// did (the LM head its 128x128 tiles); up to 16 tokens and without wgmma the choice
+    /// by shape alone.
+    #[test]
+    fn verifies_take_wgmma_from_17_tokens() {
+        for m in [17, 24, 32, 40, 48] {
+            for n in [1024, 2048, 4096, 6144, 12288, 24576] {
+                assert_eq!(TcKernel::picked(m, n, true), TcKernel::WgmmaPhases128x64, "M = {m}, N = {n}");
+                assert_eq!(TcKernel::picked(m, n, false), TcKernel::for_shape(m, n), "M = {m}, N = {n}");
+            }
+            assert_eq!(TcKernel::picked(m, 151936, true), TcKernel::Wgmma128x128, "M = {m}");
+        }
+        for (m, n) in [(8, 24576), (16, 12288), (16, 151936), (1, 4096)] {
+            assert_eq!(TcKernel::picked(m, n, true), TcKernel::for_shape(m, n), "M = {m}, N = {n}");
+        }
+        assert!(TcKernel::picked(24, 4096, false).tile().is_some() && TcKernel::Pass32.is_pass());
     }
 
     /// Every MLX word lands once, and where `linear_tcq`'s lane t reads block u of a chunk
