@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp_engine::{generate, Completion, Constraint, Engine, EngineOptions, Request, SpecStats};
+use mtp_engine::{generate, Completion, Constraint, Engine, EngineOptions, Learned, Request, SpecStats};
 use mtp_model::Model;
 use serde::Serialize;
 
@@ -121,6 +121,8 @@ pub struct Run {
     pub completions: Vec<Completion>,
     pub stats: SpecStats,
     pub seconds: f64,
+    /// What adaptive k learned by the run's end (the next run of the setting may start there).
+    pub learned: Learned,
 }
 
 impl Run {
@@ -158,15 +160,20 @@ pub fn parse_constraint(spec: &str) -> Result<(String, Option<Constraint>)> {
 /// Runs every request to completion (all arriving at once) and times the whole run.
 /// `tokenizer` compiles the requests' constraints (when they have any); without
 /// constraints the engine runs without it, as ids alone, so a synthesized checkpoint whose
-/// random weights pick ids past its small tokenizer still runs every token.
+/// random weights pick ids past its small tokenizer still runs every token. Adaptive k
+/// starts from `learned` where given (an earlier run's), else from its priors.
 pub fn run(
     model: &Model,
     tokenizer: Option<&Tokenizer>,
     drafter: Option<Box<dyn Drafter + '_>>,
     requests: &[Request],
     opts: EngineOptions,
+    learned: Option<Learned>,
 ) -> Result<Run> {
     let mut engine = Engine::new(model, drafter, opts)?;
+    if let Some(learned) = learned {
+        engine = engine.with_learned(learned);
+    }
     if let Some(tok) = tokenizer.filter(|_| requests.iter().any(|r| r.constraint.is_some())) {
         engine = engine.with_tokenizer(tok);
     }
@@ -174,7 +181,7 @@ pub fn run(
     let results = generate(&mut engine, requests, &[], |_, _| {});
     let seconds = t0.elapsed().as_secs_f64();
     let completions = results.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
-    Ok(Run { completions, stats: engine.stats().clone(), seconds })
+    Ok(Run { completions, stats: engine.stats().clone(), seconds, learned: engine.learned() })
 }
 
 /// Per-request detail in the JSON report.

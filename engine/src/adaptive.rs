@@ -307,8 +307,13 @@ pub struct Outcome {
     pub accepted: usize,
 }
 
+/// What an engine's adaptive k learned (see [`crate::Engine::learned`]): the drafter's
+/// acceptance, the verify and draft costs, and where new rows' k starts; no row's state.
+#[derive(Clone, Debug)]
+pub struct Learned(KChooser);
+
 /// Learns acceptance and costs as the engine runs and picks each round's k's.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct KChooser {
     max_k: usize,
     overall: Acceptance,
@@ -357,6 +362,29 @@ impl KChooser {
     pub fn with_token_group(mut self, group: usize) -> KChooser {
         self.token_group = group.max(1);
         self
+    }
+
+    /// What this chooser learned that outlives its rows (acceptance overall, costs, where
+    /// new rows start), for a later engine of the same model and drafter.
+    pub fn learned(&self) -> Learned {
+        Learned(KChooser { rows: HashMap::new(), last_k: HashMap::new(), ..self.clone() })
+    }
+
+    /// Continues from `learned` (this chooser's own maximum k, token group and drafter
+    /// cost stay: they describe the new engine).
+    pub fn resume(self, learned: Learned) -> KChooser {
+        let l = learned.0;
+        KChooser {
+            overall: l.overall,
+            recent_k: l.recent_k.min(self.max_k),
+            verify: l.verify,
+            draft: l.draft,
+            quiet_rounds: l.quiet_rounds,
+            probe_gap: l.probe_gap,
+            warm_verify: l.warm_verify,
+            warm_draft: l.warm_draft,
+            ..self
+        }
     }
 
     /// The drafter's conditional acceptance at positions 1..=max_k.
@@ -483,7 +511,10 @@ impl KChooser {
         for (c, &k) in rows.iter().zip(&ks) {
             self.last_k.insert(c.row, k);
         }
-        if let Some(&k) = ks.iter().max() {
+        // New rows start where the deepest row its cap did not bind is (a row near its end
+        // says nothing about how deep drafts pay).
+        let unbound = rows.iter().zip(&ks).filter(|(c, &k)| k < c.cap.min(self.max_k) || c.cap >= self.max_k);
+        if let Some(k) = unbound.map(|(_, &k)| k).max() {
             self.recent_k = k;
         }
         ks
@@ -890,6 +921,42 @@ mod tests {
                 assert!(v.is_finite() && v >= 0.0, "{v}");
             }
         }
+    }
+
+    /// 8 rows whose drafts always land, through a 65-token request (each row's cap falls
+    /// to what it has left: k = 2, 5, 8 x 6, then 1), verify tokens nearly free: the
+    /// chooser at the end.
+    fn served_one_request() -> KChooser {
+        let mut c = KChooser::new(8, 0.0).with_token_group(8);
+        let mut left = 65;
+        while left > 1 {
+            let cands: Vec<Candidate> =
+                (0..8).map(|r| Candidate { remaining: left, ..cand(r, 8.min(left - 1)) }).collect();
+            let ks = c.choose(&cands, 0);
+            let outcomes = outcomes(&ks, 2, |_, k| k);
+            let tokens = 8 + ks.iter().sum::<usize>();
+            c.observe(&outcomes, 0.0, 10.0 + 0.1 * tokens as f64, tokens, true);
+            left -= 1 + ks[0].min(left - 1);
+        }
+        c
+    }
+
+    /// What a chooser learned carries to the next engine: a new request's rows draft 8 from
+    /// their first round, though the last rounds before were capped near their requests'
+    /// ends. Controls: a fresh chooser starts those rows at 2; one resumed where the last
+    /// round's capped k set where new rows start would start them lower.
+    #[test]
+    fn a_resumed_chooser_starts_new_rows_where_drafting_paid() {
+        let new_rows: Vec<Candidate> = (100..108).map(|r| cand(r, 8)).collect();
+        let learned = served_one_request().learned();
+        assert_eq!(learned.0.recent_k, 8);
+        let ks = KChooser::new(8, 0.0).with_token_group(8).resume(learned.clone()).choose(&new_rows, 0);
+        assert!(ks.iter().all(|&k| k == 8), "{ks:?}");
+        let fresh = KChooser::new(8, 0.0).with_token_group(8).choose(&new_rows, 0);
+        assert!(fresh.iter().all(|&k| k <= 2), "the fresh control: {fresh:?}");
+        let capped = Learned(KChooser { recent_k: 1, ..learned.0 });
+        let low = KChooser::new(8, 0.0).with_token_group(8).resume(capped).choose(&new_rows, 0);
+        assert!(low.iter().all(|&k| k <= 3), "the capped control: {low:?}");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use mtp_model::Model;
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify_beside, Verified, VerifyRow, WindowLayout};
 
-use crate::adaptive::{Candidate, DraftLen, KChooser, Outcome};
+use crate::adaptive::{Candidate, DraftLen, KChooser, Learned, Outcome};
 use crate::guided::{first_masked, grammar_error, walk_masks};
 use crate::metrics::SpecStats;
 use crate::prefill::{piece_beside, Piece, Prefilled, Prompt};
@@ -151,6 +151,21 @@ impl<'a> Engine<'a> {
     /// Completed rounds (each ran one verify forward).
     pub fn rounds(&self) -> u64 {
         self.stats.rounds
+    }
+
+    /// What adaptive k has learned so far (acceptance, costs), for a later engine of the
+    /// same model and drafter to start from ([`Engine::with_learned`]) instead of from
+    /// priors, as a long-lived engine does for each new request.
+    pub fn learned(&self) -> Learned {
+        self.chooser.learned()
+    }
+
+    /// Starts adaptive k from what an earlier engine learned ([`Engine::learned`]). Rows
+    /// sampled in rejection mode ignore it: their k depends on their own history only.
+    pub fn with_learned(mut self, learned: Learned) -> Self {
+        let fresh = KChooser::new(0, 0.0);
+        self.chooser = std::mem::replace(&mut self.chooser, fresh).resume(learned);
+        self
     }
 
     pub fn stats(&self) -> &SpecStats {

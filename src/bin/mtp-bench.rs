@@ -85,9 +85,15 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
     /// Runs of every setting, taken in turn; the table shows the median (the machine is
-    /// noisy) and every run must be identical.
+    /// noisy) and every run must be identical. A setting's adaptive k (`auto`) starts each
+    /// run from what it learned in the run before (as a server's engine carries it from one
+    /// request to the next); its first run starts from priors (see --cold-k).
     #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
     repeats: usize,
+    /// Start every run's adaptive k from its priors, as a freshly started server would
+    /// for its first requests, instead of from the setting's run before.
+    #[arg(long)]
+    cold_k: bool,
     /// Output constraints to try, each on every request: none, json_object,
     /// json_schema:FILE, regex:RX (grammar masks through llguidance; the plain rows of
     /// each give the masks' cost per token beside `none`'s).
@@ -217,7 +223,7 @@ fn bench(cli: Cli) -> Result<bool> {
         prefill_chunk,
         ..EngineOptions::default()
     };
-    run(&model, tok, None, &requests, opts(cli.batch[0], DraftLen::Fixed(0), SamplingMode::Exact))?;
+    run(&model, tok, None, &requests, opts(cli.batch[0], DraftLen::Fixed(0), SamplingMode::Exact), None)?;
     for ((label, constraint), &temperature) in
         constraints.iter().flat_map(|c| cli.temperatures.iter().map(move |t| (c, t)))
     {
@@ -246,8 +252,9 @@ fn bench(cli: Cli) -> Result<bool> {
             // Every config runs once per repeat, in turn, so slow spells hit all alike.
             let mut plain_runs = Vec::new();
             let mut runs: Vec<Vec<Run>> = configs.iter().map(|_| Vec::new()).collect();
-            let plain =
-                || run(&model, tok, None, &requests, opts(batch, DraftLen::Fixed(0), SamplingMode::Exact));
+            let plain = || {
+                run(&model, tok, None, &requests, opts(batch, DraftLen::Fixed(0), SamplingMode::Exact), None)
+            };
             for rep in 0..cli.repeats {
                 // Slot 0 is plain decoding; each repeat starts one slot later, so no setting
                 // always runs first (a noisy machine drifts within a repeat too).
@@ -271,12 +278,14 @@ fn bench(cli: Cli) -> Result<bool> {
                     // replays) has run before any drafter.
                     let reference = reference.as_deref().unwrap_or(&plain_runs[0].completions);
                     let drafter = f.make(&model, &requests, reference)?;
+                    let learned = runs[c].last().filter(|_| !cli.cold_k).map(|r: &Run| r.learned.clone());
                     runs[c].push(run(
                         &model,
                         tok,
                         Some(drafter),
                         &requests,
                         opts(batch, k.with_max(cli.max_k), mode),
+                        learned,
                     )?);
                     bar.inc(1);
                 }
