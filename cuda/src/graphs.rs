@@ -171,20 +171,24 @@ impl CudaGraphs {
             rec.replayed
         );
         let host = cuda.outputs_to_host(&outs, fetch);
-        let bytes = |r: &Recording| r.outs.iter().map(|o| o.len() * 4).sum::<usize>();
-        let new_bytes: usize = outs.iter().map(|o| o.len() * 4).sum();
-        while !rec.graphs.is_empty()
-            && (rec.graphs.len() >= MOST_RECORDINGS
-                || rec.graphs.values().map(bytes).sum::<usize>() + new_bytes > MOST_RECORDED_BYTES)
+        let mut held: usize = rec.graphs.values().map(|r| out_bytes(&r.outs)).sum();
+        let new_bytes = out_bytes(&outs);
+        while rec.graphs.len() >= MOST_RECORDINGS
+            || (!rec.graphs.is_empty() && held + new_bytes > MOST_RECORDED_BYTES)
         {
             let oldest = rec.graphs.iter().min_by_key(|(_, r)| r.last_used).map(|(s, _)| s.clone());
-            if let Some(s) = oldest {
-                rec.graphs.remove(&s);
+            if let Some(r) = oldest.and_then(|s| rec.graphs.remove(&s)) {
+                held -= out_bytes(&r.outs);
             }
         }
         rec.graphs.insert(shape, Recording { graph, batch, outs, last_used: clock });
         host
     }
+}
+
+/// Bytes a recording's outputs hold (f32).
+fn out_bytes(outs: &[CudaSlice<f32>]) -> usize {
+    outs.iter().map(|o| o.len() * 4).sum()
 }
 
 impl CudaGraphs {

@@ -1713,8 +1713,7 @@ impl Kernels for Cuda {
         let groups = n.div_ceil(LINEAR_TC_COLS_PER_BLOCK / 2);
         let (f, blocks) = match pass {
             0 | 1 if wide_pass(m, groups) => {
-                let wide = [TcKernel::Pass8Wide, TcKernel::Pass16Wide][pass];
-                (&self.f.linear_tc_swiglu[3 + pass], groups.div_ceil(wide.groups_per_block()))
+                (&self.f.linear_tc_swiglu[3 + pass], groups.div_ceil(TcKernel::Pass8Wide.groups_per_block()))
             }
             _ => (&self.f.linear_tc_swiglu[pass], groups),
         };

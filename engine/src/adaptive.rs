@@ -372,19 +372,16 @@ impl KChooser {
 
     /// Continues from `learned` (this chooser's own maximum k, token group and drafter
     /// cost stay: they describe the new engine).
-    pub fn resume(self, learned: Learned) -> KChooser {
+    pub fn resume(&mut self, learned: Learned) {
         let l = learned.0;
-        KChooser {
-            overall: l.overall,
-            recent_k: l.recent_k.min(self.max_k),
-            verify: l.verify,
-            draft: l.draft,
-            quiet_rounds: l.quiet_rounds,
-            probe_gap: l.probe_gap,
-            warm_verify: l.warm_verify,
-            warm_draft: l.warm_draft,
-            ..self
-        }
+        self.overall = l.overall;
+        self.recent_k = l.recent_k.min(self.max_k);
+        self.verify = l.verify;
+        self.draft = l.draft;
+        self.quiet_rounds = l.quiet_rounds;
+        self.probe_gap = l.probe_gap;
+        self.warm_verify = l.warm_verify;
+        self.warm_draft = l.warm_draft;
     }
 
     /// The drafter's conditional acceptance at positions 1..=max_k.
@@ -950,12 +947,18 @@ mod tests {
         let new_rows: Vec<Candidate> = (100..108).map(|r| cand(r, 8)).collect();
         let learned = served_one_request().learned();
         assert_eq!(learned.0.recent_k, 8);
-        let ks = KChooser::new(8, 0.0).with_token_group(8).resume(learned.clone()).choose(&new_rows, 0);
+        let first_round = |from: Option<Learned>| {
+            let mut c = KChooser::new(8, 0.0).with_token_group(8);
+            if let Some(l) = from {
+                c.resume(l);
+            }
+            c.choose(&new_rows, 0)
+        };
+        let ks = first_round(Some(learned.clone()));
         assert!(ks.iter().all(|&k| k == 8), "{ks:?}");
-        let fresh = KChooser::new(8, 0.0).with_token_group(8).choose(&new_rows, 0);
+        let fresh = first_round(None);
         assert!(fresh.iter().all(|&k| k <= 2), "the fresh control: {fresh:?}");
-        let capped = Learned(KChooser { recent_k: 1, ..learned.0 });
-        let low = KChooser::new(8, 0.0).with_token_group(8).resume(capped).choose(&new_rows, 0);
+        let low = first_round(Some(Learned(KChooser { recent_k: 1, ..learned.0 })));
         assert!(low.iter().all(|&k| k <= 3), "the capped control: {low:?}");
     }
 

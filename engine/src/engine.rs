@@ -163,8 +163,7 @@ impl<'a> Engine<'a> {
     /// Starts adaptive k from what an earlier engine learned ([`Engine::learned`]). Rows
     /// sampled in rejection mode ignore it: their k depends on their own history only.
     pub fn with_learned(mut self, learned: Learned) -> Self {
-        let fresh = KChooser::new(0, 0.0);
-        self.chooser = std::mem::replace(&mut self.chooser, fresh).resume(learned);
+        self.chooser.resume(learned);
         self
     }
 
