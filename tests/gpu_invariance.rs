@@ -676,13 +676,14 @@ fn each_mode_near_its_own_function(what: &str, w: &mtp::base::Weight, x: &[f32],
 /// two (mixed accepts, the window rewritten); if `uneven`, the steps' 3 x `block` tokens
 /// split among the rows as block, block, block, then block + 2, block - 1, block - 1, then
 /// block + 1, block + 1, block - 2. Each decode and verify shape runs at least three times:
-/// eagerly the first time, recorded the second, replayed after.
+/// eagerly the first time, recorded the second, replayed after. With graphs on, the
+/// three-row steps run padded to four rows (the recorded shape), the one-row ones as they are.
 fn decode_and_verify_bits(
     dir: &Path,
     block: usize,
     uneven: bool,
     graphs: bool,
-    stale: bool,
+    control: Control,
 ) -> Vec<Vec<u32>> {
     Cuda::set_graphs(graphs);
     let model = Model::load_on(dir, Backend::Cuda).unwrap();
@@ -697,7 +698,8 @@ fn decode_and_verify_bits(
         next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
         cache.commit_window(n);
     }
-    mtp::kernels::negative_control::set_stale_replay(stale);
+    mtp::kernels::negative_control::set_stale_replay(control == Control::StaleTables);
+    mtp::kernels::negative_control::set_pad_rows_first(control == Control::PadRowsFirst);
     let mut seen = Vec::new();
     for rows_now in [3, 3, 3, 3, 3, 3, 1, 1, 1, 1] {
         let tokens: Vec<[u32; 1]> = next[..rows_now].iter().map(|&t| [t]).collect();
@@ -745,8 +747,17 @@ fn decode_and_verify_bits(
         caches.iter_mut().for_each(|c| c.commit_window(2));
     }
     mtp::kernels::negative_control::set_stale_replay(false);
+    mtp::kernels::negative_control::set_pad_rows_first(false);
     Cuda::set_graphs(true);
     seen
+}
+
+/// The fault [`decode_and_verify_bits`] runs with, if any.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Control {
+    None,
+    StaleTables,
+    PadRowsFirst,
 }
 
 fn summary_bits(s: &mtp::base::LogitSummary) -> Vec<u32> {
@@ -765,8 +776,10 @@ fn argmax(logits: &[f32]) -> u32 {
 /// allocated inside the recording; 42-token ones, whose matmuls take wgmma on a Hopper, the
 /// TMA descriptors naming that scratch; 66-token ones, the most a recording took before was
 /// 48; and 15-token ones whose rows' 5-7 tokens share one
-/// recording of the tensor-core attention). Control: replays that do not copy each step's tables
-/// into the recording recompute the recorded step, and must differ.
+/// recording of the tensor-core attention), each three-row step recorded padded to four rows
+/// and a multiple of four tokens. Controls: replays that do not copy each step's tables into
+/// the recording recompute the recorded step, and must differ; so must forwards whose padding
+/// rows come before the batch's own.
 #[test]
 fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
     let cases = [
@@ -777,16 +790,20 @@ fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
         (trained("target"), 22, false),
     ];
     for (dir, block, uneven) in cases {
-        let eager = decode_and_verify_bits(&dir, block, uneven, false, false);
+        let eager = decode_and_verify_bits(&dir, block, uneven, false, Control::None);
         assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * block));
         let name = dir.display();
         assert!(
-            decode_and_verify_bits(&dir, block, uneven, true, false) == eager,
+            decode_and_verify_bits(&dir, block, uneven, true, Control::None) == eager,
             "{name}: a replayed forward changed some row's bits"
         );
         assert!(
-            decode_and_verify_bits(&dir, block, uneven, true, true) != eager,
+            decode_and_verify_bits(&dir, block, uneven, true, Control::StaleTables) != eager,
             "{name}: replays with stale tables went unnoticed"
+        );
+        assert!(
+            decode_and_verify_bits(&dir, block, uneven, true, Control::PadRowsFirst) != eager,
+            "{name}: padding rows before the batch's own went unnoticed"
         );
     }
 }

@@ -74,11 +74,26 @@ fn block_warps(most: usize, per_kv: usize, wgmma: bool) -> usize {
     }
 }
 
-/// What of a batch's `most` its launches depend on: every tier takes 4 warps for tiles of up
-/// to 8 tokens (at most 8 query heads a KV head), so a CUDA graph recorded for one such
-/// batch serves them all (a verify whose rows draft 2-7 tokens each, in any mix).
+/// The most tokens a launch's block is sized for, from its tiles' `most`: 8 (every tier's 4
+/// warps at up to 8 query heads a KV head), 15, or a whole tile (16: a prompt's, which may take
+/// wgmma). A warp's rows keep their bits whatever the block's other warps hold (a warp
+/// without rows idles), so a CUDA graph recorded for one such batch serves all of its class
+/// (a verify whose rows draft 0-7 tokens each, in any mix, or up to 14 with some 8 or more).
 pub(super) fn launch_most(most: usize) -> usize {
-    most.max(16 * 4 / MAX_WARPS)
+    match most {
+        0..=8 => 8,
+        9..TILE => TILE - 1,
+        _ => most,
+    }
+}
+
+/// What a launch over tiles of at most `most` tokens depends on, for layers of `heads`: its
+/// block's warps and whether it takes wgmma (where the GPU has it). At up to 4 query heads
+/// a KV head, every tile of a decode or verify (up to 15 tokens) takes 4 warps.
+pub(super) fn launch_class(most: usize, heads: Heads) -> (usize, bool) {
+    let most = launch_most(most);
+    let wgmma = takes_wgmma(most, heads);
+    (block_warps(most, heads.heads / heads.kv_heads.max(1), wgmma), wgmma)
 }
 
 /// The kernel tier (index into [`TIERS`]) for `heads`, or `None` where the CUDA-core
@@ -133,7 +148,7 @@ impl Cuda {
         let f = wgmma.unwrap_or(&self.f.flash[tier][usize::from(heads.head_dim == max_hd)]);
         let s = &self.stream;
         let per_kv = heads.heads / heads.kv_heads;
-        let warps = block_warps(tiles.most, per_kv, wgmma.is_some());
+        let warps = block_warps(launch_most(tiles.most), per_kv, wgmma.is_some());
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
         let partial =
@@ -184,15 +199,31 @@ mod tests {
     }
 
     #[test]
-    fn batches_of_one_launch_most_take_the_same_warps() {
+    fn a_launch_has_warps_for_its_tiles_in_one_of_three_classes() {
         for per_kv in 1..=MAX_WARPS {
             for most in 1..=TILE {
-                assert_eq!(warps(launch_most(most), per_kv), warps(most, per_kv), "{most} tokens, {per_kv}");
+                let w = warps(launch_most(most), per_kv);
+                assert!(16 * w >= most * per_kv, "{most} tokens, {per_kv} heads: {w} warps");
+                let h = Heads { heads: 8 * per_kv, kv_heads: 8, head_dim: 128 };
+                assert_eq!(takes_wgmma(launch_most(most), h), takes_wgmma(most, h), "{most} tokens");
             }
         }
-        // Control: one token more than launch_most's floor can take more warps.
-        let floor = launch_most(1);
-        assert_ne!(warps(floor + 1, MAX_WARPS), warps(floor, MAX_WARPS));
+        let classes: std::collections::BTreeSet<usize> = (1..=TILE).map(launch_most).collect();
+        assert_eq!(classes.into_iter().collect::<Vec<_>>(), [8, 15, 16]);
+        // Control: sized by their own most, tiles of 9 and 15 tokens take different warps.
+        assert_ne!(warps(9, MAX_WARPS), warps(15, MAX_WARPS));
+    }
+
+    #[test]
+    fn verify_tiles_share_a_launch_class_at_four_query_heads_a_kv_head() {
+        let h = |per_kv: usize| Heads { heads: 8 * per_kv, kv_heads: 8, head_dim: 128 };
+        for per_kv in 1..=4 {
+            assert!((1..TILE).all(|m| launch_class(m, h(per_kv)) == (4, false)), "{per_kv} heads a KV head");
+            assert_eq!(launch_class(TILE, h(4)), (4, true), "a prompt's whole tiles: wgmma");
+        }
+        // Control: at 8 query heads a KV head, tiles of 9 tokens or more need more warps.
+        assert_eq!(launch_class(8, h(8)), (4, false));
+        assert_eq!(launch_class(9, h(8)), (8, false));
     }
 
     #[test]

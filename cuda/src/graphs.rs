@@ -4,7 +4,9 @@
 //! (token count, row count, attention segments, outputs) and replays them, after copying
 //! the step's tables (tokens, positions, K/V addresses) into the buffers the recording
 //! reads. The replay runs the recorded kernels with the recorded arguments in the
-//! recorded order, so every row gets the eager forward's bits.
+//! recorded order, so every row gets the eager forward's bits. A batch is recorded padded
+//! ([`recorded_shape`]: rows to a power of two, tokens to a multiple of them), so a few
+//! recordings serve every mix of drafts and rows.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,23 +18,54 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 use super::{driver, flash, Cuda, CudaBatch};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::negative_control;
-use mtp_kernels::{run_body, ForwardBody, Kernels};
+use mtp_kernels::{run_body, ForwardBody, Heads, Kernels};
 
-/// Forwards of more tokens than this run eagerly. 72 takes every verify of the default
-/// batch (8 rows) at up to the most drafts adaptive k gives (8): a k=4 one (40 tokens)
+/// Forwards of more tokens than this run eagerly. 80 takes every verify of the default
+/// batch (8 rows) at up to the most drafts adaptive k gives (8, 72 tokens), padded
+/// ([`recorded_shape`]: 8 more rows of a token): a k=4 one (40 tokens)
 /// replayed costs 9.7-10.0 ms against 10.6-11.2 launched (8B, H100,
 /// docs/notes/cuda-speed-notes.md, v23); at 48 tokens the limit left 56-64-token verifies
 /// 1.2 ms slower than 48-token ones (H200, v31). The phase-split tiles and wgmma allocate their
 /// scratch (split activations, partials) inside the recording, as graph memory nodes, whose
 /// addresses stay the graph's, so the TMA descriptors recorded with them stay true.
-const MOST_RECORDED_TOKENS: usize = 72;
+const MOST_RECORDED_TOKENS: usize = 80;
 /// Recordings a model keeps, and the most bytes their outputs may hold (the least recently
-/// replayed goes first). A recording costs 2-10 ms beyond its forward, and an 8B B=8 run
-/// of 64-token requests meets ~40 shapes (k's, rows ending, the drafts' spread over rows):
-/// at 16 recordings each repeat of `mtp-bench` recorded its decode and verify shapes anew
-/// (H200, notes v31).
+/// replayed goes first). A recording costs 1.5-11 ms beyond its forward; unpadded, an 8B
+/// B=8 bench met ~40 shapes (k's, rows ending, the drafts' spread over rows) and at 16
+/// recordings each repeat of `mtp-bench` recorded its decode and verify shapes anew (H200,
+/// notes v31); padded, the whole bench records 22 (notes v32).
 const MOST_RECORDINGS: usize = 64;
 const MOST_RECORDED_BYTES: usize = 2 << 30;
+
+/// The shape [`Kernels::recorded_shape`] gives a recorded forward of `tokens` over `rows`
+/// rows (exact where nothing would be recorded, or where padding would pass
+/// [`MOST_RECORDED_TOKENS`]).
+pub(super) fn recorded_shape(tokens: usize, rows: usize) -> (usize, usize) {
+    let recorded = GRAPHS_ON.load(Ordering::Relaxed)
+        && !negative_control::stock_matmul()
+        && !negative_control::split_attention();
+    match padded(tokens, rows) {
+        Some((t, r)) if recorded && t <= MOST_RECORDED_TOKENS => (t, r),
+        _ => (tokens, rows),
+    }
+}
+
+/// Rows to a power of two and tokens to a multiple of the rows (8 from 8 rows on: an MMA's
+/// token width, so a partial group costs a whole one anyway), after a token for each
+/// padding row; a batch already so shaped as it is. The verifies of up to 8 rows drafting
+/// up to 8 tokens each then take a few dozen shapes (8 and 16 rows, 8 to 80 tokens; 2 and
+/// 4 rows for the tails) where the rows' own spread of drafts and the rows ending at
+/// different rounds gave hundreds, each paying a first eager run and a recording of up
+/// to 11 ms. A single row is never padded (its shapes are few: one a draft count).
+fn padded(tokens: usize, rows: usize) -> Option<(usize, usize)> {
+    let group = |r: usize| r.min(8);
+    if rows == 0 || (rows.is_power_of_two() && tokens.is_multiple_of(group(rows))) {
+        return Some((tokens, rows));
+    }
+    let r = rows.checked_add(1)?.checked_next_power_of_two()?;
+    let t = tokens.checked_add(r - rows)?.checked_next_multiple_of(group(r))?;
+    Some((t, r))
+}
 
 /// Whether forwards are recorded (process-wide; on unless [`Cuda::set_graphs`] turned
 /// them off).
@@ -48,9 +81,10 @@ struct Shape {
     /// kernel's) for the most keys a token reads: the split launch's grid
     /// follows it.
     segments: usize,
-    /// The tensor-core attention's tiles and the most tokens one holds, as far as its grid
-    /// and block depend on it ([`flash::launch_most`]).
-    tiles: (usize, usize),
+    /// The tensor-core attention's tiles, and what its block depends on: the warps and
+    /// kernel the most tokens a tile holds take ([`flash::launch_class`]), or that most
+    /// ([`flash::launch_most`]) where the model's heads are not known.
+    tiles: (usize, (usize, bool)),
     ring: bool,
     /// The K/V dtype (which attention and store kernels the recording launches).
     kv: mtp_kernels::KvDtype,
@@ -69,6 +103,9 @@ struct Recording {
 /// One model's recorded forwards ([`Kernels::Recordings`] on CUDA).
 #[derive(Default)]
 pub struct CudaGraphs {
+    /// The model's attention heads, where known: its tensor-core attention's launch then
+    /// keys a recording by the warps and kernel it takes, not by its tiles' most tokens.
+    heads: Option<Heads>,
     inner: Mutex<Recorded>,
 }
 
@@ -94,6 +131,11 @@ struct Recorded {
 unsafe impl Send for Recording {}
 
 impl CudaGraphs {
+    /// The recordings of a model whose layers' attention has `heads`.
+    pub(super) fn for_heads(heads: Heads) -> CudaGraphs {
+        CudaGraphs { heads: Some(heads), ..CudaGraphs::default() }
+    }
+
     /// [`Kernels::run_recorded`] on `cuda`: eagerly the first time a shape
     /// runs, recorded the second, replayed after.
     pub(super) fn run(
@@ -101,7 +143,7 @@ impl CudaGraphs {
         cuda: &Cuda,
         batch: CudaBatch,
         out_lens: &[usize],
-        fetch: &[bool],
+        fetch: &[usize],
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
         // The stock-matmul control uploads inside the forward; the split control sizes its
@@ -117,7 +159,10 @@ impl CudaGraphs {
             tokens: batch.m,
             rows: batch.rows.len() / 5,
             segments: batch.most_keys.div_ceil(flash::SEGMENT),
-            tiles: (batch.tiles.count, flash::launch_most(batch.tiles.most)),
+            tiles: match self.heads {
+                Some(heads) => (batch.tiles.count, flash::launch_class(batch.tiles.most, heads)),
+                None => (batch.tiles.count, (flash::launch_most(batch.tiles.most), false)),
+            },
             ring: batch.ring_rows.is_some(),
             kv: batch.kv,
             out_lens: out_lens.to_vec(),
@@ -152,7 +197,9 @@ impl CudaGraphs {
         rec.seen.remove(&shape);
         let outs = out_lens.iter().map(|&n| cuda.alloc(n)).collect::<Result<Vec<_>>>()?;
         let started = std::time::Instant::now();
-        let (graph, outs) = match cuda.record(&batch, outs, body) {
+        let recorded = cuda.record(&batch, outs, body);
+        let instantiated = started.elapsed();
+        let (graph, outs) = match recorded {
             Ok(recorded) => recorded,
             Err(e) => {
                 tracing::warn!("CUDA graph of a {shape:?} forward not recorded ({e}); it runs eagerly");
@@ -165,9 +212,10 @@ impl CudaGraphs {
         graph.launch().map_err(driver("graph launch"))?;
         rec.recorded += 1;
         tracing::debug!(
-            "CUDA graph {} recorded for {shape:?} in {} us ({} replays so far)",
+            "CUDA graph {} recorded for {shape:?} in {} us ({} us captured and instantiated; {} replays so far)",
             rec.recorded,
             started.elapsed().as_micros(),
+            instantiated.as_micros(),
             rec.replayed
         );
         let host = cuda.outputs_to_host(&outs, fetch);
@@ -228,9 +276,9 @@ impl Cuda {
         Ok((graph, outs))
     }
 
-    /// A recording's outputs in host memory where `fetch` says so (empty elsewhere).
-    fn outputs_to_host(&self, outs: &[CudaSlice<f32>], fetch: &[bool]) -> Result<Vec<Vec<f32>>> {
-        mtp_kernels::fetched(outs, fetch, |o| self.to_host(o))
+    /// The first `fetch[i]` values of each recorded output `i` in host memory.
+    fn outputs_to_host(&self, outs: &[CudaSlice<f32>], fetch: &[usize]) -> Result<Vec<Vec<f32>>> {
+        mtp_kernels::fetched(outs, fetch, |o, n| self.first_to_host(o, n))
     }
 
     /// Copies `step`'s tables into the recorded batch's buffers (same lengths: same shape),
@@ -245,5 +293,51 @@ impl Cuda {
             s.memcpy_dtod(src, dst).map_err(driver("graph tables"))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::padded;
+    use std::collections::HashSet;
+
+    #[test]
+    fn padding_leaves_each_padding_row_a_token_and_the_first_at_most_eight() {
+        for rows in 1..=16 {
+            for tokens in rows..=9 * rows {
+                let (t, r) = padded(tokens, rows).unwrap();
+                assert!(r >= rows && r.is_power_of_two(), "{tokens} tokens, {rows} rows: {r} rows");
+                let (pads, extra) = (r - rows, t - tokens);
+                assert!(extra >= pads, "{tokens} tokens, {rows} rows: {extra} tokens for {pads} rows");
+                // The first padding row takes what the others' one token each leaves.
+                assert!(pads == 0 || extra - (pads - 1) <= 8, "{tokens} tokens, {rows} rows -> {t}, {r}");
+                assert_eq!(padded(t, r), Some((t, r)), "a padded shape is its own padding");
+            }
+        }
+    }
+
+    #[test]
+    fn decode_and_even_verifies_keep_their_shape() {
+        for rows in [1usize, 2, 4, 8, 16] {
+            for k in 0..=8 {
+                let tokens = rows * (k + 1);
+                if tokens.is_multiple_of(rows.min(8)) {
+                    assert_eq!(padded(tokens, rows), Some((tokens, rows)));
+                }
+            }
+        }
+        // A single row is never padded, whatever it drafts.
+        assert!((1..=64).all(|t| padded(t, 1) == Some((t, 1))));
+        assert_eq!(padded(0, 0), Some((0, 0)));
+    }
+
+    #[test]
+    fn up_to_eight_rows_drafting_up_to_eight_take_a_few_dozen_shapes() {
+        // Every (tokens, rows) a batch of 2-8 rows drafting 0-8 tokens each can give.
+        let exact: HashSet<(usize, usize)> = (2..=8).flat_map(|r| (r..=9 * r).map(move |t| (t, r))).collect();
+        let shapes: HashSet<(usize, usize)> = exact.iter().map(|&(t, r)| padded(t, r).unwrap()).collect();
+        assert!(shapes.len() <= 40, "{} padded shapes", shapes.len());
+        // Control: unpadded, the same batches give hundreds.
+        assert!(exact.len() > 250, "{} shapes", exact.len());
     }
 }

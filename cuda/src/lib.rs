@@ -819,9 +819,15 @@ impl Cuda {
     /// makes the driver stage it in small pieces, at a fraction of the link's speed), then
     /// out into a new vector on the host's threads. Waits for the stream.
     fn to_host(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        self.first_to_host(x, x.len())
+    }
+
+    /// The first `n` values of `x` in host memory ([`Cuda::to_host`]).
+    fn first_to_host(&self, x: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
         use rayon::prelude::*;
         const PIECE: usize = 1 << 16;
-        let n = x.len();
+        let n = n.min(x.len());
+        let x = x.slice(..n);
         let mut staging = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let buf = match &mut *staging {
             Some(buf) if buf.len() >= n => buf,
@@ -836,7 +842,7 @@ impl Cuda {
         // Event tracking is off (one stream), so the buffer's own event says nothing: the
         // copy takes exactly n elements and the stream is waited for by hand.
         let host = &mut buf.as_mut_slice().map_err(driver("download"))?[..n];
-        self.stream.memcpy_dtoh(x, host).map_err(driver("download"))?;
+        self.stream.memcpy_dtoh(&x, host).map_err(driver("download"))?;
         self.stream.synchronize().map_err(driver("download"))?;
         let host = &*host;
         let mut out: Vec<f32> = Vec::with_capacity(n);
@@ -1510,15 +1516,23 @@ impl Kernels for Cuda {
         recordings: &CudaGraphs,
         batch: CudaBatch,
         out_lens: &[usize],
-        fetch: &[bool],
+        fetch: &[usize],
         body: &mut ForwardBody<'_, Cuda>,
     ) -> Result<Vec<Vec<f32>>> {
         recordings.run(self, batch, out_lens, fetch, body)
     }
 
+    fn recorded_shape(&self, tokens: usize, rows: usize) -> (usize, usize) {
+        graphs::recorded_shape(tokens, rows)
+    }
+
     fn token_group(&self) -> usize {
         // Every tensor-core matmul takes tokens 8 at a time (mma m16n8k16's n).
         8
+    }
+
+    fn recordings(&self, heads: Heads) -> CudaGraphs {
+        CudaGraphs::for_heads(heads)
     }
 
     fn one_time_forwards(&self, recordings: &CudaGraphs) -> u64 {

@@ -323,9 +323,9 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn embed_batch(&self, table: &Self::Mat, batch: &Self::Batch, out: &mut Self::Act) -> Result<()>;
 
     /// Runs `body`, a forward's device work over `batch` writing one activation of each
-    /// length in `out_lens`, and returns each output in host memory where `fetch` (one flag
-    /// an output, as many as `out_lens`) says so, an empty vector elsewhere (never read,
-    /// never copied). The caller promises
+    /// length in `out_lens`, and returns the first `fetch[i]` values of output `i` in host
+    /// memory (one count an output, as many as `out_lens`; 0: an empty vector, never
+    /// copied). The caller promises
     /// that `body`'s launches and their arguments depend only on the batch's shape (its
     /// token and row counts and the most keys a token reads) and that everything else it
     /// reads comes from the batch's device tables; a backend may then record `body` once
@@ -336,16 +336,30 @@ pub trait Kernels: Send + Sync + Sized + 'static {
         _recordings: &Self::Recordings,
         batch: Self::Batch,
         out_lens: &[usize],
-        fetch: &[bool],
+        fetch: &[usize],
         body: &mut ForwardBody<'_, Self>,
     ) -> Result<Vec<Vec<f32>>> {
         run_body(self, batch, out_lens, fetch, body)
+    }
+    /// The tokens and rows a forward of `tokens` tokens over `rows` rows runs as when
+    /// [`Kernels::run_recorded`] may record it: more of each where one recording then
+    /// serves many batches. The caller adds the difference as padding rows after its
+    /// own (each at least one token, the first taking what the others leave) and drops
+    /// their outputs; a row's bits never depend on the rows beside it. Exactly
+    /// `(tokens, rows)` by default (nothing is recorded).
+    fn recorded_shape(&self, tokens: usize, rows: usize) -> (usize, usize) {
+        (tokens, rows)
     }
     /// Tokens a forward's matmuls compute as one group: a forward of a partial group costs
     /// about as much as the whole group (CUDA: 8, an MMA's token width). 1 where each token
     /// costs its own share.
     fn token_group(&self) -> usize {
         1
+    }
+    /// A new model's recordings, for its layers' attention `heads` (what a recorded
+    /// attention launch depends on beside the batch).
+    fn recordings(&self, _heads: Heads) -> Self::Recordings {
+        Self::Recordings::default()
     }
     /// Forwards of `recordings` so far that paid a one-time cost (a shape's first run or
     /// its recording): a timing of one of them says little about the next (adaptive k
@@ -477,22 +491,26 @@ pub fn run_body<B: Kernels>(
     be: &B,
     batch: B::Batch,
     out_lens: &[usize],
-    fetch: &[bool],
+    fetch: &[usize],
     body: &mut ForwardBody<'_, B>,
 ) -> Result<Vec<Vec<f32>>> {
     let mut outs = out_lens.iter().map(|&n| be.alloc(n)).collect::<Result<Vec<_>>>()?;
     body(&batch, &mut outs)?;
-    fetched(outs, fetch, |o| be.download(o))
+    fetched(outs, fetch, |o, n| {
+        let mut host = be.download(o)?;
+        host.truncate(n);
+        Ok(host)
+    })
 }
 
-/// A forward's outputs in host memory by `get` where `fetch` (one flag an output) says so,
-/// an empty vector elsewhere: what [`Kernels::run_recorded`] returns.
+/// The first `fetch[i]` values of each output `i` in host memory by `get` (an empty vector
+/// where the count is 0, `get` not called): what [`Kernels::run_recorded`] returns.
 pub fn fetched<T>(
     outs: impl IntoIterator<Item = T>,
-    fetch: &[bool],
-    mut get: impl FnMut(T) -> Result<Vec<f32>>,
+    fetch: &[usize],
+    mut get: impl FnMut(T, usize) -> Result<Vec<f32>>,
 ) -> Result<Vec<Vec<f32>>> {
-    outs.into_iter().zip(fetch).map(|(o, &wanted)| if wanted { get(o) } else { Ok(Vec::new()) }).collect()
+    outs.into_iter().zip(fetch).map(|(o, &n)| if n > 0 { get(o, n) } else { Ok(Vec::new()) }).collect()
 }
 
 /// Values a [`LogitSummary`] takes in a backend's buffer: argmax (as f32), max, lse.

@@ -10,6 +10,7 @@ thread_local! {
     static SPLIT_ATTENTION: Cell<bool> = const { Cell::new(false) };
     static STALE_REPLAY: Cell<bool> = const { Cell::new(false) };
     static TOKEN_ORDERED_REDUCTION: Cell<bool> = const { Cell::new(false) };
+    static PAD_ROWS_FIRST: Cell<bool> = const { Cell::new(false) };
 }
 
 /// When on, `linear` runs a stock matmul whose kernel choice depends on M: candle's on
@@ -63,10 +64,20 @@ pub fn token_ordered_reduction() -> bool {
     TOKEN_ORDERED_REDUCTION.with(|c| c.get())
 }
 
+/// When on, the padding rows a recorded forward takes ([`crate::Kernels::recorded_shape`])
+/// come before the batch's own rows, whose outputs are still read from the front.
+pub fn set_pad_rows_first(on: bool) {
+    PAD_ROWS_FIRST.with(|c| c.set(on));
+}
+
+pub fn pad_rows_first() -> bool {
+    PAD_ROWS_FIRST.with(|c| c.get())
+}
+
 /// Every switch of the calling thread, to carry into the threads a forward spawns (the
 /// tensor-parallel ranks).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Switches([bool; 5]);
+pub struct Switches([bool; 6]);
 
 impl Switches {
     pub fn current() -> Switches {
@@ -76,16 +87,18 @@ impl Switches {
             split_attention(),
             stale_replay(),
             token_ordered_reduction(),
+            pad_rows_first(),
         ])
     }
 
     /// Sets the calling thread's switches to these.
     pub fn apply(self) {
-        let [a, b, c, d, e] = self.0;
+        let [a, b, c, d, e, f] = self.0;
         set_stock_matmul(a);
         set_physical_rope(b);
         set_split_attention(c);
         set_stale_replay(d);
         set_token_ordered_reduction(e);
+        set_pad_rows_first(f);
     }
 }

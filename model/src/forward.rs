@@ -209,6 +209,22 @@ pub(crate) fn wanted_tokens(rows: &[RowInput]) -> Vec<usize> {
     want
 }
 
+/// The tokens of each padding row that take a forward of `tokens` over `rows` rows to
+/// `shape` ([`Kernels::recorded_shape`]): one each, the first what the others leave.
+pub(crate) fn padding_rows(shape: (usize, usize), tokens: usize, rows: usize) -> Result<Vec<usize>> {
+    let (to_tokens, to_rows) = shape;
+    let bad = || {
+        Error::Backend(format!("cannot pad {tokens} tokens over {rows} rows to {to_tokens} over {to_rows}"))
+    };
+    let pads = to_rows.checked_sub(rows).ok_or_else(bad)?;
+    let extra = to_tokens.checked_sub(tokens).ok_or_else(bad)?;
+    if pads == 0 {
+        return if extra == 0 { Ok(Vec::new()) } else { Err(bad()) };
+    }
+    let first = extra.checked_sub(pads - 1).filter(|&n| n > 0).ok_or_else(bad)?;
+    Ok(std::iter::once(first).chain(std::iter::repeat_n(1, pads - 1)).collect())
+}
+
 /// Each row's outputs from the wanted tokens' `head` results and every token's
 /// final-normed `hidden` state (`h` wide; may be empty where no row wants it).
 pub(crate) fn row_outputs(
@@ -422,5 +438,21 @@ impl Model {
 
     pub(crate) fn net(&self) -> &dyn Net {
         &*self.net
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::padding_rows;
+
+    #[test]
+    fn padding_rows_take_a_token_each_and_the_first_the_rest() {
+        assert_eq!(padding_rows((40, 8), 40, 8).unwrap(), Vec::<usize>::new());
+        assert_eq!(padding_rows((16, 4), 15, 3).unwrap(), vec![1]);
+        assert_eq!(padding_rows((48, 16), 37, 8).unwrap(), vec![4, 1, 1, 1, 1, 1, 1, 1]);
+        // Shapes no padding reaches are refused, not run short.
+        assert!(padding_rows((40, 8), 37, 8).is_err(), "tokens but no row to hold them");
+        assert!(padding_rows((17, 8), 15, 4).is_err(), "fewer tokens than padding rows");
+        assert!(padding_rows((8, 2), 9, 2).is_err() && padding_rows((9, 1), 9, 2).is_err(), "smaller");
     }
 }

@@ -7,7 +7,7 @@
 
 mod mtp;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use mtp_base::config::{Arch, Config};
 use mtp_base::error::{Error, Result};
@@ -15,12 +15,13 @@ use mtp_base::Checkpoint;
 use mtp_cache::RowCache;
 use mtp_kernels::ops::RopeTable;
 use mtp_kernels::{
-    summaries_from, Activations, Backend, Heads, Kernels, KvDtype, Out, Plane, SUMMARY_VALUES,
+    negative_control, summaries_from, Activations, Backend, Heads, Kernels, KvDtype, Out, Plane,
+    SUMMARY_VALUES,
 };
 
 use crate::forward::{
-    check_tokens, head_outputs, row_outputs, slots_for, wanted_tokens, Head, LmHead, Net, Proj, RowInput,
-    RowOutput,
+    check_tokens, head_outputs, padding_rows, row_outputs, slots_for, wanted_tokens, Head, LmHead, Net, Proj,
+    RowInput, RowOutput,
 };
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::{check_split, Shard};
@@ -221,6 +222,9 @@ pub(crate) struct Decoder<B: Kernels> {
     /// rank's: its heads and MLP columns; `whole_config` the checkpoint's).
     pub(crate) shard: Option<Arc<Shard<B>>>,
     pub(crate) whole_config: Config,
+    /// The padding rows of recorded forwards ([`Kernels::recorded_shape`]): their windows
+    /// reopen at position 0 each forward and are never committed.
+    pad_rows: Mutex<Vec<RowCache>>,
 }
 
 impl<B: Kernels> Decoder<B> {
@@ -269,6 +273,13 @@ impl<B: Kernels> Decoder<B> {
             config.num_key_value_heads /= s.ranks;
             config.intermediate_size /= s.ranks;
         }
+        // Every layer attends with this rank's heads.
+        let heads = Heads {
+            heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+        };
+        let recordings = be.recordings(heads);
         Ok(Decoder {
             norm: be.vector(&ck.get_f32("model.norm.weight", h)?)?,
             rope: Arc::new(be.rope_table(table)?),
@@ -280,28 +291,56 @@ impl<B: Kernels> Decoder<B> {
             max_positions,
             kv,
             activations: be_activations,
-            recordings: B::Recordings::default(),
+            recordings,
             shard,
             whole_config,
+            pad_rows: Mutex::new(Vec::new()),
         })
     }
 
     fn forward(&self, rows: &mut [RowInput]) -> Result<Vec<RowOutput>> {
         let (be, c) = (&*self.be, &self.config);
         let (h, vocab) = (c.hidden_size, c.vocab_size);
-        let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
-        let slots = slots_for(&sizes, self.max_positions)?;
         check_tokens(rows.iter().map(|r| r.tokens), vocab, "row")?;
+        let real = rows.iter().map(|r| r.tokens.len()).sum::<usize>();
+        let every_logit = wanted_tokens(rows).len() == real;
+        // A forward the backend may record runs in the shape it records (padding rows of
+        // token 0 added), so that few recordings serve every batch.
+        let pads = match real > 0 && every_logit {
+            true => padding_rows(be.recorded_shape(real, rows.len()), real, rows.len())?,
+            false => Vec::new(),
+        };
+        let mut pad_rows = self.pad_rows.lock().unwrap_or_else(|e| e.into_inner());
+        while pad_rows.len() < pads.len() {
+            pad_rows.push(self.new_cache());
+        }
+        let pad_rows = &mut pad_rows[..pads.len()];
+        let first = negative_control::pad_rows_first();
+        let own = rows.iter().map(|r| (&*r.cache, r.tokens.len()));
+        let padding = pad_rows.iter().zip(pads.iter().copied());
+        let sizes: Vec<(&RowCache, usize)> =
+            if first { padding.chain(own).collect() } else { own.chain(padding).collect() };
+        let slots = slots_for(&sizes, self.max_positions)?;
         let m = slots.len();
-        let mut tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let own = rows.iter().flat_map(|r| r.tokens.iter().copied());
+        let padding = std::iter::repeat_n(0, m - real);
+        let mut tokens: Vec<u32> =
+            if first { padding.chain(own).collect() } else { own.chain(padding).collect() };
         if let Some(s) = &self.shard {
             // The batch's token ids are only the embedding's: a rank's rows of it.
             tokens = s.local_tokens(&tokens, vocab);
         }
-        let every_logit = wanted_tokens(rows).len() == m;
-        // The hidden states, the summaries and the logits: which come back to the host.
-        let fetch = [rows.iter().any(|r| r.hidden), true, rows.iter().any(|r| r.full_logits)];
-        let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
+        // The hidden states, the summaries and the logits: how many of each come back to
+        // the host (the batch's own tokens', never the padding's).
+        let fetch = [
+            if rows.iter().any(|r| r.hidden) { real * h } else { 0 },
+            SUMMARY_VALUES * real,
+            if rows.iter().any(|r| r.full_logits) { real * vocab } else { 0 },
+        ];
+        let own = rows.iter_mut().map(|r| &mut *r.cache);
+        let padding = pad_rows.iter_mut();
+        let mut caches: Vec<&mut RowCache> =
+            if first { padding.chain(own).collect() } else { own.chain(padding).collect() };
         let batch = be.batch(&slots, &tokens, &mut caches)?;
         let lm_head = LmHead { w: &*self.lm_head, shard: self.shard.as_deref() };
         // The embedding, the layers and the final norm, into `normed`.
