@@ -310,11 +310,18 @@ impl<B: Kernels> Decoder<B> {
             true => padding_rows(be.recorded_shape(real, rows.len()), real, rows.len())?,
             false => Vec::new(),
         };
-        let mut pad_rows = self.pad_rows.lock().unwrap_or_else(|e| e.into_inner());
-        while pad_rows.len() < pads.len() {
-            pad_rows.push(self.new_cache());
-        }
-        let pad_rows = &mut pad_rows[..pads.len()];
+        // Locked only where padding runs (CUDA's recorded forwards, one thread a GPU), so
+        // other backends' forwards of one model never wait on each other.
+        let mut held = (!pads.is_empty()).then(|| self.pad_rows.lock().unwrap_or_else(|e| e.into_inner()));
+        let pad_rows: &mut [RowCache] = match held.as_mut() {
+            Some(held) => {
+                while held.len() < pads.len() {
+                    held.push(self.new_cache());
+                }
+                &mut held[..pads.len()]
+            }
+            None => &mut [],
+        };
         let first = negative_control::pad_rows_first();
         let own = rows.iter().map(|r| (&*r.cache, r.tokens.len()));
         let padding = pad_rows.iter().zip(pads.iter().copied());
