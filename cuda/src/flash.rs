@@ -10,7 +10,7 @@ use cudarc::driver::CudaSlice;
 
 use super::{ptr, split_segments, AttentionKeys, Cuda};
 use mtp_base::error::Result;
-use mtp_kernels::{Activations, Heads, Kernels, KvDtype};
+use mtp_kernels::{Activations, Heads, KvDtype};
 
 /// Keys a chunk, chunks a segment, tokens a tile, warps a block (`FA_CHUNK`, `FA_SEG_CHUNKS`,
 /// `FA_MAX_WARPS` in flash.cuh; the tile is the host's).
@@ -151,8 +151,15 @@ impl Cuda {
         let warps = block_warps(launch_most(tiles.most), per_kv, wgmma.is_some());
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
-        let partial =
-            segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
+        let partial = segs
+            .map(|n| {
+                self.scratch_f32(
+                    keys.tokens * heads.heads * n * (heads.head_dim + 2),
+                    keys.tokens,
+                    "attention partials",
+                )
+            })
+            .transpose()?;
         let (qp, op, pp, tp, rp, tl) = (
             ptr(q, s),
             ptr(out, s),

@@ -25,12 +25,13 @@ use mtp_kernels::{run_body, ForwardBody, Heads, Kernels};
 /// ([`recorded_shape`]: 8 more rows of a token): a k=4 one (40 tokens)
 /// replayed costs 9.7-10.0 ms against 10.6-11.2 launched (8B, H100,
 /// docs/notes/cuda-speed-notes.md, v23); at 48 tokens the limit left 56-64-token verifies
-/// 1.2 ms slower than 48-token ones (H200, v31). The phase-split tiles and wgmma allocate their
-/// scratch (split activations, partials) inside the recording, as graph memory nodes, whose
-/// addresses stay the graph's, so the TMA descriptors recorded with them stay true.
-const MOST_RECORDED_TOKENS: usize = 80;
+/// 1.2 ms slower than 48-token ones (H200, v31). The phase-split tiles and wgmma take their
+/// scratch (split activations, partials) from the backend's pool ([`super::scratch`]):
+/// buffers that live as long as the backend, so the TMA descriptors recorded with their
+/// addresses stay true.
+pub(super) const MOST_RECORDED_TOKENS: usize = 80;
 /// Recordings a model keeps, and the most bytes their outputs may hold (the least recently
-/// replayed goes first). A recording costs 1.5-11 ms beyond its forward; unpadded, an 8B
+/// replayed goes first). A recording costs 1.5-5 ms beyond its forward; unpadded, an 8B
 /// B=8 bench met ~40 shapes (k's, rows ending, the drafts' spread over rows) and at 16
 /// recordings each repeat of `mtp-bench` recorded its decode and verify shapes anew (H200,
 /// notes v31); padded, the whole bench records 22 (notes v32).
@@ -55,8 +56,7 @@ pub(super) fn recorded_shape(tokens: usize, rows: usize) -> (usize, usize) {
 /// padding row; a batch already so shaped as it is. The verifies of up to 8 rows drafting
 /// up to 8 tokens each then take a few dozen shapes (8 and 16 rows, 8 to 80 tokens; 2 and
 /// 4 rows for the tails) where the rows' own spread of drafts and the rows ending at
-/// different rounds gave hundreds, each paying a first eager run and a recording of up
-/// to 11 ms. A single row is never padded (its shapes are few: one a draft count).
+/// different rounds gave hundreds, each paying a first eager run and a recording. A single row is never padded (its shapes are few: one a draft count).
 fn padded(tokens: usize, rows: usize) -> Option<(usize, usize)> {
     let group = |r: usize| r.min(8);
     if rows == 0 || (rows.is_power_of_two() && tokens.is_multiple_of(group(rows))) {
@@ -268,7 +268,9 @@ impl Cuda {
         let s = &self.stream;
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("begin graph capture"))?;
+        self.scratch.set_capturing(true);
         let captured = body(batch, &mut outs);
+        self.scratch.set_capturing(false);
         // The capture must end whether or not the body failed.
         let graph = s.end_capture(CUgraphInstantiate_flags(0)).map_err(driver("end graph capture"));
         captured?;

@@ -10,7 +10,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::Out;
 
-use crate::{driver, ptr, Cuda, CudaMat, TcKernel, GRID_SMS};
+use crate::scratch::Scratch;
+use crate::{ptr, Cuda, CudaMat, TcKernel, GRID_SMS};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 
@@ -203,7 +204,7 @@ impl Cuda {
         split: &CudaSlice<u16>,
         m: usize,
         w: &CudaMat,
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<Scratch<'_, f32>> {
         let fs = self.wgmma_functions()?;
         let i = match kernel {
             TcKernel::WgmmaPhases128x64 => 1,
@@ -215,8 +216,8 @@ impl Cuda {
         let xmap = tensor_map(ptr(split, s), m, w.cols, (STAGE_K, TOKS[i]), true, "the activations")?;
         let (mi, k, n) = (m as i32, w.cols as i32, w.rows as i32);
         let (cols, toks) = (w.rows.div_ceil(COLS) as u32, m.div_ceil(TOKS[i]) as u32);
-        // SAFETY: every phase block writes its whole tile of partials before a merge reads them.
-        let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
+        // Every phase block writes its whole tile of partials before a merge reads them.
+        let part = self.scratch_f32(8 * m * w.rows, m, "matmul partials")?;
         let pp = ptr(&part, s);
         launch!(
             self,
@@ -264,7 +265,7 @@ impl Cuda {
         split: &CudaSlice<u16>,
         m: usize,
         parts: &[&CudaMat],
-    ) -> Result<(CudaSlice<f32>, Vec<u64>)> {
+    ) -> Result<(Scratch<'_, f32>, Vec<u64>)> {
         let fs = self.wgmma_functions()?;
         let Some(first) = parts.first().filter(|_| parts.len() <= 3) else {
             return Err(Error::Backend(format!("{} weights in one wgmma launch (1 to 3)", parts.len())));
@@ -272,8 +273,8 @@ impl Cuda {
         let (s, k) = (&self.stream, first.cols);
         let xmap = tensor_map(ptr(split, s), m, k, (STAGE_K, TOKS[3]), true, "the activations")?;
         let total: usize = parts.iter().map(|w| w.rows).sum();
-        // SAFETY: every phase block writes its whole tile of partials before the merges.
-        let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
+        // Every phase block writes its whole tile of partials before the merges.
+        let partials = self.scratch_f32(8 * m * total, m, "matmul partials")?;
         let base = ptr(&partials, s);
         let mut p = WgParts { parts: parts.len() as i32, ..WgParts::default() };
         let map = |w: &CudaMat| {

@@ -42,11 +42,13 @@ mod graphs;
 mod hopper;
 mod kv;
 mod nccl;
+mod scratch;
 
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError};
 use mtp_cache::{KvStore, RowCache};
+use scratch::Scratch;
 
 pub use graphs::CudaGraphs;
 pub use kv::CudaKv;
@@ -531,6 +533,8 @@ pub struct Cuda {
     /// Page-locked host memory every download lands in first ([`Cuda::to_host`]), grown to
     /// the largest download so far.
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+    /// Matmul scratch kept between launches of recordable size ([`scratch`]).
+    scratch: scratch::Pools,
 }
 
 /// A GPU's stream, the module of every kernel, and the Hopper module on compute
@@ -812,6 +816,7 @@ impl Cuda {
             device,
             blas: OnceLock::new(),
             staging: std::sync::Mutex::new(None),
+            scratch: scratch::Pools::default(),
         })
     }
 
@@ -896,7 +901,7 @@ impl Cuda {
             )));
         }
         if kernel.is_wgmma() {
-            let split = self.split_steps(x, m * w.cols)?;
+            let split = self.split_steps(x, m, w.cols)?;
             return self.linear_wgmma(kernel, &split, m, w, bias, out, mode);
         }
         if kernel.tile().is_none() {
@@ -908,7 +913,7 @@ impl Cuda {
             let grid = (groups.div_ceil(kernel.groups_per_block()) as u32, 1);
             return launch!(self, f, grid, LINEAR_THREADS, "linear", [xp, mi, k, wp, n, bp, op, acc]);
         }
-        let split = self.split_activations(x, m * w.cols)?;
+        let split = self.split_activations(x, m, w.cols)?;
         self.linear_tile(kernel, &split, m, w, bias, out, mode)
     }
 
@@ -954,9 +959,9 @@ impl Cuda {
 
     /// `len` f32 activations as the bf16 planes the tiles read: split exactly into three, or
     /// rounded into one (this instance's [`Activations`]).
-    fn split_activations(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
+    fn split_activations(&self, x: &CudaSlice<f32>, m: usize, k: usize) -> Result<Scratch<'_, u16>> {
         let planes = activation_terms(self.activations);
-        self.split_into(&self.f.split_activations, x, len, planes)
+        self.split_into(&self.f.split_activations, x, m, k, planes)
     }
 
     /// `len` f32 activations into `planes` bf16 planes of `len` by `f` (a `split_activations`
@@ -965,16 +970,28 @@ impl Cuda {
         &self,
         f: &CudaFunction,
         x: &CudaSlice<f32>,
-        len: usize,
+        m: usize,
+        k: usize,
         planes: usize,
-    ) -> Result<CudaSlice<u16>> {
-        let s = &self.stream;
-        // SAFETY: the split kernels write all `planes * len` elements before a matmul reads them.
-        let split = unsafe { s.alloc::<u16>(planes * len) }.map_err(driver("split activations"))?;
+    ) -> Result<Scratch<'_, u16>> {
+        let (s, len) = (&self.stream, m * k);
+        let split = self.scratch_u16(planes * len, m, "split activations")?;
         let (xp, sp, n) = (ptr(x, s), ptr(&split, s), len as i64);
         let blocks = (len / 2).div_ceil(256).clamp(1, 4096) as u32;
         launch!(self, f, (blocks, 1), 256, "split", [xp, n, sp])?;
         Ok(split)
+    }
+
+    /// `len` f32 of a launch's scratch over `m` tokens ([`scratch`]).
+    fn scratch_f32(&self, len: usize, m: usize, what: &'static str) -> Result<Scratch<'_, f32>> {
+        let pools = &self.scratch;
+        pools.take(&pools.f32s, &self.stream, len, m, graphs::MOST_RECORDED_TOKENS, what)
+    }
+
+    /// `len` bf16 of a launch's scratch over `m` tokens ([`scratch`]).
+    fn scratch_u16(&self, len: usize, m: usize, what: &'static str) -> Result<Scratch<'_, u16>> {
+        let pools = &self.scratch;
+        pools.take(&pools.u16s, &self.stream, len, m, graphs::MOST_RECORDED_TOKENS, what)
     }
 
     /// `outs[i]` (+)= `x` (M rows) times `parts[i]`'s transpose, for 1 to 3 quantized weights
@@ -1056,7 +1073,7 @@ impl Cuda {
         let s = &self.stream;
         let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
         // SAFETY: every phase block writes its whole tile of partials before the merges.
-        let partials = unsafe { s.alloc::<f32>(8 * m * total) }.map_err(driver("matmul partials"))?;
+        let partials = self.scratch_f32(8 * m * total, m, "matmul partials")?;
         let base = ptr(&partials, s);
         let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
         let (mut blocks, mut offset) = (0, 0);
@@ -1080,8 +1097,8 @@ impl Cuda {
 
     /// `len` f32 activations rounded to bf16 in the order wgmma reads them
     /// (`split_activations_steps`: each 32-wide block as its two MMA steps).
-    fn split_steps(&self, x: &CudaSlice<f32>, len: usize) -> Result<CudaSlice<u16>> {
-        self.split_into(&self.f.split_activations_steps, x, len, 1)
+    fn split_steps(&self, x: &CudaSlice<f32>, m: usize, k: usize) -> Result<Scratch<'_, u16>> {
+        self.split_into(&self.f.split_activations_steps, x, m, k, 1)
     }
 
     /// [`Cuda::linear_tc_with`] by a tile kernel, over activations already split.
@@ -1119,8 +1136,8 @@ impl Cuda {
                 [sp, mi, k, wp, n, bp, op, acc]
             );
         }
-        // SAFETY: every phase block writes its whole tile of partials before the merge.
-        let part = unsafe { s.alloc::<f32>(8 * m * w.rows) }.map_err(driver("matmul partials"))?;
+        // Every phase block writes its whole tile of partials before the merge.
+        let part = self.scratch_f32(8 * m * w.rows, m, "matmul partials")?;
         let pp = ptr(&part, s);
         let f = &self.f.linear_tt_phases[i];
         launch!(
@@ -1628,7 +1645,7 @@ impl Kernels for Cuda {
         }
         let kernel = self.pick(m, parts.iter().map(|(w, _)| w.rows).sum(), k);
         if stackable && PARTS_TILES.contains(&kernel) {
-            let split = self.split_activations(x, m * k)?;
+            let split = self.split_activations(x, m, k)?;
             return self.linear_tile_parts(kernel, &split, m, parts, outs);
         }
         // Where each part would take the 64-token wgmma phases and some would stack
@@ -1637,7 +1654,7 @@ impl Kernels for Cuda {
             && parts.iter().all(|(w, _)| self.pick(m, w.rows, k) == TcKernel::WgmmaPhases128x64)
             && parts.iter().any(|(w, _)| hopper::stacks_64(w.rows, m))
         {
-            let steps = self.split_steps(x, m * k)?;
+            let steps = self.split_steps(x, m, k)?;
             return self.linear_wgmma_parts(&steps, m, parts, outs);
         }
         // Past 32 tokens (fewer took the pass kernel or a tile above) every width takes a
@@ -1651,13 +1668,13 @@ impl Kernels for Cuda {
             if kernel.is_wgmma() {
                 let steps = match &steps {
                     Some(s) => s,
-                    None => steps.insert(self.split_steps(x, m * k)?),
+                    None => steps.insert(self.split_steps(x, m, k)?),
                 };
                 self.linear_wgmma(kernel, steps, m, w, *bias, out, Out::Write)?;
             } else {
                 let split = match &split {
                     Some(s) => s,
-                    None => split.insert(self.split_activations(x, m * k)?),
+                    None => split.insert(self.split_activations(x, m, k)?),
                 };
                 self.linear_tile(kernel, split, m, w, *bias, out, Out::Write)?;
             }
@@ -1699,7 +1716,7 @@ impl Kernels for Cuda {
         if let Some(kernel) = self.phased_wgmma_pair(m, gw, uw) {
             // Past 32 tokens on a Hopper: the two phase launches (one where they stack, as
             // linear_parts would), then their merges and SwiGLU in one launch.
-            let steps = self.split_steps(x, m * k)?;
+            let steps = self.split_steps(x, m, k)?;
             if kernel == TcKernel::WgmmaPhases128x64 && hopper::stacks_64(n, m) {
                 let (partials, at) = self.wgmma_parts_partials(&steps, m, &[gw, uw])?;
                 self.merge_phases_swiglu(m, n, (at[0], gb), (at[1], ub), gate_out)?;
@@ -1962,8 +1979,15 @@ impl Cuda {
         let tokens = keys.tokens as u32;
         // Split: a block per segment, its state in `partial` for the merge launch.
         let segs = split_segments(&keys, heads, ATTENTION_SEGMENT, heads.heads);
-        let partial =
-            segs.map(|n| self.alloc(keys.tokens * heads.heads * n * (heads.head_dim + 2))).transpose()?;
+        let partial = segs
+            .map(|n| {
+                self.scratch_f32(
+                    keys.tokens * heads.heads * n * (heads.head_dim + 2),
+                    keys.tokens,
+                    "attention partials",
+                )
+            })
+            .transpose()?;
         let pp = partial.as_ref().map_or(0, |p| ptr(p, s));
         let grid = (tokens, (heads.heads / group * segs.unwrap_or(1)) as u32);
         launch!(
