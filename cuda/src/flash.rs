@@ -151,15 +151,7 @@ impl Cuda {
         let warps = block_warps(launch_most(tiles.most), per_kv, wgmma.is_some());
         let smem = smem_bytes(max_hd, heads.head_dim, warps) as u32;
         let segs = split_segments(&keys, heads, SEGMENT, heads.kv_heads);
-        let partial = segs
-            .map(|n| {
-                self.scratch_f32(
-                    keys.tokens * heads.heads * n * (heads.head_dim + 2),
-                    keys.tokens,
-                    "attention partials",
-                )
-            })
-            .transpose()?;
+        let partial = self.attention_partials(&keys, heads, segs)?;
         let (qp, op, pp, tp, rp, tl) = (
             ptr(q, s),
             ptr(out, s),

@@ -994,6 +994,18 @@ impl Cuda {
         pools.take(&pools.u16s, &self.stream, len, m, graphs::MOST_RECORDED_TOKENS, what)
     }
 
+    /// A split attention launch's per-segment states for its merge ([`split_segments`]'s
+    /// `segs`; none where it does not split).
+    fn attention_partials(
+        &self,
+        keys: &AttentionKeys,
+        heads: Heads,
+        segs: Option<usize>,
+    ) -> Result<Option<Scratch<'_, f32>>> {
+        let len = |n: usize| keys.tokens * heads.heads * n * (heads.head_dim + 2);
+        segs.map(|n| self.scratch_f32(len(n), keys.tokens, "attention partials")).transpose()
+    }
+
     /// `outs[i]` (+)= `x` (M rows) times `parts[i]`'s transpose, for 1 to 3 quantized weights
     /// of one K, bits and group size on the tensor-core path ([`tcq_stackable`]): the
     /// activations made once (`prep_q_acts`: bf16 pairs and group sums), then one launch.
@@ -1979,15 +1991,7 @@ impl Cuda {
         let tokens = keys.tokens as u32;
         // Split: a block per segment, its state in `partial` for the merge launch.
         let segs = split_segments(&keys, heads, ATTENTION_SEGMENT, heads.heads);
-        let partial = segs
-            .map(|n| {
-                self.scratch_f32(
-                    keys.tokens * heads.heads * n * (heads.head_dim + 2),
-                    keys.tokens,
-                    "attention partials",
-                )
-            })
-            .transpose()?;
+        let partial = self.attention_partials(&keys, heads, segs)?;
         let pp = partial.as_ref().map_or(0, |p| ptr(p, s));
         let grid = (tokens, (heads.heads / group * segs.unwrap_or(1)) as u32);
         launch!(
