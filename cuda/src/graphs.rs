@@ -42,13 +42,17 @@ const MOST_RECORDED_BYTES: usize = 2 << 30;
 /// rows (exact where nothing would be recorded, or where padding would pass
 /// [`MOST_RECORDED_TOKENS`]).
 pub(super) fn recorded_shape(tokens: usize, rows: usize) -> (usize, usize) {
-    let recorded = GRAPHS_ON.load(Ordering::Relaxed)
-        && !negative_control::stock_matmul()
-        && !negative_control::split_attention();
+    let recorded = recording() && !negative_control::split_attention();
     match padded(tokens, rows) {
         Some((t, r)) if recorded && t <= MOST_RECORDED_TOKENS => (t, r),
         _ => (tokens, rows),
     }
+}
+
+/// Whether forwards are recorded: graphs on, and no negative control that uploads inside
+/// the forward (the stock matmul's).
+fn recording() -> bool {
+    GRAPHS_ON.load(Ordering::Relaxed) && !negative_control::stock_matmul()
 }
 
 /// Rows to a power of two and tokens to a multiple of the rows (8 from 8 rows on: an MMA's
@@ -56,7 +60,8 @@ pub(super) fn recorded_shape(tokens: usize, rows: usize) -> (usize, usize) {
 /// padding row; a batch already so shaped as it is. The verifies of up to 8 rows drafting
 /// up to 8 tokens each then take a few dozen shapes (8 and 16 rows, 8 to 80 tokens; 2 and
 /// 4 rows for the tails) where the rows' own spread of drafts and the rows ending at
-/// different rounds gave hundreds, each paying a first eager run and a recording. A single row is never padded (its shapes are few: one a draft count).
+/// different rounds gave hundreds, each paying a first eager run and a recording. A single
+/// row is never padded (its shapes are few: one a draft count).
 fn padded(tokens: usize, rows: usize) -> Option<(usize, usize)> {
     let group = |r: usize| r.min(8);
     if rows == 0 || (rows.is_power_of_two() && tokens.is_multiple_of(group(rows))) {
@@ -148,10 +153,7 @@ impl CudaGraphs {
     ) -> Result<Vec<Vec<f32>>> {
         // The stock-matmul control uploads inside the forward; the split control sizes its
         // grid from the batch: neither is a fixed recording.
-        let recordable = GRAPHS_ON.load(Ordering::Relaxed)
-            && batch.m <= MOST_RECORDED_TOKENS
-            && batch.splits == 1
-            && !negative_control::stock_matmul();
+        let recordable = recording() && batch.m <= MOST_RECORDED_TOKENS && batch.splits == 1;
         if !recordable {
             return run_body(cuda, batch, out_lens, fetch, body);
         }

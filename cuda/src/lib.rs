@@ -957,15 +957,15 @@ impl Cuda {
         (tensor_cores && phased && self.runs(kernel, k)).then_some(kernel)
     }
 
-    /// `len` f32 activations as the bf16 planes the tiles read: split exactly into three, or
-    /// rounded into one (this instance's [`Activations`]).
+    /// `m` x `k` f32 activations as the bf16 planes the tiles read: split exactly into three,
+    /// or rounded into one (this instance's [`Activations`]).
     fn split_activations(&self, x: &CudaSlice<f32>, m: usize, k: usize) -> Result<Scratch<'_, u16>> {
         let planes = activation_terms(self.activations);
         self.split_into(&self.f.split_activations, x, m, k, planes)
     }
 
-    /// `len` f32 activations into `planes` bf16 planes of `len` by `f` (a `split_activations`
-    /// kernel: x, n, out).
+    /// `m` x `k` f32 activations into `planes` bf16 planes of `m * k` by `f` (a
+    /// `split_activations` kernel: x, n, out), in scratch of the pool ([`scratch`]).
     fn split_into(
         &self,
         f: &CudaFunction,
@@ -1084,7 +1084,7 @@ impl Cuda {
         let (f, cols, toks) = (&self.f.linear_tt_parts[i], tile.cols, tile.toks);
         let s = &self.stream;
         let total: usize = parts.iter().map(|(w, _)| w.rows).sum();
-        // SAFETY: every phase block writes its whole tile of partials before the merges.
+        // Every phase block writes its whole tile of partials before the merges.
         let partials = self.scratch_f32(8 * m * total, m, "matmul partials")?;
         let base = ptr(&partials, s);
         let mut p = TcParts { parts: parts.len() as i32, ..TcParts::default() };
@@ -1107,7 +1107,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// `len` f32 activations rounded to bf16 in the order wgmma reads them
+    /// `m` x `k` f32 activations rounded to bf16 in the order wgmma reads them
     /// (`split_activations_steps`: each 32-wide block as its two MMA steps).
     fn split_steps(&self, x: &CudaSlice<f32>, m: usize, k: usize) -> Result<Scratch<'_, u16>> {
         self.split_into(&self.f.split_activations_steps, x, m, k, 1)

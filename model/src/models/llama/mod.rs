@@ -322,17 +322,20 @@ impl<B: Kernels> Decoder<B> {
             }
             None => &mut [],
         };
+        // The batch's own rows, then the padding's (before them under the negative control).
         let first = negative_control::pad_rows_first();
-        let own = rows.iter().map(|r| (&*r.cache, r.tokens.len()));
-        let padding = pad_rows.iter().zip(pads.iter().copied());
-        let sizes: Vec<(&RowCache, usize)> =
-            if first { padding.chain(own).collect() } else { own.chain(padding).collect() };
+        fn in_order<T>(first: bool, own: Vec<T>, padding: Vec<T>) -> Vec<T> {
+            if first { [padding, own] } else { [own, padding] }.into_iter().flatten().collect()
+        }
+        let sizes: Vec<(&RowCache, usize)> = in_order(
+            first,
+            rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect(),
+            pad_rows.iter().zip(pads.iter().copied()).collect(),
+        );
         let slots = slots_for(&sizes, self.max_positions)?;
         let m = slots.len();
-        let own = rows.iter().flat_map(|r| r.tokens.iter().copied());
-        let padding = std::iter::repeat_n(0, m - real);
         let mut tokens: Vec<u32> =
-            if first { padding.chain(own).collect() } else { own.chain(padding).collect() };
+            in_order(first, rows.iter().flat_map(|r| r.tokens.iter().copied()).collect(), vec![0; m - real]);
         if let Some(s) = &self.shard {
             // The batch's token ids are only the embedding's: a rank's rows of it.
             tokens = s.local_tokens(&tokens, vocab);
@@ -344,10 +347,8 @@ impl<B: Kernels> Decoder<B> {
             SUMMARY_VALUES * real,
             if rows.iter().any(|r| r.full_logits) { real * vocab } else { 0 },
         ];
-        let own = rows.iter_mut().map(|r| &mut *r.cache);
-        let padding = pad_rows.iter_mut();
         let mut caches: Vec<&mut RowCache> =
-            if first { padding.chain(own).collect() } else { own.chain(padding).collect() };
+            in_order(first, rows.iter_mut().map(|r| &mut *r.cache).collect(), pad_rows.iter_mut().collect());
         let batch = be.batch(&slots, &tokens, &mut caches)?;
         let lm_head = LmHead { w: &*self.lm_head, shard: self.shard.as_deref() };
         // The embedding, the layers and the final norm, into `normed`.
