@@ -6,9 +6,10 @@
 //! weights being timed. `scripts/gpu-run.sh` prints torch.matmul (cuBLAS) on the same
 //! shapes beside it.
 //!
-//! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R] [--kernels]` narrows it (for a
-//! profiler: `scripts/gpu-run.sh profile-matmul`); `--kernels` times every tensor-core
-//! kernel at every M, not only the one the host picks (which `kernel` names); `--stacked`
+//! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R] [--kernels [--only NAME,..]]` narrows
+//! it (for a profiler: `scripts/gpu-run.sh profile-matmul`); `--kernels` times every
+//! tensor-core kernel at every M, not only the one the host picks (which `kernel` names),
+//! or with `--only` the kernels named (as `TcKernel` spells them: `WgmmaPair128x192`); `--stacked`
 //! times the 8B layer's q/k/v and gate/up as a launch each against one `linear_parts`
 //! launch, at M = 1 and 8.
 
@@ -46,6 +47,12 @@ fn main() -> anyhow::Result<()> {
     )?;
     let ms = list(&args, "--m", |s| s.parse().ok(), vec![1usize, 8, 40, 64, 128, 512, 4096])?;
     let reps = list(&args, "--reps", |s| s.parse().ok(), vec![20usize])?[0].max(1);
+    let only = list(&args, "--only", |s| Some(s.to_string()), Vec::new())?;
+    let all: Vec<TcKernel> =
+        TcKernel::ALL.into_iter().filter(|k| only.is_empty() || only.contains(&format!("{k:?}"))).collect();
+    if let Some(unknown) = only.iter().find(|name| !all.iter().any(|k| format!("{k:?}") == **name)) {
+        anyhow::bail!("--only: no tensor-core kernel is named {unknown:?} (see TcKernel in cuda/src/lib.rs)");
+    }
     let cuda = Cuda::shared()?;
     println!("device: {}", cuda.device_name());
     if args.iter().any(|a| a == "--stacked") {
@@ -63,7 +70,7 @@ fn main() -> anyhow::Result<()> {
             let x = cuda.upload(&activations(m, k))?;
             let mut out = cuda.alloc(m * n)?;
             let picked = cuda.pick(m, n, k);
-            let kernels = if every_kernel { TcKernel::ALL.to_vec() } else { vec![picked] };
+            let kernels = if every_kernel { all.clone() } else { vec![picked] };
             for kernel in kernels {
                 // A kernel a mode cannot run (wgmma with f32 activations): that mode's own
                 // pick when timing the picks, else nothing ("-").

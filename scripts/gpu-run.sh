@@ -34,6 +34,9 @@
 #          512 on the three 8B shapes, the host's pick marked (an `ab` or `all` bundle).
 #   profile-matmul: Nsight Compute's sections for one matmul launch at M = 1, 8, 40, 512 on
 #          the 12288 x 4096 shape (where the time goes: bandwidth, L2, issue, stalls).
+#   profile-wgmma: where the wgmma tiles' warps stall, instruction by instruction: Nsight
+#          Compute's SASS samples of Wgmma128x192 at M = 4,096 and Wgmma128x128 at M = 512
+#          on 12288 x 4096, summed by stall reason and opcode (scripts/ncu_sass_summary.py).
 #   profile: on the Qwen3-0.6B and 8B shapes, B=1 (and 8B B=8) plain decode's wall time per
 #          token beside the GPU time of each forward's kernels (ncu, one metric), by kernel.
 #   tp:    tensor parallelism over every GPU of the machine (a kind with several): the
@@ -60,7 +63,7 @@
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul. Logs go to $OUT
+# Usage: scripts/gpu-run.sh tests|bench|all|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -487,6 +490,27 @@ if [ "$what" = profile-matmul ]; then
         echo "== M=$m" | tee -a "$OUT/profile-matmul.log"
         grep -E "linear|Duration|Throughput|Hit Rate|Occupancy|Registers Per|Issue Slots|Stall|Block Limit" \
             "$OUT/ncu-matmul-m$m.txt" | tee -a "$OUT/profile-matmul.log"
+    done
+fi
+
+if [ "$what" = profile-wgmma ]; then
+    # One launch of each tile under the source counters (an `ab` or `all` bundle); the
+    # report's SASS page is kept gzipped beside the summary.
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    for tile in Wgmma128x192:4096 Wgmma128x128:512; do
+        kernel=${tile%%:*} m=${tile##*:}
+        "$ncu" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+            -k regex:linear_wg --launch-skip 3 --launch-count 1 --export "$OUT/ncu-$kernel" -f \
+            "$bin/gpu_matmul" --kernels --only $kernel --shapes 12288x4096 --m $m --reps 1 \
+            > "$OUT/ncu-$kernel.txt" 2>&1 || status=1
+        "$ncu" --import "$OUT/ncu-$kernel.ncu-rep" --page source --csv --print-source sass \
+            > "$OUT/ncu-$kernel-sass.csv" 2>/dev/null || status=1
+        echo "== $kernel, 12288 x 4096, M = $m" | tee -a "$OUT/profile-wgmma.log"
+        grep -E "Duration|Compute \(SM\)|L2 Cache Throughput|Issue Slots|Warp Cycles Per Issued" \
+            "$OUT/ncu-$kernel.txt" | tee -a "$OUT/profile-wgmma.log"
+        python3 scripts/ncu_sass_summary.py "$OUT/ncu-$kernel-sass.csv" 12 2>&1 | tee -a "$OUT/profile-wgmma.log" || status=1
+        gzip -f "$OUT/ncu-$kernel-sass.csv"
+        rm -f "$OUT/ncu-$kernel.ncu-rep"
     done
 fi
 

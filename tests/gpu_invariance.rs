@@ -99,8 +99,9 @@ fn quantized_modes_compute_their_own_functions() {
 /// Every tensor-core kernel (passes of 8 to 64 tokens, shared-memory tiles of 256x16 to
 /// 128x64, the phase-split tiles, and on an H100 or H200 with bf16 activations wgmma) gives
 /// the same bits at every M, with a bias and accumulating into the output, on shapes that
-/// leave partial tiles, a partial last 128-wide chunk (K = 1056) and phases without chunks
-/// (K < 1024). Control: cuBLAS's product, compared the same way, must differ.
+/// leave partial tiles (an odd count of column tiles, the last partial: 300 x 640), a
+/// partial last 128-wide chunk (K = 1056) and phases without chunks (K < 1024). Control:
+/// cuBLAS's product, compared the same way, must differ.
 #[test]
 fn every_tensor_core_kernel_gives_the_same_bits() {
     for mode in MODES {
@@ -118,7 +119,7 @@ fn every_kernel_same_bits(cuda: &Cuda, mode: Activations) {
         "{}: wgmma should run exactly on a Hopper GPU with bf16 activations",
         cuda.device_name()
     );
-    for (n, k) in [(200, 1056), (100, 96), (200, 640), (4096, 4096)] {
+    for (n, k) in [(200, 1056), (100, 96), (300, 640), (4096, 4096)] {
         let w = weight(&mut rng, WeightDtype::Bf16, n, k);
         let mat = cuda.matrix(&w).unwrap();
         let bias = cuda.upload(&rng.vec(n)).unwrap();
