@@ -1027,9 +1027,10 @@ impl Cuda {
         }
         let s = &self.stream;
         let groups = k / q.group;
-        // SAFETY: prep_q_acts writes every element of both before the matmul reads them.
-        let xb = unsafe { s.alloc::<u32>(m * k / 2) }.map_err(driver("quantized matmul activations"))?;
-        let xs = unsafe { s.alloc::<f32>(m * groups) }.map_err(driver("quantized matmul activations"))?;
+        // The bf16 pairs (m k / 2 words, as m k bf16) and group sums: pooled scratch, which
+        // prep_q_acts writes whole before the matmul reads it.
+        let xb = self.scratch_u16(m * k, m, "quantized matmul activations")?;
+        let xs = self.scratch_f32(m * groups, m, "quantized matmul activations")?;
         let (xp, xbp, xsp) = (ptr(x, s), ptr(&xb, s), ptr(&xs, s));
         let (mi, ki, gi) = (m as i32, k as i32, q.group as i32);
         // A warp per token and 256 values of K.
