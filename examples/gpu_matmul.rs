@@ -9,7 +9,7 @@
 //! `gpu_matmul [--shapes NxK,..] [--m M,..] [--reps R] [--kernels [--only NAME,..]]` narrows
 //! it (for a profiler: `scripts/gpu-run.sh profile-matmul`); `--kernels` times every
 //! tensor-core kernel at every M, not only the one the host picks (which `kernel` names),
-//! or with `--only` the kernels named (as `TcKernel` spells them: `WgmmaPair128x192`); `--stacked`
+//! or with `--only` the kernels named (as `TcKernel` spells them: `Wgmma128x192`); `--stacked`
 //! times the 8B layer's q/k/v and gate/up as a launch each against one `linear_parts`
 //! launch, at M = 1 and 8.
 
