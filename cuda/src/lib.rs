@@ -985,13 +985,13 @@ impl Cuda {
     /// `len` f32 of a launch's scratch over `m` tokens ([`scratch`]).
     fn scratch_f32(&self, len: usize, m: usize, what: &'static str) -> Result<Scratch<'_, f32>> {
         let pools = &self.scratch;
-        pools.take(&pools.f32s, &self.stream, len, m, graphs::MOST_RECORDED_TOKENS, what)
+        pools.take(&pools.f32s, &self.stream, len, m, what)
     }
 
     /// `len` bf16 of a launch's scratch over `m` tokens ([`scratch`]).
     fn scratch_u16(&self, len: usize, m: usize, what: &'static str) -> Result<Scratch<'_, u16>> {
         let pools = &self.scratch;
-        pools.take(&pools.u16s, &self.stream, len, m, graphs::MOST_RECORDED_TOKENS, what)
+        pools.take(&pools.u16s, &self.stream, len, m, what)
     }
 
     /// A split attention launch's per-segment states for its merge ([`split_segments`]'s

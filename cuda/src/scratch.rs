@@ -1,4 +1,5 @@
-//! A matmul launch's scratch (the bf16 activation planes, the phase tiles' partials), kept
+//! A launch's scratch (the matmuls' bf16 activation planes and phase partials, the quantized
+//! matmul's rounded activations and group sums, attention's segment partials), kept
 //! between launches for forwards small enough to be recorded ([`graphs`]). Allocated inside
 //! a CUDA graph's capture, each piece of scratch is a pair of graph memory nodes: some 300
 //! a forward on the wgmma phases, most of the 6-11 ms its instantiation costs (notes v32).
@@ -17,6 +18,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use mtp_base::error::Result;
 
 use super::driver;
+use super::graphs::MOST_RECORDED_TOKENS;
 
 /// Free buffers of one element type.
 #[derive(Default)]
@@ -75,8 +77,8 @@ impl Pools {
         self.capturing.store(on, Ordering::Relaxed);
     }
 
-    /// `len` elements of scratch for a launch over `m` tokens: pooled where `m` is at most
-    /// `pooled_tokens` (new buffers a power of two long, so a few serve every such
+    /// `len` elements of scratch for a launch over `m` tokens: pooled where a forward of `m`
+    /// tokens may be recorded (new buffers a power of two long, so a few serve every such
     /// forward), allocated for this launch alone otherwise.
     pub(crate) fn take<'a, T: DeviceRepr>(
         &self,
@@ -84,10 +86,9 @@ impl Pools {
         stream: &Arc<CudaStream>,
         len: usize,
         m: usize,
-        pooled_tokens: usize,
         what: &'static str,
     ) -> Result<Scratch<'a, T>> {
-        let pooled = m <= pooled_tokens;
+        let pooled = m <= MOST_RECORDED_TOKENS;
         if pooled {
             if let Some(buf) = pool.take(len) {
                 return Ok(Scratch { buf: Some(buf), home: Some(pool) });
