@@ -33,7 +33,9 @@
 // the mma.sync P V of its warps. So a query's bits are the same from either kernel.
 // Two launches compute the same bits, as for the CUDA-core kernel: a block per (tile, KV
 // head) walking the segments (`partial` null), or a block per (tile, KV head, segment)
-// writing each query's segment state to `partial` for `flash_merge`.
+// writing each query's segment state to `partial` for `flash_merge`. A walking block whose
+// keys lie in one segment normalises that state into `out` as it ends (merged into the
+// empty state, a state is itself).
 // `splits` > 1 is the negative control only: the chunks' anchor moves by a batch-sized
 // offset (64 - 2 splits), so a query's chunking follows the batch.
 // grid: (tiles, kv_heads * segments), block: 32 W (W warps, 16 W >= the tile's tokens x
@@ -213,9 +215,10 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     }
     // The warp's keys (every lane: the same rows, by the quads' butterfly), and the keys
     // every one of its rows reads, [w_all_lo, w_all_hi): a chunk inside them needs no mask.
+    // (A token at a time: its G rows share its range.)
     int w_all_lo = 0, w_all_hi = 0x7fffffff;
-    for (int i = 0; i < 16 && 16 * warp + i < n_rows; i++) {
-        const Tok tk = toks[t0 + (16 * warp + i) / G];
+    for (int i = 16 * warp / G; i < nt && i * G < 16 * warp + 16; i++) {
+        const Tok tk = toks[t0 + i];
         const int nk = tk.pos + 1, fk = max(tk.first, window > 0 ? nk - window : 0);
         w_lo = min(w_lo, fk);
         w_hi = max(w_hi, nk);
@@ -227,33 +230,41 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         warp_keys[2 * warp + 1] = w_hi;
     }
 
-    // q rounded to bf16, rows past the tile's and dims past hd zero: QU pairs' loads issued
-    // before any is stored (one at a time, each waited for its load). With wgmma each
-    // warpgroup's 64 rows in fa_kv_at's layout (the tensor cores read q from there), else
-    // fa_at's (ldmatrix reads it).
+    // q rounded to bf16, rows past the tile's and dims past hd zero. Each warp fills its own
+    // 16 rows, a row's pairs over the lanes (row r + 1 is the next head of r's token, or the
+    // next token's first: no division a pair), QR rows' loads issued before any is stored.
+    // With wgmma each warpgroup's 64 rows in fa_kv_at's layout (the tensor cores read q from
+    // there, padding rows included), else fa_at's (ldmatrix reads it; a warp without rows
+    // never does, and fills nothing).
     auto q_at = [&](int r, int d) { return Wg::on ? (r >> 6) * 64 * hdp + fa_kv_at(r & 63, d, hdp) : fa_at(r, d, hdp); };
-    {
-        constexpr int QU = 8;
-        const int pairs = 16 * warps * (hdp / 2);
-        for (int i0 = threadIdx.x; i0 < pairs; i0 += QU * blockDim.x) {
-            float2 v[QU];
+    auto fill_q = [&]() {
+        constexpr int QR = 4, PH = (MAX_HD / 2 + 31) / 32;  // rows a batch of loads, pairs a lane
+        const int r0 = 16 * warp;
+        if (!Wg::on && r0 >= n_rows) return;
+        int hq = r0 % G;
+        long long at = ((long long)(t0 + r0 / G) * heads + kvh * G + hq) * hd;  // row r0's q
+        for (int j0 = 0; j0 < 16; j0 += QR) {
+            float2 v[QR][PH];
 #pragma unroll
-            for (int u = 0; u < QU; u++) {
-                const int i = i0 + u * blockDim.x, r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
-                v[u] = make_float2(0.0f, 0.0f);
-                if (i < pairs && r < n_rows && d < hd)
-                    v[u] = __ldg(reinterpret_cast<const float2*>(
-                        q + ((long long)(t0 + r / G) * heads + kvh * G + r % G) * hd + d));
+            for (int u = 0; u < QR; u++) {
+#pragma unroll
+                for (int h = 0; h < PH; h++) {
+                    const int d = 2 * (lane + 32 * h);
+                    v[u][h] = make_float2(0.0f, 0.0f);
+                    if (r0 + j0 + u < n_rows && d < hd) v[u][h] = __ldg(reinterpret_cast<const float2*>(q + at + d));
+                }
+                at += hd;
+                if (++hq == G) hq = 0, at += (long long)(heads - G) * hd;
             }
 #pragma unroll
-            for (int u = 0; u < QU; u++) {
-                const int i = i0 + u * blockDim.x, r = i / (hdp / 2), d = 2 * (i % (hdp / 2));
-                if (i < pairs) *reinterpret_cast<u32*>(qs + q_at(r, d)) = fa_pack(v[u].x, v[u].y);
-            }
+            for (int u = 0; u < QR; u++)
+#pragma unroll
+                for (int h = 0; h < PH; h++) {
+                    const int d = 2 * (lane + 32 * h);
+                    if (d < hdp) *reinterpret_cast<u32*>(qs + q_at(r0 + j0 + u, d)) = fa_pack(v[u][h].x, v[u][h].y);
+                }
         }
-        // The stores, made visible to the tensor cores' reads (async proxy).
-        if constexpr (Wg::on) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    }
+    };
 
     // The chunks this block walks (in the shifted key space of the negative control).
     int c_begin = (lo + shift) / FA_CHUNK, c_end = hi > lo ? (hi - 1 + shift) / FA_CHUNK : c_begin - 1;
@@ -303,6 +314,15 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         }
     };
 
+    // The first chunk's loads go out before q's (they do not wait for each other).
+    if (c_begin <= c_end) {
+        load(c_begin, 0);
+        asm volatile("cp.async.commit_group;");
+    }
+    fill_q();
+    // The stores, made visible to the tensor cores' reads (async proxy).
+    if constexpr (Wg::on) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+
     const float scale2 = __fmul_rn(scale, 1.4426950408889634f);
     const float NEG_INF = __int_as_float(0xff800000);
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};      // the segment's state
@@ -330,10 +350,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         q_desc = Wg::at(qs + __shfl_sync(0xffffffffu, warp >> 2, 0) * 64 * hdp);
         kv_desc = Wg::at(kvs);
     }
-    if (c_begin <= c_end) {
-        load(c_begin, 0);
-        asm volatile("cp.async.commit_group;");
-    }
+    const bool one_segment = c_begin <= c_end && c_begin / FA_SEG_CHUNKS == c_end / FA_SEG_CHUNKS;
     for (int c = c_begin, stage = 0; c <= c_end; c++, stage ^= 1) {
         if (c < c_end) {
             load(c + 1, stage ^ 1);
@@ -490,8 +507,25 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                 pv(FaBool<false>{});
             }
         }
+        // A block of one segment: its state is the query's (a merge into the empty state
+        // copies it), normalised into `out` here.
+        if (!partial && one_segment && warp_live && c == c_end) {
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                if (16 * warp + g + 8 * rr >= n_rows) continue;
+                float* o = out + ((long long)tok[rr] * heads + head[rr]) * hd;
+                const float inv = 1.0f / l[rr];
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    const int d = 8 * n + 2 * t4;
+                    if (d < hd)
+                        *reinterpret_cast<float2*>(o + d) =
+                            make_float2(__fmul_rn(acc[n][2 * rr], inv), __fmul_rn(acc[n][2 * rr + 1], inv));
+                }
+            }
+        }
         // A segment ends: merge its state into the query's, start the next one empty.
-        if (!partial && warp_live && (c == c_end || (c + 1) % FA_SEG_CHUNKS == 0)) {
+        if (!partial && !one_segment && warp_live && (c == c_end || (c + 1) % FA_SEG_CHUNKS == 0)) {
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
                 float part[NT * 2], merged[NT * 2];
@@ -518,7 +552,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         }
         __syncthreads();  // the stage just read is the next load's
     }
-    if (!warp_live) return;
+    if (!warp_live || (!partial && one_segment)) return;
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         const int r = 16 * warp + g + 8 * rr;
@@ -530,22 +564,20 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                 dst[1] = l[rr];
             }
 #pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int d = 8 * n + 2 * t4 + e;
-                    if (d < hd) dst[2 + d] = acc[n][2 * rr + e];
-                }
+            for (int n = 0; n < NT; n++) {
+                const int d = 8 * n + 2 * t4;  // (hd and hd + 2 even: 8-byte aligned pairs)
+                if (d < hd) *reinterpret_cast<float2*>(dst + 2 + d) = make_float2(acc[n][2 * rr], acc[n][2 * rr + 1]);
+            }
         } else {
             float* o = out + ((long long)tok[rr] * heads + head[rr]) * hd;
             const float inv = 1.0f / tl[rr];
 #pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int d = 8 * n + 2 * t4 + e;
-                    if (d < hd) o[d] = __fmul_rn(tot[(4 * n + 2 * rr + e) * 32 + lane], inv);
-                }
+            for (int n = 0; n < NT; n++) {
+                const int d = 8 * n + 2 * t4;
+                if (d < hd)
+                    *reinterpret_cast<float2*>(o + d) = make_float2(__fmul_rn(tot[(4 * n + 2 * rr) * 32 + lane], inv),
+                                                                    __fmul_rn(tot[(4 * n + 2 * rr + 1) * 32 + lane], inv));
+            }
         }
     }
 }
