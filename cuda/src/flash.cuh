@@ -92,11 +92,12 @@ __device__ __forceinline__ void fa_mma(float* d, const u32* a, u32 b0, u32 b1, c
           "f"(c[3]));
 }
 
-// 16 bytes from global memory, or zeros where `size` is 0.
-__device__ __forceinline__ void fa_cp16(u16* smem, const u16* gmem, int size) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
+// 16 bytes from global memory to shared address `s`, or zeros where `size` is 0.
+__device__ __forceinline__ void fa_cp16(u32 s, const u16* gmem, int size) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(size));
 }
+
+__device__ __forceinline__ u32 fa_saddr(const u16* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // Element (r, d) of a [rows][hdp] bf16 tile in shared memory: 16-byte pieces swizzled by the
 // row (so ldmatrix's eight rows hit different banks), within aligned groups of pieces whose
@@ -243,27 +244,40 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         if (!Wg::on && r0 >= n_rows) return;
         int hq = r0 % G;
         long long at = ((long long)(t0 + r0 / G) * heads + kvh * G + hq) * hd;  // row r0's q
-        for (int j0 = 0; j0 < 16; j0 += QR) {
-            float2 v[QR][PH];
+        // Rows r0 .. r0 + rows - 1 (`rows` a multiple of QR) from q, zeros past the tile's.
+        auto from_q = [&](int rows) {
+            for (int j0 = 0; j0 < rows; j0 += QR) {
+                float2 v[QR][PH];
 #pragma unroll
-            for (int u = 0; u < QR; u++) {
+                for (int u = 0; u < QR; u++) {
 #pragma unroll
-                for (int h = 0; h < PH; h++) {
-                    const int d = 2 * (lane + 32 * h);
-                    v[u][h] = make_float2(0.0f, 0.0f);
-                    if (r0 + j0 + u < n_rows && d < hd) v[u][h] = __ldg(reinterpret_cast<const float2*>(q + at + d));
+                    for (int h = 0; h < PH; h++) {
+                        const int d = 2 * (lane + 32 * h);
+                        v[u][h] = make_float2(0.0f, 0.0f);
+                        if (r0 + j0 + u < n_rows && d < hd) v[u][h] = __ldg(reinterpret_cast<const float2*>(q + at + d));
+                    }
+                    at += hd;
+                    if (++hq == G) hq = 0, at += (long long)(heads - G) * hd;
                 }
-                at += hd;
-                if (++hq == G) hq = 0, at += (long long)(heads - G) * hd;
+#pragma unroll
+                for (int u = 0; u < QR; u++)
+#pragma unroll
+                    for (int h = 0; h < PH; h++) {
+                        const int d = 2 * (lane + 32 * h);
+                        if (d < hdp) *reinterpret_cast<u32*>(qs + q_at(r0 + j0 + u, d)) = fa_pack(v[u][h].x, v[u][h].y);
+                    }
             }
-#pragma unroll
-            for (int u = 0; u < QR; u++)
-#pragma unroll
-                for (int h = 0; h < PH; h++) {
-                    const int d = 2 * (lane + 32 * h);
-                    if (d < hdp) *reinterpret_cast<u32*>(qs + q_at(r0 + j0 + u, d)) = fa_pack(v[u][h].x, v[u][h].y);
-                }
+        };
+        if (Wg::on || n_rows - r0 >= 16) {
+            from_q(16);  // (a constant trip count: a prompt's warps)
+            return;
         }
+        // A warp of a decode or verify tile: its rows with a query (to a multiple of QR), then
+        // the rest zeroed in one sweep (fa_at keeps each row's pieces in the row).
+        const int rows = (n_rows - r0 + QR - 1) / QR * QR;
+        from_q(rows);
+        uint4* z = reinterpret_cast<uint4*>(qs + (r0 + rows) * hdp);
+        for (int i = lane; i < (16 - rows) * hdp / 8; i += 32) z[i] = make_uint4(0u, 0u, 0u, 0u);
     };
 
     // The chunks this block walks (in the shifted key space of the negative control).
@@ -280,6 +294,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     // Where a thread keeps one piece and its keys step by a multiple of 8 (the swizzle's
     // period), its pieces' places in shared memory step by whole rows.
     const bool one_piece = step_piece == 0 && step_key % 8 == 0;
+    // (In bytes: V's tile after K's, and one step's rows.)
+    const u32 v_bytes = FA_CHUNK * hdp * 2, d_step = step_key * (hdp % 64 ? hdp : 64) * 2;
     auto load = [&](int c, int stage) {
         u16* ks = kvs + stage * 2 * FA_CHUNK * hdp;
         u16* vs = ks + FA_CHUNK * hdp;
@@ -293,12 +309,26 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             const long long at = ok ? (kv_slot(row, c0) + key0) * kvd + 8 * piece0 : 0;
             const long long g_step = ok ? (long long)step_key * kvd : 0;
             const u16 *kg = kbuf + at, *vg = vbuf + at;
-            u16 *kd = ks + fa_kv_at(key0, 8 * piece0, hdp), *vd = vs + fa_kv_at(key0, 8 * piece0, hdp);
-            const int d_step = step_key * (hdp % 64 ? hdp : 64);
+            u32 kd = fa_saddr(ks + fa_kv_at(key0, 8 * piece0, hdp));
             for (int key = key0; key < FA_CHUNK; key += step_key) {
                 fa_cp16(kd, kg, ok);
-                fa_cp16(vd, vg, ok);
-                kg += g_step, vg += g_step, kd += d_step, vd += d_step;
+                fa_cp16(kd + v_bytes, vg, ok);
+                kg += g_step, vg += g_step, kd += d_step;
+            }
+            return;
+        }
+        if (one_piece) {
+            // A chunk past some key's range (a decode step's last): the same stepped places,
+            // each key's slot its own where the slots are not consecutive.
+            const bool piece_ok = 8 * piece0 < hd;
+            const long long slot0 = consecutive ? kv_slot(row, c0) : 0;
+            u32 kd = fa_saddr(ks + fa_kv_at(key0, 8 * piece0, hdp));
+            for (int key = key0; key < FA_CHUNK; key += step_key, kd += d_step) {
+                const int p = c0 + key;
+                const bool ok = piece_ok && p >= lo && p < hi;
+                const long long at = ok ? (consecutive ? slot0 + key : kv_slot(row, p)) * kvd + 8 * piece0 : 0;
+                fa_cp16(kd, kbuf + at, ok ? 16 : 0);
+                fa_cp16(kd + v_bytes, vbuf + at, ok ? 16 : 0);
             }
             return;
         }
@@ -306,8 +336,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
             const int p = c0 + key;
             const bool ok = p >= lo && p < hi && 8 * piece < hd;
             const long long at = ok ? kv_slot(row, p) * kvd + 8 * piece : 0;
-            fa_cp16(ks + fa_kv_at(key, 8 * piece, hdp), kbuf + at, ok ? 16 : 0);
-            fa_cp16(vs + fa_kv_at(key, 8 * piece, hdp), vbuf + at, ok ? 16 : 0);
+            fa_cp16(fa_saddr(ks + fa_kv_at(key, 8 * piece, hdp)), kbuf + at, ok ? 16 : 0);
+            fa_cp16(fa_saddr(vs + fa_kv_at(key, 8 * piece, hdp)), vbuf + at, ok ? 16 : 0);
             key += step_key;
             piece += step_piece;
             if (piece >= cpr) piece -= cpr, key++;
