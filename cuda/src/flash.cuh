@@ -381,6 +381,16 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         kv_desc = Wg::at(kvs);
     }
     const bool one_segment = c_begin <= c_end && c_begin / FA_SEG_CHUNKS == c_end / FA_SEG_CHUNKS;
+    // Row rr's output: value(n, e) (output tile n, element e of the lane's pair) times inv,
+    // stored as pairs (hd even: 8-byte aligned).
+    auto store_out = [&](int rr, float inv, auto value) {
+        float* o = out + ((long long)tok[rr] * heads + head[rr]) * hd;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int d = 8 * n + 2 * t4;
+            if (d < hd) *reinterpret_cast<float2*>(o + d) = make_float2(__fmul_rn(value(n, 0), inv), __fmul_rn(value(n, 1), inv));
+        }
+    };
     for (int c = c_begin, stage = 0; c <= c_end; c++, stage ^= 1) {
         if (c < c_end) {
             load(c + 1, stage ^ 1);
@@ -542,16 +552,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         if (!partial && one_segment && warp_live && c == c_end) {
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
-                if (16 * warp + g + 8 * rr >= n_rows) continue;
-                float* o = out + ((long long)tok[rr] * heads + head[rr]) * hd;
-                const float inv = 1.0f / l[rr];
-#pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    const int d = 8 * n + 2 * t4;
-                    if (d < hd)
-                        *reinterpret_cast<float2*>(o + d) =
-                            make_float2(__fmul_rn(acc[n][2 * rr], inv), __fmul_rn(acc[n][2 * rr + 1], inv));
-                }
+                if (16 * warp + g + 8 * rr < n_rows)
+                    store_out(rr, 1.0f / l[rr], [&](int n, int e) { return acc[n][2 * rr + e]; });
             }
         }
         // A segment ends: merge its state into the query's, start the next one empty.
@@ -599,15 +601,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
                 if (d < hd) *reinterpret_cast<float2*>(dst + 2 + d) = make_float2(acc[n][2 * rr], acc[n][2 * rr + 1]);
             }
         } else {
-            float* o = out + ((long long)tok[rr] * heads + head[rr]) * hd;
-            const float inv = 1.0f / tl[rr];
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                const int d = 8 * n + 2 * t4;
-                if (d < hd)
-                    *reinterpret_cast<float2*>(o + d) = make_float2(__fmul_rn(tot[(4 * n + 2 * rr) * 32 + lane], inv),
-                                                                    __fmul_rn(tot[(4 * n + 2 * rr + 1) * 32 + lane], inv));
-            }
+            store_out(rr, 1.0f / tl[rr], [&](int n, int e) { return tot[(4 * n + 2 * rr + e) * 32 + lane]; });
         }
     }
 }
