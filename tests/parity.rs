@@ -228,16 +228,15 @@ fn gate_on(t: &Target, target: &str) {
         let (diff, _) = t.check(None, opts(0, max_batch, WindowLayout::RowTail));
         assert_eq!(diff, None, "{target}: plain decoding, max batch {max_batch}");
     }
-    for kind in DRAFTERS {
+    // Adaptive k changes k per row and round (from timings, so differently every run).
+    let ks = [DraftLen::Fixed(1), DraftLen::Fixed(3), DraftLen::Fixed(5), DraftLen::Adaptive(5)];
+    for (i, kind) in DRAFTERS.into_iter().enumerate() {
         let mut totals = (0, 0);
-        // Adaptive k changes k per row and round (from timings, so differently every run).
-        for k in [DraftLen::Fixed(1), DraftLen::Fixed(3), DraftLen::Fixed(5), DraftLen::Adaptive(5)] {
-            for max_batch in [1, 3, 8] {
-                let layout = if max_batch == 8 { WindowLayout::SharedSlots } else { WindowLayout::RowTail };
-                let (diff, (d, a)) = t.check(Some(kind), with_k(k, max_batch, layout));
-                assert_eq!(diff, None, "{target}: drafter {kind}, k {k:?}, max batch {max_batch}");
-                totals = (totals.0 + d, totals.1 + a);
-            }
+        for (k, max_batch) in common::gate_settings(i, &ks) {
+            let layout = if max_batch == 8 { WindowLayout::SharedSlots } else { WindowLayout::RowTail };
+            let (diff, (d, a)) = t.check(Some(kind), with_k(k, max_batch, layout));
+            assert_eq!(diff, None, "{target}: drafter {kind}, k {k:?}, max batch {max_batch}");
+            totals = (totals.0 + d, totals.1 + a);
         }
         eprintln!("{target} {kind}: drafted {}, accepted {}", totals.0, totals.1);
         assert!(totals.0 > 0 || kind == "ngram", "{target} {kind}: nothing was drafted");

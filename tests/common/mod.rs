@@ -47,6 +47,32 @@ pub fn load(dir: &Path) -> Model {
     Model::load_with(dir, backend(), numerics).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
+/// Whether a test runs its whole matrix of settings. `MTP_TEST_MATRIX` says: `full` (the
+/// default on the CPU and CUDA) or `rotated` (the default on the Metal emulator, which runs
+/// a kernel's threads one after another, about 100x the CPU's time): a subset that still
+/// takes every setting through the emulated kernels once. The CPU's full run of the same
+/// test proves the engine's logic at every combination; `scripts/ci-slow.sh` runs the
+/// emulator's with `MTP_TEST_MATRIX=full`.
+pub fn full_matrix() -> bool {
+    match std::env::var("MTP_TEST_MATRIX").as_deref() {
+        Ok("full") => true,
+        Ok("rotated") => false,
+        Ok(other) => panic!("MTP_TEST_MATRIX: `{other}` is neither `full` nor `rotated`"),
+        Err(_) => backend() != Backend::MetalEmulated,
+    }
+}
+
+/// The (k, max batch) settings a parity gate runs for its `drafter`-th drafter: every `k`
+/// at max batch 1, 3 and 8, or, rotated ([`full_matrix`]), two of them: max batch 8 (shared
+/// slots) and 3 (row tails), with k rotating between drafters, so each drafter, each k and
+/// both window layouts still meet the kernels with mixed accepts in one batch.
+pub fn gate_settings<K: Copy>(drafter: usize, ks: &[K]) -> Vec<(K, usize)> {
+    match full_matrix() {
+        true => ks.iter().flat_map(|&k| [1, 3, 8].map(|b| (k, b))).collect(),
+        false => vec![(ks[(drafter + 1) % ks.len()], 8), (ks[drafter % ks.len()], 3)],
+    }
+}
+
 pub const FAMILIES: [&str; 6] =
     ["llama-target", "llama-draft", "qwen2-target", "qwen2-draft", "qwen3-target", "qwen3-draft"];
 

@@ -1,16 +1,23 @@
-// The emulator's scheduler: runs a dispatch's threadgroups one after another on the calling
-// thread, and the threads of one threadgroup concurrently as fibers (each with its own stack) that switch
+// The emulator's scheduler: runs a dispatch's threadgroups on the calling thread and on
+// helper threads (one per further host core; threadgroups share nothing but device memory,
+// as on the GPU, and `threadgroup` memory is per OS thread), and the threads of one
+// threadgroup concurrently as fibers (each with its own stack) that switch
 // only at barriers and SIMD-group exchanges. Between two barriers the threads run in
 // reverse order of their index, so a kernel that reads a value another thread writes
 // without a barrier in between sees a stale value (a missing barrier shows up as a wrong
 // result, not silently right). A barrier that some threads never reach while others wait
 // is reported as an error, as is a kernel asking for more than it may.
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "emu.h"
@@ -249,6 +256,90 @@ void simdgroup_barrier() { yield(State::AtSimdBarrier); }
 
 using namespace mtp_emu;
 
+namespace {
+
+// One dispatch: its threadgroups, numbered x + gx * y, taken in turn by whoever runs it.
+struct Job {
+    Invoker invoke;
+    void* const* args;
+    uint32_t gx, threads, total;
+    std::atomic<uint32_t> next{0};
+    // Threads inside `work`; guarded by the pool's mutex.
+    uint32_t working = 0;
+    // The lowest-numbered threadgroup that failed, and its message (under `failure`): the
+    // error a one-thread run, which stops at the first failure, would give.
+    std::mutex failure;
+    uint32_t failed_group = UINT32_MAX;
+    std::string error;
+};
+
+void work(Job& job) {
+    Group& g = group_for(job.threads);
+    g.invoke = job.invoke;
+    g.args = job.args;
+    for (uint32_t i = job.next.fetch_add(1); i < job.total; i = job.next.fetch_add(1)) {
+        if (!run_group(g, i % job.gx, i / job.gx)) {
+            std::lock_guard<std::mutex> lock(job.failure);
+            if (i < job.failed_group) {
+                job.failed_group = i;
+                job.error = g.error;
+            }
+        }
+    }
+    g_group = nullptr;
+}
+
+// Helper threads, one fewer than the host's cores, started at the first dispatch and never
+// stopped (the pool is never freed, so no destructor races a helper at exit).
+struct Pool {
+    std::mutex mutex;
+    std::condition_variable wake, finished;
+    std::deque<Job*> jobs;
+    unsigned helpers = 0;
+
+    Pool() {
+        const unsigned cores = std::thread::hardware_concurrency();
+        helpers = cores > 1 ? std::min(cores - 1, 63u) : 0;
+        for (unsigned i = 0; i < helpers; i++) std::thread([this] { help(); }).detach();
+    }
+
+    void help() {
+        std::unique_lock<std::mutex> lock(mutex);
+        for (;;) {
+            wake.wait(lock, [this] { return !jobs.empty(); });
+            Job* job = jobs.front();
+            if (job->next.load() >= job->total) {
+                jobs.pop_front();  // every threadgroup taken: its dispatcher waits for `working`
+                continue;
+            }
+            job->working++;
+            lock.unlock();
+            work(*job);
+            lock.lock();
+            if (--job->working == 0) finished.notify_all();
+        }
+    }
+
+    void run(Job& job) {
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            jobs.push_back(&job);
+        }
+        wake.notify_all();
+        work(job);
+        std::unique_lock<std::mutex> lock(mutex);
+        jobs.erase(std::remove(jobs.begin(), jobs.end(), &job), jobs.end());
+        finished.wait(lock, [&] { return job.working == 0; });
+    }
+};
+
+Pool& pool() {
+    static Pool* p = new Pool;
+    return *p;
+}
+
+}  // namespace
+
 // Runs `invoke` over a grid of (gx, gy) threadgroups of `threads` threads. Returns 0, or
 // writes a message to `err` (`err_len` bytes) and returns 1.
 extern "C" int mtp_emu_dispatch(Invoker invoke, void* const* args, uint32_t gx, uint32_t gy, uint32_t threads,
@@ -257,16 +348,25 @@ extern "C" int mtp_emu_dispatch(Invoker invoke, void* const* args, uint32_t gx, 
         std::snprintf(err, err_len, "a threadgroup of %u threads (1 to %u allowed)", threads, MAX_THREADS);
         return 1;
     }
-    Group& g = group_for(threads);
-    g.invoke = invoke;
-    g.args = args;
-    for (uint32_t y = 0; y < gy; y++)
-        for (uint32_t x = 0; x < gx; x++)
-            if (!run_group(g, x, y)) {
-                std::snprintf(err, err_len, "%s", g.error.c_str());
-                g_group = nullptr;
-                return 1;
-            }
-    g_group = nullptr;
+    const uint64_t total = uint64_t(gx) * gy;
+    if (total > UINT32_MAX - 64) {
+        std::snprintf(err, err_len, "a grid of %u x %u threadgroups (at most 2^32 - 65)", gx, gy);
+        return 1;
+    }
+    Job job;
+    job.invoke = invoke;
+    job.args = args;
+    job.gx = gx;
+    job.threads = threads;
+    job.total = uint32_t(total);
+    if (total > 1 && pool().helpers > 0) {
+        pool().run(job);
+    } else {
+        work(job);
+    }
+    if (job.failed_group != UINT32_MAX) {
+        std::snprintf(err, err_len, "%s", job.error.c_str());
+        return 1;
+    }
     return 0;
 }
