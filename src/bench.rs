@@ -404,6 +404,17 @@ pub fn prompts_from_dir(
     len: usize,
     max_tokens: usize,
 ) -> Result<Vec<Request>> {
+    if n == 0 || len == 0 {
+        bail!("--num-prompts and --prompt-tokens must be at least 1");
+    }
+    // The prompts are held at once: bound their count and tokens before cutting any.
+    let total = n.checked_mul(len).filter(|&t| n <= MAX_CUT_PROMPTS && t <= MAX_CUT_TOKENS);
+    let Some(total) = total else {
+        bail!(
+            "--num-prompts {n} x --prompt-tokens {len}: at most {MAX_CUT_PROMPTS} prompts and \
+             {MAX_CUT_TOKENS} tokens in all"
+        );
+    };
     let mut files = Vec::new();
     collect_files(dir, &mut files)?;
     files.sort();
@@ -414,12 +425,9 @@ pub fn prompts_from_dir(
         if let Some(text) = read_text_head(f) {
             ids.extend(tok.encode(&text).with_context(|| format!("tokenizing {}", f.display()))?);
         }
-        if ids.len() >= 64 * n * len.max(1) {
+        if ids.len() >= total.saturating_mul(64) {
             break; // plenty to cut from
         }
-    }
-    if n == 0 || len == 0 {
-        bail!("--num-prompts and --prompt-tokens must be at least 1");
     }
     if ids.len() < len {
         bail!("{}: {} tokens of text, fewer than --prompt-tokens {len}", dir.display(), ids.len());
@@ -438,6 +446,10 @@ pub fn prompts_from_dir(
         })
         .collect())
 }
+
+/// The most prompts `--prompts-dir` cuts, and the most tokens they hold in all.
+pub const MAX_CUT_PROMPTS: usize = 1 << 16;
+pub const MAX_CUT_TOKENS: usize = 1 << 26;
 
 /// Bytes of one file read for `--prompts-dir`.
 const HEAD_BYTES: u64 = 16 << 20;

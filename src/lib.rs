@@ -150,7 +150,20 @@ pub fn parse_k(s: &str) -> Result<KArg, String> {
     match s {
         "auto" => Ok(KArg::Auto),
         "0" => Err("must be at least 1 (--k 0 drafts nothing: use --drafter none for plain decoding)".into()),
-        n => n.parse().map(KArg::Fixed).map_err(|_| format!("`{n}` is neither `auto` nor a count")),
+        n => match n.parse::<usize>() {
+            Ok(k) => draft_count(n).map(|_| KArg::Fixed(k)),
+            Err(_) => Err(format!("`{n}` is neither `auto` nor a count")),
+        },
+    }
+}
+
+/// Parses a count of drafts a round (`--max-k`): 1 to [`engine::MAX_DRAFT_TOKENS`].
+pub fn draft_count(s: &str) -> Result<usize, String> {
+    match at_least_one(s)? {
+        k if k > engine::MAX_DRAFT_TOKENS => {
+            Err(format!("{k} drafts a round: at most {} allowed", engine::MAX_DRAFT_TOKENS))
+        }
+        k => Ok(k),
     }
 }
 

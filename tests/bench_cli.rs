@@ -224,4 +224,15 @@ fn bad_arguments_are_refused() {
     assert!(code == 1 && err.contains("temperature"), "{err}");
     let (code, _, err) = bench(&["--prompts-dir", "/nonexistent/dir"]);
     assert!(code == 1 && err.contains("/nonexistent/dir"), "{err}");
+    // Sizes past their bounds are refused by name before anything is allocated (these
+    // aborted allocating 32 GiB and 219 TB); the same folder with sane counts cuts prompts
+    // (`prompts_dir_is_cut_deterministically`).
+    let (code, _, err) = bench(&["--max-k", "4294967296"]);
+    assert!(code == 2 && err.contains("--max-k") && err.contains("at most 64"), "{err}");
+    let (code, _, err) = bench(&["--k", "1,65"]);
+    assert!(code == 2 && err.contains("--k") && err.contains("at most 64"), "{err}");
+    let (code, _, err) = bench(&["--prompts-dir", "src", "--num-prompts", "1099511627776"]);
+    assert!(code == 1 && err.contains("--num-prompts 1099511627776") && err.contains("at most"), "{err}");
+    let (code, _, err) = bench(&["--prompts-dir", "src", "--prompt-tokens", "18446744073709551615"]);
+    assert!(code == 1 && err.contains("--prompt-tokens") && err.contains("at most"), "{err}");
 }

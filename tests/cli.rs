@@ -293,6 +293,14 @@ fn wrapping_sizes_negative_values_and_unread_flags_are_named() {
         let (code, _, err) = run(&["--drafter", drafter, "--draft", t]);
         assert!(code != 0 && err.contains("--draft") && err.contains(drafter), "{drafter}: {err}");
     }
+    // Draft lengths past the bound (`--max-k 2^32` aborted allocating 32 GiB); the bound
+    // itself runs.
+    for (flag, value) in [("--max-k", "4294967296"), ("--max-k", "65"), ("--k", "65")] {
+        let (code, _, err) = run(&["--drafter", "ngram", flag, value]);
+        assert!(code == 2 && err.contains(flag) && err.contains("at most 64"), "{flag} {value}: {err}");
+    }
+    let (code, _, err) = run(&["--drafter", "ngram", "--max-k", "64"]);
+    assert_eq!(code, 0, "{err}");
 }
 
 /// `--activations`: an unknown value is refused naming the choices (`mtp generate` and

@@ -323,3 +323,22 @@ fn a_long_prompt_goes_in_a_chunk_a_round_while_others_decode() {
     assert_eq!(waited, 0, "a prompt within one chunk starts in the round it arrives");
     assert_eq!([a, b], [want[0].clone(), want[1].clone()]);
 }
+
+/// A draft length past `MAX_DRAFT_TOKENS`, fixed or adaptive, is refused naming `k` (an
+/// adaptive bound of 2^32 aborted allocating the chooser's tables); the bound itself runs.
+#[test]
+fn draft_lengths_past_the_bound_are_refused() {
+    let model = common::load(&fixture("qwen2-target"));
+    let max = mtp::engine::MAX_DRAFT_TOKENS;
+    for k in [DraftLen::Fixed(max + 1), DraftLen::Adaptive(max + 1), DraftLen::Adaptive(1 << 32)] {
+        let opts = EngineOptions { k, ..EngineOptions::default() };
+        let err = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).err().unwrap();
+        assert!(err.to_string().contains("`k`"), "{k:?}: {err}");
+    }
+    let opts = EngineOptions { k: DraftLen::Adaptive(max), ..EngineOptions::default() };
+    let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).unwrap();
+    let got = generate(&mut engine, &requests(), &[], |_, _| {});
+    for (g, w) in got.iter().zip(plain(&model, &requests(), 1)) {
+        assert_eq!(g.as_ref().unwrap().tokens, w.unwrap().tokens);
+    }
+}

@@ -278,22 +278,31 @@ impl Gate {
 /// adversarial oracle), k in {1, 3, 5} and adaptive, max batch {1, 3, 8}, fifteen
 /// staggered requests across the sliding window: every row bitwise equal to plain
 /// decoding of the request alone, greedy and exact-sampled.
+/// Rotated ([`common::full_matrix`], the emulator) each family runs one of its two gates:
+/// sampling runs on the host, so the other adds no kernel; every assistant layout still runs
+/// (here, in the 4-bit gate and in `assistant_drafts_match_transformers_rounds`).
 #[test]
 fn gate_gemma4_dense() {
     Gate::new("gemma4-dense-target", Some("gemma4-dense-assistant-ordered"), false).run();
-    Gate::new("gemma4-dense-target", Some("gemma4-dense-assistant"), true).run();
+    if common::full_matrix() {
+        Gate::new("gemma4-dense-target", Some("gemma4-dense-assistant"), true).run();
+    }
 }
 
 #[test]
 fn gate_gemma4_e() {
-    Gate::new("gemma4-e-target", Some("gemma4-e-assistant"), false).run();
+    if common::full_matrix() {
+        Gate::new("gemma4-e-target", Some("gemma4-e-assistant"), false).run();
+    }
     Gate::new("gemma4-e-target", Some("gemma4-e-assistant-ordered"), true).run();
 }
 
 #[test]
 fn gate_gemma4_moe() {
     Gate::new("gemma4-moe-target", None, false).run();
-    Gate::new("gemma4-moe-target", None, true).run();
+    if common::full_matrix() {
+        Gate::new("gemma4-moe-target", None, true).run();
+    }
 }
 
 /// The gate on mlx-lm's 4-bit conversions: multimodal names (`language_model.model.`)
@@ -423,9 +432,11 @@ fn bad_gemma4_configs_name_the_key() {
     let src = gemma("gemma4-e-target");
     let base: Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let cases: [(&str, Value, &str); 4] = [
+    let cases: [(&str, Value, &str); 5] = [
         ("hidden_activation", Value::from("relu"), "hidden_activation"),
         ("num_kv_shared_layers", Value::from(9), "num_kv_shared_layers"),
+        // Every layer shared (an assistant's setting) in a target: no layer stores K/V.
+        ("num_kv_shared_layers", base["num_hidden_layers"].clone(), "num_kv_shared_layers"),
         ("layer_types", Value::from(vec!["sliding_attention"]), "layer_types"),
         ("rope_parameters", serde_json::json!({"full_attention": {"rope_type": "yarn"}}), "rope_type"),
     ];

@@ -837,3 +837,46 @@ fn synth_writes_mlx_quantized_checkpoints() {
     assert!(!Checkpoint::open(&dir).unwrap().contains("model.layers.0.mlp.up_proj.scales"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A checkpoint file that is not a regular file is refused by name without being opened or
+/// read: a FIFO named `model.safetensors` or `tokenizer.json` blocked `open()` forever, a
+/// `tokenizer.json` linked to /dev/zero was read without end, a directory named
+/// `model.safetensors` said only "No such device". Control: the copy with its files loads.
+#[cfg(unix)]
+#[test]
+fn fifos_devices_and_directories_are_refused_by_name() {
+    let dir = copy_fixture("qwen3-target", "special-files");
+    assert!(Model::load(&dir).is_ok() && Tokenizer::from_dir(&dir).is_ok());
+    // The load on a thread of its own: a regression blocks, and is reported, not hung.
+    let error_of = |name: &'static str| {
+        let (dir, (tx, rx)) = (dir.clone(), std::sync::mpsc::channel());
+        std::thread::spawn(move || {
+            let err = match name {
+                "tokenizer.json" => Tokenizer::from_dir(&dir).err().map(|e| e.to_string()),
+                _ => Model::load(&dir).err().map(|e| e.to_string()),
+            };
+            tx.send(err.unwrap_or_else(|| format!("{name}: loaded"))).ok();
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap_or_else(|_| panic!("{name}: blocked"))
+    };
+    for name in ["model.safetensors", "tokenizer.json"] {
+        let path = dir.join(name);
+        let original = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(std::process::Command::new("mkfifo").arg(&path).status().unwrap().success());
+        let err = error_of(name);
+        assert!(err.contains(name) && err.contains("not a regular file"), "FIFO {name}: {err}");
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        let err = error_of(name);
+        assert!(err.contains(name) && err.contains("not a regular file"), "/dev/zero as {name}: {err}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let err = error_of(name);
+        assert!(err.contains(name) && err.contains("a directory"), "a directory {name}: {err}");
+        std::fs::remove_dir(&path).unwrap();
+        std::fs::write(&path, original).unwrap();
+    }
+    assert!(Model::load(&dir).is_ok() && Tokenizer::from_dir(&dir).is_ok());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -5,7 +5,6 @@
 //! refuse a checkpoint holding tensors its config.json does not describe.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -82,7 +81,7 @@ impl Checkpoint {
         };
         let mut tensors = HashMap::new();
         for path in files {
-            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            let file = crate::files::open_regular(&path)?;
             // SAFETY: the file is opened read-only; like every mmap loader we assume it is
             // not truncated by another process while mapped.
             let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?);

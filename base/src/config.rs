@@ -178,9 +178,10 @@ pub fn count_key(path: &Path, v: &Value, key: &str) -> Result<Option<usize>> {
     }
 }
 
+/// The JSON of the regular file `path`, at most [`MAX_JSON_BYTES`](crate::files::MAX_JSON_BYTES).
 pub fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })
+    let bytes = crate::files::read_bounded(path, crate::files::MAX_JSON_BYTES)?;
+    serde_json::from_slice(&bytes).map_err(|source| Error::Json { path: path.to_path_buf(), source })
 }
 
 /// `key` (`eos_token_id`, `bos_token_id`) as a token id or a list of them, each an id of the

@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod hub;
 pub mod isa;
 pub mod logits;

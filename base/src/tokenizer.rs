@@ -40,7 +40,8 @@ impl Tokenizer {
         if !path.exists() {
             return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "not found")));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        let bytes = crate::files::read_bounded(&path, crate::files::MAX_TOKENIZER_BYTES)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
         let specials = Specials::new(
             inner

@@ -33,6 +33,10 @@ use std::collections::HashMap;
 
 use mtp_drafter::RowId;
 
+/// The most drafts a row may get in one round (`k`, fixed or adaptive's bound): deeper
+/// chains verify nothing useful, and the chooser and verify windows size buffers by it.
+pub const MAX_DRAFT_TOKENS: usize = 64;
+
 /// How many drafts each row gets per round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftLen {

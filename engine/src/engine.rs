@@ -106,7 +106,8 @@ pub struct Engine<'a> {
 
 impl<'a> Engine<'a> {
     /// An engine over `model`; with no drafter (or `k` = 0) it decodes plainly. Refuses
-    /// options that cannot mean anything (`max_batch` or `prefill_chunk` of 0).
+    /// options that cannot mean anything (`max_batch` or `prefill_chunk` of 0, `k` over
+    /// [`MAX_DRAFT_TOKENS`](crate::MAX_DRAFT_TOKENS)).
     pub fn new(
         model: &'a Model,
         drafter: Option<Box<dyn Drafter + 'a>>,
@@ -116,6 +117,13 @@ impl<'a> Engine<'a> {
             if value == 0 {
                 return Err(Error::InvalidOption(format!("engine option `{name}` must be at least 1")));
             }
+        }
+        if opts.k.max() > crate::MAX_DRAFT_TOKENS {
+            return Err(Error::InvalidOption(format!(
+                "engine option `k`: {} drafts a round, at most {} allowed",
+                opts.k.max(),
+                crate::MAX_DRAFT_TOKENS
+            )));
         }
         let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()))
             .with_token_group(model.verify_token_group());

@@ -14,7 +14,7 @@ mod prefill;
 mod prefix_cache;
 mod request;
 
-pub use adaptive::{DraftLen, Learned};
+pub use adaptive::{DraftLen, Learned, MAX_DRAFT_TOKENS};
 pub use engine::{Engine, EngineOptions};
 pub use generate::generate;
 pub use metrics::SpecStats;

@@ -1,7 +1,7 @@
 //! The Metal emulator: `kernels.metal` compiled as C++ through a shim of the Metal standard
 //! library (build.rs, `emulator/`), run on the CPU with every threadgroup's threads as
-//! fibers that meet at real barriers and SIMD-group exchanges. Dispatches run at once, on
-//! the calling thread. Buffers are host memory: fresh ones are filled with NaN bytes (a
+//! fibers that meet at real barriers and SIMD-group exchanges. Dispatches run at once, their
+//! threadgroups on the calling thread and a helper per further host core. Buffers are host memory: fresh ones are filled with NaN bytes (a
 //! kernel that reads what nothing wrote gets NaN) and followed by a guard band that every
 //! dispatch checks (a kernel that writes past a buffer's end is an error naming it).
 //!

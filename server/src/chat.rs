@@ -145,17 +145,14 @@ impl ChatTemplate {
     /// there but unreadable or not valid Jinja is an error naming the file.
     pub fn from_dir(dir: &Path) -> Result<Option<ChatTemplate>> {
         let config_path = dir.join("tokenizer_config.json");
-        let config: Json = if config_path.exists() {
-            let text = std::fs::read_to_string(&config_path)
-                .with_context(|| format!("{}: cannot read", config_path.display()))?;
-            serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", config_path.display()))?
-        } else {
-            Json::Null
-        };
+        let config: Json =
+            if config_path.exists() { mtp_base::config::read_json(&config_path)? } else { Json::Null };
         let jinja_path = dir.join("chat_template.jinja");
         let (source, from) = if jinja_path.exists() {
-            let t = std::fs::read_to_string(&jinja_path)
-                .with_context(|| format!("{}: cannot read", jinja_path.display()))?;
+            // A template is text of a JSON file's size at most (a FIFO or device refused).
+            let bytes = mtp_base::files::read_bounded(&jinja_path, mtp_base::files::MAX_JSON_BYTES)?;
+            let t = String::from_utf8(bytes)
+                .with_context(|| format!("{}: cannot read: not UTF-8", jinja_path.display()))?;
             (t, jinja_path)
         } else {
             match config.get("chat_template") {

@@ -38,7 +38,7 @@ struct Cli {
     #[arg(long, default_value = "auto", value_delimiter = ',', value_parser = mtp::parse_k)]
     k: Vec<mtp::KArg>,
     /// The most drafts `auto` gives a row in one round.
-    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+    #[arg(long, default_value_t = 8, value_parser = mtp::draft_count)]
     max_k: usize,
     /// Max batch sizes to try (every request arrives at once).
     #[arg(long, default_value = "1,4", value_delimiter = ',', value_parser = mtp::at_least_one)]

@@ -231,7 +231,7 @@ struct ModelArgs {
     #[arg(long, default_value = "auto", value_parser = mtp::parse_k)]
     k: mtp::KArg,
     /// The most drafts --k auto gives a row in one round.
-    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+    #[arg(long, default_value_t = 8, value_parser = mtp::draft_count)]
     max_k: usize,
     /// Shortest and longest n-gram the ngram drafter matches.
     #[arg(long, default_value_t = 1, value_parser = mtp::at_least_one)]

@@ -110,12 +110,26 @@ impl<B: Kernels> Gemma4<B> {
         let full = kind_shape(&g, LayerKind::Full, &path)?.expect("the last layer is full");
         let sliding = kind_shape(&g, LayerKind::Sliding, &path)?.unwrap_or(full);
         let index = |kind: LayerKind, i: usize| g.stored(kind).position(|j| j == i);
-        let plane_of = |i: usize| -> Plane {
+        // Where layer i's K/V lives: its own, or the earlier layer it shares. A config whose
+        // every layer shares (an assistant's, which reads its target's) stores none.
+        let plane_of = |i: usize| -> Result<Plane> {
             let src = g.layers[i].kv_source.unwrap_or(i);
-            match g.layers[src].kind {
-                LayerKind::Full => Plane::Main(index(LayerKind::Full, src).expect("a stored layer")),
-                LayerKind::Sliding => Plane::Ring(index(LayerKind::Sliding, src).expect("a stored layer")),
-            }
+            let kind = g.layers[src].kind;
+            let stored = index(kind, src).ok_or_else(|| {
+                Error::config(
+                    &path,
+                    "num_kv_shared_layers",
+                    format!(
+                        "layer {i} reads K/V no layer of this model stores ({} of {} layers share;                          only an assistant, loaded beside its target, may share every layer)",
+                        g.layers.iter().filter(|l| !l.own_kv).count(),
+                        g.layers.len()
+                    ),
+                )
+            })?;
+            Ok(match kind {
+                LayerKind::Full => Plane::Main(stored),
+                LayerKind::Sliding => Plane::Ring(stored),
+            })
         };
         // A rank stores its own K/V heads.
         let layout = Layout {
@@ -127,7 +141,7 @@ impl<B: Kernels> Gemma4<B> {
         let mut layers = Vec::with_capacity(g.layers.len());
         for (i, &spec) in g.layers.iter().enumerate() {
             let p = format!("{prefix}layers.{i}");
-            layers.push(Layer::load(&*be, ck, &p, spec, plane_of(i), c, &g, shard.clone())?);
+            layers.push(Layer::load(&*be, ck, &p, spec, plane_of(i)?, c, &g, shard.clone())?);
         }
         let embed_w = ck.get(&format!("{prefix}embed_tokens.weight"), &[c.vocab_size, h])?;
         let kv = be.kv_dtype(kv, embed_w.dtype)?;
