@@ -2,8 +2,8 @@
 # The Metal emulator's full matrix: the model-level suites CI runs on the emulator with
 # every parity gate's drafter x k x max batch and every setting the rotated run leaves out
 # (`MTP_TEST_MATRIX=full`, tests/common `full_matrix`; docs/testing.md, "CI"). Run it
-# before landing a change to the Metal kernels, their bindings or the emulator (about 25
-# minutes on 2 cores). Extra arguments go to every cargo test, e.g. `--no-fail-fast`.
+# before landing a change to the Metal kernels, their bindings or the emulator (minutes
+# in docs/testing.md). Extra arguments go to every cargo test, e.g. `--no-fail-fast`.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
 cargo test --release --features metal-emulator --test metal_invariance --test metal_source "$@"

@@ -233,6 +233,9 @@ fn bad_arguments_are_refused() {
     assert!(code == 2 && err.contains("--k") && err.contains("at most 64"), "{err}");
     let (code, _, err) = bench(&["--prompts-dir", "src", "--num-prompts", "1099511627776"]);
     assert!(code == 1 && err.contains("--num-prompts 1099511627776") && err.contains("at most"), "{err}");
+    // Read only by --prompts-dir: without it they were silently ignored.
+    let (code, _, err) = bench(&["--num-prompts", "3"]);
+    assert!(code == 2 && err.contains("--prompts-dir"), "{err}");
     let (code, _, err) = bench(&["--prompts-dir", "src", "--prompt-tokens", "18446744073709551615"]);
     assert!(code == 1 && err.contains("--prompt-tokens") && err.contains("at most"), "{err}");
 }

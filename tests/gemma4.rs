@@ -432,7 +432,13 @@ fn bad_gemma4_configs_name_the_key() {
     let src = gemma("gemma4-e-target");
     let base: Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let cases: [(&str, Value, &str); 5] = [
+    let cases: [(&str, Value, &str); 8] = [
+        // A layer that does not exist: its settings applied nowhere, without a word.
+        ("per_layer_config", serde_json::json!({"99": {"head_dim": 16}}), "per_layer_config.99"),
+        // A cap of 0 (0 * tanh(x / 0)) and a null window for sliding layers (transformers
+        // then attends to everything) were run as "no cap" and a window of 512.
+        ("final_logit_softcapping", Value::from(0.0), "final_logit_softcapping"),
+        ("sliding_window", Value::Null, "sliding_window"),
         ("hidden_activation", Value::from("relu"), "hidden_activation"),
         ("num_kv_shared_layers", Value::from(9), "num_kv_shared_layers"),
         // Every layer shared (an assistant's setting) in a target: no layer stores K/V.
@@ -451,6 +457,21 @@ fn bad_gemma4_configs_name_the_key() {
         assert!(err.contains(named) && err.contains("config.json"), "{key}: {err}");
         std::fs::remove_dir_all(&dir).ok();
     }
+    // A negative cap is transformers' cap of its magnitude (c tanh(x / c) is odd in c), not
+    // "off" (control: the same prompt's logits, bit for bit).
+    let dir = std::env::temp_dir().join(format!("gemma4-negative-cap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = base.clone();
+    c["final_logit_softcapping"] = Value::from(-base["final_logit_softcapping"].as_f64().unwrap());
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let logits = |d: &Path| {
+        let m = common::load(d);
+        let mut cache = m.new_cache();
+        common::bits(&prefill(&m, &mut cache, &[2, 40, 41, 42], 4, false, true).unwrap().logits)
+    };
+    assert_eq!(logits(&dir), logits(&src), "a cap of -30 is not transformers' (that of 30)");
+    std::fs::remove_dir_all(&dir).ok();
     // An assistant whose target is not Gemma 4 is refused.
     let llama = Arc::new(Model::load(&common::fixture("llama-target")).unwrap());
     let err = AssistantDrafter::load(&gemma("gemma4-e-assistant"), llama).err().unwrap().to_string();

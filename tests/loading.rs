@@ -191,6 +191,18 @@ fn sharded_checkpoints_load() {
         mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8, false, true).unwrap().logits
     };
     assert_eq!(common::bits(&run(&single)), common::bits(&run(&sharded)));
+    // A shard named outside the directory is refused naming the entry (it was opened).
+    for outside in ["../../../../etc/passwd", "/etc/passwd", "sub/../model-00001-of-00001.safetensors"] {
+        let mut bad = map.clone();
+        bad.insert("lm_head.weight".into(), outside.into());
+        let index = serde_json::json!({"weight_map": bad}).to_string();
+        std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+        let e = load_err(&dir);
+        assert!(
+            e.contains("weight_map.lm_head.weight") && e.contains("not the name of a file"),
+            "{outside}: {e}"
+        );
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -878,5 +890,45 @@ fn fifos_devices_and_directories_are_refused_by_name() {
         std::fs::write(&path, original).unwrap();
     }
     assert!(Model::load(&dir).is_ok() && Tokenizer::from_dir(&dir).is_ok());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `tie_word_embeddings: true` beside a stored `lm_head.weight` (zeros here): the head is
+/// the embedding, as transformers ties it; the stored one is ignored (it was used: every
+/// logit 0, token 0). Control: the same checkpoint without the stored head, bit for bit.
+#[test]
+fn a_tied_checkpoint_ignores_a_stored_head() {
+    let src = fixture("qwen3-target");
+    let c = Config::from_dir(&src).unwrap();
+    assert!(c.tie_word_embeddings);
+    let dir = copy_fixture("qwen3-target", "tied-head");
+    add_tensors(&dir.join("model.safetensors"), &[("lm_head.weight", &[c.vocab_size, c.hidden_size])]);
+    let logits = |d: &Path| {
+        let m = common::load(d);
+        let mut cache = m.new_cache();
+        let p = mtp::engine::prefill(&m, &mut cache, &[5, 9, 200], 4, false, true).unwrap();
+        common::bits(&p.logits)
+    };
+    let want = logits(&src);
+    assert!(want.iter().any(|&b| f32::from_bits(b) != 0.0));
+    assert_eq!(logits(&dir), want, "the stored head was used");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// An added token that reuses an id the vocabulary gives another token is refused naming
+/// the token and the id it declares (it loaded under a fresh id, and a later check named
+/// that id, which the file never names). Control: the file as shipped loads.
+#[test]
+fn an_added_token_reusing_an_id_is_named() {
+    let dir = copy_fixture("qwen3-target", "reused-id");
+    assert!(Tokenizer::from_dir(&dir).is_ok());
+    let path = dir.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let added = t["added_tokens"].as_array_mut().unwrap();
+    let i = added.iter().position(|a| a["content"] == "<|im_end|>").unwrap();
+    added[i]["id"] = serde_json::json!(100);
+    std::fs::write(&path, t.to_string()).unwrap();
+    let err = Tokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(err.contains("tokenizer.json") && err.contains("`<|im_end|>` declares id 100"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -327,6 +327,14 @@ fn the_key_the_origin_and_the_host_are_checked() {
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    // Two Host headers, even two allowed ones, are a 400 (RFC 9112); each alone is served.
+    let mut s = TcpStream::connect(addr).unwrap();
+    let p = addr.port();
+    write!(s, "GET /v1/models HTTP/1.1\r\nHost: localhost:{p}\r\nHost: 127.0.0.1:{p}\r\n{key}Connection: close\r\n\r\n")
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.1 400") && raw.contains("more than one Host"), "{raw}");
 }
 
 #[test]

@@ -153,12 +153,29 @@ fn refusals_name_their_field() {
         ("c", json!({"prompt": "fn", "stop": "x".repeat(2000)}), 400, "stop", "1024 bytes"),
         (
             "c",
-            json!({"prompt": "fn", "stream_options": {"include_usage": 3}}),
+            json!({"prompt": "fn", "stream": true, "stream_options": {"include_usage": 3}}),
             400,
             "stream_options.include_usage",
             "stream_options.include_usage",
         ),
         ("c", json!({"prompt": "fn", "temprature": 0}), 400, "temprature", "unrecognized"),
+        // A misspelt option silently dropped the usage chunk; a top_p below f32's range was
+        // refused as "got 0".
+        (
+            "c",
+            json!({"prompt": "fn", "stream": true, "stream_options": {"include_usge": true}}),
+            400,
+            "stream_options.include_usge",
+            "unrecognized",
+        ),
+        ("c", json!({"prompt": "fn", "top_p": 1e-300}), 400, "top_p", "got 1e-300"),
+        (
+            "c",
+            json!({"prompt": "fn", "stream": false, "stream_options": {"include_usage": true}}),
+            400,
+            "stream_options",
+            "stream: true",
+        ),
         ("c", json!({"prompt": "fn", "echo": true}), 400, "echo", "not supported"),
         ("c", json!({"prompt": "fn", "suffix": "}"}), 400, "suffix", "not supported"),
         ("c", json!({"prompt": "fn", "best_of": 2}), 400, "best_of", "not supported"),

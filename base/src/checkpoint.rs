@@ -63,6 +63,15 @@ impl Checkpoint {
                 let f = file.as_str().ok_or_else(|| {
                     Error::config(&index, &format!("weight_map.{tensor}"), "not a file name")
                 })?;
+                // A shard is a file of this directory: `../../etc/passwd` was opened.
+                let mut parts = Path::new(f).components();
+                if !matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None)) {
+                    return Err(Error::config(
+                        &index,
+                        &format!("weight_map.{tensor}"),
+                        format!("`{f}` is not the name of a file in the checkpoint's directory"),
+                    ));
+                }
                 if !names.iter().any(|n| n == f) {
                     names.push(f.to_string());
                 }

@@ -75,14 +75,28 @@ impl HubCache {
         }
     }
 
-    /// The cached snapshot folder `repo` names, if its ref and folder exist.
-    fn snapshot(&self, repo: &RepoId) -> Option<PathBuf> {
-        let mut snap = self.revision_path(repo);
-        if !is_commit(&repo.revision) {
-            let commit = std::fs::read_to_string(&snap).ok()?.trim().to_string();
-            snap = self.repo_dir(repo).join("snapshots").join(commit);
+    /// The cached snapshot folder `repo` names, or what is missing: its ref, a commit in
+    /// the ref (a ref holding anything else was reported as absent), or the folder.
+    fn snapshot(&self, repo: &RepoId) -> std::result::Result<PathBuf, String> {
+        let at = self.revision_path(repo);
+        let snap = match is_commit(&repo.revision) {
+            true => at,
+            false => {
+                let bytes = crate::files::read_bounded(&at, 4096)
+                    .map_err(|_| format!("looked for {}", at.display()))?;
+                let text = String::from_utf8_lossy(&bytes);
+                let commit = text.trim();
+                if !is_commit(commit) {
+                    let shown: String = commit.chars().take(60).collect();
+                    return Err(format!("{} holds `{shown}`, not a 40-hex commit", at.display()));
+                }
+                self.repo_dir(repo).join("snapshots").join(commit)
+            }
+        };
+        match snap.is_dir() {
+            true => Ok(snap),
+            false => Err(format!("looked for {}", snap.display())),
         }
-        (is_commit(snap.file_name()?.to_str()?) && snap.is_dir()).then_some(snap)
     }
 }
 
@@ -164,15 +178,14 @@ pub fn resolve(spec: impl AsRef<Path>, cache: &HubCache, offline: bool) -> Resul
         Some(parsed) => parsed?,
     };
     let missing = match cache.snapshot(&repo) {
-        Some(snap) => match missing_file(&snap)? {
+        Ok(snap) => match missing_file(&snap)? {
             None => return Ok(snap),
             Some(file) => format!("the cached snapshot {} has no {file}", snap.display()),
         },
-        None => format!(
-            "no such directory, and revision `{}` is not in the Hugging Face cache {} (looked for {})",
+        Err(why) => format!(
+            "no such directory, and revision `{}` is not in the Hugging Face cache {} ({why})",
             repo.revision,
             cache.dir.display(),
-            cache.revision_path(&repo).display()
         ),
     };
     if offline {
@@ -327,6 +340,13 @@ mod tests {
         assert!(e.contains("`v2`") && e.contains("refs/v2"), "{e}");
         let e = err(&format!("org/tiny@{}", "a".repeat(40)), &c);
         assert!(e.contains(&format!("snapshots/{}", "a".repeat(40))), "{e}");
+        // A ref that holds no commit says so (it said it looked for the ref, which is there).
+        let dev = c.dir().join("models--org--tiny/refs/dev");
+        std::fs::write(&dev, "not-a-commit\n").unwrap();
+        let e = err("org/tiny@dev", &c);
+        assert!(e.contains("refs/dev holds `not-a-commit`, not a 40-hex commit"), "{e}");
+        std::fs::write(&dev, format!("{OTHER}\n")).unwrap();
+        assert_eq!(resolve("org/tiny@dev", &c, true).unwrap(), snap(&c, OTHER));
 
         std::fs::remove_file(snap(&c, HASH).join(CONFIG)).unwrap();
         let e = err("org/tiny", &c);

@@ -22,6 +22,37 @@ pub use specials::Specials;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
+/// Every `added_tokens` entry got the id the file gives it: the tokenizers crate gives an
+/// added token whose id the vocabulary already uses a fresh id past the end, which a later
+/// check then reported as an id the file never names.
+fn check_added_ids(bytes: &[u8], inner: &tokenizers::Tokenizer) -> std::result::Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct Added {
+        id: u32,
+        content: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct File {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+    }
+    // The crate parsed the same bytes, so a parse error here cannot happen; none is reported.
+    let Ok(file) = serde_json::from_slice::<File>(bytes) else { return Ok(()) };
+    for t in &file.added_tokens {
+        let got = inner.token_to_id(&t.content);
+        if got != Some(t.id) {
+            let holder = inner.id_to_token(t.id).map_or("nothing".into(), |h| format!("`{h}`"));
+            let loaded = got.map_or("no id".into(), |g| format!("id {g}"));
+            return Err(format!(
+                "added token `{}` declares id {}, which the vocabulary gives to {holder}; it loads as {loaded}: \
+                 an id must not be reused",
+                t.content, t.id
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// `inner` with special-token text encoded as text; built on first use (a second copy
@@ -43,6 +74,7 @@ impl Tokenizer {
         let bytes = crate::files::read_bounded(&path, crate::files::MAX_TOKENIZER_BYTES)?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
+        check_added_ids(&bytes, &inner).map_err(|msg| Error::Tokenizer { path: path.clone(), msg })?;
         let specials = Specials::new(
             inner
                 .get_added_tokens_decoder()

@@ -102,6 +102,16 @@ impl<B: Kernels> Proj<B> {
     }
 }
 
+/// A tied checkpoint's stored `head` (some ship one; zeros, in one red-team case): ignored,
+/// as transformers' tying and mlx-lm's loading ignore it, and marked read so the
+/// unread-tensor check passes it.
+pub(crate) fn ignore_tied_head(ck: &Checkpoint, head: &str) {
+    if ck.contains(head) {
+        ck.mark_read(head);
+        tracing::warn!("{head} ignored: tie_word_embeddings is true, so the head is the embedding");
+    }
+}
+
 /// Token slots of a batched forward over rows of `t` new tokens each, at logical
 /// positions `[len, len + t)` of their caches. Refuses a row that would pass `context`.
 pub(crate) fn slots_for(rows: &[(&RowCache, usize)], context: usize) -> Result<Vec<Slot>> {

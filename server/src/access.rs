@@ -80,6 +80,11 @@ impl Gate {
     /// Why `req` may not be served, if it may not.
     fn refusal(&self, req: &Request) -> Option<ApiError> {
         let headers = req.headers();
+        // RFC 9112, 3.2: a request with more than one Host is answered 400 (which one a
+        // proxy and this check each read would differ).
+        if headers.get_all(header::HOST).iter().count() > 1 {
+            return Some(ApiError::new(StatusCode::BAD_REQUEST, "more than one Host header"));
+        }
         if !self.hosts.is_empty() {
             let host = req.uri().authority().map(|a| a.as_str()).or_else(|| header_str(req, header::HOST));
             let name = host.map(host_name).unwrap_or_default();

@@ -44,13 +44,15 @@ impl Conversation {
         out
     }
 
-    /// The conversation with `f` applied to every string value (keys stay).
+    /// The conversation with `f` applied to every string, values and keys alike: a
+    /// template may print a mapping's keys (`tojson`, iterating a tool's properties), so a
+    /// key is text the model reads too.
     pub fn map_strings(&self, f: &dyn Fn(&str) -> String) -> Conversation {
         fn walk(v: &Json, f: &dyn Fn(&str) -> String) -> Json {
             match v {
                 Json::String(s) => Json::String(f(s)),
                 Json::Array(a) => Json::Array(a.iter().map(|v| walk(v, f)).collect()),
-                Json::Object(o) => Json::Object(o.iter().map(|(k, v)| (k.clone(), walk(v, f))).collect()),
+                Json::Object(o) => Json::Object(o.iter().map(|(k, v)| (f(k), walk(v, f))).collect()),
                 other => other.clone(),
             }
         }

@@ -57,9 +57,10 @@ struct Cli {
     /// Cut prompts from the text files in this folder instead.
     #[arg(long)]
     prompts_dir: Option<PathBuf>,
-    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one)]
+    /// How many prompts --prompts-dir cuts, and their length (nothing else reads them).
+    #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one, requires = "prompts_dir")]
     num_prompts: usize,
-    #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one)]
+    #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one, requires = "prompts_dir")]
     prompt_tokens: usize,
     /// New tokens per request (EOS is ignored so every run generates the same count).
     #[arg(long, default_value_t = 32, value_parser = mtp::at_least_one)]

@@ -209,6 +209,25 @@ impl Gemma4Config {
         let global_head_dim = count(path, v, "global_head_dim", 512)?;
         let global_kv = count(path, v, "num_global_key_value_heads", 0)?;
         let overrides = v.get("per_layer_config").filter(|p| !p.is_null());
+        if let Some(o) = overrides {
+            let Some(map) = o.as_object() else {
+                return Err(Error::config(
+                    path,
+                    "per_layer_config",
+                    "expected an object of layer index to settings",
+                ));
+            };
+            // A key that names no layer was ignored: its settings applied nowhere.
+            let names_a_layer =
+                |k: &str| k.parse::<usize>().is_ok_and(|i| i < n_layers && i.to_string() == k);
+            if let Some(k) = map.keys().find(|k| !names_a_layer(k)) {
+                return Err(Error::config(
+                    path,
+                    &format!("per_layer_config.{k}"),
+                    format!("names no layer of the {n_layers} (0 to {})", n_layers - 1),
+                ));
+            }
+        }
         let shared = count(path, v, "num_kv_shared_layers", 0)?;
         // An assistant shares every layer: it reads its target's K/V.
         if shared > n_layers {
@@ -316,6 +335,15 @@ impl Gemma4Config {
             [("hidden_size_per_layer_input", per_layer_input), ("num_hidden_layers", n_layers)];
         tensor_size(path, &[&[("vocab_size_per_layer_input", per_layer_vocab)][..], &layer_inputs].concat())?;
         tensor_size(path, &layer_inputs)?;
+        // Absent means transformers' default, 512; null would make transformers' sliding
+        // layers attend to everything, a model this engine does not run.
+        if v.get("sliding_window").is_some_and(Value::is_null) && kinds.contains(&LayerKind::Sliding) {
+            return Err(Error::config(
+                path,
+                "sliding_window",
+                "is null, but layer_types has sliding_attention layers: give their window",
+            ));
+        }
         let sliding_window = count(path, v, "sliding_window", 512)?;
         if sliding_window == 0 || sliding_window > MAX_POSITIONS {
             return Err(Error::config(
@@ -325,16 +353,22 @@ impl Gemma4Config {
             ));
         }
         let final_logit_softcapping = num(path, v, "final_logit_softcapping")?.map(|c| c as f32);
-        if final_logit_softcapping.is_some_and(|c| !c.is_finite()) {
-            // An infinite cap makes every logit inf * tanh(0) = NaN.
-            return Err(Error::config(path, "final_logit_softcapping", "is not a finite f32"));
+        if final_logit_softcapping.is_some_and(|c| !c.is_finite() || c == 0.0) {
+            // An infinite cap makes every logit inf * tanh(0) = NaN; a zero one 0 * tanh(x / 0).
+            return Err(Error::config(
+                path,
+                "final_logit_softcapping",
+                "must be a finite, nonzero f32 (null turns the cap off)",
+            ));
         }
+        // c tanh(x / c) is odd in c: transformers' cap of -30 is the cap of 30.
+        let final_logit_softcapping = final_logit_softcapping.map(f32::abs);
         Ok(Gemma4Config {
             layers,
             sliding_window,
             rope_sliding: rope(path, v, "sliding_attention", Rope { theta: 10_000.0, partial: 1.0 })?,
             rope_full: rope(path, v, "full_attention", Rope { theta: 1_000_000.0, partial: 0.25 })?,
-            final_logit_softcapping: final_logit_softcapping.filter(|&c| c > 0.0),
+            final_logit_softcapping,
             per_layer_input,
             per_layer_vocab,
             moe,

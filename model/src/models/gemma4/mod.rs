@@ -178,10 +178,11 @@ impl<B: Kernels> Gemma4<B> {
         } else {
             "lm_head.weight"
         };
-        let lm_head_w = if ck.contains(head) || !c.tie_word_embeddings {
-            Some(ck.get(head, &[c.vocab_size, h])?)
-        } else {
+        let lm_head_w = if c.tie_word_embeddings {
+            crate::forward::ignore_tied_head(ck, head);
             None
+        } else {
+            Some(ck.get(head, &[c.vocab_size, h])?)
         };
         let lm_head = match (&shard, lm_head_w) {
             (None, w) => w.map(|w| be.matrix(&w)).transpose()?,

@@ -253,11 +253,11 @@ impl<B: Kernels> Decoder<B> {
             None => Arc::new(be.matrix(&embed_w)?),
             Some(s) => Arc::new(be.matrix(&s.embedding_rows(&embed_w, "model.embed_tokens.weight")?)?),
         };
-        // Some tied checkpoints still ship lm_head.weight; prefer it when present.
-        let lm_head_w = if ck.contains("lm_head.weight") || !c.tie_word_embeddings {
-            Some(ck.get("lm_head.weight", &[c.vocab_size, h])?)
-        } else {
+        let lm_head_w = if c.tie_word_embeddings {
+            crate::forward::ignore_tied_head(ck, "lm_head.weight");
             None
+        } else {
+            Some(ck.get("lm_head.weight", &[c.vocab_size, h])?)
         };
         let lm_head = match (&shard, lm_head_w) {
             (None, Some(w)) => Arc::new(be.matrix(&w)?),
