@@ -6,16 +6,19 @@ mod common;
 
 use common::{bits, trained};
 use mtp::drafter::MtpDrafter;
-use mtp::engine::{generate, Completion, Engine, EngineOptions, Request, SamplingParams, BLOCK_TOKENS};
+use mtp::engine::{generate, Completion, Engine, EngineOptions, Request, SamplingParams};
 use mtp::kernels::negative_control;
 use mtp::model::Model;
 use std::sync::Arc;
 
-/// Requests sharing a 40-token prefix (two full blocks and a partial one), with suffixes
-/// of 0..=20 tokens, greedy and sampled; one is the bare prefix, one ends on a block edge.
+/// Tokens of the shared prefix: two full K/V blocks of 64 and a partial one.
+const SHARED: usize = 150;
+
+/// Requests sharing a 150-token prefix, with suffixes of 0..=20 tokens, greedy and
+/// sampled; one is the bare prefix, one ends on a block edge (192 tokens).
 fn requests() -> Vec<Request> {
-    let shared: Vec<u32> = (0..40).map(|i| 100 + (i * 37) % 900).collect();
-    [0usize, 1, 7, 8, 20]
+    let shared: Vec<u32> = (0..SHARED as u32).map(|i| 100 + (i * 37) % 900).collect();
+    [0usize, 1, 7, 42, 20]
         .iter()
         .enumerate()
         .map(|(i, &extra)| {
@@ -87,7 +90,7 @@ fn cached_prefixes_give_the_bits_of_recomputing_them() {
     let model = Arc::new(common::load(&trained("target")));
     let reqs = requests();
     let want = alone(&model, &reqs);
-    let block_bytes = BLOCK_TOKENS * model.kv_bytes_per_token();
+    let block_bytes = model.new_cache().block_positions() * model.kv_bytes_per_token();
     // Unlimited, then room for about three blocks (the shared prefix's two blocks and the
     // suffix blocks keep evicting each other), then no room for even one block.
     let budgets = [(64 << 20, true), (3 * block_bytes + block_bytes / 2, true), (1, false)];
@@ -136,7 +139,7 @@ fn cached_prefixes_yield_to_rows_within_the_kv_budget() {
     let want = alone(&model, &reqs);
     let per_token = model.kv_bytes_per_token();
     // The longest request's worst case (prompt + max_tokens + 1) and four blocks more.
-    let budget = (60 + 12 + 1 + 4 * BLOCK_TOKENS) * per_token;
+    let budget = (SHARED + 42 + 12 + 1 + 4 * model.new_cache().block_positions()) * per_token;
     let opts = EngineOptions {
         max_batch: 2,
         prefill_chunk: 16,
@@ -152,4 +155,130 @@ fn cached_prefixes_yield_to_rows_within_the_kv_budget() {
         assert!(e.prefix_cache_bytes() <= budget);
     }
     assert!(e.stats().prompt_tokens_cached > 0, "the cache never had room: the test exercises nothing");
+}
+
+/// Runs `reqs` through `e`, request `i` submitted before step `arrive[i]`, and returns each
+/// one's output (in order) with the most K/V bytes the engine held after any step.
+fn run_tracking_kv(e: &mut Engine, reqs: &[Request], arrive: &[u64]) -> (Vec<Output>, usize) {
+    use mtp::engine::Event;
+    let mut ids = Vec::new();
+    let mut out: Vec<Output> = vec![(Vec::new(), Vec::new()); reqs.len()];
+    let (mut step, mut peak) = (0u64, 0usize);
+    while ids.len() < reqs.len() || !e.is_idle() {
+        for (r, _) in reqs.iter().zip(arrive).filter(|(_, &a)| a == step) {
+            ids.push(e.submit(r.clone()).unwrap());
+        }
+        for ev in e.step() {
+            match ev {
+                Event::Token { request, token, logprob, .. } => {
+                    let i = ids.iter().position(|&id| id == request).unwrap();
+                    out[i].0.push(token);
+                    out[i].1.push(logprob.to_bits());
+                }
+                Event::Failed { error, .. } => panic!("{error}"),
+                _ => {}
+            }
+        }
+        peak = peak.max(e.kv_bytes());
+        step += 1;
+    }
+    (out, peak)
+}
+
+/// Does this backend's K/V store page on the host (so rows share a prefix's blocks), or
+/// copy a cached prefix into each row (the GPU stores, for now)?
+fn pages(model: &Model) -> bool {
+    model.new_cache().store().block_positions().is_some()
+}
+
+/// The CPU goal of docs/serving.md: 16 requests sharing a 768-token prefix hold its K/V
+/// once. The first request runs alone; the other 15 arrive once its blocks are cached and
+/// adopt them. Every output keeps the bits of the request alone, and the rows' physical
+/// K/V peaks at the prefix once plus one block a row (its own last block); with the cache
+/// off (the control) every row holds the prefix.
+#[test]
+fn a_prefix_shared_by_16_rows_is_held_once() {
+    let model = Arc::new(common::load(&trained("target")));
+    if !pages(&model) {
+        eprintln!("skipped: the {:?} backend copies cached prefixes into each row", model.backend());
+        return;
+    }
+    let shared: Vec<u32> = (0..768u32).map(|i| 50 + (i * 53) % 1800).collect();
+    let reqs: Vec<Request> = (0..16u32)
+        .map(|i| {
+            let mut prompt = shared.clone();
+            prompt.extend((0..16).map(|t| 3 + (i * 131 + t * 17) % 1900));
+            Request { id: format!("r{i}"), prompt, max_tokens: 24, ignore_eos: true, ..Request::default() }
+        })
+        .collect();
+    let want = alone(&model, &reqs);
+    let block = model.new_cache().block_positions();
+    let block_bytes = block * model.kv_bytes_per_token();
+    let arrive: Vec<u64> = (0..16).map(|i| u64::from(i > 0)).collect();
+    // Whole prompts a round, so that without the cache the rows overlap as they do with it.
+    let opts = |cache: usize| EngineOptions {
+        max_batch: 16,
+        prefill_chunk: 1024,
+        prefix_cache_bytes: cache,
+        ..EngineOptions::default()
+    };
+    let mut e = Engine::new(&model, None, opts(64 << 20)).unwrap();
+    let (got, peak) = run_tracking_kv(&mut e, &reqs, &arrive);
+    assert_eq!(got, want, "a row reading shared blocks differs from the request alone");
+    assert_eq!(e.stats().prompt_tokens_cached, 15 * 768, "every later row adopts the whole prefix");
+    let once = (768 / block + 16) * block_bytes;
+    assert!(peak <= once, "peak K/V {peak} bytes, over the prefix once and a block a row ({once})");
+    eprintln!("K/V peak shared: {peak} bytes (bound {once})");
+    let mut control = Engine::new(&model, None, opts(0)).unwrap();
+    let (got, unshared) = run_tracking_kv(&mut control, &reqs, &arrive);
+    assert_eq!(got, want);
+    eprintln!("K/V peak unshared: {unshared} bytes");
+    assert!(
+        unshared > 3 * once,
+        "control: rows without a shared prefix hold {unshared} bytes, not over {once}"
+    );
+}
+
+/// The same prompt sent four times (sampled, four seeds), the last three after the first
+/// has started: each adopts the first's blocks, the last partly filled one included, and
+/// copies that one at its first write. Negative controls: a shared block written in place
+/// (no copy-on-write), and a block table out of logical order, each break the bits.
+#[test]
+fn a_repeated_prompt_copies_its_shared_last_block_on_write() {
+    use mtp::cache::negative_control as cache_faults;
+    let model = Arc::new(common::load(&trained("target")));
+    let prompt = requests()[0].prompt.clone();
+    let reqs: Vec<Request> = (0..4u64)
+        .map(|i| Request {
+            id: format!("same{i}"),
+            prompt: prompt.clone(),
+            max_tokens: 10,
+            ignore_eos: true,
+            sampling: SamplingParams { temperature: 1.0, seed: 40 + i, ..SamplingParams::default() },
+            ..Request::default()
+        })
+        .collect();
+    let want = alone(&model, &reqs);
+    assert!(want.iter().any(|w| w.0 != want[0].0), "the seeds must give different continuations");
+    let arrive = [0, 1, 1, 2];
+    let run = || {
+        let opts = EngineOptions { max_batch: 4, prefix_cache_bytes: 64 << 20, ..EngineOptions::default() };
+        let mut e = Engine::new(&model, None, opts).unwrap();
+        let (got, _) = run_tracking_kv(&mut e, &reqs, &arrive);
+        (got, e.stats().prompt_tokens_cached)
+    };
+    let (got, cached) = run();
+    assert_eq!(got, want, "a row sharing a partly filled block differs from the request alone");
+    assert_eq!(cached, 3 * (prompt.len() as u64 - 1), "each repeat recomputes only the last token");
+    if !pages(&model) {
+        return; // a copying store has no shared block to write or table to order
+    }
+    cache_faults::set_write_shared_in_place(true);
+    let (in_place, _) = run();
+    cache_faults::set_write_shared_in_place(false);
+    assert_ne!(in_place, want, "control: writing a shared block in place must break the bits");
+    cache_faults::set_adopt_out_of_order(true);
+    let (reordered, _) = run();
+    cache_faults::set_adopt_out_of_order(false);
+    assert_ne!(reordered, want, "control: a block table out of logical order must break the bits");
 }

@@ -20,13 +20,16 @@
 //! of the row's prefix alone, however the window wrapped. Memory per row for those layers
 //! is bounded by the window, not the row's length.
 
+pub mod paged;
 mod quant;
 mod ranks;
 mod store;
 
+pub use paged::BLOCK_POSITIONS;
+use paged::{Half, Paged};
 pub use quant::{QuantKv, QuantLayout};
 pub use ranks::RankKv;
-pub use store::{Bf16Kv, HostKv, KvElem, KvError, KvStore};
+pub use store::{Bf16Kv, HostKv, KvBlock, KvElem, KvError, KvStore, KvUnit};
 
 /// One row's K/V for every layer.
 pub struct RowCache {
@@ -113,28 +116,64 @@ pub struct KvView<'a> {
 
 #[derive(Clone, Copy, Debug)]
 enum Data<'a> {
-    F32 { k: &'a [f32], v: &'a [f32] },
-    Bf16 { k: &'a [half::bf16], v: &'a [half::bf16] },
-    Quant { k: &'a [u8], v: &'a [u8], layout: QuantLayout },
+    F32(Rows<'a, f32>),
+    Bf16(Rows<'a, half::bf16>),
+    Quant(Rows<'a, u8>, QuantLayout),
+}
+
+/// Where a view's slots are: contiguous K and V (`[slot][units]`), or one layer of a
+/// block table.
+#[derive(Debug)]
+enum Rows<'a, T> {
+    Flat { k: &'a [T], v: &'a [T] },
+    Paged { store: &'a Paged<T>, layer: usize },
+}
+
+impl<T> Clone for Rows<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Rows<'_, T> {}
+
+impl<'a, T: KvUnit> Rows<'a, T> {
+    /// The `units` values of K (or V) at `slot`.
+    #[inline(always)]
+    fn row(self, slot: usize, key: bool, units: usize) -> &'a [T] {
+        match self {
+            Rows::Flat { k, v } => &(if key { k } else { v })[slot * units..(slot + 1) * units],
+            Rows::Paged { store, layer } => store.row(layer, if key { Half::K } else { Half::V }, slot),
+        }
+    }
+
+    fn slots(self, units: usize) -> usize {
+        match self {
+            Rows::Flat { k, .. } => k.len() / units.max(1),
+            Rows::Paged { store, .. } => store.held(),
+        }
+    }
 }
 
 impl<'a> KvView<'a> {
     /// A view of plain contiguous K/V (`[pos][stride]`), logical position = slot.
     pub fn contiguous(k: &'a [f32], v: &'a [f32], stride: usize) -> Self {
         let n = k.len() / stride.max(1);
-        KvView { data: Data::F32 { k, v }, stride, map: SlotMap { committed: n, base: n, ring: 0 } }
+        KvView {
+            data: Data::F32(Rows::Flat { k, v }),
+            stride,
+            map: SlotMap { committed: n, base: n, ring: 0 },
+        }
     }
 
     /// Layer `layer` of a host store, read through `map`.
     pub fn of(store: &'a HostKv, layer: usize, map: SlotMap) -> Self {
-        let (k, v) = store.layer(layer);
-        KvView { data: Data::F32 { k, v }, stride: store.stride(), map }
+        KvView { data: Data::F32(Rows::Paged { store: &store.paged, layer }), stride: store.stride(), map }
     }
 
     /// Layer `layer` of a bf16 host store, read through `map`.
     pub fn of_bf16(store: &'a Bf16Kv, layer: usize, map: SlotMap) -> Self {
-        let (k, v) = store.layer(layer);
-        KvView { data: Data::Bf16 { k, v }, stride: store.stride(), map }
+        KvView { data: Data::Bf16(Rows::Paged { store: &store.paged, layer }), stride: store.stride(), map }
     }
 
     /// Layer `layer` of a host store, f32, bf16 or quantized, read through `map` (`None`
@@ -154,7 +193,7 @@ impl<'a> KvView<'a> {
     /// a bf16 one through [`KvView::key_bf16`] and [`KvView::value_bf16`]): only a
     /// quantized store's reads need a buffer to dequantize into.
     pub fn lends_rows(&self) -> bool {
-        !matches!(self.data, Data::Quant { .. })
+        !matches!(self.data, Data::Quant(..))
     }
 
     /// K of logical position `pos`, values `[off, off + len)`, as stored in a bf16 store
@@ -173,27 +212,27 @@ impl<'a> KvView<'a> {
     #[inline]
     fn bf16_row(&self, pos: usize, off: usize, len: usize, key: bool) -> Option<&'a [half::bf16]> {
         match self.data {
-            Data::Bf16 { k, v } => {
-                let s = self.map.slot(pos) * self.stride + off;
-                Some(&(if key { k } else { v })[s..s + len])
-            }
+            Data::Bf16(rows) => Some(&rows.row(self.map.slot(pos), key, self.stride)[off..off + len]),
             _ => None,
         }
     }
 
     /// Layer `layer` of a quantized host store, read through `map`.
     pub fn of_quant(store: &'a QuantKv, layer: usize, map: SlotMap) -> Self {
-        let (k, v) = store.layer(layer);
         let layout = store.layout();
-        KvView { data: Data::Quant { k, v, layout }, stride: layout.heads * layout.head_dim, map }
+        KvView {
+            data: Data::Quant(Rows::Paged { store: store.paged(), layer }, layout),
+            stride: layout.heads * layout.head_dim,
+            map,
+        }
     }
 
     /// Positions readable through this view.
     pub fn len(&self) -> usize {
         let slots = match self.data {
-            Data::F32 { k, .. } => k.len() / self.stride.max(1),
-            Data::Bf16 { k, .. } => k.len() / self.stride.max(1),
-            Data::Quant { k, layout, .. } => k.len() / layout.slot_bytes().max(1),
+            Data::F32(rows) => rows.slots(self.stride),
+            Data::Bf16(rows) => rows.slots(self.stride),
+            Data::Quant(rows, layout) => rows.slots(layout.slot_bytes()),
         };
         self.map.committed + slots.saturating_sub(self.map.base)
     }
@@ -219,10 +258,7 @@ impl<'a> KvView<'a> {
     #[inline(always)]
     fn read<'b>(&'b self, pos: usize, off: usize, len: usize, buf: &'b mut [f32], key: bool) -> &'b [f32] {
         match self.data {
-            Data::F32 { k, v } => {
-                let s = self.map.slot(pos) * self.stride + off;
-                &(if key { k } else { v })[s..s + len]
-            }
+            Data::F32(rows) => &rows.row(self.map.slot(pos), key, self.stride)[off..off + len],
             _ => self.read_into(pos, off, len, buf, key),
         }
     }
@@ -241,20 +277,19 @@ impl<'a> KvView<'a> {
         let slot = self.map.slot(pos);
         match self.data {
             // Not taken (`read` lends an f32 store's rows before calling this); lent the same way.
-            Data::F32 { .. } => self.read(pos, off, len, buf, key),
-            Data::Bf16 { k, v } => {
-                let s = slot * self.stride + off;
-                let src = &(if key { k } else { v })[s..s + len];
+            Data::F32(..) => self.read(pos, off, len, buf, key),
+            Data::Bf16(rows) => {
+                let src = &rows.row(slot, key, self.stride)[off..off + len];
                 buf[..len].iter_mut().zip(src).for_each(|(o, x)| *o = x.to_f32());
                 &buf[..len]
             }
-            Data::Quant { k, v, layout } => {
+            Data::Quant(rows, layout) => {
                 debug_assert!(
                     len == layout.head_dim && off.is_multiple_of(len),
                     "quantized K/V are read a head at a time"
                 );
-                let at = slot * layout.slot_bytes() + off / layout.head_dim * layout.head_bytes();
-                let g = &(if key { k } else { v })[at..at + layout.head_bytes()];
+                let at = off / layout.head_dim * layout.head_bytes();
+                let g = &rows.row(slot, key, layout.slot_bytes())[at..at + layout.head_bytes()];
                 layout.dequantize_head(g, &mut buf[..len]);
                 &buf[..len]
             }
@@ -505,33 +540,113 @@ impl RowCache {
         self.store.read(layer, self.len)
     }
 
-    /// Appends `n` positions whose K and V bytes per layer (as [`RowCache::committed_bytes`]
-    /// gives them) are `kv[layer]`: a prefix computed earlier. Needs no open window.
-    pub fn append_bytes(&mut self, n: usize, kv: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+    /// Positions per block at which this row's committed prefix is shared
+    /// ([`RowCache::share_blocks`]): its store's block, or [`BLOCK_POSITIONS`] where the
+    /// store copies instead.
+    pub fn block_positions(&self) -> usize {
+        self.store.block_positions().unwrap_or(BLOCK_POSITIONS)
+    }
+
+    /// Blocks `[first, first + n)` of committed positions (block `b` is positions
+    /// `[b * bp, (b + 1) * bp)`, `bp` = [`RowCache::block_positions`]; the last may be
+    /// committed in part) for another row of the same model to append with
+    /// [`RowCache::adopt_blocks`]: the blocks themselves where the store pages on the host
+    /// (no copy; the first write into a shared block copies it), a copy of their committed
+    /// bytes otherwise.
+    pub fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
+        let bp = self.block_positions();
         if self.ring.is_some() {
-            return Err(KvError(
-                "append_bytes: a row with a sliding-window ring has no stored prefix".into(),
-            ));
+            return Err(KvError("a row with a sliding-window ring shares no prefix".into()));
         }
-        if self.window.len != 0 || kv.len() != self.n_layers {
+        if first.saturating_add(n) > self.len.div_ceil(bp) {
             return Err(KvError(format!(
-                "append_bytes: {} layers given for {}, window of {} open",
-                kv.len(),
-                self.n_layers,
+                "share_blocks: blocks [{first}, {}) of {bp} positions are not committed ({} positions are)",
+                first.saturating_add(n),
+                self.len
+            )));
+        }
+        if self.store.block_positions().is_some() {
+            return self.store.share_blocks(first, n);
+        }
+        let end = ((first + n) * bp).min(self.len);
+        let layers: Vec<(Vec<u8>, Vec<u8>)> =
+            (0..self.n_layers).map(|l| self.store.read(l, end)).collect::<Result<_, _>>()?;
+        Ok((first..first + n)
+            .map(|b| {
+                let positions = (b * bp..((b + 1) * bp).min(end)).len();
+                let part = |x: &Vec<u8>| {
+                    let slot = x.len() / end.max(1);
+                    x[b * bp * slot..(b * bp + positions) * slot].to_vec()
+                };
+                let kv: Vec<(Vec<u8>, Vec<u8>)> = layers.iter().map(|(k, v)| (part(k), part(v))).collect();
+                let bytes = kv.iter().map(|(k, v)| k.len() + v.len()).sum();
+                KvBlock::shared(std::sync::Arc::new(ByteBlock { positions, kv }), bytes)
+            })
+            .collect())
+    }
+
+    /// Appends `positions` committed positions from blocks of [`RowCache::share_blocks`]
+    /// of a row of the same model (the last block may give only its first positions;
+    /// this row's length a whole number of blocks, no window open). A failed append leaves
+    /// the row as it was.
+    pub fn adopt_blocks(&mut self, blocks: &[KvBlock], positions: usize) -> Result<(), KvError> {
+        let bp = self.block_positions();
+        if self.ring.is_some() {
+            return Err(KvError("a row with a sliding-window ring shares no prefix".into()));
+        }
+        let whole = blocks.len().saturating_mul(bp);
+        if self.window.len != 0
+            || !self.len.is_multiple_of(bp)
+            || positions > whole
+            || positions + bp <= whole
+        {
+            return Err(KvError(format!(
+                "adopt_blocks: {positions} positions from {} blocks of {bp} after {} positions (window of {} open)",
+                blocks.len(),
+                self.len,
                 self.window.len
             )));
         }
         let at = self.len;
-        self.store.grow(at + n)?;
-        for (layer, (k, v)) in kv.iter().enumerate() {
-            if let Err(e) = self.store.write_bytes(layer, at, k, v) {
-                self.store.truncate(at);
-                return Err(e);
+        self.store.truncate(at);
+        if self.store.block_positions().is_some() {
+            self.store.adopt_blocks(blocks, positions)?;
+        } else {
+            let copies: Vec<&ByteBlock> = blocks
+                .iter()
+                .map(|b| b.inner_ref::<ByteBlock>())
+                .collect::<Option<_>>()
+                .ok_or_else(|| KvError("adopt_blocks: blocks of another kind of store".into()))?;
+            if copies.iter().any(|c| c.kv.len() != self.n_layers) {
+                return Err(KvError("adopt_blocks: blocks of another model's layers".into()));
+            }
+            self.store.grow(at + positions)?;
+            for (i, c) in copies.iter().enumerate() {
+                let take = (positions - i * bp).min(c.positions);
+                for (layer, (k, v)) in c.kv.iter().enumerate() {
+                    let slot = k.len() / c.positions.max(1);
+                    let written =
+                        self.store.write_bytes(layer, at + i * bp, &k[..take * slot], &v[..take * slot]);
+                    if let Err(e) = written {
+                        self.store.truncate(at);
+                        return Err(e);
+                    }
+                }
             }
         }
-        self.len += n;
+        self.len += positions;
         self.window = Window { base: self.len, len: 0 };
         Ok(())
+    }
+
+    /// Calls `f(id, bytes)` for each allocation holding this row's K/V, with one id
+    /// wherever one is shared with another row or the prefix cache: summing each id once
+    /// gives the physical bytes of many rows.
+    pub fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        self.store.for_each_allocation(f);
+        if let Some(r) = &self.ring {
+            r.store.for_each_allocation(f);
+        }
     }
 
     /// A copy of this row's cache (a device cache copies on the device).
@@ -544,13 +659,43 @@ impl RowCache {
     }
 }
 
+/// A copied block of a store that does not page: per layer, the K and V bytes of its
+/// first `positions` positions as [`KvStore::read`] gives them.
+struct ByteBlock {
+    positions: usize,
+    kv: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
 /// Test-only fault injection. Nothing in the library turns it on; the parity tests do,
-/// to prove they catch a rollback that forgets to compact.
+/// to prove they catch a rollback that forgets to compact, a write into a shared block
+/// without copying it, and a block table out of logical order.
 pub mod negative_control {
     use std::cell::Cell;
 
     thread_local! {
         static SKIP_COMPACTION: Cell<bool> = const { Cell::new(false) };
+        static WRITE_SHARED_IN_PLACE: Cell<bool> = const { Cell::new(false) };
+        static ADOPT_OUT_OF_ORDER: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// When on, a write into a K/V block another row (or the prefix cache) holds too goes
+    /// into that block in place instead of into a copy (no copy-on-write).
+    pub fn set_write_shared_in_place(on: bool) {
+        WRITE_SHARED_IN_PLACE.with(|c| c.set(on));
+    }
+
+    pub(crate) fn write_shared_in_place() -> bool {
+        WRITE_SHARED_IN_PLACE.with(|c| c.get())
+    }
+
+    /// When on, blocks a row adopts (a cached prefix) enter its block table in reverse
+    /// order: a table out of logical order.
+    pub fn set_adopt_out_of_order(on: bool) {
+        ADOPT_OUT_OF_ORDER.with(|c| c.set(on));
+    }
+
+    pub(crate) fn adopt_out_of_order() -> bool {
+        ADOPT_OUT_OF_ORDER.with(|c| c.get())
     }
 
     /// When on, [`super::RowCache::commit_window`] keeps positions where the window was
@@ -568,6 +713,11 @@ pub mod negative_control {
 mod tests {
     use super::*;
 
+    /// A host row in blocks of one position, so that its bytes are its slots'.
+    fn unit_blocks(n_layers: usize, stride: usize) -> RowCache {
+        RowCache::with_store(Box::new(HostKv::<f32>::with_block(n_layers, stride, 1)), n_layers, stride)
+    }
+
     fn committed(c: &RowCache, layer: usize) -> (Vec<f32>, Vec<f32>) {
         let f = |b: Vec<u8>| b.chunks(4).map(|x| f32::from_le_bytes(x.try_into().unwrap())).collect();
         let (k, v) = c.committed_bytes(layer).unwrap();
@@ -583,7 +733,7 @@ mod tests {
 
     #[test]
     fn window_at_tail_commit_and_rollback() {
-        let mut c = RowCache::new(2, 2);
+        let mut c = unit_blocks(2, 2);
         write(&mut c, 0, &[1.0, 2.0, 3.0, 4.0]);
         c.commit_window(2);
         assert_eq!(c.len(), 2);
@@ -600,7 +750,7 @@ mod tests {
 
     #[test]
     fn shared_base_leaves_a_hole_that_commit_compacts() {
-        let mut c = RowCache::new(1, 1);
+        let mut c = unit_blocks(1, 1);
         write(&mut c, 0, &[1.0]);
         c.commit_window(1);
         write(&mut c, 4, &[5.0, 6.0, 7.0]);
@@ -617,7 +767,7 @@ mod tests {
 
     #[test]
     fn skipping_compaction_corrupts_the_row() {
-        let mut c = RowCache::new(1, 1);
+        let mut c = unit_blocks(1, 1);
         write(&mut c, 2, &[5.0, 6.0]);
         negative_control::set_skip_compaction(true);
         c.commit_window(2);
@@ -631,7 +781,7 @@ mod tests {
     }
 
     fn ring_row(cap: usize) -> RowCache {
-        RowCache::new(1, 1).with_ring(Box::new(HostKv::<f32>::new(2, 3)), 2, 3, cap)
+        unit_blocks(1, 1).with_ring(Box::new(HostKv::<f32>::with_block(2, 3, 1)), 2, 3, cap)
     }
 
     /// Writes logical positions `[len, len + t)` into a window `hole` slots past the
@@ -728,13 +878,13 @@ mod tests {
         write_ring(&mut c, 0, 4);
         c.commit_window(4);
         assert!(!c.can_truncate(3) && c.can_truncate(4));
-        assert!(c.append_bytes(1, &[(vec![], vec![])]).is_err());
+        assert!(c.adopt_blocks(&[], 0).is_err() && c.share_blocks(0, 1).is_err());
         assert_eq!(c.bytes(), 4 * 4 * 2 + 2 * 2 * 3 * 4 * 2);
     }
 
     #[test]
     #[should_panic(expected = "beyond")]
     fn truncate_past_end_panics() {
-        RowCache::new(1, 1).truncate(3);
+        unit_blocks(1, 1).truncate(3);
     }
 }

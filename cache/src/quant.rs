@@ -7,7 +7,8 @@
 
 use std::any::Any;
 
-use crate::store::{KvError, KvStore};
+use crate::paged::{Half, Paged, BLOCK_POSITIONS};
+use crate::store::{KvBlock, KvError, KvStore};
 
 /// The shape of one quantized slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,10 +61,11 @@ impl QuantLayout {
     }
 }
 
-/// Quantized K and V per layer, `[slot][head][scale, bias, values]`.
+/// Quantized K and V per layer, each slot `[head][scale, bias, values]`, in blocks of
+/// positions ([`crate::paged`]).
 #[derive(Clone, Debug)]
 pub struct QuantKv {
-    layers: Vec<(Vec<u8>, Vec<u8>)>,
+    paged: Paged<u8>,
     layout: QuantLayout,
 }
 
@@ -75,31 +77,32 @@ impl QuantKv {
             bits == 8 || (bits == 4 && head_dim.is_multiple_of(2)),
             "QuantKv: {bits} bits, head_dim {head_dim}"
         );
-        QuantKv {
-            layers: vec![(Vec::new(), Vec::new()); n_layers],
-            layout: QuantLayout { heads, head_dim, bits },
-        }
+        let layout = QuantLayout { heads, head_dim, bits };
+        QuantKv { paged: Paged::new(n_layers, layout.slot_bytes(), BLOCK_POSITIONS), layout }
     }
 
     pub fn layout(&self) -> QuantLayout {
         self.layout
     }
 
-    /// Quantized K and V bytes of `layer`, every held slot.
-    pub fn layer(&self, layer: usize) -> (&[u8], &[u8]) {
-        let (k, v) = &self.layers[layer];
-        (k, v)
+    pub(crate) fn paged(&self) -> &Paged<u8> {
+        &self.paged
     }
 
     /// Quantizes and writes whole slots of `layer` from `slot` on (which must be held):
     /// `k` and `v` hold `heads * head_dim` f32 values per slot.
+    ///
+    /// # Panics
+    /// If the slots are not held, or copying a shared block runs out of memory.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let (l, hd, sb) = (self.layout, self.layout.head_dim, self.layout.slot_bytes());
-        let (lk, lv) = &mut self.layers[layer];
-        for (dst, src) in [(lk, k), (lv, v)] {
-            let out = &mut dst[slot * sb..slot * sb + src.len() / hd * l.head_bytes()];
-            for (o, x) in out.chunks_exact_mut(l.head_bytes()).zip(src.chunks_exact(hd)) {
-                l.quantize_head(x, o);
+        let l = self.layout;
+        let per_slot = (l.heads * l.head_dim).max(1);
+        for (half, src) in [(Half::K, k), (Half::V, v)] {
+            for (i, vals) in src.chunks_exact(per_slot).enumerate() {
+                let out = self.paged.row_mut(layer, half, slot + i).expect("QuantKv::write: host K/V block");
+                for (o, x) in out.chunks_exact_mut(l.head_bytes()).zip(vals.chunks_exact(l.head_dim)) {
+                    l.quantize_head(x, o);
+                }
             }
         }
     }
@@ -107,67 +110,31 @@ impl QuantKv {
 
 impl KvStore for QuantKv {
     fn grow(&mut self, slots: usize) -> Result<(), KvError> {
-        self.reserve(slots)?;
-        let n = slots * self.layout.slot_bytes();
-        for (k, v) in &mut self.layers {
-            k.resize(k.len().max(n), 0);
-            v.resize(v.len().max(n), 0);
-        }
-        Ok(())
+        self.paged.grow(slots)
     }
 
     fn truncate(&mut self, slots: usize) {
-        let n = slots * self.layout.slot_bytes();
-        for (k, v) in &mut self.layers {
-            k.truncate(n);
-            v.truncate(n);
-        }
+        self.paged.truncate(slots)
     }
 
     fn reserve(&mut self, slots: usize) -> Result<(), KvError> {
-        let need = slots * self.layout.slot_bytes();
-        for (k, v) in &mut self.layers {
-            for x in [k, v] {
-                x.try_reserve(need.saturating_sub(x.len())).map_err(|e| {
-                    KvError(format!("cannot allocate {need} bytes of quantized host KV: {e}"))
-                })?;
-            }
-        }
-        Ok(())
+        self.paged.reserve(slots)
     }
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {
-        let sb = self.layout.slot_bytes();
-        for (k, v) in &mut self.layers {
-            k.copy_within(from * sb..(from + n) * sb, to * sb);
-            v.copy_within(from * sb..(from + n) * sb, to * sb);
-        }
+        self.paged.move_down(from, to, n).expect("quantized host K/V: copying a shared block");
     }
 
     fn bytes(&self) -> usize {
-        self.layers.iter().map(|(k, v)| k.len() + v.len()).sum()
+        self.paged.bytes()
     }
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
-        let (k, v) = &self.layers[layer];
-        let n = n * self.layout.slot_bytes();
-        Ok((k[..n].to_vec(), v[..n].to_vec()))
+        Ok((self.paged.read_half(layer, Half::K, n), self.paged.read_half(layer, Half::V, n)))
     }
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
-        let at = slot * self.layout.slot_bytes();
-        let (lk, lv) = &mut self.layers[layer];
-        if k.len() != v.len() || !k.len().is_multiple_of(self.layout.slot_bytes()) || at + k.len() > lk.len()
-        {
-            return Err(KvError(format!(
-                "quantized host KV: cannot write {} bytes at slot {slot} of a store holding {} bytes",
-                k.len(),
-                lk.len()
-            )));
-        }
-        lk[at..at + k.len()].copy_from_slice(k);
-        lv[at..at + v.len()].copy_from_slice(v);
-        Ok(())
+        self.paged.write_bytes(layer, slot, k, v)
     }
 
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {
@@ -180,6 +147,22 @@ impl KvStore for QuantKv {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    fn block_positions(&self) -> Option<usize> {
+        Some(self.paged.block())
+    }
+
+    fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
+        self.paged.share(first, n)
+    }
+
+    fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
+        self.paged.adopt(blocks, slots)
+    }
+
+    fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        self.paged.for_each_block(f)
     }
 }
 

@@ -226,8 +226,9 @@ mod tests {
         assert_eq!(v.len(), want.len());
         // The bytes come back into a fresh split row unchanged.
         let mut copy = split_row(ranks, stride);
-        copy.append_bytes(6, &[(k.clone(), v)]).unwrap();
-        assert_eq!(copy.committed_bytes(0).unwrap().0, k);
+        copy.store_mut().grow(6).unwrap();
+        copy.store_mut().write_bytes(0, 0, &k, &v).unwrap();
+        assert_eq!(copy.store().read(0, 6).unwrap().0, k);
     }
 
     #[test]

@@ -1,8 +1,11 @@
 //! Where a row's K/V bytes live. [`crate::RowCache`] keeps the logic (logical length,
-//! window, rollback); a [`KvStore`] only holds slots: host memory here ([`HostKv`]),
-//! device memory in a GPU backend.
+//! window, rollback); a [`KvStore`] only holds slots: host memory in blocks here
+//! ([`HostKv`], over [`crate::paged`]), device memory in a GPU backend.
 
 use std::any::Any;
+use std::sync::Arc;
+
+use crate::paged::{Half, Paged, BLOCK_POSITIONS};
 
 /// A failed K/V allocation or device transfer, in words.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,30 +39,107 @@ pub trait KvStore: Send + Sync + 'static {
     /// Writes slots `[slot, slot + n)` of `layer` from bytes as [`KvStore::read`] gives
     /// them (the slots must be held; `k` and `v` hold whole slots).
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError>;
-    /// A copy of this store.
+    /// A copy of this store (a paged host store shares its blocks until either writes).
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError>;
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
+
+    /// Positions per block where the store keeps K/V in shareable blocks (a paged host
+    /// store), `None` where it does not (a device store, for now).
+    fn block_positions(&self) -> Option<usize> {
+        None
+    }
+
+    /// Blocks `[first, first + n)` of held slots themselves (the last may be held in
+    /// part), shared, for another row of the same shape to append (only where
+    /// [`KvStore::block_positions`] is some).
+    fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
+        let _ = (first, n);
+        Err(KvError("this K/V store does not share blocks".into()))
+    }
+
+    /// Appends blocks from [`KvStore::share_blocks`] of a store of the same shape after the
+    /// held slots, which end on a block boundary; the first `slots` of them become held
+    /// (the last block may be held in part).
+    fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
+        let _ = (blocks, slots);
+        Err(KvError("this K/V store does not share blocks".into()))
+    }
+
+    /// Calls `f(id, bytes)` for each allocation the store holds, with one id wherever an
+    /// allocation is shared: what counting physical bytes (a shared block once) needs.
+    fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        f(self as *const Self as *const () as usize, self.bytes())
+    }
 }
 
-/// One stored K or V value of a host store: f32, or bf16 (`--kv-dtype bf16`: each value
-/// rounded to nearest-even as it is written, half the bytes).
-pub trait KvElem: Copy + Default + std::fmt::Debug + Send + Sync + 'static {
+/// Held K/V of some positions, in a form another row of the same shape can append: a
+/// reference-counted block of a paged host store, or a copy of a device store's bytes
+/// (`RowCache::share_blocks`).
+#[derive(Clone)]
+pub struct KvBlock {
+    inner: Arc<dyn Any + Send + Sync>,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for KvBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvBlock").field("id", &self.id()).field("bytes", &self.bytes).finish()
+    }
+}
+
+impl KvBlock {
+    pub(crate) fn shared<T: Any + Send + Sync>(inner: Arc<T>, bytes: usize) -> KvBlock {
+        KvBlock { inner, bytes }
+    }
+
+    pub(crate) fn downcast<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.inner.clone().downcast::<T>().ok()
+    }
+
+    pub(crate) fn inner_ref<T: Any + Send + Sync>(&self) -> Option<&T> {
+        self.inner.downcast_ref::<T>()
+    }
+
+    /// Bytes of K/V the block holds.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The same for every holder of this block (as [`KvStore::for_each_allocation`] gives).
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as *const () as usize
+    }
+}
+
+/// A value as a host store keeps it, with its little-endian bytes.
+pub trait KvUnit: Copy + Default + std::fmt::Debug + Send + Sync + 'static {
     /// Bytes of one value as stored.
     const BYTES: usize;
-    fn from_f32(x: f32) -> Self;
     /// Appends the value's `BYTES` little-endian bytes.
     fn put_le(self, out: &mut Vec<u8>);
     /// The value from its `BYTES` little-endian bytes.
     fn from_le(b: &[u8]) -> Self;
 }
 
-impl KvElem for f32 {
-    const BYTES: usize = 4;
-    #[inline]
-    fn from_f32(x: f32) -> f32 {
-        x
+impl KvUnit for u8 {
+    const BYTES: usize = 1;
+    fn put_le(self, out: &mut Vec<u8>) {
+        out.push(self)
     }
+    fn from_le(b: &[u8]) -> u8 {
+        b[0]
+    }
+}
+
+/// One stored K or V value of a host store: f32, or bf16 (`--kv-dtype bf16`: each value
+/// rounded to nearest-even as it is written, half the bytes).
+pub trait KvElem: KvUnit {
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KvUnit for f32 {
+    const BYTES: usize = 4;
     fn put_le(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_le_bytes())
     }
@@ -68,12 +148,15 @@ impl KvElem for f32 {
     }
 }
 
-impl KvElem for half::bf16 {
-    const BYTES: usize = 2;
+impl KvElem for f32 {
     #[inline]
-    fn from_f32(x: f32) -> half::bf16 {
-        half::bf16::from_f32(x)
+    fn from_f32(x: f32) -> f32 {
+        x
     }
+}
+
+impl KvUnit for half::bf16 {
+    const BYTES: usize = 2;
     fn put_le(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_bits().to_le_bytes())
     }
@@ -82,115 +165,83 @@ impl KvElem for half::bf16 {
     }
 }
 
-/// K/V in host memory, `[slot][stride]` per layer: the CPU backend's store, f32 by default
-/// or bf16 ([`Bf16Kv`]).
-#[derive(Clone, Debug, Default)]
+impl KvElem for half::bf16 {
+    #[inline]
+    fn from_f32(x: f32) -> half::bf16 {
+        half::bf16::from_f32(x)
+    }
+}
+
+/// K/V in host memory, in blocks of positions ([`crate::paged`]): the CPU backend's store,
+/// f32 by default or bf16 ([`Bf16Kv`]).
+#[derive(Clone, Debug)]
 pub struct HostKv<T: KvElem = f32> {
-    layers: Vec<(Vec<T>, Vec<T>)>,
-    stride: usize,
+    pub(crate) paged: Paged<T>,
 }
 
 /// bf16 K/V in host memory (`--kv-dtype bf16` on the CPU).
 pub type Bf16Kv = HostKv<half::bf16>;
 
 impl<T: KvElem> HostKv<T> {
+    /// An empty store in blocks of [`BLOCK_POSITIONS`].
     pub fn new(n_layers: usize, stride: usize) -> Self {
-        HostKv { layers: vec![(Vec::new(), Vec::new()); n_layers], stride }
+        HostKv::with_block(n_layers, stride, BLOCK_POSITIONS)
+    }
+
+    /// An empty store in blocks of `block` positions (a power of two).
+    pub fn with_block(n_layers: usize, stride: usize, block: usize) -> Self {
+        HostKv { paged: Paged::new(n_layers, stride, block) }
     }
 
     /// Values per slot and layer.
     pub fn stride(&self) -> usize {
-        self.stride
-    }
-
-    /// K and V of `layer`, every held slot.
-    pub fn layer(&self, layer: usize) -> (&[T], &[T]) {
-        let (k, v) = &self.layers[layer];
-        (k, v)
+        self.paged.units()
     }
 
     /// Writes whole slots of `layer` starting at `slot` (which must be held), each value
-    /// converted to the stored type.
+    /// converted to the stored type (a shared block is copied first).
+    ///
+    /// # Panics
+    /// If the slots are not held, or copying a shared block runs out of memory.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         assert_eq!(k.len(), v.len(), "HostKv::write: K and V differ");
-        let at = slot * self.stride;
-        let (lk, lv) = &mut self.layers[layer];
-        for (dst, src) in [(&mut lk[at..at + k.len()], k), (&mut lv[at..at + v.len()], v)] {
-            dst.iter_mut().zip(src).for_each(|(d, &x)| *d = T::from_f32(x));
+        let stride = self.stride().max(1);
+        for (half, src) in [(Half::K, k), (Half::V, v)] {
+            for (i, vals) in src.chunks_exact(stride).enumerate() {
+                let row = self.paged.row_mut(layer, half, slot + i).expect("HostKv::write: host K/V block");
+                row.iter_mut().zip(vals).for_each(|(d, &x)| *d = T::from_f32(x));
+            }
         }
     }
 }
 
 impl<T: KvElem> KvStore for HostKv<T> {
     fn grow(&mut self, slots: usize) -> Result<(), KvError> {
-        self.reserve(slots)?;
-        for (k, v) in &mut self.layers {
-            k.resize(k.len().max(slots * self.stride), T::default());
-            v.resize(v.len().max(slots * self.stride), T::default());
-        }
-        Ok(())
+        self.paged.grow(slots)
     }
 
     fn truncate(&mut self, slots: usize) {
-        for (k, v) in &mut self.layers {
-            k.truncate(slots * self.stride);
-            v.truncate(slots * self.stride);
-        }
+        self.paged.truncate(slots)
     }
 
     fn reserve(&mut self, slots: usize) -> Result<(), KvError> {
-        let need = slots * self.stride;
-        for (k, v) in &mut self.layers {
-            for x in [k, v] {
-                x.try_reserve(need.saturating_sub(x.len())).map_err(|e| {
-                    KvError(format!("cannot allocate {} bytes of host KV: {e}", need * T::BYTES))
-                })?;
-            }
-        }
-        Ok(())
+        self.paged.reserve(slots)
     }
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {
-        let (from, to, n) = (from * self.stride, to * self.stride, n * self.stride);
-        for (k, v) in &mut self.layers {
-            k.copy_within(from..from + n, to);
-            v.copy_within(from..from + n, to);
-        }
+        self.paged.move_down(from, to, n).expect("host K/V: copying a shared block");
     }
 
     fn bytes(&self) -> usize {
-        self.layers.iter().map(|(k, v)| (k.len() + v.len()) * T::BYTES).sum()
+        self.paged.bytes()
     }
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
-        let (k, v) = &self.layers[layer];
-        let n = n * self.stride;
-        let bytes = |x: &[T]| {
-            let mut out = Vec::with_capacity(n * T::BYTES);
-            x[..n].iter().for_each(|e| e.put_le(&mut out));
-            out
-        };
-        Ok((bytes(k), bytes(v)))
+        Ok((self.paged.read_half(layer, Half::K, n), self.paged.read_half(layer, Half::V, n)))
     }
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
-        let slot_bytes = self.stride * T::BYTES;
-        let held = self.layers[layer].0.len() / self.stride.max(1);
-        let n = k.len() / slot_bytes.max(1);
-        if k.len() != v.len() || !k.len().is_multiple_of(slot_bytes.max(1)) || slot + n > held {
-            return Err(KvError(format!(
-                "host KV: cannot write {} K and {} V bytes at slot {slot} of a store holding {held} slots of {slot_bytes} bytes",
-                k.len(),
-                v.len(),
-            )));
-        }
-        let at = slot * self.stride;
-        let (lk, lv) = &mut self.layers[layer];
-        for (dst, src) in [(lk, k), (lv, v)] {
-            let dst = &mut dst[at..at + n * self.stride];
-            dst.iter_mut().zip(src.chunks_exact(T::BYTES)).for_each(|(d, b)| *d = T::from_le(b));
-        }
-        Ok(())
+        self.paged.write_bytes(layer, slot, k, v)
     }
 
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {
@@ -203,5 +254,21 @@ impl<T: KvElem> KvStore for HostKv<T> {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    fn block_positions(&self) -> Option<usize> {
+        Some(self.paged.block())
+    }
+
+    fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
+        self.paged.share(first, n)
+    }
+
+    fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
+        self.paged.adopt(blocks, slots)
+    }
+
+    fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        self.paged.for_each_block(f)
     }
 }

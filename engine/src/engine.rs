@@ -128,7 +128,8 @@ impl<'a> Engine<'a> {
         let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()))
             .with_token_group(model.verify_token_group());
         // A sliding-window ring forgets old positions, so its rows cannot share a prefix.
-        let prefix_cache = opts.prefix_cache_bytes > 0 && !model.new_cache().has_ring();
+        let probe = model.new_cache();
+        let prefix_cache = opts.prefix_cache_bytes > 0 && !probe.has_ring();
         if opts.prefix_cache_bytes > 0 && !prefix_cache {
             tracing::info!("prefix cache off: this model keeps sliding-window layers in a ring");
         }
@@ -145,7 +146,7 @@ impl<'a> Engine<'a> {
             reserved: 0,
             stats: SpecStats::default(),
             chooser,
-            prefix: prefix_cache.then(|| PrefixCache::new(opts.prefix_cache_bytes)),
+            prefix: prefix_cache.then(|| PrefixCache::new(opts.prefix_cache_bytes, probe.block_positions())),
             opts,
         })
     }
@@ -189,10 +190,20 @@ impl<'a> Engine<'a> {
         self.queue.len()
     }
 
-    /// K/V bytes the running rows hold (their own caches, open windows included).
+    /// Physical bytes of the target's K/V that admitted rows hold (open windows included),
+    /// a block shared between rows counted once (blocks only the prefix cache holds are
+    /// in [`Engine::prefix_cache_bytes`]).
     pub fn kv_bytes(&self) -> usize {
-        let prompts: usize = self.prompts.iter().map(|p| p.cache.bytes()).sum();
-        prompts + self.active.iter().map(|r| r.cache.bytes()).sum::<usize>()
+        let mut seen = std::collections::HashSet::new();
+        let mut total = 0usize;
+        let mut count = |id: usize, bytes: usize| {
+            if seen.insert(id) {
+                total = total.saturating_add(bytes);
+            }
+        };
+        self.prompts.iter().for_each(|p| p.cache.for_each_allocation(&mut count));
+        self.active.iter().for_each(|r| r.cache.for_each_allocation(&mut count));
+        total
     }
 
     /// Bytes the prefix cache holds (0 when it is off).

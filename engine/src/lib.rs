@@ -24,5 +24,5 @@ pub use mtp_constraint::{
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
 pub use prefill::{prefill, Prefilled};
-pub use prefix_cache::{PrefixCache, BLOCK_TOKENS};
+pub use prefix_cache::PrefixCache;
 pub use request::{Completion, Constraint, Event, FinishReason, Request, RequestId};

@@ -1,29 +1,32 @@
 //! Exact prefix cache: the K/V (and, for drafters that read them, the final hidden states)
-//! of prompt prefixes, in blocks of [`BLOCK_TOKENS`] tokens, each keyed by the whole token
-//! prefix it ends. A K/V entry is a pure function of its prefix (docs/design.md), so a row that
-//! loads a cached prefix and prefills only the rest holds the very bytes it would have
-//! computed: the cache changes time to first token, never an output bit.
+//! of prompt prefixes, in the K/V store's blocks (`RowCache::block_positions` tokens each),
+//! each keyed by the whole token prefix it ends: a trie of blocks, by chained hashes. A K/V
+//! block is a pure function of its prefix (docs/design.md), so a row that adopts a cached
+//! prefix and prefills only the rest holds the very bytes it would have computed: the
+//! cache changes time to first token, never an output bit.
 //!
-//! Blocks are copied into a row's own cache on admission (rows never share storage, so a
-//! block needs no reference count while rows run, and evicting one never touches a running
-//! row); eviction is least recently used within a byte budget and within what the engine's
-//! KV budget leaves after rows' reservations, children before their parents.
+//! Where the store pages on the host (the CPU), the cache holds the row's blocks
+//! themselves, reference counted: a row that loads a prefix puts the same blocks in its
+//! block table, so the prefix is held once however many rows read it, and a row's writes
+//! never reach a shared block (copy-on-write, `mtp_cache::paged`). Device stores copy a
+//! block's bytes in and out. Evicting a block drops the cache's reference only, never
+//! touching a running row; eviction is least recently used within a byte budget and within
+//! what the engine's KV budget leaves after rows' reservations, children before their
+//! parents.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 
-use mtp_cache::RowCache;
-
-/// Tokens per cached block.
-pub const BLOCK_TOKENS: usize = 16;
+use mtp_cache::{KvBlock, RowCache};
 
 type Key = u64;
 
 struct Block {
     parent: Option<Key>,
+    /// The block's tokens: a whole block's, or fewer for a prompt's last block.
     tokens: Vec<u32>,
-    /// Per layer, the block's K and V bytes as the row's store holds them.
-    kv: Vec<(Vec<u8>, Vec<u8>)>,
+    /// The block's K/V: shared with the rows that hold it, or a copy of a device row's.
+    kv: KvBlock,
     /// Final-normed hidden states of the block's positions (empty when not kept).
     hidden: Vec<f32>,
     stamp: u64,
@@ -31,7 +34,12 @@ struct Block {
 }
 
 pub struct PrefixCache {
+    /// Tokens per block: the rows' K/V block.
+    block: usize,
     blocks: HashMap<Key, Block>,
+    /// Each block's children (the root's under `None`): where a lookup ending inside a
+    /// block looks.
+    children: HashMap<Option<Key>, Vec<Key>>,
     by_stamp: BTreeMap<u64, Key>,
     clock: u64,
     budget: usize,
@@ -48,13 +56,29 @@ fn key(parent: Option<Key>, tokens: &[u32]) -> Key {
     h.finish()
 }
 
+/// A cached prefix found for a prompt: whole blocks, then possibly the first positions of
+/// one more.
+struct Found {
+    keys: Vec<Key>,
+    positions: usize,
+}
+
 impl PrefixCache {
-    /// An empty cache that holds at most `budget` bytes.
-    pub fn new(budget: usize) -> PrefixCache {
-        PrefixCache { blocks: HashMap::new(), by_stamp: BTreeMap::new(), clock: 0, budget, used: 0 }
+    /// An empty cache of blocks of `block` tokens (the rows' `RowCache::block_positions`)
+    /// that holds at most `budget` bytes.
+    pub fn new(budget: usize, block: usize) -> PrefixCache {
+        PrefixCache {
+            block: block.max(1),
+            blocks: HashMap::new(),
+            children: HashMap::new(),
+            by_stamp: BTreeMap::new(),
+            clock: 0,
+            budget,
+            used: 0,
+        }
     }
 
-    /// Bytes held (K/V, hidden states and tokens).
+    /// Bytes held (K/V, hidden states and tokens), a block shared with rows included.
     pub fn bytes(&self) -> usize {
         self.used
     }
@@ -63,23 +87,34 @@ impl PrefixCache {
         self.blocks.len()
     }
 
-    /// Keys of the cached blocks that spell the longest block-aligned prefix of `tokens`.
-    fn matching(&self, tokens: &[u32], want_hidden: bool) -> Vec<Key> {
+    /// The longest cached prefix of `tokens`: whole blocks by their keys, then the cached
+    /// child block sharing the most first tokens with what is left.
+    fn matching(&self, tokens: &[u32], want_hidden: bool) -> Found {
+        let usable = |b: &Block| !want_hidden || !b.hidden.is_empty();
         let mut keys = Vec::new();
         let mut parent = None;
-        for chunk in tokens.chunks_exact(BLOCK_TOKENS) {
+        for chunk in tokens.chunks_exact(self.block) {
             let k = key(parent, chunk);
             match self.blocks.get(&k) {
-                Some(b)
-                    if b.parent == parent && b.tokens == chunk && (!want_hidden || !b.hidden.is_empty()) =>
-                {
+                Some(b) if b.parent == parent && b.tokens == chunk && usable(b) => {
                     keys.push(k);
                     parent = Some(k);
                 }
                 _ => break,
             }
         }
-        keys
+        let mut positions = keys.len() * self.block;
+        let rest = &tokens[positions..];
+        let partial = self.children.get(&parent).into_iter().flatten().filter_map(|k| {
+            let b = self.blocks.get(k).filter(|b| b.parent == parent && usable(b))?;
+            let shared = b.tokens.iter().zip(rest).take_while(|(a, b)| a == b).count();
+            (shared > 0).then_some((shared, *k))
+        });
+        if let Some((shared, k)) = partial.max() {
+            keys.push(k);
+            positions += shared;
+        }
+        Found { keys, positions }
     }
 
     /// Loads into the empty `cache` the longest cached prefix of `prompt` that leaves at
@@ -87,28 +122,27 @@ impl PrefixCache {
     /// when `want_hidden`, their hidden states. A load that fails leaves `cache` empty.
     pub fn load(&mut self, prompt: &[u32], cache: &mut RowCache, want_hidden: bool) -> (usize, Vec<f32>) {
         let usable = prompt.len().saturating_sub(1);
-        let keys = self.matching(&prompt[..usable], want_hidden);
-        if keys.is_empty() || !cache.is_empty() {
+        let found = self.matching(&prompt[..usable], want_hidden);
+        if found.keys.is_empty() || !cache.is_empty() {
             return (0, Vec::new());
         }
-        let mut kv: Vec<(Vec<u8>, Vec<u8>)> = vec![(Vec::new(), Vec::new()); cache.n_layers()];
+        let n = found.positions;
+        let mut blocks = Vec::with_capacity(found.keys.len());
         let mut hidden = Vec::new();
-        for k in &keys {
+        for (i, k) in found.keys.iter().enumerate() {
             let b = &self.blocks[k];
-            for ((k_all, v_all), (bk, bv)) in kv.iter_mut().zip(&b.kv) {
-                k_all.extend_from_slice(bk);
-                v_all.extend_from_slice(bv);
-            }
+            blocks.push(b.kv.clone());
             if want_hidden {
-                hidden.extend_from_slice(&b.hidden);
+                let width = b.hidden.len() / b.tokens.len().max(1);
+                let take = (n - i * self.block).min(b.tokens.len());
+                hidden.extend_from_slice(&b.hidden[..take * width]);
             }
         }
-        let n = keys.len() * BLOCK_TOKENS;
-        if let Err(e) = cache.append_bytes(n, &kv) {
+        if let Err(e) = cache.adopt_blocks(&blocks, n) {
             tracing::warn!("prefix cache: cannot load {n} cached positions ({e}); recomputing them");
             return (0, Vec::new());
         }
-        self.touch(&keys);
+        self.touch(&found.keys);
         (n, hidden)
     }
 
@@ -116,23 +150,37 @@ impl PrefixCache {
     pub fn evict_to(&mut self, bytes: usize) {
         while self.used > bytes {
             let Some((_, k)) = self.by_stamp.pop_first() else { return };
-            if let Some(b) = self.blocks.remove(&k) {
-                self.used -= b.bytes;
+            self.remove(k);
+        }
+    }
+
+    fn remove(&mut self, k: Key) {
+        if let Some(b) = self.blocks.remove(&k) {
+            self.used -= b.bytes;
+            if let Some(siblings) = self.children.get_mut(&b.parent) {
+                siblings.retain(|&c| c != k);
+                if siblings.is_empty() {
+                    self.children.remove(&b.parent);
+                }
             }
         }
     }
 
-    /// Keeps the full blocks of `prompt` that this cache lacks, read from `cache` (which
-    /// holds at least the prompt's positions) and `hidden` (the prompt's hidden states, or
-    /// empty), evicting least recently used blocks to stay within its budget and `limit`.
+    /// Keeps the blocks of `prompt` that this cache lacks (its last one even if partly
+    /// filled), taken from `cache` (which holds at least the prompt's positions) and
+    /// `hidden` (the prompt's hidden states, or empty), evicting least recently used
+    /// blocks to stay within its budget and `limit`.
     pub fn insert(&mut self, prompt: &[u32], cache: &RowCache, hidden: &[f32], limit: usize) {
         let budget = self.budget.min(limit);
-        let n_blocks = prompt.len().min(cache.len()) / BLOCK_TOKENS;
-        let hidden_per_block = if prompt.is_empty() { 0 } else { hidden.len() / prompt.len() * BLOCK_TOKENS };
-        let mut layers: Option<Vec<(Vec<u8>, Vec<u8>)>> = None;
+        let bt = self.block;
+        let len = prompt.len().min(cache.len());
+        let n_blocks = len.div_ceil(bt);
+        let hidden_width = if prompt.is_empty() { 0 } else { hidden.len() / prompt.len() };
+        // The row's blocks from the first one this cache lacks on, taken once.
+        let mut shared: Option<(usize, Vec<KvBlock>)> = None;
         let mut path: Vec<Key> = Vec::new();
         let mut parent = None;
-        for (i, chunk) in prompt.chunks_exact(BLOCK_TOKENS).take(n_blocks).enumerate() {
+        for (i, chunk) in prompt[..len].chunks(bt).enumerate() {
             let k = key(parent, chunk);
             if let Some(b) = self.blocks.get(&k) {
                 if b.parent != parent || b.tokens != chunk {
@@ -142,29 +190,25 @@ impl PrefixCache {
                 parent = Some(k);
                 continue;
             }
-            if layers.is_none() {
-                let read: Result<Vec<_>, _> =
-                    (0..cache.n_layers()).map(|l| cache.committed_bytes(l)).collect();
-                match read {
-                    Ok(l) => layers = Some(l),
+            if shared.is_none() {
+                match cache.share_blocks(i, n_blocks - i) {
+                    Ok(blocks) => shared = Some((i, blocks)),
                     Err(e) => {
-                        tracing::warn!("prefix cache: cannot read a row's K/V ({e}); not caching it");
+                        tracing::warn!(
+                            "prefix cache: cannot take a row's K/V blocks ({e}); not caching them"
+                        );
                         break;
                     }
                 }
             }
-            let all = layers.as_ref().expect("read above");
-            let slot_bytes = all.first().map_or(0, |(k, _)| k.len() / cache.len().max(1));
-            let range = i * BLOCK_TOKENS * slot_bytes..(i + 1) * BLOCK_TOKENS * slot_bytes;
-            let kv: Vec<(Vec<u8>, Vec<u8>)> =
-                all.iter().map(|(k, v)| (k[range.clone()].to_vec(), v[range.clone()].to_vec())).collect();
-            let hidden = if hidden_per_block > 0 {
-                hidden[i * hidden_per_block..(i + 1) * hidden_per_block].to_vec()
+            let (first, blocks) = shared.as_ref().expect("taken above");
+            let kv = blocks[i - first].clone();
+            let hidden = if hidden_width > 0 {
+                hidden[i * bt * hidden_width..(i * bt + chunk.len()) * hidden_width].to_vec()
             } else {
                 Vec::new()
             };
-            let bytes =
-                kv.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() + 4 * (hidden.len() + chunk.len());
+            let bytes = kv.bytes() + 4 * (hidden.len() + chunk.len());
             if !self.make_room(bytes, budget, &path) {
                 break;
             }
@@ -172,6 +216,7 @@ impl PrefixCache {
             let block = Block { parent, tokens: chunk.to_vec(), kv, hidden, stamp: self.clock, bytes };
             self.by_stamp.insert(self.clock, k);
             self.blocks.insert(k, block);
+            self.children.entry(parent).or_default().push(k);
             self.used += bytes;
             path.push(k);
             parent = Some(k);
@@ -190,9 +235,7 @@ impl PrefixCache {
             let victim = self.by_stamp.iter().find(|(_, k)| !keep.contains(k)).map(|(&s, &k)| (s, k));
             let Some((stamp, k)) = victim else { return false };
             self.by_stamp.remove(&stamp);
-            if let Some(b) = self.blocks.remove(&k) {
-                self.used -= b.bytes;
-            }
+            self.remove(k);
         }
         true
     }

@@ -76,7 +76,12 @@ pub fn render(app: &AppState) -> String {
         "Requests held by the HTTP side (running, queued, streaming).",
         &one(app.pending.load(Ordering::SeqCst) as f64),
     );
-    metric("mtp_kv_bytes", "gauge", "K/V bytes held by running rows.", &one(g.kv_bytes as f64));
+    metric(
+        "mtp_kv_bytes",
+        "gauge",
+        "Physical K/V bytes held by running rows, a block shared between rows counted once.",
+        &one(g.kv_bytes as f64),
+    );
     metric(
         "mtp_prefix_cache_bytes",
         "gauge",
