@@ -342,3 +342,29 @@ fn draft_lengths_past_the_bound_are_refused() {
         assert_eq!(g.as_ref().unwrap().tokens, w.unwrap().tokens);
     }
 }
+
+/// A token budget per forward: prompts that arrive while a row decodes go in together, as
+/// many as the budget (`prefill_chunk`) holds beside the verify, not one prompt a round.
+#[test]
+fn prompts_arriving_together_share_a_rounds_token_budget() {
+    let model = common::load(&common::trained("target"));
+    let opts = EngineOptions { max_batch: 8, prefill_chunk: 64, ..EngineOptions::default() };
+    let mut e = Engine::new(&model, None, opts).unwrap();
+    let req = |i: u32, len: u32, max_tokens: usize| Request {
+        id: format!("t{i}"),
+        prompt: (0..len).map(|t| 10 + (i * 41 + t * 7) % 1500).collect(),
+        max_tokens,
+        ignore_eos: true,
+        ..Request::default()
+    };
+    e.submit(req(0, 12, 40)).unwrap();
+    e.step();
+    // Four prompts of 12 tokens and one decoding row: 52 tokens, one forward's budget.
+    let ids: Vec<_> = (1..5).map(|i| e.submit(req(i, 12, 4)).unwrap()).collect();
+    let firsts = e
+        .step()
+        .into_iter()
+        .filter(|ev| matches!(ev, Event::Token { request, .. } if ids.contains(request)))
+        .count();
+    assert_eq!(firsts, 4, "every prompt that fits the budget starts in the same round");
+}

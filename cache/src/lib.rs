@@ -147,6 +147,16 @@ impl<'a, T: KvUnit> Rows<'a, T> {
         }
     }
 
+    /// Rows `[slot, slot + n)` (in one block) as one slice from the first row's start to the
+    /// last row's end, rows `units` apart; `None` when they span blocks.
+    #[inline(always)]
+    fn run(self, slot: usize, n: usize, key: bool, units: usize) -> Option<&'a [T]> {
+        match self {
+            Rows::Flat { k, v } => Some(&(if key { k } else { v })[slot * units..(slot + n) * units]),
+            Rows::Paged { store, layer } => store.run(layer, if key { Half::K } else { Half::V }, slot, n),
+        }
+    }
+
     fn slots(self, units: usize) -> usize {
         match self {
             Rows::Flat { k, .. } => k.len() / units.max(1),
@@ -198,23 +208,50 @@ impl<'a> KvView<'a> {
 
     /// K of logical position `pos`, values `[off, off + len)`, as stored in a bf16 store
     /// (`None` for any other): what a kernel widening bf16 as it loads reads directly.
-    #[inline]
+    #[inline(always)]
     pub fn key_bf16(&self, pos: usize, off: usize, len: usize) -> Option<&'a [half::bf16]> {
         self.bf16_row(pos, off, len, true)
     }
 
     /// V of logical position `pos` as stored in a bf16 store, like [`KvView::key_bf16`].
-    #[inline]
+    #[inline(always)]
     pub fn value_bf16(&self, pos: usize, off: usize, len: usize) -> Option<&'a [half::bf16]> {
         self.bf16_row(pos, off, len, false)
     }
 
-    #[inline]
+    #[inline(always)]
     fn bf16_row(&self, pos: usize, off: usize, len: usize, key: bool) -> Option<&'a [half::bf16]> {
         match self.data {
             Data::Bf16(rows) => Some(&rows.row(self.map.slot(pos), key, self.stride)[off..off + len]),
             _ => None,
         }
+    }
+
+    /// K (or V) of logical positions `[pos, pos + n)` as stored in a bf16 store, when
+    /// their rows are evenly spaced (consecutive slots in one block): one slice from the
+    /// first row to the end of the last, the rows [`KvView::row_stride`] apart, each row's
+    /// values `[off, off + len)` from its start. `None` otherwise (read row by row).
+    #[inline(always)]
+    pub fn rows_bf16(
+        &self,
+        pos: usize,
+        n: usize,
+        off: usize,
+        len: usize,
+        key: bool,
+    ) -> Option<&'a [half::bf16]> {
+        let Data::Bf16(rows) = self.data else { return None };
+        let slot = self.map.slot(pos);
+        if n == 0 || self.map.slot(pos + n - 1) != slot + n - 1 {
+            return None;
+        }
+        let run = rows.run(slot, n, key, self.stride)?;
+        Some(&run[off..(n - 1) * self.stride + off + len])
+    }
+
+    /// Distance in values between consecutive rows of [`KvView::rows_bf16`].
+    pub fn row_stride(&self) -> usize {
+        self.stride
     }
 
     /// Layer `layer` of a quantized host store, read through `map`.

@@ -137,10 +137,29 @@ impl<E: KvUnit> Paged<E> {
     }
 
     /// The `units` values of `slot` (held) in `half` of `layer`.
+    ///
+    /// # Panics
+    /// If `slot` is past the table or `layer` past the layers.
     #[inline(always)]
     pub(crate) fn row(&self, layer: usize, half: Half, slot: usize) -> &[E] {
+        assert!(layer < self.n_layers, "K/V layer {layer} of {}", self.n_layers);
         let at = self.offset(layer, half, slot);
-        &self.table[slot >> self.shift].values()[at..at + self.units]
+        let values = self.table[slot >> self.shift].values();
+        debug_assert!(at + self.units <= values.len());
+        // SAFETY: `layer < n_layers` and `slot % block < block`, so `at + units` is within
+        // the block's `n_layers * 2 * block * units` values.
+        unsafe { values.get_unchecked(at..at + self.units) }
+    }
+
+    /// Rows `[slot, slot + n)` of `half` of `layer` as one slice (first row's start to the
+    /// last row's end), when they lie in one block.
+    #[inline(always)]
+    pub(crate) fn run(&self, layer: usize, half: Half, slot: usize, n: usize) -> Option<&[E]> {
+        if n == 0 || slot >> self.shift != (slot + n - 1) >> self.shift || slot + n > self.held {
+            return None;
+        }
+        let at = self.offset(layer, half, slot);
+        self.table[slot >> self.shift].values().get(at..at + n * self.units)
     }
 
     /// Block `b` of the table for writing: copied first when another table holds it too.

@@ -1,6 +1,6 @@
 //! The round loop (see docs/design.md, "One round of the engine"):
-//! admit and prefill newcomers (alone when no row decodes, else a chunk a round beside the
-//! verify) -> propose drafts -> verify all rows in one forward ->
+//! admit and prefill newcomers (pieces of several prompts up to a token budget a forward:
+//! alone when no row decodes, else beside the verify) -> propose drafts -> verify all rows in one forward ->
 //! roll back target cache and drafter state -> emit tokens, retire finished rows.
 //! Plain decoding is the same loop without a drafter (k = 0).
 
@@ -13,7 +13,7 @@ use mtp_base::{Error, Tokenizer};
 use mtp_cache::RowCache;
 use mtp_constraint::{Grammars, Guide, TokenMask};
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
-use mtp_model::Model;
+use mtp_model::{Model, RowInput, RowOutput};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify_beside, Verified, VerifyRow, WindowLayout};
 
@@ -28,9 +28,10 @@ use crate::request::{Event, FinishReason, Request, RequestId};
 pub struct EngineOptions {
     /// Rows decoded together; further requests wait in a queue.
     pub max_batch: usize,
-    /// Tokens per prefill forward. While other rows decode, an admitted prompt runs a
-    /// piece a round in the same forward as their verify, filling it up to this many
-    /// tokens (at least half of them prompt): about what a decoding row's round carries.
+    /// Prompt tokens per forward: a token budget shared by pieces of several admitted
+    /// prompts, oldest first. While other rows decode they run in the same forward as their
+    /// verify, filling it up to this many tokens (at least half of them prompt): about what
+    /// a decoding row's round carries.
     pub prefill_chunk: usize,
     /// Draft tokens per row per round (ignored without a drafter): fixed, or adaptive up
     /// to a maximum (the default).
@@ -338,10 +339,15 @@ impl<'a> Engine<'a> {
 
     /// Moves queued requests in while the batch and the KV budget have room: each reserves
     /// its worst case and loads its longest cached prefix; its prompt goes in by
-    /// [`Engine::advance_prompts`].
+    /// [`Engine::take_pieces`]. A request that shares a prefix with an admitted prompt still
+    /// computing it waits ([`Engine::waits_for_prefix`]); later ones may go first.
     fn admit(&mut self) {
         while self.active.len() + self.prompts.len() < self.opts.max_batch {
-            let Some((_, front, _)) = self.queue.front() else { break };
+            // The oldest request not waiting on a prefix an admitted prompt is computing.
+            let Some(at) = self.queue.iter().position(|(_, r, _)| !self.waits_for_prefix(&r.prompt)) else {
+                break;
+            };
+            let front = &self.queue[at].1;
             let need = self.reservation(front);
             if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
                 break; // waits for running rows to free their reservations
@@ -351,7 +357,7 @@ impl<'a> Engine<'a> {
             if let Some(p) = self.prefix.as_mut() {
                 p.evict_to(room);
             }
-            let (id, request, guide) = self.queue.pop_front().expect("front exists");
+            let (id, request, guide) = self.queue.remove(at).expect("found above");
             let t0 = Instant::now();
             let mut cache = self.model.new_cache();
             let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
@@ -378,33 +384,98 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// Every admitted prompt into its cache, each in forwards of its own: no row is
-    /// decoding, so nothing waits on them. A prompt done starts decoding.
+    /// Admitted prompts into their caches while no row decodes: forwards of their pieces
+    /// alone, several prompts a forward up to `prefill_chunk` tokens, until one starts
+    /// decoding (the rest then go in beside the round's verify).
     fn prefill_prompts(&mut self, events: &mut Vec<Event>) {
-        while let Some(mut p) = self.prompts.pop_front() {
+        while self.active.is_empty() && !self.prompts.is_empty() {
             let t0 = Instant::now();
-            let mut prefilled = Ok(None);
-            while let Ok(None) = prefilled {
-                prefilled = p.advance(self.model, self.opts.prefill_chunk);
+            let mut taken = self.take_pieces(self.opts.prefill_chunk, events);
+            if taken.is_empty() {
+                continue;
             }
+            let mut inputs: Vec<RowInput> = taken.iter_mut().map(|(p, piece)| p.input(*piece)).collect();
+            let outs = self.model.forward(&mut inputs);
+            drop(inputs);
             self.stats.prefill_time += t0.elapsed();
-            self.prompt_advanced(p, prefilled, events);
+            self.absorb_pieces(taken, outs, events);
         }
     }
 
-    /// The oldest prompt's next piece, to run beside the round's verify of `verifying`
-    /// tokens (None when no prompt waits, or when the prompt's KV cannot be reserved: it
-    /// fails).
-    fn next_piece(&mut self, verifying: usize, events: &mut Vec<Event>) -> Option<Piece> {
-        let p = self.prompts.front_mut()?;
-        match p.next_piece(self.model, piece_beside(self.opts.prefill_chunk, verifying)) {
-            Ok(piece) => Some(piece),
-            Err(e) => {
-                let p = self.prompts.pop_front().expect("front exists");
-                self.prompt_advanced(p, Err(e), events);
-                None
+    /// The round's prompt pieces: the waiting prompts', oldest first, each taking what it
+    /// has left up to what `budget` tokens still hold (a token budget per forward, so a
+    /// burst of arrivals goes in together instead of one prompt a round). A prompt whose
+    /// K/V cannot be reserved fails here.
+    fn take_pieces(&mut self, budget: usize, events: &mut Vec<Event>) -> Vec<(Prompt, Piece)> {
+        let mut taken = Vec::new();
+        let mut left = budget;
+        while left > 0 {
+            let Some(mut p) = self.prompts.pop_front() else { break };
+            match p.next_piece(self.model, left) {
+                Ok(piece) => {
+                    left = left.saturating_sub(piece.len());
+                    taken.push((p, piece));
+                }
+                Err(e) => self.prompt_advanced(p, Err(e), events),
             }
         }
+        taken
+    }
+
+    /// Commits each taken piece's forward (`outs`, in order); prompts not done go back to
+    /// the front of the line in their order, having shared their finished blocks.
+    fn absorb_pieces(
+        &mut self,
+        taken: Vec<(Prompt, Piece)>,
+        outs: Result<Vec<RowOutput>, Error>,
+        events: &mut Vec<Event>,
+    ) {
+        let outs: Vec<Result<RowOutput, Error>> = match outs {
+            Ok(o) => o.into_iter().map(Ok).collect(),
+            Err(e) => taken.iter().map(|_| Err(Error::Backend(e.to_string()))).collect(),
+        };
+        let mut unfinished = Vec::new();
+        for ((mut p, piece), out) in taken.into_iter().zip(outs) {
+            match p.absorb(piece, out) {
+                Ok(None) => {
+                    self.share_progress(&p);
+                    unfinished.push(p);
+                }
+                advanced => self.prompt_advanced(p, advanced, events),
+            }
+        }
+        for p in unfinished.into_iter().rev() {
+            self.prompts.push_front(p);
+        }
+    }
+
+    /// Puts the whole blocks a prompt has computed so far in the prefix cache, so that
+    /// prompts waiting on the same prefix ([`Engine::waits_for_prefix`]) load them.
+    fn share_progress(&mut self, p: &Prompt) {
+        let Some(prefix) = self.prefix.as_mut() else { return };
+        let n = p.cache.len() / p.cache.block_positions() * p.cache.block_positions();
+        if n == 0 {
+            return;
+        }
+        let width = p.hidden.len() / p.cache.len().max(1);
+        let room = self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b.saturating_sub(self.reserved));
+        prefix.insert(&p.request.prompt[..n], &p.cache, &p.hidden[..(n * width).min(p.hidden.len())], room);
+    }
+
+    /// Whether `prompt` should wait in the queue for an admitted prompt that is still
+    /// computing whole blocks of a prefix they share: it then loads them from the prefix
+    /// cache instead of computing them a second time.
+    fn waits_for_prefix(&self, prompt: &[u32]) -> bool {
+        if self.prefix.is_none() {
+            return false;
+        }
+        self.prompts.iter().any(|p| {
+            let bt = p.cache.block_positions();
+            let common = prompt.iter().zip(&p.request.prompt).take_while(|(a, b)| a == b).count();
+            // What this prompt could load (at least its last token runs), in whole blocks.
+            let shareable = common.min(prompt.len().saturating_sub(1)) / bt * bt;
+            p.cache.len() / bt * bt < shareable
+        })
     }
 
     /// What a prompt's forward left: nothing yet (it stays first in line), its whole
@@ -577,9 +648,10 @@ impl<'a> Engine<'a> {
     }
 
     /// One round (see docs/design.md): choose each row's k, draft, verify every row in one
-    /// forward (which also rolls caches back) with the oldest prompt's next chunk beside
-    /// them, then emit, commit and learn. A prompt that arrives while rows decode so
-    /// delays their next token by one chunk's share of a forward, never its whole prefill.
+    /// forward (which also rolls caches back) with waiting prompts' pieces beside them (up
+    /// to `prefill_chunk` tokens in all), then emit, commit and learn. Prompts that arrive
+    /// while rows decode so delay their next token by a budget's share of a forward, never
+    /// their whole prefill.
     fn round(&mut self, events: &mut Vec<Event>) {
         let t0 = Instant::now();
         let ks = self.choose_ks();
@@ -598,7 +670,7 @@ impl<'a> Engine<'a> {
             self.active.iter().map(|r| *r.tokens.last().expect("a row has emitted")).collect();
         let batch = self.active.len();
         let verify_tokens = batch + verified.iter().sum::<usize>();
-        let piece = self.next_piece(verify_tokens, events);
+        let mut taken = self.take_pieces(piece_beside(self.opts.prefill_chunk, verify_tokens), events);
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
         let hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
         let mut rows: Vec<VerifyRow> = self
@@ -617,7 +689,7 @@ impl<'a> Engine<'a> {
                 hidden,
             })
             .collect();
-        let beside = piece.map(|piece| self.prompts[0].input(piece)).into_iter().collect();
+        let beside = taken.iter_mut().map(|(p, piece)| p.input(*piece)).collect();
         let (results, beside_out) =
             verify_beside(self.model, &mut rows, self.opts.layout, self.opts.sampling_mode, beside);
         drop(rows);
@@ -625,17 +697,15 @@ impl<'a> Engine<'a> {
         let plain_seconds = self.chooser.verify_seconds(batch);
         let outcomes = self.commit(results, walk_errors, &ks, &drafts, &pending, &starts, events);
         let rest_time = t1.elapsed();
-        if let Some(piece) = piece {
-            let mut p = self.prompts.pop_front().expect("the piece's prompt is first in line");
-            let out = beside_out.map(|mut o| o.pop().expect("one row beside, one output"));
-            let advanced = p.absorb(piece, out);
-            self.prompt_advanced(p, advanced, events);
+        let carried_prompts = !taken.is_empty();
+        if carried_prompts {
+            self.absorb_pieces(taken, beside_out, events);
         }
         let emitted: usize = outcomes.iter().map(|o| o.accepted + 1).sum();
         // A verify that ran its shape for the first time or recorded it paid once what the
         // next will not, and one that carried a prompt's chunk paid for that too: neither
         // is a cost to learn.
-        let steady = self.model.one_time_forwards() == one_time_before && piece.is_none();
+        let steady = self.model.one_time_forwards() == one_time_before && !carried_prompts;
         self.chooser.observe(
             &outcomes,
             draft_time.as_secs_f64(),
@@ -645,7 +715,7 @@ impl<'a> Engine<'a> {
         );
         self.stats.draft_time += draft_time;
         self.stats.rounds += 1;
-        if let Some(plain) = plain_seconds.filter(|_| piece.is_none()) {
+        if let Some(plain) = plain_seconds.filter(|_| !carried_prompts) {
             self.stats.timed_rounds += t0.elapsed();
             let estimate = plain * emitted as f64 / batch as f64;
             if estimate.is_finite() && estimate >= 0.0 {

@@ -1,7 +1,8 @@
 //! Prompts into caches. [`prefill`] runs a whole prompt in chunks; [`Prompt`] is one the
-//! engine has admitted and runs a chunk at a time, so that while other rows decode a long
-//! prompt costs each of their rounds one chunk in their verify's forward (a [`Piece`]
-//! beside the verify rows), never its whole prefill.
+//! engine has admitted and runs a piece at a time: pieces of several prompts share a
+//! forward up to the engine's token budget, beside the decoding rows' verify (a [`Piece`]
+//! beside the verify rows), so a long prompt costs their rounds a budget's share of a
+//! forward, never its whole prefill.
 //! Chunking never changes a bit (the model's chunking invariance), so a row's tokens are the
 //! same however its prompt was cut.
 
@@ -146,6 +147,13 @@ pub(crate) struct Piece {
     end: usize,
 }
 
+impl Piece {
+    /// Tokens in the piece.
+    pub fn len(self) -> usize {
+        self.end - self.start
+    }
+}
+
 impl Prompt {
     /// The next piece of at most `chunk` tokens (at least 1). Before the first, reserves
     /// KV for the rest of the prompt.
@@ -184,14 +192,6 @@ impl Prompt {
             }
             (true, None) => Err(Error::Backend("the prompt's last forward returned no logits".into())),
         }
-    }
-
-    /// Runs the next `chunk` tokens (at least 1) in a forward of their own; after the
-    /// last, the LM head's reading.
-    pub fn advance(&mut self, model: &Model, chunk: usize) -> Result<Option<Prefilled>, Error> {
-        let piece = self.next_piece(model, chunk)?;
-        let out = forward_alone(model, self.input(piece));
-        self.absorb(piece, out)
     }
 }
 

@@ -242,9 +242,10 @@ struct ModelArgs {
     /// is refused (default: no limit).
     #[arg(long, value_parser = mtp::mib_at_least_one)]
     kv_budget_mib: Option<usize>,
-    /// Prompt tokens per prefill forward (default: 2048 on cuda, 64 elsewhere). While other
-    /// rows decode, a new prompt goes in one chunk a round, so this is also the longest a
-    /// prompt delays their next token.
+    /// Prompt tokens per forward, a token budget that pieces of several waiting prompts share
+    /// (default: 2048 on cuda, 64 elsewhere). While other rows decode, new prompts fill each
+    /// round's forward up to it (at least half of it prompt), so this is also the most
+    /// prompts delay their next token.
     #[arg(long, value_parser = mtp::at_least_one)]
     prefill_chunk: Option<usize>,
     /// Where the model runs: cpu; cuda (a build with `--features cuda` and an NVIDIA GPU;

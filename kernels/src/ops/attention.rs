@@ -195,8 +195,16 @@ fn attend_block<S: Simd16, const B: usize>(q: &[f32], keys: &Keys, row0: usize, 
         let mut v_bf16: [&[bf16]; CHUNK] = [&[]; CHUNK];
         let mut v_f32: [&[f32]; CHUNK] = [&[]; CHUNK];
         if bf16_rows {
-            for (row, pos) in v_bf16.iter_mut().zip(c0..c1) {
-                *row = kv.value_bf16(pos, kv_off, hd).unwrap_or(&[]);
+            // One lookup for a chunk in one block of consecutive slots, else row by row.
+            if let Some(run) = kv.rows_bf16(c0, n, kv_off, hd, false) {
+                let stride = kv.row_stride();
+                for (i, row) in v_bf16[..n].iter_mut().enumerate() {
+                    *row = &run[i * stride..i * stride + hd];
+                }
+            } else {
+                for (row, pos) in v_bf16.iter_mut().zip(c0..c1) {
+                    *row = kv.value_bf16(pos, kv_off, hd).unwrap_or(&[]);
+                }
             }
         } else {
             let mut spare = value_buf.chunks_mut(hd);
@@ -318,6 +326,9 @@ fn key_block(
     hd: usize,
     buf: &mut [f32],
 ) -> Option<(*const u8, WeightDtype, usize)> {
+    if let Some(run) = kv.rows_bf16(pos, KEY_TILE, kv_off, hd, true) {
+        return Some((run.as_ptr().cast(), WeightDtype::Bf16, kv.row_stride() * 2));
+    }
     let (mut rows, mut dtype) = ([std::ptr::null::<u8>(); KEY_TILE], WeightDtype::F32);
     let mut spare = buf.chunks_mut(hd);
     for (t, row) in rows.iter_mut().enumerate() {
