@@ -9,7 +9,8 @@ nothing failed or was lost.
 
 `--shared-prefix T` instead measures time to first token one request at a time, every
 prompt starting with the same T-token-ish block of code (run it against a server with
-`--prefix-cache-mib 0` and one with the default to compare).
+`--prefix-cache-mib 0` and one with the default to compare). `--burst-prefix T` runs the
+concurrent load with every prompt starting with that block: agents sharing a system prompt.
 """
 
 import argparse
@@ -61,8 +62,16 @@ async def one(client, model, prompt, i, max_tokens):
     return {"ttft": first, "gaps": gaps, "tokens": tokens, "finish": finish, "end": time.perf_counter()}
 
 
+def with_prefix(tokens):
+    texts = prompts()
+    return "\n".join(texts)[: tokens * 4]  # about 4 characters per token of code
+
+
 async def load(args, client, model):
     texts = prompts()
+    if args.burst_prefix:
+        prefix = with_prefix(args.burst_prefix)
+        texts = [prefix + "\n" + t[:200] for t in texts]
     queue = asyncio.Queue()
     for i in range(args.requests):
         queue.put_nowait(i)
@@ -86,10 +95,12 @@ async def load(args, client, model):
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     gaps = [g for r in results for g in r["gaps"]]
     lost = [r for r in results if r["finish"] not in ("stop", "length")]
-    print(f"requests {args.requests} from {args.concurrency} concurrent clients, max_tokens {args.max_tokens}")
+    shared = f", a shared prefix of about {args.burst_prefix} tokens" if args.burst_prefix else ""
+    print(f"requests {args.requests} from {args.concurrency} concurrent clients, max_tokens {args.max_tokens}{shared}")
     print(f"completed {len(results)}, errors {len(errors)}, lost (no finish reason) {len(lost)}")
     print(f"wall {wall:.1f} s; {tokens} tokens; {tokens / wall:.1f} tokens/s; {len(results) / wall:.2f} requests/s")
-    print(f"time to first token: p50 {pct(ttft, 50) * 1e3:.0f} ms, p99 {pct(ttft, 99) * 1e3:.0f} ms")
+    print(f"time to first token: p50 {pct(ttft, 50) * 1e3:.0f} ms, p90 {pct(ttft, 90) * 1e3:.0f} ms, "
+          f"p99 {pct(ttft, 99) * 1e3:.0f} ms")
     print(f"inter-token latency: p50 {pct(gaps, 50) * 1e3:.1f} ms, p99 {pct(gaps, 99) * 1e3:.1f} ms")
     for e in errors[:10]:
         print(e, file=sys.stderr)
@@ -98,8 +109,7 @@ async def load(args, client, model):
 
 async def shared_prefix(args, client, model):
     texts = prompts()
-    block = "\n".join(texts)
-    prefix = block[: args.shared_prefix * 4]  # about 4 characters per token of code
+    prefix = with_prefix(args.shared_prefix)
     ttft = []
     for i in range(args.requests):
         r = await one(client, model, prefix + "\n" + texts[i % len(texts)][:200], i, 4)
@@ -118,6 +128,7 @@ def main():
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--shared-prefix", type=int, default=0)
+    ap.add_argument("--burst-prefix", type=int, default=0)
     args = ap.parse_args()
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600,
                                 http_client=None)
