@@ -470,11 +470,13 @@ impl<'a> Engine<'a> {
             return false;
         }
         self.prompts.iter().any(|p| {
+            // One whole block past those `p` has computed, which this prompt could load (its
+            // last token always runs): compared as slices, so a long queue stays cheap.
             let bt = p.cache.block_positions();
-            let common = prompt.iter().zip(&p.request.prompt).take_while(|(a, b)| a == b).count();
-            // What this prompt could load (at least its last token runs), in whole blocks.
-            let shareable = common.min(prompt.len().saturating_sub(1)) / bt * bt;
-            p.cache.len() / bt * bt < shareable
+            let need = p.cache.len() / bt * bt + bt;
+            need < prompt.len()
+                && need <= p.request.prompt.len()
+                && prompt[..need] == p.request.prompt[..need]
         })
     }
 
