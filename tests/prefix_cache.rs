@@ -185,6 +185,25 @@ fn run_tracking_kv(e: &mut Engine, reqs: &[Request], arrive: &[u64]) -> (Vec<Out
     (out, peak)
 }
 
+/// `rows` greedy requests named `{name}{i}`, each `shared` then `own` tokens of its own
+/// (`own_token(i, t)`), `max_tokens` new tokens each.
+fn sharing(
+    shared: &[u32],
+    rows: u32,
+    own: u32,
+    own_token: impl Fn(u32, u32) -> u32,
+    max_tokens: usize,
+    name: &str,
+) -> Vec<Request> {
+    (0..rows)
+        .map(|i| {
+            let mut prompt = shared.to_vec();
+            prompt.extend((0..own).map(|t| own_token(i, t)));
+            Request { id: format!("{name}{i}"), prompt, max_tokens, ignore_eos: true, ..Request::default() }
+        })
+        .collect()
+}
+
 /// Does this backend's K/V store page on the host (so rows share a prefix's blocks), or
 /// copy a cached prefix into each row (the GPU stores, for now)?
 fn pages(model: &Model) -> bool {
@@ -204,13 +223,7 @@ fn a_prefix_shared_by_16_rows_is_held_once() {
         return;
     }
     let shared: Vec<u32> = (0..768u32).map(|i| 50 + (i * 53) % 1800).collect();
-    let reqs: Vec<Request> = (0..16u32)
-        .map(|i| {
-            let mut prompt = shared.clone();
-            prompt.extend((0..16).map(|t| 3 + (i * 131 + t * 17) % 1900));
-            Request { id: format!("r{i}"), prompt, max_tokens: 24, ignore_eos: true, ..Request::default() }
-        })
-        .collect();
+    let reqs = sharing(&shared, 16, 16, |i, t| 3 + (i * 131 + t * 17) % 1900, 24, "r");
     let want = alone(&model, &reqs);
     let block = model.new_cache().block_positions();
     let block_bytes = block * model.kv_bytes_per_token();
@@ -292,13 +305,7 @@ fn a_repeated_prompt_copies_its_shared_last_block_on_write() {
 fn a_burst_sharing_an_uncached_prefix_computes_it_once() {
     let model = Arc::new(common::load(&trained("target")));
     let shared: Vec<u32> = (0..256u32).map(|i| 70 + (i * 29) % 1700).collect();
-    let reqs: Vec<Request> = (0..8u32)
-        .map(|i| {
-            let mut prompt = shared.clone();
-            prompt.extend((0..8).map(|t| 5 + (i * 97 + t * 11) % 1900));
-            Request { id: format!("b{i}"), prompt, max_tokens: 8, ignore_eos: true, ..Request::default() }
-        })
-        .collect();
+    let reqs = sharing(&shared, 8, 8, |i, t| 5 + (i * 97 + t * 11) % 1900, 8, "b");
     let want = alone(&model, &reqs);
     let opts = EngineOptions { max_batch: 8, prefix_cache_bytes: 64 << 20, ..EngineOptions::default() };
     let mut e = Engine::new(&model, None, opts).unwrap();

@@ -20,7 +20,7 @@
 //! of the row's prefix alone, however the window wrapped. Memory per row for those layers
 //! is bounded by the window, not the row's length.
 
-pub mod paged;
+mod paged;
 mod quant;
 mod ranks;
 mod store;
@@ -602,24 +602,10 @@ impl RowCache {
                 self.len
             )));
         }
-        if self.store.block_positions().is_some() {
-            return self.store.share_blocks(first, n);
+        match self.store.block_positions() {
+            Some(_) => self.store.share_blocks(first, n),
+            None => ByteBlock::copy_out(&*self.store, self.n_layers, self.len, first..first + n, bp),
         }
-        let end = ((first + n) * bp).min(self.len);
-        let layers: Vec<(Vec<u8>, Vec<u8>)> =
-            (0..self.n_layers).map(|l| self.store.read(l, end)).collect::<Result<_, _>>()?;
-        Ok((first..first + n)
-            .map(|b| {
-                let positions = (b * bp..((b + 1) * bp).min(end)).len();
-                let part = |x: &Vec<u8>| {
-                    let slot = x.len() / end.max(1);
-                    x[b * bp * slot..(b * bp + positions) * slot].to_vec()
-                };
-                let kv: Vec<(Vec<u8>, Vec<u8>)> = layers.iter().map(|(k, v)| (part(k), part(v))).collect();
-                let bytes = kv.iter().map(|(k, v)| k.len() + v.len()).sum();
-                KvBlock::shared(std::sync::Arc::new(ByteBlock { positions, kv }), bytes)
-            })
-            .collect())
     }
 
     /// Appends `positions` committed positions from blocks of [`RowCache::share_blocks`]
@@ -644,32 +630,10 @@ impl RowCache {
                 self.window.len
             )));
         }
-        let at = self.len;
-        self.store.truncate(at);
-        if self.store.block_positions().is_some() {
-            self.store.adopt_blocks(blocks, positions)?;
-        } else {
-            let copies: Vec<&ByteBlock> = blocks
-                .iter()
-                .map(|b| b.inner_ref::<ByteBlock>())
-                .collect::<Option<_>>()
-                .ok_or_else(|| KvError("adopt_blocks: blocks of another kind of store".into()))?;
-            if copies.iter().any(|c| c.kv.len() != self.n_layers) {
-                return Err(KvError("adopt_blocks: blocks of another model's layers".into()));
-            }
-            self.store.grow(at + positions)?;
-            for (i, c) in copies.iter().enumerate() {
-                let take = (positions - i * bp).min(c.positions);
-                for (layer, (k, v)) in c.kv.iter().enumerate() {
-                    let slot = k.len() / c.positions.max(1);
-                    let written =
-                        self.store.write_bytes(layer, at + i * bp, &k[..take * slot], &v[..take * slot]);
-                    if let Err(e) = written {
-                        self.store.truncate(at);
-                        return Err(e);
-                    }
-                }
-            }
+        self.store.truncate(self.len);
+        match self.store.block_positions() {
+            Some(_) => self.store.adopt_blocks(blocks, positions)?,
+            None => ByteBlock::copy_in(&mut *self.store, self.n_layers, self.len, blocks, positions, bp)?,
         }
         self.len += positions;
         self.window = Window { base: self.len, len: 0 };
@@ -701,6 +665,65 @@ impl RowCache {
 struct ByteBlock {
     positions: usize,
     kv: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl ByteBlock {
+    /// Copies of `blocks` (of `bp` positions) of the first `len` slots of `store`.
+    fn copy_out(
+        store: &dyn KvStore,
+        n_layers: usize,
+        len: usize,
+        blocks: std::ops::Range<usize>,
+        bp: usize,
+    ) -> Result<Vec<KvBlock>, KvError> {
+        let end = (blocks.end * bp).min(len);
+        let layers: Vec<(Vec<u8>, Vec<u8>)> =
+            (0..n_layers).map(|l| store.read(l, end)).collect::<Result<_, _>>()?;
+        Ok(blocks
+            .map(|b| {
+                let positions = (b * bp..((b + 1) * bp).min(end)).len();
+                let part = |x: &Vec<u8>| {
+                    let slot = x.len() / end.max(1);
+                    x[b * bp * slot..(b * bp + positions) * slot].to_vec()
+                };
+                let kv: Vec<(Vec<u8>, Vec<u8>)> = layers.iter().map(|(k, v)| (part(k), part(v))).collect();
+                let bytes = kv.iter().map(|(k, v)| k.len() + v.len()).sum();
+                KvBlock::shared(std::sync::Arc::new(ByteBlock { positions, kv }), bytes)
+            })
+            .collect())
+    }
+
+    /// Writes the first `positions` positions of `blocks` (from [`ByteBlock::copy_out`])
+    /// into `store` from slot `at`, leaving it as it was on failure.
+    fn copy_in(
+        store: &mut dyn KvStore,
+        n_layers: usize,
+        at: usize,
+        blocks: &[KvBlock],
+        positions: usize,
+        bp: usize,
+    ) -> Result<(), KvError> {
+        let copies: Vec<&ByteBlock> = blocks
+            .iter()
+            .map(|b| b.inner_ref::<ByteBlock>())
+            .collect::<Option<_>>()
+            .ok_or_else(|| KvError("adopt_blocks: blocks of another kind of store".into()))?;
+        if copies.iter().any(|c| c.kv.len() != n_layers) {
+            return Err(KvError("adopt_blocks: blocks of another model's layers".into()));
+        }
+        store.grow(at + positions)?;
+        for (i, c) in copies.iter().enumerate() {
+            let take = (positions - i * bp).min(c.positions);
+            for (layer, (k, v)) in c.kv.iter().enumerate() {
+                let slot = k.len() / c.positions.max(1);
+                if let Err(e) = store.write_bytes(layer, at + i * bp, &k[..take * slot], &v[..take * slot]) {
+                    store.truncate(at);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Test-only fault injection. Nothing in the library turns it on; the parity tests do,

@@ -24,6 +24,87 @@ use crate::store::{KvBlock, KvError, KvUnit};
 /// CPU's 32, the GPUs' 64), so chunk boundaries stay anchored at logical position 0.
 pub const BLOCK_POSITIONS: usize = 64;
 
+/// `KvStore` for a host store whose slots are its `paged` field's block table: every slot
+/// operation is the table's (`HostKv`, `QuantKv`).
+macro_rules! paged_kv_store {
+    (impl<$($g:ident: $b:path),*> for $ty:ty) => {
+        impl<$($g: $b),*> $crate::store::KvStore for $ty {
+            fn grow(&mut self, slots: usize) -> Result<(), $crate::store::KvError> {
+                self.paged.grow(slots)
+            }
+
+            fn truncate(&mut self, slots: usize) {
+                self.paged.truncate(slots)
+            }
+
+            fn reserve(&mut self, slots: usize) -> Result<(), $crate::store::KvError> {
+                self.paged.reserve(slots)
+            }
+
+            fn move_down(&mut self, from: usize, to: usize, n: usize) {
+                self.paged.move_down(from, to, n).expect("host K/V: copying a shared block");
+            }
+
+            fn bytes(&self) -> usize {
+                self.paged.bytes()
+            }
+
+            fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), $crate::store::KvError> {
+                use $crate::paged::Half;
+                Ok((self.paged.read_half(layer, Half::K, n), self.paged.read_half(layer, Half::V, n)))
+            }
+
+            fn write_bytes(
+                &mut self,
+                layer: usize,
+                slot: usize,
+                k: &[u8],
+                v: &[u8],
+            ) -> Result<(), $crate::store::KvError> {
+                self.paged.write_bytes(layer, slot, k, v)
+            }
+
+            fn try_clone(&self) -> Result<Box<dyn $crate::store::KvStore>, $crate::store::KvError> {
+                Ok(Box::new(self.clone()))
+            }
+
+            fn as_any(&self) -> &dyn std::any::Any {
+                self
+            }
+
+            fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+                self
+            }
+
+            fn block_positions(&self) -> Option<usize> {
+                Some(self.paged.block())
+            }
+
+            fn share_blocks(
+                &self,
+                first: usize,
+                n: usize,
+            ) -> Result<Vec<$crate::store::KvBlock>, $crate::store::KvError> {
+                self.paged.share(first, n)
+            }
+
+            fn adopt_blocks(
+                &mut self,
+                blocks: &[$crate::store::KvBlock],
+                slots: usize,
+            ) -> Result<(), $crate::store::KvError> {
+                self.paged.adopt(blocks, slots)
+            }
+
+            fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+                self.paged.for_each_block(f)
+            }
+        }
+    };
+}
+
+pub(crate) use paged_kv_store;
+
 /// One block's K and V, `[layer][K, V][position][units]`.
 pub(crate) struct Block<E> {
     // Mutated only through `&mut Block` (an unshared `Arc`, by `Arc::get_mut`), except by
@@ -108,18 +189,9 @@ impl<E: KvUnit> Paged<E> {
         self.units
     }
 
-    pub fn n_layers(&self) -> usize {
-        self.n_layers
-    }
-
     /// Slots held.
     pub fn held(&self) -> usize {
         self.held
-    }
-
-    /// Blocks in the table.
-    pub fn blocks(&self) -> usize {
-        self.table.len()
     }
 
     fn block_len(&self) -> usize {
@@ -359,7 +431,7 @@ mod tests {
         let reference = filled(1 << 10, 37);
         for block in [1, 2, 4, 16, 64] {
             let p = filled(block, 37);
-            assert_eq!(p.blocks(), 37usize.div_ceil(block));
+            assert_eq!(p.table.len(), 37usize.div_ceil(block));
             for l in 0..2 {
                 for h in [Half::K, Half::V] {
                     assert_eq!(p.read_half(l, h, 37), reference.read_half(l, h, 37), "block {block}");
@@ -432,9 +504,9 @@ mod tests {
     fn truncate_frees_whole_blocks_only() {
         let mut p = filled(4, 10);
         p.truncate(5);
-        assert_eq!((p.held(), p.blocks()), (5, 2));
+        assert_eq!((p.held(), p.table.len()), (5, 2));
         p.truncate(4);
-        assert_eq!(p.blocks(), 1);
+        assert_eq!(p.table.len(), 1);
         p.move_down(3, 0, 1).unwrap();
         assert_eq!(p.row(1, Half::K, 0)[2], val(3, 1, Half::K, 2));
     }

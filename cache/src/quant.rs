@@ -5,10 +5,7 @@
 //! f32 K/V the model computed: row invariance carries over, and rollback and compaction
 //! move whole entries like any store.
 
-use std::any::Any;
-
 use crate::paged::{Half, Paged, BLOCK_POSITIONS};
-use crate::store::{KvBlock, KvError, KvStore};
 
 /// The shape of one quantized slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,63 +105,7 @@ impl QuantKv {
     }
 }
 
-impl KvStore for QuantKv {
-    fn grow(&mut self, slots: usize) -> Result<(), KvError> {
-        self.paged.grow(slots)
-    }
-
-    fn truncate(&mut self, slots: usize) {
-        self.paged.truncate(slots)
-    }
-
-    fn reserve(&mut self, slots: usize) -> Result<(), KvError> {
-        self.paged.reserve(slots)
-    }
-
-    fn move_down(&mut self, from: usize, to: usize, n: usize) {
-        self.paged.move_down(from, to, n).expect("quantized host K/V: copying a shared block");
-    }
-
-    fn bytes(&self) -> usize {
-        self.paged.bytes()
-    }
-
-    fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
-        Ok((self.paged.read_half(layer, Half::K, n), self.paged.read_half(layer, Half::V, n)))
-    }
-
-    fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
-        self.paged.write_bytes(layer, slot, k, v)
-    }
-
-    fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {
-        Ok(Box::new(self.clone()))
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
-    }
-
-    fn block_positions(&self) -> Option<usize> {
-        Some(self.paged.block())
-    }
-
-    fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
-        self.paged.share(first, n)
-    }
-
-    fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
-        self.paged.adopt(blocks, slots)
-    }
-
-    fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
-        self.paged.for_each_block(f)
-    }
-}
+crate::paged::paged_kv_store!(impl<> for QuantKv);
 
 #[cfg(test)]
 mod tests {

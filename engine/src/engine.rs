@@ -452,14 +452,19 @@ impl<'a> Engine<'a> {
     /// Puts the whole blocks a prompt has computed so far in the prefix cache, so that
     /// prompts waiting on the same prefix ([`Engine::waits_for_prefix`]) load them.
     fn share_progress(&mut self, p: &Prompt) {
+        let room = self.prefix_room();
         let Some(prefix) = self.prefix.as_mut() else { return };
         let n = p.cache.len() / p.cache.block_positions() * p.cache.block_positions();
         if n == 0 {
             return;
         }
         let width = p.hidden.len() / p.cache.len().max(1);
-        let room = self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b.saturating_sub(self.reserved));
         prefix.insert(&p.request.prompt[..n], &p.cache, &p.hidden[..(n * width).min(p.hidden.len())], room);
+    }
+
+    /// Bytes the prefix cache may hold: what the KV budget leaves beside every reservation.
+    fn prefix_room(&self) -> usize {
+        self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b.saturating_sub(self.reserved))
     }
 
     /// Whether `prompt` should wait in the queue for an admitted prompt that is still
@@ -504,9 +509,8 @@ impl<'a> Engine<'a> {
         self.stats.prompt_tokens += r.prompt.len() as u64;
         self.stats.prompt_tokens_cached += reused as u64;
         let hidden = &last.hidden;
+        let room = self.prefix_room();
         if let Some(prefix) = self.prefix.as_mut() {
-            // What the budget leaves beside every reservation (this row's included).
-            let room = self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b.saturating_sub(self.reserved));
             prefix.insert(&r.prompt, &cache, hidden, room);
         }
         let mut row = Row {
