@@ -47,6 +47,7 @@ fn events_stream_every_token_then_the_finish() {
                     finished[ids.iter().position(|&x| x == request).unwrap()] = Some(reason);
                 }
                 Event::Failed { error, .. } => panic!("{error}"),
+                Event::Admitted { .. } => {}
             }
         }
     }

@@ -64,6 +64,22 @@ impl Default for EngineOptions {
     }
 }
 
+/// K/V allocations in use ([`Engine::kv_blocks`]): blocks where the store pages on the host,
+/// whole row buffers on a device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvBlocks {
+    /// Held by admitted rows and the prefix cache, a shared one once.
+    pub used: usize,
+    /// Blocks the KV budget still has room for (`None` without a budget).
+    pub free: Option<usize>,
+}
+
+#[derive(Default)]
+struct Held {
+    allocations: usize,
+    bytes: usize,
+}
+
 struct Row {
     id: RequestId,
     name: String,
@@ -103,6 +119,8 @@ pub struct Engine<'a> {
     stats: SpecStats,
     chooser: KChooser,
     prefix: Option<PrefixCache>,
+    /// Positions per K/V block of a row's cache (`RowCache::block_positions`).
+    block_positions: usize,
 }
 
 impl<'a> Engine<'a> {
@@ -148,6 +166,7 @@ impl<'a> Engine<'a> {
             stats: SpecStats::default(),
             chooser,
             prefix: prefix_cache.then(|| PrefixCache::new(opts.prefix_cache_bytes, probe.block_positions())),
+            block_positions: probe.block_positions(),
             opts,
         })
     }
@@ -195,16 +214,35 @@ impl<'a> Engine<'a> {
     /// a block shared between rows counted once (blocks only the prefix cache holds are
     /// in [`Engine::prefix_cache_bytes`]).
     pub fn kv_bytes(&self) -> usize {
+        self.held(false).bytes
+    }
+
+    /// The target's K/V allocations that admitted rows and the prefix cache hold, each
+    /// once, and how many more blocks the KV budget has room for.
+    pub fn kv_blocks(&self) -> KvBlocks {
+        let held = self.held(true);
+        let block = self.model.kv_bytes_per_token().saturating_mul(self.block_positions);
+        let free = self.opts.kv_budget_bytes.map(|b| b.saturating_sub(held.bytes) / block.max(1));
+        KvBlocks { used: held.allocations, free }
+    }
+
+    /// Distinct allocations (and their bytes) of admitted rows, and of the prefix cache too
+    /// when `with_prefix_cache`.
+    fn held(&self, with_prefix_cache: bool) -> Held {
         let mut seen = std::collections::HashSet::new();
-        let mut total = 0usize;
+        let mut held = Held::default();
         let mut count = |id: usize, bytes: usize| {
             if seen.insert(id) {
-                total = total.saturating_add(bytes);
+                held.allocations += 1;
+                held.bytes = held.bytes.saturating_add(bytes);
             }
         };
         self.prompts.iter().for_each(|p| p.cache.for_each_allocation(&mut count));
         self.active.iter().for_each(|r| r.cache.for_each_allocation(&mut count));
-        total
+        if let Some(p) = self.prefix.as_ref().filter(|_| with_prefix_cache) {
+            p.for_each_allocation(&mut count);
+        }
+        held
     }
 
     /// Bytes the prefix cache holds (0 when it is off).
@@ -327,7 +365,7 @@ impl<'a> Engine<'a> {
     /// Runs one round and returns what happened, in order.
     pub fn step(&mut self) -> Vec<Event> {
         let mut events = std::mem::take(&mut self.outbox);
-        self.admit();
+        self.admit(&mut events);
         if self.active.is_empty() {
             self.prefill_prompts(&mut events);
         }
@@ -341,7 +379,7 @@ impl<'a> Engine<'a> {
     /// its worst case and loads its longest cached prefix; its prompt goes in by
     /// [`Engine::take_pieces`]. A request that shares a prefix with an admitted prompt still
     /// computing it waits ([`Engine::waits_for_prefix`]); later ones may go first.
-    fn admit(&mut self) {
+    fn admit(&mut self, events: &mut Vec<Event>) {
         while self.active.len() + self.prompts.len() < self.opts.max_batch {
             // The oldest request not waiting on a prefix an admitted prompt is computing.
             let Some(at) = self.queue.iter().position(|(_, r, _)| !self.waits_for_prefix(&r.prompt)) else {
@@ -358,6 +396,7 @@ impl<'a> Engine<'a> {
                 p.evict_to(room);
             }
             let (id, request, guide) = self.queue.remove(at).expect("found above");
+            events.push(Event::Admitted { request: id });
             let t0 = Instant::now();
             let mut cache = self.model.new_cache();
             let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());

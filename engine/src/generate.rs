@@ -50,6 +50,7 @@ pub fn generate(
                     p.top_logprobs.push(top);
                     continue;
                 }
+                Event::Admitted { .. } => continue,
                 Event::Finished { request, reason } => (request, Ok(reason)),
                 Event::Failed { request, error } => (request, Err(error)),
             };

@@ -20,6 +20,9 @@ pub struct SpecStats {
     /// Prompt tokens admitted, and how many of them the prefix cache supplied.
     pub prompt_tokens: u64,
     pub prompt_tokens_cached: u64,
+    /// Rows preempted for lack of K/V room (their blocks freed, their tokens recomputed
+    /// when they resume).
+    pub preemptions: u64,
     pub prefill_time: Duration,
     pub draft_time: Duration,
     pub verify_time: Duration,

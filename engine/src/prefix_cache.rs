@@ -87,6 +87,11 @@ impl PrefixCache {
         self.blocks.len()
     }
 
+    /// Calls `f(id, bytes)` for each K/V block held (the id its holders share).
+    pub fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        self.blocks.values().for_each(|b| f(b.kv.id(), b.kv.bytes()));
+    }
+
     /// The longest cached prefix of `tokens`: whole blocks by their keys, then the cached
     /// child block sharing the most first tokens with what is left.
     fn matching(&self, tokens: &[u32], want_hidden: bool) -> Found {

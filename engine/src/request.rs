@@ -56,6 +56,11 @@ impl FinishReason {
 /// What the engine reports, in order, from [`crate::Engine::step`].
 #[derive(Debug)]
 pub enum Event {
+    /// The request left the queue: its prompt starts going into its cache (reported once,
+    /// also when a preempted row later resumes).
+    Admitted {
+        request: RequestId,
+    },
     /// One generated token and its natural-log probability under the target.
     Token {
         request: RequestId,

@@ -129,6 +129,7 @@ fn take(engine: &mut Engine, live: &mut HashMap<RequestId, tmpsc::UnboundedSende
 
 fn route(event: Event, live: &mut HashMap<RequestId, tmpsc::UnboundedSender<Update>>, tally: &mut Gauges) {
     let (id, update, last) = match event {
+        Event::Admitted { .. } => return,
         Event::Token { request, token, logprob, top } => {
             tally.generated_tokens += 1;
             (request, Update::Token { token, logprob, top }, false)
