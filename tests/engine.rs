@@ -1,12 +1,17 @@
 //! The engine's request lifecycle: event stream, stop strings, cancellation, the KV
-//! budget, and per-request errors that leave other rows running.
+//! budget and preemption, and per-request errors that leave other rows running.
 
 mod common;
 
+use std::path::Path;
+use std::sync::Arc;
+
 use common::{bits, fixture, plain, request};
 use mtp::base::Tokenizer;
-use mtp::drafter::{NgramDrafter, OracleDrafter};
-use mtp::engine::{generate, DraftLen, Engine, EngineOptions, Event, FinishReason, Request};
+use mtp::drafter::{Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
+use mtp::engine::{generate, DraftLen, Engine, EngineOptions, Event, FinishReason, Request, SamplingParams};
+use mtp::model::{Model, MtpLayout};
+use mtp::synth::SynthSpec;
 
 /// The tokens streamed for `id`, in order.
 fn tokens_of(events: &[Event], id: u64) -> Vec<u32> {
@@ -128,17 +133,16 @@ fn cancel_removes_waiting_and_running_requests_only() {
 }
 
 #[test]
-fn kv_budget_queues_and_refuses_without_changing_outputs() {
+fn kv_budget_admits_by_blocks_held_and_refuses_what_never_fits() {
     let model = common::load(&fixture("qwen2-target"));
     let reqs = requests();
     let want = plain(&model, &reqs, 1);
-    // Room for the two largest requests' worst case, not three.
-    let per = model.kv_bytes_per_token();
-    let budget = 2 * (reqs[4].prompt.len() + 14 + 5) * per;
+    // Every request's prompt, tokens and verify window fit one block: room for three rows.
+    let block = model.kv_bytes_per_token() * model.new_cache().block_positions();
     let opts = EngineOptions {
         max_batch: 8,
         k: DraftLen::Fixed(4),
-        kv_budget_bytes: Some(budget),
+        kv_budget_bytes: Some(3 * block),
         ..EngineOptions::default()
     };
     let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).unwrap();
@@ -151,12 +155,96 @@ fn kv_budget_queues_and_refuses_without_changing_outputs() {
     while !engine.is_idle() {
         events.extend(engine.step());
         most_running = most_running.max(engine.running());
+        assert!(engine.kv_bytes() <= 3 * block, "{} bytes held", engine.kv_bytes());
     }
-    assert!((2..=3).contains(&most_running), "budget admitted {most_running} rows");
+    assert_eq!(most_running, 3, "the budget holds three one-block rows");
+    assert_eq!(engine.stats().preemptions, 0);
     for (id, w) in ids.iter().zip(want) {
         let tokens = tokens_of(&events, *id);
         assert_eq!(tokens, w.unwrap().tokens);
     }
+}
+
+/// `n` requests (some sharing a prefix longer than a block, greedy and sampled) under a
+/// K/V budget of 6 blocks with max batch 16: rows are admitted as their prompts fit, then
+/// outgrow the budget and are preempted, recomputed and resumed, over and over. With the
+/// adversarial oracle rows accept different lengths each round; an MTP head reads the
+/// hidden states a resumed row recomputes. Returns the requests whose tokens or logprob
+/// bits differ from the same request alone, and the preemptions.
+fn preemption_storm(model: &Arc<Model>, n: usize, mtp_head: Option<&Path>) -> (Vec<usize>, u64) {
+    let shared: Vec<u32> = (0..70).map(|i| 1 + (i * 29) % 500).collect();
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            let own: Vec<u32> = (0..3 + i % 9).map(|j| 2 + ((i * 13 + j * 7) % 500) as u32).collect();
+            let prompt = if i % 2 == 0 { [shared.clone(), own].concat() } else { own };
+            let sampling = if i % 3 == 1 {
+                SamplingParams { temperature: 0.9, seed: 7 + i as u64, ..Default::default() }
+            } else {
+                Default::default()
+            };
+            Request { sampling, ..request(&format!("s{i}"), prompt, 70 + i % 30) }
+        })
+        .collect();
+    let reference: Vec<_> = plain(model, &reqs, 1).into_iter().map(|c| c.unwrap()).collect();
+    let block = model.kv_bytes_per_token() * model.new_cache().block_positions();
+    let opts = EngineOptions {
+        max_batch: 16,
+        k: DraftLen::Fixed(3),
+        kv_budget_bytes: Some(6 * block),
+        prefix_cache_bytes: 1 << 20,
+        ..EngineOptions::default()
+    };
+    let drafter: Box<dyn Drafter> = match mtp_head {
+        Some(dir) => Box::new(MtpDrafter::load(dir, model.clone()).unwrap()),
+        None => Box::new(common::oracle(&reqs, &reference, model.config.vocab_size)),
+    };
+    let mut engine = Engine::new(model, Some(drafter), opts).unwrap();
+    let ids: Vec<u64> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    let mut out = vec![Vec::new(); n];
+    let mut finished = 0;
+    while !engine.is_idle() {
+        for e in engine.step() {
+            match e {
+                Event::Token { request, token, logprob, .. } => {
+                    out[ids.iter().position(|&x| x == request).unwrap()].push((token, logprob.to_bits()))
+                }
+                Event::Finished { .. } => finished += 1,
+                Event::Failed { error, .. } => panic!("{error}"),
+                Event::Admitted { .. } => {}
+            }
+        }
+        let held = engine.kv_bytes();
+        assert!(held <= 6 * block, "{held} bytes held over a budget of 6 blocks of {block} bytes");
+    }
+    assert_eq!(finished, n, "every request finishes");
+    let differ = (0..n)
+        .filter(|&i| {
+            let want: Vec<(u32, u32)> =
+                reference[i].tokens.iter().copied().zip(bits(&reference[i].logprobs)).collect();
+            out[i] != want
+        })
+        .collect();
+    (differ, engine.stats().preemptions)
+}
+
+#[test]
+fn a_preemption_storm_loses_nothing_and_resumed_rows_keep_their_bits() {
+    let model = Arc::new(common::load(&fixture("qwen2-target")));
+    let head = std::env::temp_dir().join(format!("mtp-storm-head-{}", std::process::id()));
+    SynthSpec::write_mtp_head(&fixture("qwen2-target"), MtpLayout::MiMo, &head, 3).unwrap();
+    for (name, dir) in [("oracle", None), ("mtp", Some(head.as_path()))] {
+        let (differ, preemptions) = preemption_storm(&model, 64, dir);
+        assert!(preemptions >= 16, "{name}: only {preemptions} preemptions: the storm did not storm");
+        assert!(
+            differ.is_empty(),
+            "{name}: requests {differ:?} differ from alone after {preemptions} preemptions"
+        );
+    }
+    // Negative control: resuming one position early must break the same check.
+    mtp::engine::negative_control::set_resume_one_position_short(true);
+    let (differ, _) = preemption_storm(&model, 24, None);
+    mtp::engine::negative_control::set_resume_one_position_short(false);
+    assert!(!differ.is_empty(), "a row resumed at a wrong position went unnoticed");
 }
 
 #[test]

@@ -650,6 +650,12 @@ impl RowCache {
         }
     }
 
+    /// Whether this row's last block is shared with another row or the prefix cache, so
+    /// that its next write copies the block first (one block more of memory).
+    pub fn last_block_shared(&self) -> bool {
+        self.store.last_block_shared()
+    }
+
     /// A copy of this row's cache (a device cache copies on the device).
     pub fn try_clone(&self) -> Result<RowCache, KvError> {
         let ring = match &self.ring {

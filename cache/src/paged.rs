@@ -99,6 +99,10 @@ macro_rules! paged_kv_store {
             fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
                 self.paged.for_each_block(f)
             }
+
+            fn last_block_shared(&self) -> bool {
+                self.paged.last_block_shared()
+            }
         }
     };
 }
@@ -316,6 +320,11 @@ impl<E: KvUnit> Paged<E> {
 
     /// Calls `f(id, bytes)` for each block in the table: the same id wherever a block is
     /// shared.
+    /// Whether the table's last block is held elsewhere too (its next write copies it).
+    pub fn last_block_shared(&self) -> bool {
+        self.table.last().is_some_and(|b| Arc::strong_count(b) > 1)
+    }
+
     pub fn for_each_block(&self, f: &mut dyn FnMut(usize, usize)) {
         let bytes = self.block_bytes();
         self.table.iter().for_each(|b| f(Arc::as_ptr(b) as *const () as usize, bytes));

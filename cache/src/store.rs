@@ -71,6 +71,12 @@ pub trait KvStore: Send + Sync + 'static {
     fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
         f(self as *const Self as *const () as usize, self.bytes())
     }
+
+    /// Whether the block holding the last held slot is shared, so that the next write
+    /// into it copies it first (false where the store does not share blocks).
+    fn last_block_shared(&self) -> bool {
+        false
+    }
 }
 
 /// Held K/V of some positions, in a form another row of the same shape can append: a
@@ -104,6 +110,12 @@ impl KvBlock {
     /// Bytes of K/V the block holds.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Whether another holder (a row, another cache entry) holds this block too: dropping
+    /// this reference then frees nothing.
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.inner) > 1
     }
 
     /// The same for every holder of this block (as [`KvStore::for_each_allocation`] gives).

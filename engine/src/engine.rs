@@ -24,6 +24,9 @@ use crate::prefill::{piece_beside, Piece, Prefilled, Prompt};
 use crate::prefix_cache::PrefixCache;
 use crate::request::{Event, FinishReason, Request, RequestId};
 
+mod scheduler;
+use scheduler::Queued;
+
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
     /// Rows decoded together; further requests wait in a queue.
@@ -38,15 +41,19 @@ pub struct EngineOptions {
     pub k: DraftLen,
     /// Where verify windows are written (results are identical either way).
     pub layout: WindowLayout,
-    /// KV bytes (target + drafter) that admitted requests may reserve; a request waits
-    /// until its worst case fits, and one that can never fit is refused.
+    /// K/V bytes (target + drafter, the prefix cache's blocks included, a shared block
+    /// once) that admitted requests may hold. Rows take blocks as they grow: a request is
+    /// admitted when its prompt fits beside what the admitted rows need through the next
+    /// round, and when a round does not fit, the newest admitted request is preempted (its
+    /// blocks freed, its tokens recomputed when it resumes, with the same bits). A request
+    /// whose worst case exceeds the whole budget is refused.
     pub kv_budget_bytes: Option<usize>,
     /// How rows at temperature > 0 judge drafts (greedy rows are unaffected).
     pub sampling_mode: SamplingMode,
     /// Bytes the exact prefix cache may hold (0: off): prompts that share a prefix with an
     /// earlier one load its K/V instead of recomputing them, with identical output bits.
-    /// With a KV budget, cached prefixes also fit in what rows' reservations leave of it,
-    /// and are evicted when an admitted row needs the room.
+    /// With a KV budget, blocks only the cache holds count in it too, and are evicted when
+    /// rows need the room.
     pub prefix_cache_bytes: usize,
 }
 
@@ -80,10 +87,12 @@ struct Held {
     bytes: usize,
 }
 
-struct Row {
+pub(crate) struct Row {
     id: RequestId,
     name: String,
     cache: RowCache,
+    /// The prompt (what a preempted row recomputes, with its emitted tokens).
+    prompt: Vec<u32>,
     prompt_len: usize,
     /// Emitted tokens; the last one is not yet in `cache`.
     tokens: Vec<u32>,
@@ -92,7 +101,6 @@ struct Row {
     stop: Vec<String>,
     sampling: SamplingParams,
     top_logprobs: usize,
-    reserved: usize,
     /// False once the drafter failed on this row: it decodes plainly from then on.
     drafting: bool,
     /// Positions committed since the drafter last drafted for this row (what it must
@@ -109,13 +117,13 @@ pub struct Engine<'a> {
     /// Built from the tokenizer at the first constrained request (or its error).
     grammars: Option<Result<Arc<Grammars>, String>>,
     opts: EngineOptions,
-    queue: VecDeque<(RequestId, Request, Option<Guide>)>,
-    /// Admitted, reserved, their prompts going into their caches, oldest first.
+    /// Waiting for admission: preempted requests first, then new ones in arrival order.
+    queue: VecDeque<Queued>,
+    /// Admitted, their prompts going into their caches, oldest first.
     prompts: VecDeque<Prompt>,
     active: Vec<Row>,
     outbox: Vec<Event>,
     next_id: RequestId,
-    reserved: usize,
     stats: SpecStats,
     chooser: KChooser,
     prefix: Option<PrefixCache>,
@@ -162,7 +170,6 @@ impl<'a> Engine<'a> {
             active: Vec::new(),
             outbox: Vec::new(),
             next_id: 0,
-            reserved: 0,
             stats: SpecStats::default(),
             chooser,
             prefix: prefix_cache.then(|| PrefixCache::new(opts.prefix_cache_bytes, probe.block_positions())),
@@ -259,8 +266,8 @@ impl<'a> Engine<'a> {
         self.model.kv_bytes_per_token() + self.drafter.as_ref().map_or(0, |d| d.kv_bytes_per_token())
     }
 
-    /// Worst-case KV bytes a request can hold.
-    fn reservation(&self, r: &Request) -> usize {
+    /// Worst-case K/V bytes a request can hold (alone, nothing shared).
+    fn worst_case(&self, r: &Request) -> usize {
         let k = if self.drafter.is_some() { self.opts.k.max() } else { 0 };
         // Saturating: `max_tokens` may be any usize (a client's u64::MAX must not wrap to a fit).
         let wanted = r.prompt.len().saturating_add(r.max_tokens).saturating_add(k + 1);
@@ -305,7 +312,7 @@ impl<'a> Engine<'a> {
             },
         };
         if let Some(budget) = self.opts.kv_budget_bytes {
-            let need = self.reservation(&r);
+            let need = self.worst_case(&r);
             if need > budget {
                 return err(format!(
                     "needs up to {:.1} MiB of KV cache ({} positions), more than the whole budget of {:.1} MiB",
@@ -317,7 +324,7 @@ impl<'a> Engine<'a> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.queue.push_back((id, r, guide));
+        self.queue.push_back(Queued::new(id, r, guide));
         Ok(id)
     }
 
@@ -339,11 +346,14 @@ impl<'a> Engine<'a> {
     /// Cancels a waiting or running request; its `Finished(Cancelled)` event comes with
     /// the next step. Returns false for an unknown or finished request.
     pub fn cancel(&mut self, id: RequestId) -> bool {
-        if let Some(i) = self.queue.iter().position(|(q, _, _)| *q == id) {
-            self.queue.remove(i);
+        if let Some(i) = self.queue.iter().position(|q| q.id == id) {
+            if let Some(row) = self.queue.remove(i).and_then(|q| q.resumes) {
+                self.release(&row);
+            }
         } else if let Some(i) = self.prompts.iter().position(|p| p.id == id) {
-            let p = self.prompts.remove(i).expect("found");
-            self.reserved -= p.reserved;
+            if let Some(row) = self.prompts.remove(i).and_then(|p| p.resumes) {
+                self.release(&row);
+            }
         } else if let Some(i) = self.active.iter().position(|r| r.id == id) {
             let row = self.active.swap_remove(i);
             self.release(&row);
@@ -355,7 +365,6 @@ impl<'a> Engine<'a> {
     }
 
     fn release(&mut self, row: &Row) {
-        self.reserved -= row.reserved;
         self.chooser.remove(row.id);
         if let Some(d) = self.drafter.as_mut() {
             d.remove(row.id);
@@ -366,6 +375,7 @@ impl<'a> Engine<'a> {
     pub fn step(&mut self) -> Vec<Event> {
         let mut events = std::mem::take(&mut self.outbox);
         self.admit(&mut events);
+        self.make_room();
         if self.active.is_empty() {
             self.prefill_prompts(&mut events);
         }
@@ -373,54 +383,6 @@ impl<'a> Engine<'a> {
             self.round(&mut events);
         }
         events
-    }
-
-    /// Moves queued requests in while the batch and the KV budget have room: each reserves
-    /// its worst case and loads its longest cached prefix; its prompt goes in by
-    /// [`Engine::take_pieces`]. A request that shares a prefix with an admitted prompt still
-    /// computing it waits ([`Engine::waits_for_prefix`]); later ones may go first.
-    fn admit(&mut self, events: &mut Vec<Event>) {
-        while self.active.len() + self.prompts.len() < self.opts.max_batch {
-            // The oldest request not waiting on a prefix an admitted prompt is computing.
-            let Some(at) = self.queue.iter().position(|(_, r, _)| !self.waits_for_prefix(&r.prompt)) else {
-                break;
-            };
-            let front = &self.queue[at].1;
-            let need = self.reservation(front);
-            if self.opts.kv_budget_bytes.is_some_and(|b| self.reserved + need > b) {
-                break; // waits for running rows to free their reservations
-            }
-            // Cached prefixes live within the same budget and yield to rows.
-            let room = self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b - self.reserved - need);
-            if let Some(p) = self.prefix.as_mut() {
-                p.evict_to(room);
-            }
-            let (id, request, guide) = self.queue.remove(at).expect("found above");
-            events.push(Event::Admitted { request: id });
-            let t0 = Instant::now();
-            let mut cache = self.model.new_cache();
-            let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
-            let (reused, hidden) = match self.prefix.as_mut() {
-                Some(p) => p.load(&request.prompt, &mut cache, want_hidden),
-                None => (0, Vec::new()),
-            };
-            self.stats.prefill_time += t0.elapsed();
-            // A greedy row that reports no alternatives and has no grammar reads the summary
-            // alone.
-            let full_logits = !request.sampling.is_greedy() || request.top_logprobs > 0 || guide.is_some();
-            self.reserved += need;
-            self.prompts.push_back(Prompt {
-                id,
-                request,
-                guide,
-                cache,
-                reserved: need,
-                reused,
-                hidden,
-                want_hidden,
-                full_logits,
-            });
-        }
     }
 
     /// Admitted prompts into their caches while no row decodes: forwards of their pieces
@@ -444,7 +406,7 @@ impl<'a> Engine<'a> {
     /// The round's prompt pieces: the waiting prompts', oldest first, each taking what it
     /// has left up to what `budget` tokens still hold (a token budget per forward, so a
     /// burst of arrivals goes in together instead of one prompt a round). A prompt whose
-    /// K/V cannot be reserved fails here.
+    /// K/V cannot be allocated fails here.
     fn take_pieces(&mut self, budget: usize, events: &mut Vec<Event>) -> Vec<(Prompt, Piece)> {
         let mut taken = Vec::new();
         let mut left = budget;
@@ -491,7 +453,7 @@ impl<'a> Engine<'a> {
     /// Puts the whole blocks a prompt has computed so far in the prefix cache, so that
     /// prompts waiting on the same prefix ([`Engine::waits_for_prefix`]) load them.
     fn share_progress(&mut self, p: &Prompt) {
-        let room = self.prefix_room();
+        let room = self.prefix_limit();
         let Some(prefix) = self.prefix.as_mut() else { return };
         let n = p.cache.len() / p.cache.block_positions() * p.cache.block_positions();
         if n == 0 {
@@ -501,31 +463,14 @@ impl<'a> Engine<'a> {
         prefix.insert(&p.request.prompt[..n], &p.cache, &p.hidden[..(n * width).min(p.hidden.len())], room);
     }
 
-    /// Bytes the prefix cache may hold: what the KV budget leaves beside every reservation.
-    fn prefix_room(&self) -> usize {
-        self.opts.kv_budget_bytes.map_or(usize::MAX, |b| b.saturating_sub(self.reserved))
-    }
-
-    /// Whether `prompt` should wait in the queue for an admitted prompt that is still
-    /// computing whole blocks of a prefix they share: it then loads them from the prefix
-    /// cache instead of computing them a second time.
-    fn waits_for_prefix(&self, prompt: &[u32]) -> bool {
-        if self.prefix.is_none() {
-            return false;
-        }
-        self.prompts.iter().any(|p| {
-            // One whole block past those `p` has computed, which this prompt could load (its
-            // last token always runs): compared as slices, so a long queue stays cheap.
-            let bt = p.cache.block_positions();
-            let need = p.cache.len() / bt * bt + bt;
-            need < prompt.len()
-                && need <= p.request.prompt.len()
-                && prompt[..need] == p.request.prompt[..need]
-        })
+    /// Bytes the prefix cache may hold besides its own budget: the KV budget (blocks only it
+    /// holds are evicted first when rows need room, [`Engine::make_room`]).
+    fn prefix_limit(&self) -> usize {
+        self.opts.kv_budget_bytes.unwrap_or(usize::MAX)
     }
 
     /// What a prompt's forward left: nothing yet (it stays first in line), its whole
-    /// prompt (it starts decoding) or an error (it fails and frees its reservation).
+    /// prompt (it starts decoding, or a preempted row resumes) or an error (it fails).
     fn prompt_advanced(
         &mut self,
         p: Prompt,
@@ -536,19 +481,24 @@ impl<'a> Engine<'a> {
             Ok(None) => self.prompts.push_front(p),
             Ok(Some(prefilled)) => self.start(p, prefilled, events),
             Err(e) => {
-                self.reserved -= p.reserved;
+                if let Some(row) = &p.resumes {
+                    self.release(row);
+                }
                 events.push(Event::Failed { request: p.id, error: with_request(e, &p.request.id) });
             }
         }
     }
 
     /// A prompt wholly in its cache: its first token, then a decoding row (or its end).
-    fn start(&mut self, p: Prompt, last: Prefilled, events: &mut Vec<Event>) {
-        let Prompt { id, request: r, guide, cache, reserved, reused, .. } = p;
+    fn start(&mut self, mut p: Prompt, last: Prefilled, events: &mut Vec<Event>) {
+        if let Some(row) = p.resumes.take() {
+            return self.resume(row, p, &last.hidden);
+        }
+        let Prompt { id, request: r, guide, cache, reused, .. } = p;
         self.stats.prompt_tokens += r.prompt.len() as u64;
         self.stats.prompt_tokens_cached += reused as u64;
         let hidden = &last.hidden;
-        let room = self.prefix_room();
+        let room = self.prefix_limit();
         if let Some(prefix) = self.prefix.as_mut() {
             prefix.insert(&r.prompt, &cache, hidden, room);
         }
@@ -556,6 +506,7 @@ impl<'a> Engine<'a> {
             id,
             name: r.id,
             cache,
+            prompt: Vec::new(),
             prompt_len: r.prompt.len(),
             tokens: Vec::new(),
             max_tokens: r.max_tokens,
@@ -563,7 +514,6 @@ impl<'a> Engine<'a> {
             stop: r.stop,
             sampling: r.sampling,
             top_logprobs: r.top_logprobs,
-            reserved,
             drafting: self.drafter.is_some(),
             behind: r.prompt.len(),
             guide,
@@ -601,6 +551,7 @@ impl<'a> Engine<'a> {
         }
         let commit = Commit { start: 0, tokens: &r.prompt, hidden, next: first };
         self.drafter_commit(&mut row, commit);
+        row.prompt = r.prompt;
         self.active.push(row);
     }
 

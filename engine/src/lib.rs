@@ -10,6 +10,7 @@ mod engine;
 mod generate;
 mod guided;
 mod metrics;
+pub mod negative_control;
 mod prefill;
 mod prefix_cache;
 mod request;

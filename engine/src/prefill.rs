@@ -120,8 +120,6 @@ pub(crate) struct Prompt {
     pub request: Request,
     pub guide: Option<Guide>,
     pub cache: RowCache,
-    /// KV bytes reserved for it in the engine's budget.
-    pub reserved: usize,
     /// Prompt tokens loaded from the prefix cache.
     pub reused: usize,
     /// Final-normed hidden states of the prompt so far (when the drafter reads them).
@@ -129,6 +127,9 @@ pub(crate) struct Prompt {
     pub want_hidden: bool,
     /// The last forward returns the whole logits row (sampling, logprobs, a grammar).
     pub full_logits: bool,
+    /// A preempted row whose prompt and emitted tokens (`request.prompt`) are being
+    /// recomputed: it decodes on once they are in the cache.
+    pub resumes: Option<Box<crate::engine::Row>>,
 }
 
 /// Prompt tokens a round carries beside `verifying` tokens of decoding rows: what fills

@@ -10,9 +10,9 @@
 //! block table, so the prefix is held once however many rows read it, and a row's writes
 //! never reach a shared block (copy-on-write, `mtp_cache::paged`). Device stores copy a
 //! block's bytes in and out. Evicting a block drops the cache's reference only, never
-//! touching a running row; eviction is least recently used within a byte budget and within
-//! what the engine's KV budget leaves after rows' reservations, children before their
-//! parents.
+//! touching a running row; eviction is least recently used within a byte budget, children
+//! before their parents, and the engine evicts blocks no row holds when rows need the
+//! room ([`PrefixCache::evict_unshared`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -149,6 +149,35 @@ impl PrefixCache {
         }
         self.touch(&found.keys);
         (n, hidden)
+    }
+
+    /// Positions of `prompt` that [`PrefixCache::load`] would load now.
+    pub fn cached_positions(&self, prompt: &[u32], want_hidden: bool) -> usize {
+        self.matching(&prompt[..prompt.len().saturating_sub(1)], want_hidden).positions
+    }
+
+    /// Evicts least recently used blocks that no row holds too (so that dropping them frees
+    /// memory) until `bytes` are freed or none is left; returns the bytes freed.
+    pub fn evict_unshared(&mut self, bytes: usize) -> usize {
+        let victims: Vec<Key> = self
+            .by_stamp
+            .values()
+            .filter(|k| !self.blocks[*k].kv.is_shared())
+            .scan(0usize, |freed, &k| {
+                (*freed < bytes).then(|| {
+                    *freed += self.blocks[&k].bytes;
+                    k
+                })
+            })
+            .collect();
+        let mut freed = 0;
+        for k in victims {
+            let stamp = self.blocks[&k].stamp;
+            self.by_stamp.remove(&stamp);
+            freed += self.blocks[&k].bytes;
+            self.remove(k);
+        }
+        freed
     }
 
     /// Evicts least recently used blocks until at most `bytes` are held.

@@ -56,8 +56,8 @@ impl FinishReason {
 /// What the engine reports, in order, from [`crate::Engine::step`].
 #[derive(Debug)]
 pub enum Event {
-    /// The request left the queue: its prompt starts going into its cache (reported once,
-    /// also when a preempted row later resumes).
+    /// The request left the queue: its prompt starts going into its cache (reported once:
+    /// not again when a preempted request resumes).
     Admitted {
         request: RequestId,
     },

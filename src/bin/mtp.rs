@@ -238,8 +238,10 @@ struct ModelArgs {
     ngram_min: usize,
     #[arg(long, default_value_t = 4, value_parser = mtp::at_least_one)]
     ngram_max: usize,
-    /// KV cache budget in MiB; requests wait for room, and one that cannot fit at all
-    /// is refused (default: no limit).
+    /// K/V cache budget in MiB (target and drafter, prefix cache included): requests are
+    /// admitted as their prompts fit, the newest is preempted (and resumes with the same
+    /// bits) when rows outgrow it, and one whose worst case cannot fit is refused
+    /// (default: no limit).
     #[arg(long, value_parser = mtp::mib_at_least_one)]
     kv_budget_mib: Option<usize>,
     /// Prompt tokens per forward, a token budget that pieces of several waiting prompts share

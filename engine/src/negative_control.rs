@@ -1,0 +1,18 @@
+//! Faults the engine's tests switch on to prove their checks can fail (off by default, per
+//! thread).
+
+use std::cell::Cell;
+
+thread_local! {
+    static RESUME_ONE_POSITION_SHORT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// When on, a preempted row recomputes one token fewer than it emitted before its last, so
+/// it resumes one logical position early.
+pub fn set_resume_one_position_short(on: bool) {
+    RESUME_ONE_POSITION_SHORT.with(|c| c.set(on));
+}
+
+pub(crate) fn resume_one_position_short() -> bool {
+    RESUME_ONE_POSITION_SHORT.with(|c| c.get())
+}
