@@ -15,6 +15,7 @@ mod metrics;
 pub mod net;
 mod output;
 pub mod reasoning;
+mod request_log;
 mod routes;
 pub mod text;
 mod timing;
