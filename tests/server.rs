@@ -2,7 +2,8 @@
 //! sampling, stop strings, completions and chat, a shared prefix through the prefix cache)
 //! each equal to the same request run alone; a client that disconnects is cancelled and
 //! its K/V freed while another stream runs on; bad input gets OpenAI-style errors with the
-//! right status; the official `openai` Python client drives it too.
+//! right status; `/metrics`' latency histograms count every request and its K/V block
+//! gauges return to idle; the official `openai` Python client drives it too.
 
 mod common;
 
@@ -31,6 +32,11 @@ fn start(max_batch: usize, max_pending: usize) -> SocketAddr {
 
 /// `stock_matmul`: the engine thread runs candle's stock matmul (the negative control).
 fn start_with(max_batch: usize, max_pending: usize, stock_matmul: bool) -> SocketAddr {
+    let opts = EngineOptions { max_batch, prefix_cache_bytes: 64 << 20, ..EngineOptions::default() };
+    start_engine(opts, max_pending, stock_matmul)
+}
+
+fn start_engine(opts: EngineOptions, max_pending: usize, stock_matmul: bool) -> SocketAddr {
     let dir = trained("target");
     let model = Arc::new(common::load(&dir));
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
@@ -40,7 +46,6 @@ fn start_with(max_batch: usize, max_pending: usize, stock_matmul: bool) -> Socke
         negative_control::set_stock_matmul(stock_matmul);
         Ok(Some(Box::new(MtpDrafter::load(&d, m)?) as Box<dyn Drafter>))
     });
-    let opts = EngineOptions { max_batch, prefix_cache_bytes: 64 << 20, ..EngineOptions::default() };
     let server = Server::start(
         &dir,
         model,
@@ -185,6 +190,23 @@ fn metric(addr: SocketAddr, name: &str) -> f64 {
         .map_or(0.0, |v| v.parse().unwrap())
 }
 
+/// Histogram `family` in a `/metrics` text: its buckets (bound, cumulative count), `+Inf`
+/// last, and its `_count`.
+fn histogram(text: &str, family: &str) -> (Vec<(f64, f64)>, f64) {
+    assert!(text.contains(&format!("# TYPE {family} histogram\n")), "no histogram {family}");
+    let buckets = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("{family}_bucket{{le=\"")))
+        .map(|r| {
+            let (le, v) = r.split_once("\"} ").unwrap();
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap() };
+            (le, v.parse().unwrap())
+        })
+        .collect();
+    let count = text.lines().find_map(|l| l.strip_prefix(&format!("{family}_count "))).unwrap();
+    (buckets, count.parse().unwrap())
+}
+
 const SYSTEM: &str = "You write small, careful Rust functions with doc comments and tests.";
 
 fn body(i: usize) -> (bool, Value, SamplingParams, Vec<String>) {
@@ -319,6 +341,9 @@ fn a_disconnected_stream_is_cancelled_and_frees_its_kv() {
     }
     assert_eq!(metric(addr, "mtp_running_rows"), 0.0);
     assert_eq!(metric(addr, "mtp_pending_requests"), 0.0);
+    // No KV budget: the free-blocks gauge has no sample.
+    let text = http(addr, "GET", "/metrics", "").1;
+    assert!(text.contains("# TYPE mtp_kv_blocks_free gauge") && !text.contains("\nmtp_kv_blocks_free "));
     assert_eq!(metric(addr, "mtp_requests_finished_total{reason=\"cancelled\"}"), 1.0);
 }
 
@@ -415,4 +440,69 @@ fn the_openai_python_client_gets_each_request_alone() {
             l["name"]
         );
     }
+}
+
+/// After N requests (streamed and not, completions and chat) each request-latency histogram
+/// counts N, inter-token latency counts generated tokens minus N (the first token of each
+/// is its time to first token), and with no prefix cache the K/V blocks are all given back.
+/// The K/V gauges are read mid-stream too, so their idle values are not vacuous.
+#[test]
+fn latency_histograms_count_every_request_and_kv_blocks_return_to_idle() {
+    let opts = EngineOptions { max_batch: 4, kv_budget_bytes: Some(64 << 20), ..EngineOptions::default() };
+    let addr = start_engine(opts, 64, false);
+    let idle_free = metric(addr, "mtp_kv_blocks_free");
+    assert!(idle_free > 0.0, "a KV budget shows its free blocks");
+    // A long stream read until its first token: the gauges published before it count its row.
+    let long = json!({"prompt": "fn main() {", "max_tokens": 60, "ignore_eos": true, "temperature": 0, "stream": true});
+    let mut s = TcpStream::connect(addr).unwrap();
+    let text = long.to_string();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}", text.len()).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !seen.windows(5).any(|w| w == b"data:") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(metric(addr, "mtp_kv_blocks_used") > 0.0, "a running row holds K/V blocks");
+    assert!(metric(addr, "mtp_kv_blocks_free") < idle_free);
+    let others: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut b =
+                    json!({"max_tokens": 8 + 4 * i, "ignore_eos": true, "temperature": 0, "stream": i == 1});
+                if i == 2 {
+                    b["messages"] = json!([{"role": "user", "content": "parse a list"}]);
+                    assert_eq!(post(addr, "/v1/chat/completions", &b).0, 200);
+                } else if i == 1 {
+                    b["prompt"] = json!("fn sum(");
+                    assemble(&stream(addr, "/v1/completions", &b), false);
+                } else {
+                    b["prompt"] = json!("fn parse(");
+                    assert_eq!(post(addr, "/v1/completions", &b).0, 200);
+                }
+            })
+        })
+        .collect();
+    others.into_iter().for_each(|h| h.join().unwrap());
+    s.read_to_end(&mut seen).unwrap();
+    assert!(String::from_utf8_lossy(&seen).contains("data: [DONE]"));
+    const N: f64 = 4.0;
+    let (_, text) = http(addr, "GET", "/metrics", "");
+    let generated = metric(addr, "mtp_generation_tokens_total");
+    assert_eq!(generated, 60.0 + 8.0 + 12.0 + 16.0);
+    for (family, want) in [
+        ("mtp_time_to_first_token_seconds", N),
+        ("mtp_request_queue_time_seconds", N),
+        ("mtp_e2e_request_latency_seconds", N),
+        ("mtp_inter_token_latency_seconds", generated - N),
+    ] {
+        let (buckets, count) = histogram(&text, family);
+        assert_eq!(count, want, "{family}_count");
+        assert_eq!(buckets.last(), Some(&(f64::INFINITY, count)), "{family}: +Inf is the count");
+        assert!(buckets.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1), "{family}: {buckets:?}");
+    }
+    assert_eq!(metric(addr, "mtp_kv_blocks_used"), 0.0, "blocks left held when idle");
+    assert_eq!(metric(addr, "mtp_kv_blocks_free"), idle_free);
+    assert_eq!(metric(addr, "mtp_preemptions_total"), 0.0);
 }

@@ -10,12 +10,15 @@ pub mod access;
 pub mod api;
 mod body;
 pub mod chat;
+mod histogram;
 mod metrics;
 pub mod net;
 mod output;
 pub mod reasoning;
+mod request_log;
 mod routes;
 pub mod text;
+mod timing;
 pub mod tools;
 pub mod worker;
 

@@ -88,5 +88,45 @@ pub fn render(app: &AppState) -> String {
         "Bytes held by the prefix cache.",
         &one(g.prefix_cache_bytes as f64),
     );
+    metric(
+        "mtp_kv_blocks_used",
+        "gauge",
+        "K/V allocations held by admitted rows and the prefix cache, a shared one once (blocks on a paged host store, row buffers on a device).",
+        &one(g.kv_blocks.used as f64),
+    );
+    let free: Vec<(String, f64)> = g.kv_blocks.free.map(|f| (String::new(), f as f64)).into_iter().collect();
+    metric(
+        "mtp_kv_blocks_free",
+        "gauge",
+        "K/V blocks the KV budget still has room for (no sample without --kv-budget-mib).",
+        &free,
+    );
+    metric(
+        "mtp_preemptions_total",
+        "counter",
+        "Rows preempted for lack of K/V room (their tokens recomputed on resuming).",
+        &one(s.preemptions as f64),
+    );
+    let l = &g.latency;
+    l.time_to_first_token.render(
+        &mut out,
+        "mtp_time_to_first_token_seconds",
+        "From the engine thread taking the request to its first token.",
+    );
+    l.inter_token.render(
+        &mut out,
+        "mtp_inter_token_latency_seconds",
+        "Gap between a request's tokens, a step's gap spread evenly over the tokens it brought.",
+    );
+    l.queue.render(
+        &mut out,
+        "mtp_request_queue_time_seconds",
+        "From the engine thread taking the request to its admission.",
+    );
+    l.end_to_end.render(
+        &mut out,
+        "mtp_e2e_request_latency_seconds",
+        "From the engine thread taking the request to its end (finished, failed or cancelled).",
+    );
     out
 }

@@ -14,6 +14,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::api::ApiError;
 use crate::reasoning::ReasoningStream;
+use crate::request_log::RequestLog;
 use crate::routes::{now, Kind, PendingSlots, Plan};
 use crate::text::TextState;
 use crate::tools::{self, stream::CallStream};
@@ -160,6 +161,7 @@ pub(crate) async fn collect(
     plan: &Plan,
     receivers: Vec<mpsc::UnboundedReceiver<Update>>,
     _slots: PendingSlots,
+    log: &mut RequestLog,
 ) -> Result<Value, ApiError> {
     let mut choices = Vec::with_capacity(plan.n);
     for mut rx in receivers {
@@ -167,6 +169,7 @@ pub(crate) async fn collect(
         while let Some(u) = rx.recv().await {
             match u {
                 Update::Token { token, logprob, top } => {
+                    log.token();
                     c.text.push(token);
                     c.logprobs.push(logprob);
                     c.top.push(top);
@@ -200,7 +203,9 @@ pub(crate) async fn collect(
                     (json!({"index": i, "message": message, "logprobs": logprobs}), calls)
                 }
             };
-            v["finish_reason"] = json!(finish_reason(c.finish.expect("checked above"), made_calls));
+            let finish = c.finish.map_or("-", |r| finish_reason(r, made_calls));
+            log.finished(i, finish);
+            v["finish_reason"] = json!(finish);
             if plan.return_token_ids {
                 v["token_ids"] = json!(c.text.tokens());
             }
@@ -209,7 +214,7 @@ pub(crate) async fn collect(
         .collect();
     let object = if plan.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
     let mut out = json!({
-        "id": response_id(app, plan.kind), "object": object, "created": now(), "model": app.model_name, "choices": body,
+        "id": log.id(), "object": object, "created": now(), "model": app.model_name, "choices": body,
         "usage": {"prompt_tokens": plan.prompt.len(), "completion_tokens": completion_tokens,
                   "total_tokens": plan.prompt.len() + completion_tokens},
     });
@@ -220,7 +225,7 @@ pub(crate) async fn collect(
 }
 
 /// A fresh response id in OpenAI's style (`cmpl-N`, `chatcmpl-N`).
-fn response_id(app: &AppState, kind: Kind) -> String {
+pub(crate) fn response_id(app: &AppState, kind: Kind) -> String {
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     format!("{prefix}-{}", app.next_id.fetch_add(1, Ordering::Relaxed))
 }
@@ -251,6 +256,8 @@ struct Streaming {
     done: bool,
     /// Whether a chunk has carried `prompt_token_ids` (asked with `return_token_ids`).
     sent_prompt: bool,
+    /// Written when the stream ends or its client goes away.
+    log: RequestLog,
     _slots: PendingSlots,
 }
 
@@ -259,6 +266,7 @@ pub(crate) fn stream_response(
     plan: Plan,
     receivers: Vec<mpsc::UnboundedReceiver<Update>>,
     slots: PendingSlots,
+    mut log: RequestLog,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let updates = stream::select_all(
         receivers
@@ -266,8 +274,10 @@ pub(crate) fn stream_response(
             .enumerate()
             .map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |u| (i, u)).boxed()),
     );
+    log.started_stream();
     let mut state = Streaming {
-        id: response_id(&app, plan.kind),
+        id: log.id().to_string(),
+        log,
         created: now(),
         texts: (0..plan.n).map(|_| TextState::new(plan.stop.clone()).keeping(kept(&app, &plan))).collect(),
         calls: (0..plan.n).map(|_| CallStream::default()).collect(),
@@ -383,12 +393,14 @@ impl Streaming {
         let data = |v: Value| SseEvent::default().data(v.to_string());
         let Some((i, update)) = self.updates.next().await else {
             self.done = true;
+            self.log.ended("error");
             let err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped");
             return vec![data(err.body()), SseEvent::default().data("[DONE]")];
         };
         let mut out = Vec::new();
         match update {
             Update::Token { token, logprob, top } => {
+                self.log.token();
                 self.texts[i].push(token);
                 let d = self.deltas(i, false);
                 let choice = self.choice_delta(i, d, &[token], &[logprob], &[top], None);
@@ -396,7 +408,9 @@ impl Streaming {
             }
             Update::Finished(reason) => {
                 let d = self.deltas(i, true);
-                let finish = Some(finish_reason(reason, self.calls[i].made_calls()));
+                let reason = finish_reason(reason, self.calls[i].made_calls());
+                self.log.finished(i, reason);
+                let finish = Some(reason);
                 // The last reasoning and calls on a chunk of their own, then the finish.
                 let last = if d.reasoning.is_empty() && d.calls.is_empty() {
                     Some(d)
@@ -411,11 +425,14 @@ impl Streaming {
             }
             Update::Failed(msg) => {
                 out.push(data(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg).body()));
+                self.log.ended("error");
                 self.open = 0;
             }
         }
         if self.open == 0 {
             self.done = true;
+            // After a failure this changes nothing: the first end recorded stands.
+            self.log.ended("ok");
             if self.plan.include_usage {
                 let completion: usize = self.texts.iter().map(|t| t.tokens().len()).sum();
                 let mut v = self.chunk(json!([]));

@@ -23,8 +23,9 @@ use tokio::sync::{mpsc, oneshot};
 use crate::api::{self, audit, ApiError, ChatRequest, Common, CompletionRequest};
 use crate::body::LimitedBody;
 use crate::chat::Conversation;
-use crate::output::{collect, stream_response};
+use crate::output::{collect, response_id, stream_response};
 use crate::reasoning::Reasoning;
+use crate::request_log::RequestLog;
 use crate::tools::{self, ToolChoice};
 use crate::worker::{Job, Update};
 use crate::AppState;
@@ -84,17 +85,37 @@ pub async fn metrics(State(app): Shared) -> Response {
 }
 
 pub async fn completions(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
-    respond(&app, Kind::Completion, body).await.unwrap_or_else(|e| app.refuse(e))
+    answer(&app, Kind::Completion, body).await
 }
 
 pub async fn chat(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
-    respond(&app, Kind::Chat, body).await.unwrap_or_else(|e| app.refuse(e))
+    answer(&app, Kind::Chat, body).await
+}
+
+/// Answers a generation request; its access-log line is written when it ends.
+async fn answer(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Response {
+    let mut log = RequestLog::new(response_id(app, kind), kind);
+    match respond(app, kind, body, &mut log).await {
+        Ok(r) => {
+            log.answered(r.status().as_u16());
+            r
+        }
+        Err(e) => {
+            log.answered(e.status.as_u16());
+            app.refuse(e)
+        }
+    }
 }
 
 /// Bodies up to this size are parsed on the async worker (it takes microseconds).
 const INLINE_PARSE_BYTES: usize = 64 << 10;
 
-async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Response, ApiError> {
+async fn respond(
+    app: &Arc<AppState>,
+    kind: Kind,
+    body: Bytes,
+    log: &mut RequestLog,
+) -> Result<Response, ApiError> {
     app.requests.fetch_add(1, Ordering::Relaxed);
     // A large body is parsed off the async workers, as its prompt will be tokenized.
     let body = if body.len() > INLINE_PARSE_BYTES {
@@ -107,6 +128,7 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
         Kind::Chat => audit::check_chat(&body)?,
     }
     let common: Common = api::fields(&body)?;
+    log.set_stream(common.stream == Some(true));
     let (source, max_completion_tokens, logprobs, tool_grammar) = match kind {
         Kind::Completion => completion_source(app, api::fields(&body)?)?,
         Kind::Chat => chat_source(app, api::fields(&body)?)?,
@@ -116,6 +138,7 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let prompt = prompt::tokenize(app, source, param).await?;
     fit(app, &mut plan, prompt, asked)?;
+    log.planned(plan.prompt.len(), plan.n);
     if let (Kind::Chat, Some(r), Some(tok)) = (kind, app.reasoning, &app.tokenizer) {
         // The prompt's end tells whether the template opened the reasoning block.
         let tail = &plan.prompt[plan.prompt.len().saturating_sub(32)..];
@@ -124,9 +147,9 @@ async fn respond(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Result<Respons
     }
     let (receivers, slots) = submit(app, &plan).await?;
     if plan.stream {
-        Ok(stream_response(app.clone(), plan, receivers, slots).into_response())
+        Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
     } else {
-        collect(app, &plan, receivers, slots).await.map(|v| Json(v).into_response())
+        collect(app, &plan, receivers, slots, log).await.map(|v| Json(v).into_response())
     }
 }
 

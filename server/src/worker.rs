@@ -1,18 +1,21 @@
 //! The engine's own thread: takes jobs from the HTTP side, steps the engine while anything
 //! runs, streams each request's events back, and cancels requests whose client went away
-//! (their K/V is freed at the next round).
+//! (their K/V is freed at the next round). The gauges are published after each step and
+//! before its updates are sent: a client that saw an update finds it counted in `/metrics`.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::Drafter;
-use mtp_engine::{Engine, EngineOptions, Event, FinishReason, Request, RequestId, SpecStats};
+use mtp_engine::{Engine, EngineOptions, Event, FinishReason, KvBlocks, Request, RequestId, SpecStats};
 use mtp_model::Model;
 use tokio::sync::{mpsc as tmpsc, oneshot};
+
+use crate::timing::{Clock, Latencies};
 
 /// What a request's stream receives, in order.
 #[derive(Debug)]
@@ -36,11 +39,13 @@ pub struct Gauges {
     pub waiting: usize,
     pub running: usize,
     pub kv_bytes: usize,
+    pub kv_blocks: KvBlocks,
     pub prefix_cache_bytes: usize,
     pub stats: SpecStats,
     pub finished: HashMap<&'static str, u64>,
     pub generated_tokens: u64,
     pub cancelled_by_disconnect: u64,
+    pub latency: Latencies,
 }
 
 /// Builds the drafter on the engine thread (drafters need not be `Send`).
@@ -82,9 +87,16 @@ pub fn spawn(
     Ok(jobs_tx)
 }
 
+/// A live request: where its updates go and its timestamps.
+struct Live {
+    updates: tmpsc::UnboundedSender<Update>,
+    clock: Clock,
+}
+
 fn run(mut engine: Engine, jobs: Receiver<Job>, gauges: &Mutex<Gauges>) {
-    let mut live: HashMap<RequestId, tmpsc::UnboundedSender<Update>> = HashMap::new();
+    let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut tally = Gauges::default();
+    publish(&engine, &mut tally, gauges);
     loop {
         // Idle: wait for work (waking now and then to notice a shut-down server).
         if engine.is_idle() {
@@ -97,28 +109,49 @@ fn run(mut engine: Engine, jobs: Receiver<Job>, gauges: &Mutex<Gauges>) {
         while let Ok(job) = jobs.try_recv() {
             take(&mut engine, &mut live, job);
         }
-        let gone: Vec<RequestId> = live.iter().filter(|(_, tx)| tx.is_closed()).map(|(&id, _)| id).collect();
+        let gone: Vec<RequestId> =
+            live.iter().filter(|(_, l)| l.updates.is_closed()).map(|(&id, _)| id).collect();
         for id in gone {
             if engine.cancel(id) {
-                tally.cancelled_by_disconnect += 1;
+                tally.cancelled_by_disconnect = tally.cancelled_by_disconnect.saturating_add(1);
             }
         }
-        for event in engine.step() {
-            route(event, &mut live, &mut tally);
+        let events = engine.step();
+        let now = Instant::now();
+        let mut step_tokens: HashMap<RequestId, usize> = HashMap::new();
+        for e in &events {
+            if let Event::Token { request, .. } = e {
+                *step_tokens.entry(*request).or_default() += 1;
+            }
         }
-        tally.waiting = engine.waiting();
-        tally.running = engine.running();
-        tally.kv_bytes = engine.kv_bytes();
-        tally.prefix_cache_bytes = engine.prefix_cache_bytes();
-        tally.stats = engine.stats().clone();
-        *gauges.lock().unwrap_or_else(|p| p.into_inner()) = tally.clone();
+        let outgoing: Vec<_> = events
+            .into_iter()
+            .filter_map(|e| route(e, now, &mut step_tokens, &mut live, &mut tally))
+            .collect();
+        publish(&engine, &mut tally, gauges);
+        for (tx, update) in outgoing {
+            // A closed receiver is cancelled before the next step.
+            let _ = tx.send(update);
+        }
     }
 }
 
-fn take(engine: &mut Engine, live: &mut HashMap<RequestId, tmpsc::UnboundedSender<Update>>, job: Job) {
+/// Reads the engine's gauges into `tally` and hands `/metrics` a copy.
+fn publish(engine: &Engine, tally: &mut Gauges, gauges: &Mutex<Gauges>) {
+    tally.waiting = engine.waiting();
+    tally.running = engine.running();
+    tally.kv_bytes = engine.kv_bytes();
+    tally.kv_blocks = engine.kv_blocks();
+    tally.prefix_cache_bytes = engine.prefix_cache_bytes();
+    tally.stats = engine.stats().clone();
+    *gauges.lock().unwrap_or_else(|p| p.into_inner()) = tally.clone();
+}
+
+fn take(engine: &mut Engine, live: &mut HashMap<RequestId, Live>, job: Job) {
+    let clock = Clock::start(Instant::now());
     match engine.submit(job.request) {
         Ok(id) => {
-            live.insert(id, job.updates);
+            live.insert(id, Live { updates: job.updates, clock });
             let _ = job.accepted.send(Ok(()));
         }
         Err(e) => {
@@ -127,27 +160,47 @@ fn take(engine: &mut Engine, live: &mut HashMap<RequestId, tmpsc::UnboundedSende
     }
 }
 
-fn route(event: Event, live: &mut HashMap<RequestId, tmpsc::UnboundedSender<Update>>, tally: &mut Gauges) {
+/// Counts and times `event` (one of the step that ended at `now`, which brought
+/// `step_tokens` tokens per request); returns the update to send and where.
+fn route(
+    event: Event,
+    now: Instant,
+    step_tokens: &mut HashMap<RequestId, usize>,
+    live: &mut HashMap<RequestId, Live>,
+    tally: &mut Gauges,
+) -> Option<(tmpsc::UnboundedSender<Update>, Update)> {
+    let lat = &mut tally.latency;
     let (id, update, last) = match event {
-        Event::Admitted { .. } => return,
+        Event::Admitted { request } => {
+            if let Some(l) = live.get_mut(&request) {
+                l.clock.admitted(now, lat);
+            }
+            return None;
+        }
         Event::Token { request, token, logprob, top } => {
-            tally.generated_tokens += 1;
+            tally.generated_tokens = tally.generated_tokens.saturating_add(1);
+            // The step's tokens of this request are timed together, at its first.
+            if let (Some(l), Some(n)) = (live.get_mut(&request), step_tokens.remove(&request)) {
+                l.clock.tokens(now, n, lat);
+            }
             (request, Update::Token { token, logprob, top }, false)
         }
         Event::Finished { request, reason } => {
-            *tally.finished.entry(reason.as_str()).or_default() += 1;
+            let n = tally.finished.entry(reason.as_str()).or_default();
+            *n = n.saturating_add(1);
             (request, Update::Finished(reason), true)
         }
         Event::Failed { request, error } => {
-            *tally.finished.entry("error").or_default() += 1;
+            let n = tally.finished.entry("error").or_default();
+            *n = n.saturating_add(1);
             (request, Update::Failed(error.to_string()), true)
         }
     };
-    if let Some(tx) = live.get(&id) {
-        // A closed receiver is cancelled before the next step.
-        let _ = tx.send(update);
-    }
     if last {
-        live.remove(&id);
+        let l = live.remove(&id)?;
+        l.clock.ended(now, &mut tally.latency);
+        Some((l.updates, update))
+    } else {
+        live.get(&id).map(|l| (l.updates.clone(), update))
     }
 }
