@@ -205,7 +205,7 @@ fn sharing(
 }
 
 /// Does this backend's K/V store page on the host (so rows share a prefix's blocks), or
-/// copy a cached prefix into each row (the GPU stores, for now)?
+/// copy a cached prefix into each row (Metal's store and tensor-parallel ranks, for now)?
 fn pages(model: &Model) -> bool {
     model.new_cache().store().block_positions().is_some()
 }

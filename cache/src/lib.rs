@@ -694,7 +694,7 @@ impl ByteBlock {
                 };
                 let kv: Vec<(Vec<u8>, Vec<u8>)> = layers.iter().map(|(k, v)| (part(k), part(v))).collect();
                 let bytes = kv.iter().map(|(k, v)| k.len() + v.len()).sum();
-                KvBlock::shared(std::sync::Arc::new(ByteBlock { positions, kv }), bytes)
+                KvBlock::new(std::sync::Arc::new(ByteBlock { positions, kv }), bytes)
             })
             .collect())
     }
@@ -750,7 +750,8 @@ pub mod negative_control {
         WRITE_SHARED_IN_PLACE.with(|c| c.set(on));
     }
 
-    pub(crate) fn write_shared_in_place() -> bool {
+    /// Whether [`set_write_shared_in_place`] is on (for stores in other crates too).
+    pub fn write_shared_in_place() -> bool {
         WRITE_SHARED_IN_PLACE.with(|c| c.get())
     }
 
@@ -760,7 +761,8 @@ pub mod negative_control {
         ADOPT_OUT_OF_ORDER.with(|c| c.set(on));
     }
 
-    pub(crate) fn adopt_out_of_order() -> bool {
+    /// Whether [`set_adopt_out_of_order`] is on (for stores in other crates too).
+    pub fn adopt_out_of_order() -> bool {
         ADOPT_OUT_OF_ORDER.with(|c| c.get())
     }
 

@@ -318,13 +318,13 @@ impl<E: KvUnit> Paged<E> {
         self.table.len() * self.block_bytes()
     }
 
-    /// Calls `f(id, bytes)` for each block in the table: the same id wherever a block is
-    /// shared.
     /// Whether the table's last block is held elsewhere too (its next write copies it).
     pub fn last_block_shared(&self) -> bool {
         self.table.last().is_some_and(|b| Arc::strong_count(b) > 1)
     }
 
+    /// Calls `f(id, bytes)` for each block in the table: the same id wherever a block is
+    /// shared.
     pub fn for_each_block(&self, f: &mut dyn FnMut(usize, usize)) {
         let bytes = self.block_bytes();
         self.table.iter().for_each(|b| f(Arc::as_ptr(b) as *const () as usize, bytes));
@@ -376,7 +376,7 @@ impl<E: KvUnit> Paged<E> {
             )));
         }
         let bytes = self.block_bytes();
-        Ok(self.table[first..first + n].iter().map(|b| KvBlock::shared(b.clone(), bytes)).collect())
+        Ok(self.table[first..first + n].iter().map(|b| KvBlock::new(b.clone(), bytes)).collect())
     }
 
     /// Appends shared blocks (made by [`Paged::share`] of a table of this shape) after the

@@ -45,7 +45,7 @@ pub trait KvStore: Send + Sync + 'static {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 
     /// Positions per block where the store keeps K/V in shareable blocks (a paged host
-    /// store), `None` where it does not (a device store, for now).
+    /// store, CUDA's), `None` where it does not (Metal's, for now).
     fn block_positions(&self) -> Option<usize> {
         None
     }
@@ -80,7 +80,7 @@ pub trait KvStore: Send + Sync + 'static {
 }
 
 /// Held K/V of some positions, in a form another row of the same shape can append: a
-/// reference-counted block of a paged host store, or a copy of a device store's bytes
+/// reference-counted block of a paged store, or a copy of another store's bytes
 /// (`RowCache::share_blocks`).
 #[derive(Clone)]
 pub struct KvBlock {
@@ -95,11 +95,13 @@ impl std::fmt::Debug for KvBlock {
 }
 
 impl KvBlock {
-    pub(crate) fn shared<T: Any + Send + Sync>(inner: Arc<T>, bytes: usize) -> KvBlock {
+    /// A store's block of `bytes` bytes as a shareable handle (`KvStore::share_blocks`).
+    pub fn new<T: Any + Send + Sync>(inner: Arc<T>, bytes: usize) -> KvBlock {
         KvBlock { inner, bytes }
     }
 
-    pub(crate) fn downcast<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+    /// The store's own block, when it is a `T` (`KvStore::adopt_blocks`).
+    pub fn downcast<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
         self.inner.clone().downcast::<T>().ok()
     }
 

@@ -44,6 +44,8 @@
 // lane's merged outputs, each warp's key range): the stages first, at the start (1,024-byte
 // aligned), as the swizzle wgmma reads needs them.
 #define FA_CHUNK 64
+// A chunk that starts a K/V block lies in it (`consecutive` in the loads below).
+static_assert(KV_BLOCK % FA_CHUNK == 0, "a K/V block holds whole attention chunks");
 #define FA_SEG_CHUNKS 8
 #define FA_MAX_WARPS 8
 
@@ -301,9 +303,11 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         u16* vs = ks + FA_CHUNK * hdp;
         const int c0 = c * FA_CHUNK - shift;
         // Every key in range and its slots consecutive (one side of the committed length,
-        // no ring): the slot of key c0 + i is the first one's plus i.
+        // no ring, one block: the chunk starts a block): the slot of key c0 + i is the first
+        // one's plus i.
         const bool in_range = c0 >= lo && c0 + FA_CHUNK <= hi;
-        const bool consecutive = c0 >= row.committed || (c0 + FA_CHUNK <= row.committed && row.ring == 0);
+        const bool consecutive = (c0 >= row.committed || (c0 + FA_CHUNK <= row.committed && row.ring == 0))
+            && kv_held_slot(row, c0) % KV_BLOCK == 0;
         if (one_piece && in_range && consecutive) {
             const int ok = 8 * piece0 < hd ? 16 : 0;
             const long long at = ok ? (kv_slot(row, c0) + key0) * kvd + 8 * piece0 : 0;

@@ -159,7 +159,7 @@ impl CudaGraphs {
         }
         let shape = Shape {
             tokens: batch.m,
-            rows: batch.rows.len() / 5,
+            rows: batch.rows.len() / super::ROW_FIELDS,
             segments: batch.most_keys.div_ceil(flash::SEGMENT),
             tiles: match self.heads {
                 Some(heads) => (batch.tiles.count, flash::launch_class(batch.tiles.most, heads)),

@@ -1,68 +1,97 @@
-//! A row's K/V in device memory: one allocation of `2 * layers` planes (`[layer][K, V]`),
-//! each `capacity` slots of `stride` units in the model's KV dtype (elements of f32 or
-//! bf16; 32-bit words of quantized K/V, a slot the CPU's bytes: `KvDtype::slot_units`). Capacity grows by half
-//! again when a window needs more (so memory follows the row's own length), moves and
-//! copies run as kernels on the backend's stream.
+//! A row's K/V in device memory, in blocks of [`BLOCK_POSITIONS`] slots from its shape's
+//! [`BlockPool`]: a block table in logical order, each block `[layer][K, V][slot][stride]`
+//! units of the model's KV dtype (elements of f32 or bf16; 32-bit words of quantized K/V,
+//! a slot the CPU's bytes: `KvDtype::slot_units`). Kernels read slot `s` at
+//! `base + (table[s / 64] * 2 * layers * 64 + s % 64) * stride` of plane `[layer][K, V]`
+//! (`kv_slot` in forward.cuh): the same logical slots as contiguous storage, so the block
+//! size changes no bit.
+//!
+//! Blocks are shared between rows and with the prefix cache (reference counted), and a
+//! write into a shared block copies it first (copy-on-write), as on the host
+//! (`mtp_cache::paged`): a prefix many rows hold is in device memory once.
 
 use std::any::Any;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
-use mtp_cache::{KvError, KvStore};
+use mtp_cache::{KvBlock, KvError, KvStore, BLOCK_POSITIONS};
 
-use super::{kv_unit_index, ptr, Cuda, KvDtype};
+use super::pool::{BlockPool, DevBlock};
+use super::{kv_unit_index, Cuda, KvDtype};
 
 pub struct CudaKv {
     cuda: Arc<Cuda>,
-    buf: Option<CudaSlice<u8>>,
+    pool: Arc<BlockPool>,
     dtype: KvDtype,
     planes: usize,
     stride: usize,
-    capacity: usize,
+    table: Vec<Arc<DevBlock>>,
     held: usize,
 }
 
 impl CudaKv {
-    pub fn new(cuda: Arc<Cuda>, n_layers: usize, stride: usize, dtype: KvDtype) -> CudaKv {
-        CudaKv { cuda, buf: None, dtype, planes: 2 * n_layers, stride, capacity: 0, held: 0 }
+    pub(crate) fn new(
+        cuda: Arc<Cuda>,
+        pool: Arc<BlockPool>,
+        n_layers: usize,
+        stride: usize,
+        dtype: KvDtype,
+    ) -> CudaKv {
+        CudaKv { cuda, pool, dtype, planes: 2 * n_layers, stride, table: Vec::new(), held: 0 }
+    }
+
+    /// Bytes of one block of this shape.
+    pub(crate) fn block_bytes(n_layers: usize, stride: usize, dtype: KvDtype) -> usize {
+        2 * n_layers * BLOCK_POSITIONS * stride * dtype.unit_bytes()
     }
 
     pub fn dtype(&self) -> KvDtype {
         self.dtype
     }
 
-    /// Device address of the buffer (0 while nothing is allocated).
+    /// Device address of the pool every block lies in.
     pub fn base(&self) -> i64 {
-        self.buf.as_ref().map_or(0, |b| ptr(b, self.cuda.stream()) as i64)
+        self.pool.base() as i64
     }
 
-    /// Units per plane.
+    /// Units per plane within a block.
     pub fn plane(&self) -> usize {
-        self.capacity * self.stride
+        BLOCK_POSITIONS * self.stride
     }
 
-    fn plane_bytes(&self, capacity: usize) -> usize {
-        capacity * self.slot_bytes()
+    /// Slots (of `stride` units) from one block's start to the next's.
+    pub fn block_slots(&self) -> usize {
+        self.planes * BLOCK_POSITIONS
     }
 
-    /// Bytes of one slot.
+    /// The block table as pool indices, in logical order.
+    pub fn table(&self) -> impl Iterator<Item = i32> + '_ {
+        self.table.iter().map(|b| b.index as i32)
+    }
+
     fn slot_bytes(&self) -> usize {
         self.stride * self.dtype.unit_bytes()
     }
 
-    fn err(what: &str, e: impl std::fmt::Debug) -> KvError {
-        KvError(format!("GPU KV cache: {what}: {e:?}"))
+    fn address(&self, b: usize) -> u64 {
+        self.pool.address(self.table[b].index)
     }
 
-    /// Copies the first `n` elements of every plane of `src` (planes of `src_plane`) into
-    /// `dst` (planes of `dst_plane`) and zeroes `dst` elements `[zero_from, zero_to)`.
-    #[allow(clippy::too_many_arguments)]
+    /// Block `b` for writing: copied first when another table holds it too.
+    fn unshare(&mut self, b: usize) -> Result<(), KvError> {
+        if Arc::get_mut(&mut self.table[b]).is_none() && !mtp_cache::negative_control::write_shared_in_place()
+        {
+            let copy = self.pool.copy(&self.table[b])?;
+            self.table[b] = Arc::new(copy);
+        }
+        Ok(())
+    }
+
+    /// Copies `n` units of every plane from `src` to `dst` (planes of a block apart) and
+    /// zeroes `dst` units `[zero_from, zero_to)` of every plane.
     fn copy_planes(
         &self,
         src: u64,
-        src_plane: usize,
         dst: u64,
-        dst_plane: usize,
         n: usize,
         zero_from: usize,
         zero_to: usize,
@@ -70,27 +99,52 @@ impl CudaKv {
         let f = &self.cuda.f.kv_copy[kv_unit_index(self.dtype)];
         let work = n + zero_to.saturating_sub(zero_from);
         let blocks = work.div_ceil(256).clamp(1, 1024) as u32;
-        let (sp, dp, n, z0, z1) =
-            (src_plane as i64, dst_plane as i64, n as i64, zero_from as i64, zero_to as i64);
+        let plane = self.plane() as i64;
+        let (sp, dp, n, z0, z1) = (plane, plane, n as i64, zero_from as i64, zero_to as i64);
         launch!(self.cuda, f, (blocks, self.planes as u32), 256, "KV copy", [src, sp, dst, dp, n, z0, z1])
             .map_err(|e: mtp_base::error::Error| KvError(e.to_string()))
     }
 
-    /// Moves to a buffer of `capacity` slots, keeping the held slots.
-    fn reallocate(&mut self, capacity: usize) -> Result<(), KvError> {
-        let bytes = self.planes * self.plane_bytes(capacity);
-        // SAFETY: the held slots are copied in below; the rest is written before it is read.
-        let new = unsafe { self.cuda.stream().alloc::<u8>(bytes.max(1)) }.map_err(|e| {
-            KvError(format!("out of GPU memory: cannot allocate {bytes} bytes of KV cache ({e:?})"))
-        })?;
-        if let Some(old) = &self.buf {
-            let s = self.cuda.stream();
-            let n = self.held * self.stride;
-            self.copy_planes(ptr(old, s), self.plane(), ptr(&new, s), capacity * self.stride, n, n, n)?;
+    /// Moves slots within one block, `[from, from + n)` to `[to, to + n)`, `to < from`.
+    fn move_in_block(&self, block: u64, from: usize, to: usize, n: usize) -> Result<(), KvError> {
+        let f = &self.cuda.f.kv_move[kv_unit_index(self.dtype)];
+        let s = self.stride as i64;
+        let (plane, from, to, n) = (self.plane() as i64, from as i64 * s, to as i64 * s, n as i64 * s);
+        launch!(self.cuda, f, (self.planes as u32, 1), 256, "KV move", [block, plane, from, to, n])
+            .map_err(|e: mtp_base::error::Error| KvError(e.to_string()))
+    }
+
+    fn slide(&mut self, from: usize, to: usize, n: usize) -> Result<(), KvError> {
+        let bp = BLOCK_POSITIONS;
+        let mut i = 0;
+        while i < n {
+            let (s, d) = (from + i, to + i);
+            let len = (n - i).min(bp - s % bp).min(bp - d % bp);
+            self.unshare(d / bp)?;
+            let unit = self.slot_bytes() as u64;
+            if s / bp == d / bp {
+                self.move_in_block(self.address(d / bp), s % bp, d % bp, len)?;
+            } else {
+                let (src, dst) = (
+                    self.address(s / bp) + (s % bp) as u64 * unit,
+                    self.address(d / bp) + (d % bp) as u64 * unit,
+                );
+                self.copy_planes(src, dst, len * self.stride, 0, 0)?;
+            }
+            i += len;
         }
-        self.buf = Some(new);
-        self.capacity = capacity;
         Ok(())
+    }
+
+    /// The byte range of `layer`'s `half` (0: K, 1: V) for slots `[slot, slot + n)` of block
+    /// `b` (within it).
+    fn span(&self, b: usize, layer: usize, half: usize, slot: usize, n: usize) -> (u64, usize) {
+        let at = ((2 * layer + half) * BLOCK_POSITIONS + slot) * self.slot_bytes();
+        (self.address(b) + at as u64, n * self.slot_bytes())
+    }
+
+    fn err(what: &str, e: impl std::fmt::Debug) -> KvError {
+        KvError(format!("GPU KV cache: {what}: {e:?}"))
     }
 }
 
@@ -99,85 +153,106 @@ impl KvStore for CudaKv {
         if slots <= self.held {
             return Ok(());
         }
-        self.reserve(slots)?;
-        let (b, plane) = (self.base() as u64, self.plane());
-        self.copy_planes(b, plane, b, plane, 0, self.held * self.stride, slots * self.stride)?;
+        let bp = BLOCK_POSITIONS;
+        let mut fresh = Vec::new();
+        for _ in self.table.len()..slots.div_ceil(bp) {
+            fresh.push(Arc::new(self.pool.take()?));
+        }
+        // Slots past the held ones in the last held block may keep what a rollback left.
+        let stale_end = slots.min(self.table.len() * bp);
+        if self.held < stale_end {
+            let b = self.held / bp;
+            self.unshare(b)?;
+            let (from, to) = ((self.held % bp) * self.stride, (stale_end - b * bp) * self.stride);
+            let at = self.address(b);
+            self.copy_planes(at, at, 0, from, to)?;
+        }
+        self.table.extend(fresh);
         self.held = slots;
         Ok(())
     }
 
     fn truncate(&mut self, slots: usize) {
         self.held = self.held.min(slots);
+        self.table.truncate(self.held.div_ceil(BLOCK_POSITIONS));
     }
 
     fn reserve(&mut self, slots: usize) -> Result<(), KvError> {
-        if slots <= self.capacity {
-            return Ok(());
+        let blocks = slots.div_ceil(BLOCK_POSITIONS);
+        let (bytes, gpu) = (blocks.saturating_mul(self.pool.block_bytes()), self.pool.capacity()?);
+        if bytes > gpu {
+            return Err(KvError(format!(
+                "out of GPU memory: {slots} positions of K/V take {bytes} bytes, more than the GPU's {gpu}"
+            )));
         }
-        self.reallocate(mtp_kernels::grown_capacity(self.capacity, slots))
+        let more = blocks.saturating_sub(self.table.len());
+        self.table.try_reserve(more).map_err(|e| KvError(format!("GPU K/V block table: {e}")))
     }
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {
-        let Some(buf) = &self.buf else { return };
-        let f = &self.cuda.f.kv_move[kv_unit_index(self.dtype)];
-        let base = ptr(buf, self.cuda.stream());
-        let (plane, from, to, n) = (
-            (self.plane()) as i64,
-            (from * self.stride) as i64,
-            (to * self.stride) as i64,
-            (n * self.stride) as i64,
-        );
-        let launched =
-            launch!(self.cuda, f, (self.planes as u32, 1), 256, "KV move", [base, plane, from, to, n]);
         // A launch fails only on a broken context, whose error every later call reports.
-        if let Err(e) = launched {
+        if let Err(e) = self.slide(from, to, n) {
             tracing::error!("{e}");
         }
     }
 
     fn bytes(&self) -> usize {
-        self.planes * self.plane_bytes(self.capacity)
+        self.table.len() * self.pool.block_bytes()
     }
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
-        let Some(buf) = &self.buf else { return Ok((Vec::new(), Vec::new())) };
-        let (pb, len) = (self.plane_bytes(self.capacity), n * self.slot_bytes());
-        let s = self.cuda.stream();
-        let k = s
-            .clone_dtoh(&buf.slice(2 * layer * pb..2 * layer * pb + len))
-            .map_err(|e| Self::err("read", e))?;
-        let v = s
-            .clone_dtoh(&buf.slice((2 * layer + 1) * pb..(2 * layer + 1) * pb + len))
-            .map_err(|e| Self::err("read", e))?;
-        Ok((k, v))
+        let stream = self.pool.stream();
+        let mut out = (vec![0u8; n * self.slot_bytes()], vec![0u8; n * self.slot_bytes()]);
+        for (half, dst) in [(0, &mut out.0), (1, &mut out.1)] {
+            for (b, chunk) in dst.chunks_mut(BLOCK_POSITIONS * self.slot_bytes()).enumerate() {
+                let (at, _) = self.span(b, layer, half, 0, 0);
+                // SAFETY: the range lies in a held block; the stream is synchronized below.
+                unsafe { cudarc::driver::result::memcpy_dtoh_async(chunk, at, stream.cu_stream()) }
+                    .map_err(|e| Self::err("read", e))?;
+            }
+        }
+        stream.synchronize().map_err(|e| Self::err("read", e))?;
+        Ok(out)
     }
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
-        let pb = self.plane_bytes(self.capacity);
-        let at = slot * self.slot_bytes();
-        if k.len() != v.len() || at + k.len() > self.held * self.slot_bytes() {
+        let sb = self.slot_bytes().max(1);
+        let n = k.len() / sb;
+        if k.len() != v.len() || !k.len().is_multiple_of(sb) || slot + n > self.held {
             return Err(KvError(format!(
                 "GPU KV cache: cannot write {} bytes at slot {slot} of {} held slots",
                 k.len(),
                 self.held
             )));
         }
-        let s = self.cuda.stream().clone();
-        let Some(buf) = self.buf.as_mut() else { return Ok(()) };
-        for (plane, bytes) in [(2 * layer, k), (2 * layer + 1, v)] {
-            let start = plane * pb + at;
-            s.memcpy_htod(bytes, &mut buf.slice_mut(start..start + bytes.len()))
+        let bp = BLOCK_POSITIONS;
+        let mut i = 0;
+        while i < n {
+            let s = slot + i;
+            let len = (n - i).min(bp - s % bp);
+            self.unshare(s / bp)?;
+            for (half, src) in [(0, k), (1, v)] {
+                let (at, bytes) = self.span(s / bp, layer, half, s % bp, len);
+                let piece = &src[i * sb..i * sb + bytes];
+                // SAFETY: the range lies in a held, unshared block; synchronized below, so the
+                // host bytes outlive the copy.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(at, piece, self.pool.stream().cu_stream())
+                }
                 .map_err(|e| Self::err("write", e))?;
+            }
+            i += len;
         }
-        Ok(())
+        self.pool.stream().synchronize().map_err(|e| Self::err("write", e))
     }
 
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {
-        let buf = match &self.buf {
-            Some(b) => Some(self.cuda.stream().clone_dtod(b).map_err(|e| Self::err("copy", e))?),
-            None => None,
-        };
-        Ok(Box::new(CudaKv { cuda: self.cuda.clone(), buf, ..*self }))
+        Ok(Box::new(CudaKv {
+            cuda: self.cuda.clone(),
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            ..*self
+        }))
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -186,5 +261,59 @@ impl KvStore for CudaKv {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    fn block_positions(&self) -> Option<usize> {
+        Some(BLOCK_POSITIONS)
+    }
+
+    fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
+        if first + n > self.table.len() {
+            return Err(KvError(format!(
+                "GPU KV: blocks [{first}, {}) are not held ({} slots)",
+                first + n,
+                self.held
+            )));
+        }
+        let bytes = self.pool.block_bytes();
+        Ok(self.table[first..first + n].iter().map(|b| KvBlock::new(b.clone(), bytes)).collect())
+    }
+
+    fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
+        let bp = BLOCK_POSITIONS;
+        let whole = blocks.len() * bp;
+        if !self.held.is_multiple_of(bp)
+            || self.table.len() * bp != self.held
+            || slots > whole
+            || slots + bp <= whole
+        {
+            return Err(KvError(format!(
+                "GPU KV: cannot append {} blocks holding {slots} slots after {} slots",
+                blocks.len(),
+                self.held
+            )));
+        }
+        let mut adopted = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            match b.downcast::<DevBlock>() {
+                Some(block) if self.pool.owns(&block) => adopted.push(block),
+                _ => return Err(KvError("GPU KV: a shared block of another store's shape".into())),
+            }
+        }
+        if mtp_cache::negative_control::adopt_out_of_order() {
+            adopted.reverse();
+        }
+        self.held += slots;
+        self.table.extend(adopted);
+        Ok(())
+    }
+
+    fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        let bytes = self.pool.block_bytes();
+        self.table.iter().for_each(|b| f(Arc::as_ptr(b) as *const () as usize, bytes));
+    }
+
+    fn last_block_shared(&self) -> bool {
+        self.table.last().is_some_and(|b| Arc::strong_count(b) > 1)
     }
 }

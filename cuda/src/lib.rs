@@ -42,6 +42,7 @@ mod graphs;
 mod hopper;
 mod kv;
 mod nccl;
+mod pool;
 mod scratch;
 
 use std::sync::{Arc, OnceLock};
@@ -535,6 +536,8 @@ pub struct Cuda {
     staging: std::sync::Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// Matmul scratch kept between launches of recordable size ([`scratch`]).
     scratch: scratch::Pools,
+    /// K/V block pools, one per store shape (layers, slot units, dtype).
+    kv_pools: std::sync::Mutex<std::collections::HashMap<(usize, usize, usize), Arc<pool::BlockPool>>>,
 }
 
 /// A GPU's stream, the module of every kernel, and the Hopper module on compute
@@ -549,6 +552,12 @@ pub const MAX_GPUS: usize = 8;
 // on the same stream; every other field is Send + Sync.
 unsafe impl Sync for Cuda {}
 unsafe impl Send for Cuda {}
+
+/// Fields of a row's K/V layout (`RowKv` in forward.cuh).
+pub(crate) const ROW_FIELDS: usize = 7;
+
+// The kernels' block (KV_BLOCK in forward.cuh) is the cache's.
+const _: () = assert!(mtp_cache::BLOCK_POSITIONS == 64);
 
 /// One device pointer as a kernel argument.
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -817,6 +826,7 @@ impl Cuda {
             blas: OnceLock::new(),
             staging: std::sync::Mutex::new(None),
             scratch: scratch::Pools::default(),
+            kv_pools: Default::default(),
         })
     }
 
@@ -1253,6 +1263,38 @@ impl Cuda {
         Ok(start.elapsed_ms(&end).map_err(driver("event"))? as f64)
     }
 
+    /// The rows' K/V layouts for the kernels (`RowKv` in forward.cuh, [`ROW_FIELDS`] each)
+    /// and their rings', with every block table uploaded in one buffer they point into.
+    #[allow(clippy::type_complexity)]
+    fn row_layouts(
+        &self,
+        stores: &[(&CudaKv, mtp_cache::SlotMap)],
+        rings: &[(&CudaKv, mtp_cache::SlotMap)],
+    ) -> Result<(Vec<i64>, Vec<i64>, CudaSlice<i32>)> {
+        let mut indices: Vec<i32> = Vec::new();
+        let mut starts = Vec::with_capacity(stores.len() + rings.len());
+        for (store, _) in stores.iter().chain(rings) {
+            starts.push(indices.len());
+            indices.extend(store.table());
+        }
+        let tables = self.upload_as(&indices, "block tables")?;
+        let at = ptr(&tables, &self.stream) as i64;
+        let layout = |(store, map): &(&CudaKv, mtp_cache::SlotMap), start: usize| {
+            [
+                store.base(),
+                store.plane() as i64,
+                map.committed as i64,
+                map.base as i64,
+                map.ring as i64,
+                at + 4 * start as i64,
+                store.block_slots() as i64,
+            ]
+        };
+        let rows = stores.iter().zip(&starts).flat_map(|(s, &i)| layout(s, i)).collect();
+        let ring_rows = rings.iter().zip(&starts[stores.len()..]).flat_map(|(s, &i)| layout(s, i)).collect();
+        Ok((rows, ring_rows, tables))
+    }
+
     fn upload_as<T: cudarc::driver::DeviceRepr>(&self, x: &[T], what: &str) -> Result<CudaSlice<T>> {
         if x.is_empty() {
             // SAFETY: one element, never read.
@@ -1357,6 +1399,9 @@ pub struct CudaBatch {
     rows: CudaSlice<i64>,
     /// The rows' sliding-window rings, when every row has one.
     ring_rows: Option<CudaSlice<i64>>,
+    /// The rows' block tables (pool indices), which `rows` and `ring_rows` point into: held
+    /// until the forward's kernels are queued.
+    _tables: CudaSlice<i32>,
     /// Each token's id.
     tokens: CudaSlice<u32>,
     m: usize,
@@ -1445,7 +1490,18 @@ impl Kernels for Cuda {
         head_dim: usize,
         kv: KvDtype,
     ) -> Box<dyn KvStore> {
-        Box::new(CudaKv::new(self.clone(), n_layers, kv.slot_units(heads, head_dim), kv))
+        let stride = kv.slot_units(heads, head_dim);
+        let pool = self
+            .kv_pools
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((n_layers, stride, kv_index(kv)))
+            .or_insert_with(|| {
+                let bytes = CudaKv::block_bytes(n_layers, stride, kv);
+                Arc::new(pool::BlockPool::new(self.stream.clone(), bytes))
+            })
+            .clone();
+        Box::new(CudaKv::new(self.clone(), pool, n_layers, stride, kv))
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
@@ -1484,35 +1540,28 @@ impl Kernels for Cuda {
             return Err(Error::Backend(format!("{} token ids for {} slots", tokens.len(), slots.len())));
         }
         let maps = open_windows(slots, caches)?;
-        let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
-        let mut ring_rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
         let mut kv = None;
         let foreign = |r: usize| Error::Request {
             request: format!("row {r}"),
             msg: "its KV cache is not on the GPU (made by a model on another backend)".into(),
         };
+        let (mut stores, mut ring_stores) = (Vec::with_capacity(caches.len()), Vec::new());
         for (r, c) in caches.iter().enumerate() {
             let store = c.store().as_any().downcast_ref::<CudaKv>().ok_or_else(|| foreign(r))?;
             if *kv.get_or_insert(store.dtype()) != store.dtype() {
                 return Err(Error::Backend("rows of one forward hold K/V in different dtypes".into()));
             }
-            rows.extend([
-                store.base(),
-                store.plane() as i64,
-                maps[r].committed as i64,
-                maps[r].base as i64,
-                0,
-            ]);
+            stores.push((store, maps[r]));
             if let (Some(ring), Some(map)) = (c.ring_store(), c.ring_map()) {
                 let ring = ring.as_any().downcast_ref::<CudaKv>().ok_or_else(|| foreign(r))?;
-                ring_rows.extend([ring.base(), ring.plane() as i64, map.committed as i64, map.base as i64]);
-                ring_rows.push(map.ring as i64);
+                ring_stores.push((ring, map));
             }
         }
+        let (rows, ring_rows, tables) = self.row_layouts(&stores, &ring_stores)?;
         // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
         let toks: Vec<i32> =
             slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
-        let ring_rows = if !caches.is_empty() && ring_rows.len() == rows.len() {
+        let ring_rows = if !caches.is_empty() && ring_stores.len() == caches.len() {
             Some(self.upload_as(&ring_rows, "batch layout")?)
         } else {
             None
@@ -1523,6 +1572,7 @@ impl Kernels for Cuda {
             toks: self.upload_as(&toks, "batch layout")?,
             rows: self.upload_as(&rows, "batch layout")?,
             ring_rows,
+            _tables: tables,
             tokens: self.upload_as(tokens, "tokens")?,
             m: slots.len(),
             most_keys: slots.iter().map(|s| s.pos + 1).max().unwrap_or(0),
@@ -2088,7 +2138,7 @@ impl AssistantKernels for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         check_heads(heads)?;
-        let mut rows: Vec<i64> = Vec::with_capacity(5 * caches.len());
+        let mut stores = Vec::with_capacity(caches.len());
         let mut toks: Vec<i32> = Vec::with_capacity(4 * caches.len());
         let mut kv = None;
         for (r, (c, k)) in caches.iter().zip(keys).enumerate() {
@@ -2103,21 +2153,18 @@ impl AssistantKernels for Cuda {
             if *kv.get_or_insert(store.dtype()) != store.dtype() {
                 return Err(Error::Backend("rows of one step hold K/V in different dtypes".into()));
             }
-            rows.extend([
-                store.base(),
-                store.plane() as i64,
-                map.committed as i64,
-                map.base as i64,
-                map.ring as i64,
-            ]);
+            stores.push((store, map));
             toks.extend([r as i32, k.end as i32 - 1, 0, k.first as i32]);
         }
         let most = keys.iter().map(|k| k.end).max().unwrap_or(0);
+        let (rows, _, tables) = self.row_layouts(&stores, &[])?;
         let (toks, rows) = (self.upload_as(&toks, "key ranges")?, self.upload_as(&rows, "key ranges")?);
         let keys = AttentionKeys { tokens: caches.len(), most, splits: 1, window: 0 };
         let kv = kv.unwrap_or(KvDtype::F32);
         let tiles = self.flash_tiles(&(0..caches.len()).collect::<Vec<_>>())?;
-        self.launch_attention(q, out, &toks, &rows, &tiles, plane.layer() as i32, heads, scale, kv, keys)
+        self.launch_attention(q, out, &toks, &rows, &tiles, plane.layer() as i32, heads, scale, kv, keys)?;
+        drop(tables); // freed after the launch on the same stream
+        Ok(())
     }
 }
 

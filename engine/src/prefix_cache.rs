@@ -5,11 +5,11 @@
 //! prefix and prefills only the rest holds the very bytes it would have computed: the
 //! cache changes time to first token, never an output bit.
 //!
-//! Where the store pages on the host (the CPU), the cache holds the row's blocks
-//! themselves, reference counted: a row that loads a prefix puts the same blocks in its
-//! block table, so the prefix is held once however many rows read it, and a row's writes
-//! never reach a shared block (copy-on-write, `mtp_cache::paged`). Device stores copy a
-//! block's bytes in and out. Evicting a block drops the cache's reference only, never
+//! Where the store pages (the CPU's host blocks, CUDA's device blocks), the cache holds the
+//! row's blocks themselves, reference counted: a row that loads a prefix puts the same
+//! blocks in its block table, so the prefix is held once however many rows read it, and a
+//! row's writes never reach a shared block (copy-on-write, `mtp_cache::paged`). Other
+//! stores (Metal's, tensor-parallel ranks') copy a block's bytes in and out. Evicting a block drops the cache's reference only, never
 //! touching a running row; eviction is least recently used within a byte budget, children
 //! before their parents, and the engine evicts blocks no row holds when rows need the
 //! room ([`PrefixCache::evict_unshared`]).
@@ -25,7 +25,7 @@ struct Block {
     parent: Option<Key>,
     /// The block's tokens: a whole block's, or fewer for a prompt's last block.
     tokens: Vec<u32>,
-    /// The block's K/V: shared with the rows that hold it, or a copy of a device row's.
+    /// The block's K/V: shared with the rows that hold it, or a copy of a row's bytes.
     kv: KvBlock,
     /// Final-normed hidden states of the block's positions (empty when not kept).
     hidden: Vec<f32>,
