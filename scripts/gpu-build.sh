@@ -38,6 +38,14 @@ done
 [ "$what" = cli ] || [ "$what" = tests ] || cp target/release/examples/gpu_matmul target/release/examples/gpu_collective gpu-bundle/bin/
 [ "$what" = tests ] || cp target/release/examples/staggered_prompt gpu-bundle/bin/
 [ "$what" = tests ] || cp target/release/mtp target/release/mtp-bench gpu-bundle/bin/
+# The openai client for `gpu-run.sh serve` (the GPU machine has no network): wheels for
+# the Pythons it may have, unpacked there.
+if [ "$what" != tests ]; then
+    for v in 3.10 3.11 3.12; do
+        python3 -m pip download --quiet --only-binary=:all: --platform manylinux2014_x86_64 \
+            --python-version "$v" -d "gpu-bundle/wheels/py$v" "openai==3.54.0" httpx
+    done
+fi
 if [ -n "$base_rev" ]; then
     # The base version, from a worktree at REV, built in target/ab-base.
     base=/tmp/mtp-ab-base

@@ -63,7 +63,13 @@
 #   prefill: the prefill goals (bf16 activations): the matmul at M = 128 to 4,096 beside
 #          cuBLAS, the 8B shape's prefill of 2,048 tokens (PREFILL_TOKENS) beside
 #          transformers; with an `ab REV` bundle also the base's prefill and decode.
-# Usage: scripts/gpu-run.sh tests|bench|all|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
+#   serve: the serving goals on the Qwen3-8B shape through `mtp serve --backend cuda
+#          --max-batch 64` (scripts/serve_bench.py, streamed, a sample checked bitwise
+#          against the request alone): a burst of 128 requests from 64 clients sharing an
+#          8,192-token prefix, the same prefix at 8 requests/s (Poisson), and a mix of
+#          distinct 512-token prompts; needs a `cli` bundle (which packs the openai client's
+#          wheels: the GPU machine has no network).
+# Usage: scripts/gpu-run.sh tests|bench|all|serve|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -581,6 +587,26 @@ if [ "$what" = stagger ]; then
             done
         done
     done
+    rm -rf /tmp/qwen3-8b
+fi
+
+if [ "$what" = serve ]; then
+    v=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    mkdir -p /tmp/pylib
+    for w in gpu-bundle/wheels/py$v/*.whl; do
+        python3 -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/pylib')" "$w"
+    done
+    export PYTHONPATH=/tmp/pylib
+    "$bin/mtp" synth --like qwen3-8b --out /tmp/qwen3-8b > /dev/null || status=1
+    serve="--target /tmp/qwen3-8b --backend cuda --max-batch 64 --prefix-cache-mib 16384"
+    bench=(python3 scripts/serve_bench.py --binary "$bin/mtp" --url http://127.0.0.1:8311 "--serve=$serve"
+        --concurrency 64 --ignore-eos --check-alone 8)
+    "${bench[@]}" --workload shared-prefix --prefix-tokens 8192 --own-tokens 256 --arrival burst \
+        --requests 128 --max-tokens 128 --json "$OUT/serve-burst.json" 2>&1 | tee "$OUT/serve-burst.log" || status=1
+    "${bench[@]}" --workload shared-prefix --prefix-tokens 8192 --own-tokens 256 --arrival poisson --rate 8 \
+        --requests 160 --max-tokens 128 --json "$OUT/serve-poisson.json" 2>&1 | tee "$OUT/serve-poisson.log" || status=1
+    "${bench[@]}" --workload shared-prefix --prefix-tokens 1 --own-tokens 512 --arrival burst \
+        --requests 128 --max-tokens 256 --json "$OUT/serve-mix.json" 2>&1 | tee "$OUT/serve-mix.log" || status=1
     rm -rf /tmp/qwen3-8b
 fi
 
