@@ -60,6 +60,23 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// The K/V budget a server on a GPU takes when `--kv-budget-mib` is not given: the device
+/// memory free once the target is loaded, less a margin for activations, CUDA graphs, the
+/// matmul scratch and a drafter's weights (a tenth of the GPU, at least 8 GiB). Logged at
+/// info. None on the CPU (no budget: host memory is the limit).
+pub fn default_kv_budget(model: &mtp_model::Model) -> Option<usize> {
+    let (free, total) = model.device_memory()?;
+    let margin = (total / 10).max(8 << 30);
+    let budget = if free > margin { free - margin } else { free / 2 };
+    tracing::info!(
+        free_mib = free >> 20,
+        total_mib = total >> 20,
+        kv_budget_mib = budget >> 20,
+        "K/V budget: free device memory less a margin (--kv-budget-mib to set it)"
+    );
+    Some(budget)
+}
+
 /// Parses a command-line count that cannot be zero (batch sizes, token counts, sizes):
 /// clap names the flag in the error.
 pub fn at_least_one(s: &str) -> Result<usize, String> {

@@ -1615,6 +1615,11 @@ impl Kernels for Cuda {
         CudaGraphs::for_heads(heads)
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.stream.context().bind_to_thread().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
+    }
+
     fn one_time_forwards(&self, recordings: &CudaGraphs) -> u64 {
         recordings.one_time_forwards()
     }

@@ -367,6 +367,11 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn one_time_forwards(&self, _recordings: &Self::Recordings) -> u64 {
         0
     }
+    /// The device's free and total memory in bytes, where the kernels run on one with
+    /// memory of its own (None on the host).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// `out (m x n) = x (m x k) . w^T + bias`, or `out +=` that (`Out::Add`).
     fn linear(
         &self,

@@ -346,6 +346,10 @@ pub(crate) trait Net: Send + Sync {
     fn kv_dtype(&self) -> KvDtype;
     /// The kernel set's activations where they meet bf16 weights (resolved).
     fn activations(&self) -> Activations;
+    /// Free and total bytes of the device the model runs on ([`Kernels::device_memory`]).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
     /// Forwards so far that paid a one-time cost ([`Kernels::one_time_forwards`]).
     fn one_time_forwards(&self) -> u64 {
         0
@@ -396,6 +400,12 @@ impl Model {
     /// learns verify cost only from rounds that left this unchanged.
     pub fn one_time_forwards(&self) -> u64 {
         self.net.one_time_forwards()
+    }
+
+    /// Free and total bytes of the GPU memory the model's K/V would live in (summed over
+    /// tensor-parallel ranks, free as the fullest rank's times their count); None on the CPU.
+    pub fn device_memory(&self) -> Option<(usize, usize)> {
+        self.net.device_memory()
     }
 
     /// Tokens a forward computes as one group (CUDA: 8): a verify of a partial group costs

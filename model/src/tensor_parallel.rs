@@ -306,6 +306,13 @@ impl Net for TensorParallel {
         self.ranks[0].backend()
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        let each: Option<Vec<(usize, usize)>> = self.ranks.iter().map(|r| r.device_memory()).collect();
+        let each = each?;
+        let free = each.iter().map(|m| m.0).min()?.saturating_mul(each.len());
+        Some((free, each.iter().map(|m| m.1).sum()))
+    }
+
     fn kv_dtype(&self) -> KvDtype {
         self.ranks[0].kv_dtype()
     }

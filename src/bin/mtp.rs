@@ -241,7 +241,7 @@ struct ModelArgs {
     /// K/V cache budget in MiB (target and drafter, prefix cache included): requests are
     /// admitted as their prompts fit, the newest is preempted (and resumes with the same
     /// bits) when rows outgrow it, and one whose worst case cannot fit is refused
-    /// (default: no limit).
+    /// (default: none; `serve` on a GPU: the free device memory less a margin).
     #[arg(long, value_parser = mtp::mib_at_least_one)]
     kv_budget_mib: Option<usize>,
     /// Prompt tokens per forward, a token budget that pieces of several waiting prompts share
@@ -596,11 +596,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 _ if target == Path::new(mtp::DEFAULT_TARGET) => "mtp-trained".into(),
                 _ => target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
             });
-            let opts = EngineOptions {
+            let mut opts = EngineOptions {
                 sampling_mode,
                 prefix_cache_bytes: prefix_cache_mib << 20,
                 ..margs.engine_options()
             };
+            if opts.kv_budget_bytes.is_none() {
+                opts.kv_budget_bytes = mtp::default_kv_budget(&model);
+            }
             let (dir, m) = (target.clone(), model.clone());
             // Built on the engine thread, which is also made one of rayon's workers.
             let make: MakeDrafter = Box::new(move || {

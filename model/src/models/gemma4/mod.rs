@@ -331,6 +331,10 @@ impl<B: Kernels> Net for Gemma4<B> {
         self.be.backend()
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.be.device_memory()
+    }
+
     fn kv_dtype(&self) -> KvDtype {
         self.kv
     }
