@@ -232,9 +232,15 @@ fn a_preemption_storm_loses_nothing_and_resumed_rows_keep_their_bits() {
     let model = Arc::new(common::load(&fixture("qwen2-target")));
     let head = std::env::temp_dir().join(format!("mtp-storm-head-{}", std::process::id()));
     SynthSpec::write_mtp_head(&fixture("qwen2-target"), MtpLayout::MiMo, &head, 3).unwrap();
-    for (name, dir) in [("oracle", None), ("mtp", Some(head.as_path()))] {
-        let (differ, preemptions) = preemption_storm(&model, 64, dir);
-        assert!(preemptions >= 16, "{name}: only {preemptions} preemptions: the storm did not storm");
+    // The emulator's rotated matrix: a smaller storm through the same kernels (the
+    // scheduling is the host's, proven in full on the CPU).
+    let (n, drafters) = if common::full_matrix() { (64, 2) } else { (12, 1) };
+    for (name, dir) in [("oracle", None), ("mtp", Some(head.as_path()))].into_iter().take(drafters) {
+        let (differ, preemptions) = preemption_storm(&model, n, dir);
+        assert!(
+            preemptions >= n as u64 / 4,
+            "{name}: only {preemptions} preemptions: the storm did not storm"
+        );
         assert!(
             differ.is_empty(),
             "{name}: requests {differ:?} differ from alone after {preemptions} preemptions"
@@ -242,7 +248,7 @@ fn a_preemption_storm_loses_nothing_and_resumed_rows_keep_their_bits() {
     }
     // Negative control: resuming one position early must break the same check.
     mtp::engine::negative_control::set_resume_one_position_short(true);
-    let (differ, _) = preemption_storm(&model, 24, None);
+    let (differ, _) = preemption_storm(&model, n.min(24), None);
     mtp::engine::negative_control::set_resume_one_position_short(false);
     assert!(!differ.is_empty(), "a row resumed at a wrong position went unnoticed");
 }
