@@ -161,7 +161,8 @@ pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
 
 /// The request's `tools`: `[{"type": "function", "function": {"name", "description",
 /// "parameters"}}]`. Names are unique, 1-64 of `a-zA-Z0-9_-` (OpenAI's rule, which keeps
-/// them safe inside every family's markup); parameters are a JSON Schema object.
+/// them safe inside every family's markup); parameters are a JSON Schema object, kept
+/// with its objects closed ([`mtp_engine::closed_schema`]) for the grammar.
 pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
     let list = v.as_array().ok_or_else(|| ApiError::bad("tools", "`tools` must be a list of tools"))?;
     if list.len() > MAX_TOOLS {
@@ -198,7 +199,8 @@ pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
         };
         let parameters = match f.get("parameters") {
             None | Some(Json::Null) => serde_json::json!({"type": "object", "properties": {}}),
-            Some(p @ Json::Object(_)) => p.clone(),
+            // Closed as vLLM and SGLang close them: only declared keys, each once.
+            Some(p @ Json::Object(_)) => mtp_engine::closed_schema(p),
             Some(_) => {
                 return Err(ApiError::bad(
                     &format!("tools[{i}].function.parameters"),
