@@ -142,7 +142,11 @@ pub fn special_id(tok: &mtp_base::Tokenizer, text: &str) -> Option<u32> {
 }
 
 /// Splits a finished output: the content before the trigger, the calls after it. Without
-/// the trigger, or when nothing after it parses, all of it is content.
+/// the trigger, or when nothing after it parses, all of it is content. An output cut
+/// inside a call (by `max_tokens` or a stop string) keeps that call as far as its stream
+/// went, its name and its arguments so far (OpenAI's truncated calls, `finish_reason:
+/// length`): a streamed reply cannot take back a call's first chunk, so the whole reply
+/// holds what the stream sent.
 pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
     let Some(at) = text.find(syntax.trigger()) else {
         return Parsed { content: text.to_string(), calls: Vec::new() };
@@ -150,7 +154,6 @@ pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
     let calls: Vec<ToolCall> = syntax
         .calls(&text[at..])
         .into_iter()
-        .filter(|c| c.complete)
         .map(|c| ToolCall { name: c.name, arguments: c.arguments })
         .collect();
     if calls.is_empty() {

@@ -65,7 +65,7 @@ impl CallStream {
         }
         let end = match self.trigger_at {
             // Nothing after the trigger became a call: it was text after all.
-            _ if finished && self.calls.is_empty() && !partials.iter().any(|p| p.complete) => text.len(),
+            _ if finished && self.calls.is_empty() => text.len(),
             Some(at) => at.min(text.len()),
             None if finished => text.len(),
             None => text.len() - longest_suffix_prefix(text, trigger),
@@ -133,6 +133,8 @@ mod tests {
             "No call here <tool_ca",
             "Let me look.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Zürich\",\"days\":2}}\n</tool_call>\n<tool_call>\n{\"name\": \"ping\", \"arguments\": {}}\n</tool_call>",
             "<tool_call>\n{\"name\": \"ping\", \"arguments\": {\"a\":{\"b\":[1,{}]}}}\n</tool_call>",
+            // Cut by max_tokens inside the second call: kept as far as it came.
+            "<tool_call>\n{\"name\": \"ping\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Os",
         ];
         for text in texts {
             let whole = parse(&Hermes, text);
