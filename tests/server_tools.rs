@@ -1,11 +1,13 @@
 //! Tool calls and reasoning over HTTP on the trained family (Hermes calls, its MTP head,
 //! batch 8): 15 staggered tool-calling requests, streamed and not, greedy and seeded, each
 //! bitwise the same request alone (content, calls, reasoning, token ids, logprobs) with
-//! 15/15 calls valid for their schema; every streamed tool-call chunk carries its `id`,
-//! `type` and `function.name`; named and `none` choices, a multi-turn conversation with
-//! tool results, reasoning split from content (streamed and not, the same); and the
-//! official `openai` Python client driving tools, streamed calls, `response_format` and
-//! reasoning.
+//! 15/15 calls valid for their schema; streamed calls in OpenAI's format (a call's first
+//! chunk carries its `id`, `type` and `function.name`, later chunks its index and
+//! arguments only) assembled as the SDK assembles them, parallel calls included; schemas
+//! closed by default; named and `none` choices, a multi-turn conversation with tool
+//! results, reasoning split from content (streamed and not, the same); and the official
+//! `openai` Python client driving tools (streamed through its `chat.completions.stream`
+//! helper), `response_format` and reasoning.
 
 mod common;
 
@@ -124,8 +126,11 @@ fn reply(v: &Value) -> Reply {
     }
 }
 
-/// A streamed chat response's reply, after checking that every tool-call chunk carries
-/// the call's index, id, type and function name, the same in every chunk of a call.
+/// A streamed chat response's reply, assembled as the openai SDK assembles it (each
+/// index's `arguments` concatenated, id and name from the call's first chunk), after
+/// checking OpenAI's format: a call's first chunk carries its index, id, type and
+/// function name, later chunks its index and arguments only (the SDK would concatenate a
+/// repeated name into `get_weatherget_weather`).
 fn streamed_reply(body: &str) -> Reply {
     let mut r = Reply {
         content: String::new(),
@@ -135,7 +140,6 @@ fn streamed_reply(body: &str) -> Reply {
         tokens: Vec::new(),
         logprobs: Vec::new(),
     };
-    let mut call_ids: Vec<String> = Vec::new();
     for e in sse_events(body) {
         assert!(e.get("error").is_none(), "{e}");
         for c in e["choices"].as_array().into_iter().flatten() {
@@ -144,14 +148,23 @@ fn streamed_reply(body: &str) -> Reply {
             r.reasoning.push_str(d["reasoning_content"].as_str().unwrap_or_default());
             for t in d["tool_calls"].as_array().into_iter().flatten() {
                 let k = t["index"].as_u64().unwrap() as usize;
-                let (id, name) = (t["id"].as_str().unwrap(), t["function"]["name"].as_str().unwrap());
-                assert_eq!(t["type"], "function", "{t}");
+                let f = &t["function"];
                 if k == r.calls.len() {
-                    r.calls.push((name.to_string(), String::new()));
-                    call_ids.push(id.to_string());
+                    assert_eq!(t["type"], "function", "{t}");
+                    assert!(t["id"].as_str().is_some_and(|id| !id.is_empty()), "{t}");
+                    r.calls.push((f["name"].as_str().unwrap().to_string(), String::new()));
+                } else {
+                    assert!(k < r.calls.len(), "call {k} before its head: {t}");
+                    let mut keys: Vec<&String> = t.as_object().unwrap().keys().collect();
+                    keys.sort();
+                    assert_eq!(
+                        keys,
+                        ["function", "index"],
+                        "a later chunk with more than index and arguments: {t}"
+                    );
+                    assert_eq!(f.as_object().unwrap().keys().collect::<Vec<_>>(), ["arguments"], "{t}");
                 }
-                assert_eq!((id, name), (call_ids[k].as_str(), r.calls[k].0.as_str()), "{t}");
-                r.calls[k].1.push_str(t["function"]["arguments"].as_str().unwrap());
+                r.calls[k].1.push_str(f["arguments"].as_str().unwrap());
             }
             if let Some(f) = c["finish_reason"].as_str() {
                 r.finish = f.to_string();
@@ -254,6 +267,53 @@ fn named_none_and_multi_turn_tool_conversations() {
     assert!(r.finish == "length" || r.finish == "stop" || r.finish == "tool_calls", "{r:?}");
 }
 
+/// Parallel calls: replies of several calls (the trained family repeats calls until
+/// `max_tokens`, the last cut inside its arguments), streamed and not, the same: each
+/// index's concatenated arguments equal the whole reply's, greedy and seeded.
+#[test]
+fn parallel_calls_stream_as_the_whole_reply() {
+    let addr = start(None);
+    for (i, prompt) in
+        ["the weather in Oslo and the time in utc?", "weather in Lima, Quito and Bogota"].iter().enumerate()
+    {
+        for temperature in [0.0, 0.9] {
+            let body = json!({"messages": [{"role": "user", "content": prompt}], "tools": tools(),
+                              "tool_choice": "required", "max_tokens": 120, "logprobs": true,
+                              "return_token_ids": true, "temperature": temperature, "seed": 5 + i});
+            let whole = ask(addr, &body);
+            assert!(whole.calls.len() >= 2, "{prompt:?}: {whole:?}");
+            // All whole but the last, which `max_tokens` may cut.
+            let done = whole.calls.len() - usize::from(whole.finish == "length");
+            assert!(whole.calls[..done].iter().all(|(n, a)| valid_call(n, a)), "{prompt:?}: {whole:?}");
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            assert_eq!(ask(addr, &streamed), whole, "{prompt:?} streamed");
+        }
+    }
+}
+
+/// Schemas that say nothing of undeclared keys are closed: `required` calls on the
+/// trained family carry only declared keys, each once, and end (the same model loops
+/// adding keys until `max_tokens` when the grammar admits them; the constraint crate's
+/// test is the negative control, with the schema opened explicitly).
+#[test]
+fn open_by_default_schemas_yield_only_declared_keys() {
+    let addr = start(None);
+    let mut open = tools();
+    for t in open.as_array_mut().unwrap() {
+        t["function"]["parameters"].as_object_mut().unwrap().remove("additionalProperties");
+    }
+    for i in 0..4 {
+        let body = json!({"messages": [{"role": "user", "content": format!("Closed {i}: the weather in Oslo?")}],
+                          "tools": open, "tool_choice": "required", "parallel_tool_calls": false,
+                          "max_tokens": 96, "temperature": if i % 2 == 1 { 0.9 } else { 0.0 }, "seed": 40 + i,
+                          "stream": i >= 2});
+        let r = ask(addr, &body);
+        assert_eq!((r.finish.as_str(), r.calls.len()), ("tool_calls", 1), "{i}: {r:?}");
+        assert!(valid_call(&r.calls[0].0, &r.calls[0].1), "{i}: {r:?}");
+    }
+}
+
 /// A template that opens the think block in the prompt (as R1 and Qwen3 thinking models'
 /// do): the reply starts as reasoning; streamed and whole, the same split.
 #[test]
@@ -313,7 +373,13 @@ fn the_openai_python_client_drives_tools_and_reasoning() {
             assert_eq!(got["content"].as_str().unwrap_or_default(), want.content, "{name}");
             assert_eq!(got["reasoning"].as_str().unwrap_or_default(), want.reasoning, "{name}");
             assert_eq!(got["finish_reason"].as_str().unwrap(), want.finish, "{name}");
-            if request.get("tools").is_some() {
+            if request.get("parallel_tool_calls") == Some(&json!(true)) {
+                let done = calls.len() - usize::from(want.finish == "length");
+                assert!(
+                    calls.len() >= 2 && calls[..done].iter().all(|(n, a)| valid_call(n, a)),
+                    "{name}: {calls:?}"
+                );
+            } else if request.get("tools").is_some() {
                 assert!(calls.len() == 1 && valid_call(&calls[0].0, &calls[0].1), "{name}: {calls:?}");
             }
             if request.get("response_format").is_some() {

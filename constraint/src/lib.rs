@@ -11,10 +11,12 @@
 //!
 //! Imports `mtp-base` only; the verifier applies the masks, the engine drives the guides.
 
+pub mod closed;
 mod guide;
 pub mod negative_control;
 mod panics;
 mod vocab;
 
+pub use closed::closed;
 pub use guide::{lark_json, Constraint, Guide, TokenMask};
 pub use vocab::Grammars;

@@ -20,7 +20,8 @@ pub use engine::{Engine, EngineOptions, KvBlocks};
 pub use generate::generate;
 pub use metrics::SpecStats;
 pub use mtp_constraint::{
-    lark_json, negative_control as constraint_negative_control, Grammars, Guide, TokenMask,
+    closed as closed_schema, lark_json, negative_control as constraint_negative_control, Grammars, Guide,
+    TokenMask,
 };
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;

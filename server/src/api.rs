@@ -7,6 +7,7 @@
 //! field out.
 
 pub mod audit;
+mod nested;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};

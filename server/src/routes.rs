@@ -359,7 +359,11 @@ fn plan(
 }
 
 /// The constraint `response_format` asks for: none for `text`, any JSON object for
-/// `json_object`, a document valid under `json_schema.schema` for `json_schema`.
+/// `json_object`, a document valid under `json_schema.schema` for `json_schema`, with its
+/// objects closed ([`mtp_engine::closed_schema`]; OpenAI's `strict: true` schemas are closed
+/// already). TGI's form, as huggingface_hub sends it, `{"type": "json_object" | "json",
+/// "value": schema}`, is the same as `json_schema` with that schema. Its keys were vetted
+/// by [`crate::api::audit`].
 fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
     let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| {
         ApiError::bad(
@@ -367,21 +371,30 @@ fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
             "`response_format.type` must be text, json_object or json_schema",
         )
     })?;
+    let schema = |s: Option<&Value>, at: &str| match s {
+        Some(schema) if schema.is_object() || schema.is_boolean() => {
+            Ok(Some(Constraint::JsonSchema(mtp_engine::closed_schema(schema))))
+        }
+        _ => Err(ApiError::bad(at, format!("`{at}` must be a JSON Schema (an object or a boolean)"))),
+    };
+    let value = v.get("value").filter(|s| !s.is_null());
     match kind {
         "text" => Ok(None),
+        "json_object" | "json" if value.is_some() => schema(value, "response_format.value"),
         "json_object" => Ok(Some(Constraint::JsonObject)),
         "json_schema" => match v.get("json_schema").and_then(|j| j.get("schema")) {
-            Some(schema) if schema.is_object() || schema.is_boolean() => {
-                Ok(Some(Constraint::JsonSchema(schema.clone())))
-            }
-            _ => Err(ApiError::bad(
+            None | Some(Value::Null) => Err(ApiError::bad(
                 "response_format.json_schema.schema",
                 "`response_format` of type json_schema needs `json_schema.schema`, a JSON Schema object",
             )),
+            s => schema(s, "response_format.json_schema.schema"),
         },
         other => Err(ApiError::bad(
             "response_format",
-            format!("`response_format.type` {other:?} is not one of text, json_object, json_schema"),
+            format!(
+                "`response_format.type` {:?} is not one of text, json_object, json_schema",
+                api::quote(other)
+            ),
         )),
     }
 }

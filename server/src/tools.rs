@@ -142,7 +142,11 @@ pub fn special_id(tok: &mtp_base::Tokenizer, text: &str) -> Option<u32> {
 }
 
 /// Splits a finished output: the content before the trigger, the calls after it. Without
-/// the trigger, or when nothing after it parses, all of it is content.
+/// the trigger, or when nothing after it parses, all of it is content. An output cut
+/// inside a call (by `max_tokens` or a stop string) keeps that call as far as its stream
+/// went, its name and its arguments so far (OpenAI's truncated calls, `finish_reason:
+/// length`): a streamed reply cannot take back a call's first chunk, so the whole reply
+/// holds what the stream sent.
 pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
     let Some(at) = text.find(syntax.trigger()) else {
         return Parsed { content: text.to_string(), calls: Vec::new() };
@@ -150,7 +154,6 @@ pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
     let calls: Vec<ToolCall> = syntax
         .calls(&text[at..])
         .into_iter()
-        .filter(|c| c.complete)
         .map(|c| ToolCall { name: c.name, arguments: c.arguments })
         .collect();
     if calls.is_empty() {
@@ -161,7 +164,8 @@ pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
 
 /// The request's `tools`: `[{"type": "function", "function": {"name", "description",
 /// "parameters"}}]`. Names are unique, 1-64 of `a-zA-Z0-9_-` (OpenAI's rule, which keeps
-/// them safe inside every family's markup); parameters are a JSON Schema object.
+/// them safe inside every family's markup); parameters are a JSON Schema object, kept
+/// with its objects closed ([`mtp_engine::closed_schema`]) for the grammar.
 pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
     let list = v.as_array().ok_or_else(|| ApiError::bad("tools", "`tools` must be a list of tools"))?;
     if list.len() > MAX_TOOLS {
@@ -198,7 +202,8 @@ pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
         };
         let parameters = match f.get("parameters") {
             None | Some(Json::Null) => serde_json::json!({"type": "object", "properties": {}}),
-            Some(p @ Json::Object(_)) => p.clone(),
+            // Closed as vLLM and SGLang close them: only declared keys, each once.
+            Some(p @ Json::Object(_)) => mtp_engine::closed_schema(p),
             Some(_) => {
                 return Err(ApiError::bad(
                     &format!("tools[{i}].function.parameters"),

@@ -166,16 +166,8 @@ pub fn check(body: &Value, tables: &[&[(&str, Rule)]], at: &str) -> Result<(), A
     Ok(())
 }
 
-/// `stream_options`' fields (an unknown one, a misspelt `include_usge`, silently dropped
-/// the usage chunk).
-const STREAM_OPTIONS: &[(&str, Rule)] = &[
-    ("include_usage", Honoured),
-    // OpenAI's padding of streamed events against length side channels: nothing to pad here.
-    ("include_obfuscation", Ignored(Type::Bool)),
-];
-
-/// The objects inside both endpoints' bodies that have fields of their own, and numbers
-/// the request structs would round past what was sent.
+/// The objects inside both endpoints' bodies that have fields of their own
+/// ([`super::nested`]), and numbers the request structs would round past what was sent.
 fn check_nested(body: &Value) -> Result<(), ApiError> {
     // `top_p` is an f32 from here on: 1e-300 would be refused as "got 0".
     if let Some(x) = body.get("top_p").and_then(Value::as_f64) {
@@ -186,20 +178,14 @@ fn check_nested(body: &Value) -> Result<(), ApiError> {
             ));
         }
     }
-    match body.get("stream_options") {
-        Some(o) if o.is_object() => {
-            check(o, &[STREAM_OPTIONS], "stream_options")?;
-            // As OpenAI answers: options for a stream that is not asked for do nothing.
-            if body.get("stream") != Some(&Value::Bool(true)) {
-                return Err(ApiError::bad(
-                    "stream_options",
-                    "`stream_options` is only allowed with `stream: true`",
-                ));
-            }
-            Ok(())
-        }
-        _ => Ok(()),
+    super::nested::check(body)?;
+    // As OpenAI answers: options for a stream that is not asked for do nothing.
+    if body.get("stream_options").is_some_and(Value::is_object)
+        && body.get("stream") != Some(&Value::Bool(true))
+    {
+        return Err(ApiError::bad("stream_options", "`stream_options` is only allowed with `stream: true`"));
     }
+    Ok(())
 }
 
 /// [`check`] for a chat body: its own fields, then each message's.

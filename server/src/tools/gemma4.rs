@@ -420,6 +420,7 @@ impl Rules<'_> {
         let open_schema = matches!(m.get("additionalProperties"), Some(Json::Object(_)));
         let props = match m.get("properties") {
             None if open_schema => return Err(self.fail("additionalProperties")),
+            None if m.get("additionalProperties") == Some(&Json::Bool(false)) => return Ok("\"{}\"".into()),
             None => return Ok("gobj".into()),
             Some(Json::Object(p)) if p.is_empty() && open_schema => {
                 return Err(self.fail("additionalProperties"))
@@ -495,7 +496,7 @@ mod tests {
     use crate::tools::{parse, read_tools};
 
     /// `get_weather` and `ping` as the shared cases, and `plan` with nested objects, arrays,
-    /// an enum, a type list and an open object.
+    /// an enum, a type list and an object opened explicitly (objects are closed by default).
     fn tools() -> Vec<Tool> {
         let mut tools = crate::tools::test_support::cases().tools;
         tools.extend(
@@ -511,7 +512,7 @@ mod tests {
                         "required": ["name"]},
                     "mode": {"enum": ["fast", "slow"]},
                     "ratio": {"type": "number"},
-                    "extra": {"type": "object"}
+                    "extra": {"type": "object", "additionalProperties": true}
                 },
                 "required": ["title", "steps"]}}}]))
             .unwrap(),
