@@ -139,7 +139,7 @@ def health(url, quiet=False):
 
 # ---- /metrics ---------------------------------------------------------------------------
 
-GAUGES = ("mtp_kv_bytes", "mtp_prefix_cache_bytes", "mtp_prompt_tokens_cached_total")
+GAUGES = ("mtp_kv_bytes", "mtp_prefix_cache_bytes", "mtp_prompt_tokens_cached_total", "mtp_preemptions_total")
 
 
 async def read_metrics(http):
@@ -368,6 +368,7 @@ def print_table(report):
         rows.append((f"{g} peak", f"{v['peak'] / 2**20:.2f} MiB (idle {v['idle_before'] / 2**20:.2f} before, "
                                   f"{v['idle_after'] / 2**20:.2f} after)"))
     rows.append(("K/V leak", "YES: mtp_kv_bytes did not return to idle" if m["kv_leak"] else "no"))
+    rows.append(("preemptions", f"{m['preemptions']:.0f} (rows that gave their K/V up and resumed)"))
     a = report["alone"]
     if a is not None:
         line = f"{a['equal']} of {a['checked']} equal"
@@ -453,6 +454,7 @@ async def bench(args, startup_s):
                for g in ("mtp_kv_bytes", "mtp_prefix_cache_bytes")}
     metrics["kv_leak"] = after["mtp_kv_bytes"] != idle["mtp_kv_bytes"]
     metrics["prompt_tokens_cached"] = after["mtp_prompt_tokens_cached_total"] - idle["mtp_prompt_tokens_cached_total"]
+    metrics["preemptions"] = after.get("mtp_preemptions_total", 0.0) - idle.get("mtp_preemptions_total", 0.0)
     metrics["polls"] = poller.polls
 
     ok = [r["index"] for r in results if "error" not in r]
