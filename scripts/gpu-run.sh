@@ -69,7 +69,10 @@
 #          8,192-token prefix, the same prefix at 8 requests/s (Poisson), and a mix of
 #          distinct 512-token prompts; needs a `cli` bundle (which packs the openai client's
 #          wheels: the GPU machine has no network).
-# Usage: scripts/gpu-run.sh tests|bench|all|serve|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
+#   serve-storm: 1,000 requests at once (512-token prompts, 256 new) through `mtp serve
+#          --max-batch 256 --kv-budget-mib 16384` on the same shape: rows outgrow the budget
+#          and are preempted; every request must finish, a sample equal to alone.
+# Usage: scripts/gpu-run.sh tests|bench|all|serve|serve-storm|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -590,7 +593,7 @@ if [ "$what" = stagger ]; then
     rm -rf /tmp/qwen3-8b
 fi
 
-if [ "$what" = serve ]; then
+if [ "$what" = serve ] || [ "$what" = serve-storm ]; then
     v=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
     mkdir -p /tmp/pylib
     for w in gpu-bundle/wheels/py$v/*.whl; do
@@ -601,6 +604,17 @@ if [ "$what" = serve ]; then
     serve="--target /tmp/qwen3-8b --backend cuda --max-batch 64 --prefix-cache-mib 16384"
     bench=(python3 scripts/serve_bench.py --binary "$bin/mtp" --url http://127.0.0.1:8311 "--serve=$serve"
         --concurrency 64 --ignore-eos --check-alone 8)
+fi
+if [ "$what" = serve-storm ]; then
+    ulimit -n 8192
+    python3 scripts/serve_bench.py --binary "$bin/mtp" --url http://127.0.0.1:8311 \
+        --serve="--target /tmp/qwen3-8b --backend cuda --max-batch 256 --kv-budget-mib 16384 --max-pending 1024 --max-connections 1100" \
+        --workload shared-prefix --prefix-tokens 1 --own-tokens 512 --arrival burst --requests 1000 \
+        --concurrency 1000 --max-tokens 256 --ignore-eos --check-alone 8 \
+        --json "$OUT/serve-storm.json" 2>&1 | tee "$OUT/serve-storm.log" || status=1
+    rm -rf /tmp/qwen3-8b
+fi
+if [ "$what" = serve ]; then
     "${bench[@]}" --workload shared-prefix --prefix-tokens 8192 --own-tokens 256 --arrival burst \
         --requests 128 --max-tokens 128 --json "$OUT/serve-burst.json" 2>&1 | tee "$OUT/serve-burst.log" || status=1
     "${bench[@]}" --workload shared-prefix --prefix-tokens 8192 --own-tokens 256 --arrival poisson --rate 8 \
