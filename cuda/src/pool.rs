@@ -111,7 +111,6 @@ impl BlockPool {
     fn reserve(&self, s: &mut State) -> Result<(), KvError> {
         let prop = self.properties();
         let ctx = self.stream.context();
-        ctx.bind_to_thread().map_err(|e| KvError(format!("GPU K/V pool: {e:?}")))?;
         let mut granularity = 0usize;
         // SAFETY: out-pointers to locals; `prop` lives across the call.
         check("granularity", unsafe {
@@ -133,8 +132,15 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Makes the pool's context current on this thread (the driver calls below need it; a
+    /// row may grow on another thread than the one that reserved the pool).
+    fn bind(&self) -> Result<(), KvError> {
+        self.stream.context().bind_to_thread().map_err(|e| KvError(format!("GPU K/V pool: {e:?}")))
+    }
+
     /// Maps physical memory until `bytes` from the base are backed.
     fn map_to(&self, s: &mut State, bytes: usize) -> Result<(), KvError> {
+        self.bind()?;
         if s.base == 0 {
             self.reserve(s)?;
         }
@@ -189,6 +195,7 @@ impl BlockPool {
             }
         };
         let block = DevBlock { pool: self.clone(), index };
+        self.bind()?;
         // SAFETY: the block's bytes lie in the mapped range; the stream orders the write.
         unsafe {
             cudarc::driver::result::memset_d8_async(
