@@ -20,6 +20,7 @@
 //! of the row's prefix alone, however the window wrapped. Memory per row for those layers
 //! is bounded by the window, not the row's length.
 
+pub mod block_table;
 mod paged;
 mod quant;
 mod ranks;

@@ -18,6 +18,7 @@
 use std::cell::UnsafeCell;
 use std::sync::Arc;
 
+use crate::block_table;
 use crate::store::{KvBlock, KvError, KvUnit};
 
 /// Positions per block by default: a multiple of every backend's attention key chunk (the
@@ -320,14 +321,13 @@ impl<E: KvUnit> Paged<E> {
 
     /// Whether the table's last block is held elsewhere too (its next write copies it).
     pub fn last_block_shared(&self) -> bool {
-        self.table.last().is_some_and(|b| Arc::strong_count(b) > 1)
+        block_table::last_shared(&self.table)
     }
 
     /// Calls `f(id, bytes)` for each block in the table: the same id wherever a block is
     /// shared.
     pub fn for_each_block(&self, f: &mut dyn FnMut(usize, usize)) {
-        let bytes = self.block_bytes();
-        self.table.iter().for_each(|b| f(Arc::as_ptr(b) as *const () as usize, bytes));
+        block_table::for_each(&self.table, self.block_bytes(), f)
     }
 
     /// Slots `[0, n)` of `half` of `layer`, little-endian, as stored.
@@ -368,45 +368,15 @@ impl<E: KvUnit> Paged<E> {
 
     /// Blocks `[first, first + n)` of the table, shared (the last may be partly held).
     pub fn share(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
-        if first + n > self.table.len() {
-            return Err(KvError(format!(
-                "host KV: blocks [{first}, {}) are not held ({} slots)",
-                first + n,
-                self.held
-            )));
-        }
-        let bytes = self.block_bytes();
-        Ok(self.table[first..first + n].iter().map(|b| KvBlock::new(b.clone(), bytes)).collect())
+        block_table::share(&self.table, first, n, self.block_bytes(), self.held, "host KV")
     }
 
     /// Appends shared blocks (made by [`Paged::share`] of a table of this shape) after the
-    /// held slots, which must end on a block boundary, of which the first `slots` become
-    /// held (the last block may be held in part: its first write copies it).
+    /// held slots (`block_table::adopt`).
     pub fn adopt(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
-        let whole = blocks.len() * self.block();
-        if !self.held.is_multiple_of(self.block())
-            || self.table.len() * self.block() != self.held
-            || slots > whole
-            || slots + self.block() <= whole
-        {
-            return Err(KvError(format!(
-                "host KV: cannot append {} blocks holding {slots} slots after {} slots",
-                blocks.len(),
-                self.held
-            )));
-        }
-        let mut adopted = Vec::with_capacity(blocks.len());
-        for b in blocks {
-            match b.downcast::<Block<E>>() {
-                Some(block) if block.values().len() == self.block_len() => adopted.push(block),
-                _ => return Err(KvError("host KV: a shared block of another store's shape".into())),
-            }
-        }
-        if crate::negative_control::adopt_out_of_order() {
-            adopted.reverse();
-        }
-        self.held += slots;
-        self.table.extend(adopted);
+        let (len, block) = (self.block_len(), self.block());
+        let fits = |b: &Arc<Block<E>>| b.values().len() == len;
+        self.held = block_table::adopt(&mut self.table, self.held, block, blocks, slots, fits, "host KV")?;
         Ok(())
     }
 }

@@ -13,7 +13,7 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use mtp_cache::{KvBlock, KvError, KvStore, BLOCK_POSITIONS};
+use mtp_cache::{block_table, KvBlock, KvError, KvStore, BLOCK_POSITIONS};
 
 use super::pool::{BlockPool, DevBlock};
 use super::{kv_unit_index, Cuda, KvDtype};
@@ -268,52 +268,22 @@ impl KvStore for CudaKv {
     }
 
     fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
-        if first + n > self.table.len() {
-            return Err(KvError(format!(
-                "GPU KV: blocks [{first}, {}) are not held ({} slots)",
-                first + n,
-                self.held
-            )));
-        }
-        let bytes = self.pool.block_bytes();
-        Ok(self.table[first..first + n].iter().map(|b| KvBlock::new(b.clone(), bytes)).collect())
+        block_table::share(&self.table, first, n, self.pool.block_bytes(), self.held, "GPU KV")
     }
 
     fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
-        let bp = BLOCK_POSITIONS;
-        let whole = blocks.len() * bp;
-        if !self.held.is_multiple_of(bp)
-            || self.table.len() * bp != self.held
-            || slots > whole
-            || slots + bp <= whole
-        {
-            return Err(KvError(format!(
-                "GPU KV: cannot append {} blocks holding {slots} slots after {} slots",
-                blocks.len(),
-                self.held
-            )));
-        }
-        let mut adopted = Vec::with_capacity(blocks.len());
-        for b in blocks {
-            match b.downcast::<DevBlock>() {
-                Some(block) if self.pool.owns(&block) => adopted.push(block),
-                _ => return Err(KvError("GPU KV: a shared block of another store's shape".into())),
-            }
-        }
-        if mtp_cache::negative_control::adopt_out_of_order() {
-            adopted.reverse();
-        }
-        self.held += slots;
-        self.table.extend(adopted);
+        let pool = self.pool.clone();
+        let fits = |b: &Arc<DevBlock>| pool.owns(b);
+        self.held =
+            block_table::adopt(&mut self.table, self.held, BLOCK_POSITIONS, blocks, slots, fits, "GPU KV")?;
         Ok(())
     }
 
     fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
-        let bytes = self.pool.block_bytes();
-        self.table.iter().for_each(|b| f(Arc::as_ptr(b) as *const () as usize, bytes));
+        block_table::for_each(&self.table, self.pool.block_bytes(), f)
     }
 
     fn last_block_shared(&self) -> bool {
-        self.table.last().is_some_and(|b| Arc::strong_count(b) > 1)
+        block_table::last_shared(&self.table)
     }
 }

@@ -71,18 +71,22 @@ impl Default for EngineOptions {
     }
 }
 
-/// K/V allocations in use ([`Engine::kv_blocks`]): blocks where the store pages on the host,
-/// whole row buffers on a device.
+/// The target's K/V in use ([`Engine::kv_usage`]), read in one pass over the block tables.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KvBlocks {
-    /// Held by admitted rows and the prefix cache, a shared one once.
-    pub used: usize,
+pub struct KvUsage {
+    /// Physical bytes admitted rows hold ([`Engine::kv_bytes`]).
+    pub bytes: usize,
+    /// Allocations held by admitted rows and the prefix cache, a shared one once: blocks
+    /// where the store pages, whole row buffers where it does not (Metal).
+    pub blocks_used: usize,
     /// Blocks the KV budget still has room for (`None` without a budget).
-    pub free: Option<usize>,
+    pub blocks_free: Option<usize>,
 }
 
+/// Distinct allocations counted once: those of admitted rows, then the prefix cache's too.
 #[derive(Default)]
 struct Held {
+    row_bytes: usize,
     allocations: usize,
     bytes: usize,
 }
@@ -221,33 +225,35 @@ impl<'a> Engine<'a> {
     /// a block shared between rows counted once (blocks only the prefix cache holds are
     /// in [`Engine::prefix_cache_bytes`]).
     pub fn kv_bytes(&self) -> usize {
-        self.held(false).bytes
+        self.held().row_bytes
     }
 
-    /// The target's K/V allocations that admitted rows and the prefix cache hold, each
-    /// once, and how many more blocks the KV budget has room for.
-    pub fn kv_blocks(&self) -> KvBlocks {
-        let held = self.held(true);
+    /// The target's K/V in use: the rows' physical bytes, the allocations rows and the
+    /// prefix cache hold, and how many more blocks the KV budget has room for.
+    pub fn kv_usage(&self) -> KvUsage {
+        let held = self.held();
         let block = self.model.kv_bytes_per_token().saturating_mul(self.block_positions);
-        let free = self.opts.kv_budget_bytes.map(|b| b.saturating_sub(held.bytes) / block.max(1));
-        KvBlocks { used: held.allocations, free }
+        let blocks_free = self.opts.kv_budget_bytes.map(|b| b.saturating_sub(held.bytes) / block.max(1));
+        KvUsage { bytes: held.row_bytes, blocks_used: held.allocations, blocks_free }
     }
 
-    /// Distinct allocations (and their bytes) of admitted rows, and of the prefix cache too
-    /// when `with_prefix_cache`.
-    fn held(&self, with_prefix_cache: bool) -> Held {
+    /// Distinct allocations (and their bytes) of admitted rows, then with the prefix
+    /// cache's.
+    fn held(&self) -> Held {
         let mut seen = std::collections::HashSet::new();
         let mut held = Held::default();
-        let mut count = |id: usize, bytes: usize| {
+        let mut count = |held: &mut Held, id: usize, bytes: usize| {
             if seen.insert(id) {
                 held.allocations += 1;
                 held.bytes = held.bytes.saturating_add(bytes);
             }
         };
-        self.prompts.iter().for_each(|p| p.cache.for_each_allocation(&mut count));
-        self.active.iter().for_each(|r| r.cache.for_each_allocation(&mut count));
-        if let Some(p) = self.prefix.as_ref().filter(|_| with_prefix_cache) {
-            p.for_each_allocation(&mut count);
+        for cache in self.prompts.iter().map(|p| &p.cache).chain(self.active.iter().map(|r| &r.cache)) {
+            cache.for_each_allocation(&mut |id, bytes| count(&mut held, id, bytes));
+        }
+        held.row_bytes = held.bytes;
+        if let Some(p) = self.prefix.as_ref() {
+            p.for_each_allocation(&mut |id, bytes| count(&mut held, id, bytes));
         }
         held
     }

@@ -16,7 +16,7 @@ mod prefix_cache;
 mod request;
 
 pub use adaptive::{DraftLen, Learned, MAX_DRAFT_TOKENS};
-pub use engine::{Engine, EngineOptions, KvBlocks};
+pub use engine::{Engine, EngineOptions, KvUsage};
 pub use generate::generate;
 pub use metrics::SpecStats;
 pub use mtp_constraint::{

@@ -180,14 +180,6 @@ impl PrefixCache {
         freed
     }
 
-    /// Evicts least recently used blocks until at most `bytes` are held.
-    pub fn evict_to(&mut self, bytes: usize) {
-        while self.used > bytes {
-            let Some((_, k)) = self.by_stamp.pop_first() else { return };
-            self.remove(k);
-        }
-    }
-
     fn remove(&mut self, k: Key) {
         if let Some(b) = self.blocks.remove(&k) {
             self.used -= b.bytes;

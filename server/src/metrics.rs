@@ -80,7 +80,7 @@ pub fn render(app: &AppState) -> String {
         "mtp_kv_bytes",
         "gauge",
         "Physical K/V bytes held by running rows, a block shared between rows counted once.",
-        &one(g.kv_bytes as f64),
+        &one(g.kv.bytes as f64),
     );
     metric(
         "mtp_prefix_cache_bytes",
@@ -92,9 +92,9 @@ pub fn render(app: &AppState) -> String {
         "mtp_kv_blocks_used",
         "gauge",
         "K/V allocations held by admitted rows and the prefix cache, a shared one once (blocks on a paged host store, row buffers on a device).",
-        &one(g.kv_blocks.used as f64),
+        &one(g.kv.blocks_used as f64),
     );
-    let free: Vec<(String, f64)> = g.kv_blocks.free.map(|f| (String::new(), f as f64)).into_iter().collect();
+    let free: Vec<(String, f64)> = g.kv.blocks_free.map(|f| (String::new(), f as f64)).into_iter().collect();
     metric(
         "mtp_kv_blocks_free",
         "gauge",

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::Drafter;
-use mtp_engine::{Engine, EngineOptions, Event, FinishReason, KvBlocks, Request, RequestId, SpecStats};
+use mtp_engine::{Engine, EngineOptions, Event, FinishReason, KvUsage, Request, RequestId, SpecStats};
 use mtp_model::Model;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -38,8 +38,7 @@ pub struct Job {
 pub struct Gauges {
     pub waiting: usize,
     pub running: usize,
-    pub kv_bytes: usize,
-    pub kv_blocks: KvBlocks,
+    pub kv: KvUsage,
     pub prefix_cache_bytes: usize,
     pub stats: SpecStats,
     pub finished: HashMap<&'static str, u64>,
@@ -140,8 +139,7 @@ fn run(mut engine: Engine, jobs: Receiver<Job>, gauges: &Mutex<Gauges>) {
 fn publish(engine: &Engine, tally: &mut Gauges, gauges: &Mutex<Gauges>) {
     tally.waiting = engine.waiting();
     tally.running = engine.running();
-    tally.kv_bytes = engine.kv_bytes();
-    tally.kv_blocks = engine.kv_blocks();
+    tally.kv = engine.kv_usage();
     tally.prefix_cache_bytes = engine.prefix_cache_bytes();
     tally.stats = engine.stats().clone();
     *gauges.lock().unwrap_or_else(|p| p.into_inner()) = tally.clone();

@@ -55,21 +55,25 @@ impl Engine<'_> {
             .saturating_add(to.saturating_sub(from).saturating_mul(drafter))
     }
 
+    /// Blocks a row of `len` positions copies when it next writes: its partly filled last
+    /// block, when that one is `shared`.
+    fn tail_copy(&self, len: usize, shared: bool) -> usize {
+        (shared && !len.is_multiple_of(self.block_positions)) as usize
+    }
+
     /// Bytes a prompt holding `from` of its `len` positions adds through its first verify:
     /// the rest of its blocks, a copy of the partly filled block it loaded when shared, and
     /// a copy of its own last block, which the prefix cache then shares, at its first
     /// verify (its window's positions too).
     fn prompt_growth(&self, from: usize, len: usize, loaded_shared: bool) -> usize {
-        let bp = self.block_positions;
-        let loaded_copy = loaded_shared && !from.is_multiple_of(bp);
-        let last_copy = self.prefix.is_some() && !len.is_multiple_of(bp);
-        let window = if self.drafter.is_some() { self.opts.k.max() + 1 } else { 1 };
-        self.growth(from, len.saturating_add(window), loaded_copy as usize + last_copy as usize)
+        let copies = self.tail_copy(from, loaded_shared) + self.tail_copy(len, self.prefix.is_some());
+        self.growth(from, len.saturating_add(self.window(true)), copies)
     }
 
-    /// Positions a decoding row adds in one round at most: its verify window.
-    fn window(&self, row: &Row) -> usize {
-        let k = if row.drafting && self.drafter.is_some() { self.opts.k.max() } else { 0 };
+    /// Positions a row adds in one round at most: its verify window (the pending token and
+    /// drafts, when `drafting`).
+    fn window(&self, drafting: bool) -> usize {
+        let k = if drafting && self.drafter.is_some() { self.opts.k.max() } else { 0 };
         k + 1
     }
 
@@ -77,7 +81,7 @@ impl Engine<'_> {
     /// cache's blocks included, each block once), the rest of their prompts, and a verify
     /// window for every decoding row.
     fn projected(&self) -> usize {
-        let Held { bytes, .. } = self.held(true);
+        let Held { bytes, .. } = self.held();
         let drafter = self.drafter.as_ref().map_or(0, |d| d.kv_bytes_per_token());
         let positions: usize =
             self.prompts.iter().map(|p| p.cache.len()).chain(self.active.iter().map(|r| r.cache.len())).sum();
@@ -90,10 +94,9 @@ impl Engine<'_> {
             .active
             .iter()
             .map(|r| {
-                let copies = (r.cache.last_block_shared()
-                    && !r.cache.len().is_multiple_of(self.block_positions))
-                    as usize;
-                self.growth(r.cache.len(), r.cache.len() + self.window(r), copies)
+                let (len, copies) =
+                    (r.cache.len(), self.tail_copy(r.cache.len(), r.cache.last_block_shared()));
+                self.growth(len, len + self.window(r.drafting), copies)
             })
             .sum();
         bytes.saturating_add(positions.saturating_mul(drafter)).saturating_add(prompts).saturating_add(rows)
