@@ -204,8 +204,8 @@ fn sharing(
         .collect()
 }
 
-/// Does this backend's K/V store page on the host (so rows share a prefix's blocks), or
-/// copy a cached prefix into each row (Metal's store and tensor-parallel ranks, for now)?
+/// Does this backend's K/V store page (so rows share a prefix's blocks), or copy a cached
+/// prefix into each row (tensor-parallel ranks, for now)?
 fn pages(model: &Model) -> bool {
     model.new_cache().store().block_positions().is_some()
 }
@@ -214,7 +214,8 @@ fn pages(model: &Model) -> bool {
 /// once. The first request runs alone; the other 15 arrive once its blocks are cached and
 /// adopt them. Every output keeps the bits of the request alone, and the rows' physical
 /// K/V peaks at the prefix once plus one block a row (its own last block); with the cache
-/// off (the control) every row holds the prefix.
+/// off (the control) every row holds the prefix. The emulator's rotated matrix runs 4 rows
+/// sharing 192 tokens (its kernels run a thousand times slower than the CPU's).
 #[test]
 fn a_prefix_shared_by_16_rows_is_held_once() {
     let model = Arc::new(common::load(&trained("target")));
@@ -222,12 +223,13 @@ fn a_prefix_shared_by_16_rows_is_held_once() {
         eprintln!("skipped: the {:?} backend copies cached prefixes into each row", model.backend());
         return;
     }
-    let shared: Vec<u32> = (0..768u32).map(|i| 50 + (i * 53) % 1800).collect();
-    let reqs = sharing(&shared, 16, 16, |i, t| 3 + (i * 131 + t * 17) % 1900, 24, "r");
+    let (rows, prefix) = if common::full_matrix() { (16, 768) } else { (4, 192) };
+    let shared: Vec<u32> = (0..prefix).map(|i| 50 + (i * 53) % 1800).collect();
+    let reqs = sharing(&shared, rows, 16, |i, t| 3 + (i * 131 + t * 17) % 1900, 24, "r");
     let want = alone(&model, &reqs);
     let block = model.new_cache().block_positions();
     let block_bytes = block * model.kv_bytes_per_token();
-    let arrive: Vec<u64> = (0..16).map(|i| u64::from(i > 0)).collect();
+    let arrive: Vec<u64> = (0..rows).map(|i| u64::from(i > 0)).collect();
     // Whole prompts a round, so that without the cache the rows overlap as they do with it.
     let opts = |cache: usize| EngineOptions {
         max_batch: 16,
@@ -238,8 +240,10 @@ fn a_prefix_shared_by_16_rows_is_held_once() {
     let mut e = Engine::new(&model, None, opts(64 << 20)).unwrap();
     let (got, peak) = run_tracking_kv(&mut e, &reqs, &arrive);
     assert_eq!(got, want, "a row reading shared blocks differs from the request alone");
-    assert_eq!(e.stats().prompt_tokens_cached, 15 * 768, "every later row adopts the whole prefix");
-    let once = (768 / block + 16) * block_bytes;
+    let (rows, prefix) = (rows as usize, prefix as usize);
+    let cached = e.stats().prompt_tokens_cached;
+    assert_eq!(cached, ((rows - 1) * prefix) as u64, "every later row adopts the whole prefix");
+    let once = (prefix / block + rows) * block_bytes;
     assert!(peak <= once, "peak K/V {peak} bytes, over the prefix once and a block a row ({once})");
     eprintln!("K/V peak shared: {peak} bytes (bound {once})");
     let mut control = Engine::new(&model, None, opts(0)).unwrap();
@@ -247,8 +251,9 @@ fn a_prefix_shared_by_16_rows_is_held_once() {
     assert_eq!(got, want);
     eprintln!("K/V peak unshared: {unshared} bytes");
     assert!(
-        unshared > 3 * once,
-        "control: rows without a shared prefix hold {unshared} bytes, not over {once}"
+        unshared >= rows * (prefix / block) * block_bytes && unshared > once,
+        "control: rows without a shared prefix hold {unshared} bytes, not the prefix each ({} blocks)",
+        rows * (prefix / block)
     );
 }
 

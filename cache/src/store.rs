@@ -45,7 +45,7 @@ pub trait KvStore: Send + Sync + 'static {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 
     /// Positions per block where the store keeps K/V in shareable blocks (a paged host
-    /// store, CUDA's), `None` where it does not (Metal's, for now).
+    /// store, CUDA's and Metal's), `None` where it does not.
     fn block_positions(&self) -> Option<usize> {
         None
     }

@@ -351,13 +351,15 @@ kernel void rope_rows(device float* x [[buffer(0)]], constant int& width [[buffe
 }
 
 // ---------------------------------------------------------------------------------------
-// K/V of one row: its buffer holds 2 * layers planes [layer][K, V][slot][kv_heads heads] of
-// `plane` units each, a head `kv_units(hd)` units at (slot * kv_heads + head) * kv_units(hd)
-// of its plane. The unit is the element of f32 (`float`) or bf16 (`ushort`) K/V, and a
+// K/V of one row: blocks of KV_BLOCK slots in its shape's pool buffer, listed in logical
+// order by its block table; a block holds 2 * layers planes [layer][K, V][slot][kv_heads
+// heads] of `plane` units each, a head `kv_units(hd)` units at (slot * kv_heads + head) *
+// kv_units(hd) of its plane (`kv_slot` finds a position's slot; kv.rs). The unit is the
+// element of f32 (`float`) or bf16 (`ushort`) K/V, and a
 // 32-bit word of quantized K/V (`--kv-bits 8|4`, `QKv<BITS>`). A ring (sliding-window
 // layers) keeps committed position p at slot p % ring; a plain store (ring 0) at slot p;
 // the open window sits from window_base on in both. Attention and the K/V store run one
-// dispatch per row over that row's own buffer; a forward's tokens are listed row by row,
+// dispatch per row over that row's blocks; a forward's tokens are listed row by row,
 // (position, RoPE position, first key, unused) each, and a row's dispatch covers tokens
 // [tok0, tok0 + its count).
 struct RowKv {
@@ -365,11 +367,16 @@ struct RowKv {
     long committed;
     long window_base;
     long ring;
+    long block_slots;
 };
 
-inline long kv_slot(RowKv row, long p) {
-    if (p >= row.committed) return row.window_base + (p - row.committed);
-    return row.ring != 0 ? p % row.ring : p;
+// The row's slot of logical position p in the pool: its held slot s (before the block
+// table) lies in block table[s / KV_BLOCK], which starts block_slots slots (of a head
+// group each) after the previous block index's.
+#define KV_BLOCK 64
+inline long kv_slot(RowKv row, device const int* table, long p) {
+    const long s = p >= row.committed ? row.window_base + (p - row.committed) : (row.ring != 0 ? p % row.ring : p);
+    return long(table[s / KV_BLOCK]) * row.block_slots + s % KV_BLOCK;
 }
 
 // Quantized K/V in the CPU's format (mtp_cache::QuantLayout): a head is one group of
@@ -486,13 +493,13 @@ template <class KV>
 void qk_rope_store_impl(device float* q, device const float* k, device const float* v,
                         device const float* q_norm, device const float* k_norm, int has_norm, float eps,
                         device const float* cos_t, device const float* sin_t, device const int* toks, int tok0,
-                        device KV* kv, RowKv row, int layer, int heads, int kv_heads, int hd, uint2 group,
-                        uint tid) {
+                        device KV* kv, RowKv row, int layer, int heads, int kv_heads, int hd,
+                        device const int* table, uint2 group, uint tid) {
     const int t = tok0 + int(group.x), y = int(group.y);
     const int pos = toks[4 * t], rope_pos = toks[4 * t + 1];
     const long kvd = long(kv_heads) * long(hd);
     const int units = kv_units(kv, hd);
-    const long slot = kv_slot(row, pos);
+    const long slot = kv_slot(row, table, pos);
     device KV* kbuf = kv + long(2 * layer) * row.plane;
     device KV* vbuf = kv + long(2 * layer + 1) * row.plane;
     const int lane = int(tid);
@@ -540,10 +547,11 @@ void qk_rope_store_impl(device float* q, device const float* k, device const flo
                      constant int& tok0 [[buffer(10)]], device KV* kv [[buffer(11)]],                       \
                      constant RowKv& row [[buffer(12)]], constant int& layer [[buffer(13)]],                \
                      constant int& heads [[buffer(14)]], constant int& kv_heads [[buffer(15)]],             \
-                     constant int& hd [[buffer(16)]], uint2 group [[threadgroup_position_in_grid]],         \
+                     constant int& hd [[buffer(16)]], device const int* table [[buffer(17)]],               \
+                     uint2 group [[threadgroup_position_in_grid]],                                          \
                      uint tid [[thread_index_in_threadgroup]]) {                                            \
         qk_rope_store_impl<KV>(q, k, v, q_norm, k_norm, has_norm, eps, cos_t, sin_t, toks, tok0, kv, row,   \
-                               layer, heads, kv_heads, hd, group, tid);                                     \
+                               layer, heads, kv_heads, hd, table, group, tid);                              \
     }
 QK_STORE(qk_rope_store_f32, float)
 QK_STORE(qk_rope_store_bf16, ushort)
@@ -562,7 +570,7 @@ QK_STORE(qk_rope_store_q4, QKv<4>)
 template <class KV, int MAX_HD>
 void attention_impl(device const float* q, device float* out, device const int* toks, int tok0,
                     device const KV* kv, RowKv row, int layer, int heads, int kv_heads, int hd, float scale,
-                    int splits, int window, uint2 group, uint tid) {
+                    int splits, int window, device const int* table, uint2 group, uint tid) {
     const int t = tok0 + int(group.x), head = int(group.y), lane = int(tid);
     const int pos = toks[4 * t], first_key = toks[4 * t + 2];
     const int units = kv_units(kv, hd);
@@ -590,7 +598,7 @@ void attention_impl(device const float* q, device float* out, device const int* 
             const bool valid = p >= k0 && p < k1;
             float sc = neg_inf;
             if (valid) {
-                device const KV* kh = kbuf + kv_slot(row, p) * kvd;
+                device const KV* kh = kbuf + kv_slot(row, table, p) * kvd;
                 float dot = 0.0f;
                 for (int d = 0; d < hd; d++) dot = fma(qh[d], kv_get(kh, d), dot);
                 sc = dot * scale;
@@ -608,7 +616,7 @@ void attention_impl(device const float* q, device float* out, device const int* 
             const int nk = min(32, k1 - c0);
             for (int j = 0; j < nk; j++) {
                 const float pb = simd_shuffle(pj, ushort(j));
-                device const KV* vh = vbuf + (c0 + j >= k0 ? kv_slot(row, c0 + j) : 0) * kvd;  // p = 0 below k0
+                device const KV* vh = vbuf + kv_slot(row, table, max(c0 + j, k0)) * kvd;  // pb = 0 below k0
                 for (int d = 0; d < MAX_HD / 32; d++) {
                     const int dd = lane + 32 * d;
                     if (d < dims && dd < hd) acc[d] = fma(pb, kv_get(vh, dd), acc[d]);
@@ -642,10 +650,11 @@ void attention_impl(device const float* q, device float* out, device const int* 
                      constant int& layer [[buffer(6)]], constant int& heads [[buffer(7)]],                  \
                      constant int& kv_heads [[buffer(8)]], constant int& hd [[buffer(9)]],                  \
                      constant float& scale [[buffer(10)]], constant int& splits [[buffer(11)]],             \
-                     constant int& window [[buffer(12)]], uint2 group [[threadgroup_position_in_grid]],     \
+                     constant int& window [[buffer(12)]], device const int* table [[buffer(13)]],           \
+                     uint2 group [[threadgroup_position_in_grid]],                                          \
                      uint tid [[thread_index_in_threadgroup]]) {                                            \
         attention_impl<KV, MAX_HD>(q, out, toks, tok0, kv, row, layer, heads, kv_heads, hd, scale, splits,  \
-                                   window, group, tid);                                                     \
+                                   window, table, group, tid);                                              \
     }
 ATTENTION(attention_f32, float, 256)
 ATTENTION(attention_bf16, ushort, 256)

@@ -1,26 +1,34 @@
-//! A row's K/V in one device buffer of `2 * layers` planes (`[layer][K, V]`), each
-//! `capacity` slots of `stride` units in the model's KV dtype: elements of f32 or bf16 K/V,
-//! 32-bit words of quantized K/V, whose slot is the CPU's bytes (`[head][scale, bias,
-//! codes]`, `mtp_cache::QuantLayout`; `KvDtype::slot_units`), so [`KvStore::read`] and
-//! [`KvStore::write_bytes`] take the CPU's format. Capacity grows by half again when a window
-//! needs more (memory follows the row's own length); moves, copies and zeroing run as kernels
-//! in order with the forward's.
+//! A row's K/V in blocks of [`BLOCK_POSITIONS`] slots from its shape's [`MetalPool`]: a
+//! block table in logical order, each block `[layer][K, V][slot][stride]` units of the
+//! model's KV dtype (elements of f32 or bf16; 32-bit words of quantized K/V, a slot the
+//! CPU's bytes: `KvDtype::slot_units`), so [`KvStore::read`] and [`KvStore::write_bytes`]
+//! take the CPU's format. Kernels read slot `s` of plane `[layer][K, V]` at unit
+//! `(2 * layer + half) * plane + (table[s / 64] * block_slots + s % 64) * stride` of the
+//! pool's buffer (`kv_slot` in kernels.metal): the same logical slots as contiguous
+//! storage, so the block size changes no bit.
+//!
+//! Blocks are shared between rows and with the prefix cache (reference counted), and a
+//! write into a shared block copies it first (copy-on-write), as on the host
+//! (`mtp_cache::paged`) and on CUDA. The table the kernels read is uploaded whenever it
+//! changes (a fresh buffer, so kernels queued before keep reading the old one).
 
 use std::any::Any;
 use std::sync::Arc;
 
-use mtp_cache::{KvError, KvStore};
+use mtp_cache::{block_table, KvBlock, KvError, KvStore, BLOCK_POSITIONS};
 
-use super::{Arg, Dispatch, KvDtype, Metal};
+use super::pool::{MetalBlock, MetalPool};
+use super::{Arg, Dispatch, KvDtype};
 use mtp_base::error::Error;
 
 pub struct MetalKv<D: Dispatch> {
-    metal: Arc<Metal<D>>,
-    buf: Option<D::Buffer>,
+    pool: Arc<MetalPool<D>>,
     dtype: KvDtype,
     planes: usize,
     stride: usize,
-    capacity: usize,
+    table: Vec<Arc<MetalBlock<D>>>,
+    /// `table` as the kernels read it (pool indices, i32), once any block is held.
+    device_table: Option<D::Buffer>,
     held: usize,
 }
 
@@ -29,92 +37,134 @@ fn kv_err(e: Error) -> KvError {
 }
 
 impl<D: Dispatch> MetalKv<D> {
-    /// An empty store of `n_layers` layers, `stride` units a slot (`KvDtype::slot_units`).
-    pub fn new(metal: Arc<Metal<D>>, n_layers: usize, stride: usize, dtype: KvDtype) -> MetalKv<D> {
-        MetalKv { metal, buf: None, dtype, planes: 2 * n_layers, stride, capacity: 0, held: 0 }
+    pub(crate) fn new(pool: Arc<MetalPool<D>>, n_layers: usize, stride: usize, dtype: KvDtype) -> MetalKv<D> {
+        MetalKv { pool, dtype, planes: 2 * n_layers, stride, table: Vec::new(), device_table: None, held: 0 }
+    }
+
+    /// Bytes of one block of this shape.
+    pub(crate) fn block_bytes(n_layers: usize, stride: usize, dtype: KvDtype) -> usize {
+        2 * n_layers * BLOCK_POSITIONS * stride * dtype.unit_bytes()
     }
 
     pub fn dtype(&self) -> KvDtype {
         self.dtype
     }
 
-    /// Units per plane (elements; words of quantized K/V).
+    /// Units per plane within a block.
     pub fn plane(&self) -> usize {
-        self.capacity * self.stride
+        BLOCK_POSITIONS * self.stride
     }
 
-    /// The buffer (an error while nothing is allocated: no forward opened a window).
-    pub(super) fn buffer(&self) -> mtp_base::error::Result<&D::Buffer> {
-        self.buf
+    /// Slots (of `stride` units) from one block's start to the next's.
+    pub fn block_slots(&self) -> usize {
+        self.planes * BLOCK_POSITIONS
+    }
+
+    /// The pool's buffer (every block) and the block table the kernels read (an error
+    /// while no block is held: no forward opened a window).
+    pub(super) fn buffers(&self) -> mtp_base::error::Result<(Arc<D::Buffer>, &D::Buffer)> {
+        let table = self
+            .device_table
             .as_ref()
-            .ok_or_else(|| Error::Backend("a Metal KV store was read before any window opened".into()))
+            .ok_or_else(|| Error::Backend("a Metal KV store was read before any window opened".into()))?;
+        Ok((self.pool.buffer()?, table))
     }
 
-    fn plane_bytes(&self, capacity: usize) -> usize {
-        capacity * self.stride * self.dtype.unit_bytes()
-    }
-
-    /// Bytes of one slot.
     fn slot_bytes(&self) -> usize {
         self.stride * self.dtype.unit_bytes()
     }
 
-    /// Kernel variant by unit: 4-byte words (f32, quantized) or 2-byte (bf16).
-    fn kernel(&self, four: &'static str, two: &'static str) -> &'static str {
-        if self.dtype.unit_bytes() == 2 {
-            two
-        } else {
-            four
-        }
+    fn unit_bytes(&self) -> usize {
+        self.dtype.unit_bytes()
     }
 
-    /// Copies the first `n` units of every plane of `src` (planes of `src_plane`) into
-    /// `dst` (planes of `dst_plane`) and zeroes `dst` units `[zero_from, zero_to)`.
-    #[allow(clippy::too_many_arguments)]
-    fn copy_planes(
+    /// Byte offset of block `b` of the table in the pool's buffer.
+    fn address(&self, b: usize) -> usize {
+        self.pool.address(self.table[b].index)
+    }
+
+    /// Uploads the table after a change.
+    fn sync_table(&mut self) -> Result<(), KvError> {
+        let indices: Vec<i32> = self.table.iter().map(|b| b.index as i32).collect();
+        let bytes: Vec<u8> = indices.iter().flat_map(|i| i.to_ne_bytes()).collect();
+        let buf = self.pool.metal().dispatch().upload(&bytes).map_err(kv_err)?;
+        self.device_table = Some(buf);
+        Ok(())
+    }
+
+    /// Block `b` for writing: copied first when another table holds it too.
+    fn unshare(&mut self, b: usize) -> Result<(), KvError> {
+        if Arc::get_mut(&mut self.table[b]).is_none() && !mtp_cache::negative_control::write_shared_in_place()
+        {
+            let copy = self.pool.copy_of(&self.table[b])?;
+            self.table[b] = Arc::new(copy);
+            self.sync_table()?;
+        }
+        Ok(())
+    }
+
+    /// Moves slots within one block, `[from, from + n)` to `[to, to + n)`, `to < from`.
+    fn move_in_block(
         &self,
-        src: &D::Buffer,
-        src_plane: usize,
-        dst: &D::Buffer,
-        dst_plane: usize,
+        buf: &D::Buffer,
+        b: usize,
+        from: usize,
+        to: usize,
         n: usize,
-        zero_from: usize,
-        zero_to: usize,
     ) -> Result<(), KvError> {
-        let work = n + zero_to.saturating_sub(zero_from);
-        let blocks = work.div_ceil(256).clamp(1, 1024);
-        self.metal
+        let name = if self.unit_bytes() == 2 { "kv_move_2" } else { "kv_move_4" };
+        let s = self.stride as i64;
+        self.pool
+            .metal()
             .run(
-                self.kernel("kv_copy_4", "kv_copy_2"),
-                (blocks as u32, self.planes as u32),
+                name,
+                (self.planes as u32, 1),
                 256,
                 &[
-                    Arg::In(src, 0),
-                    Arg::I64(src_plane as i64),
-                    Arg::Out(dst, 0),
-                    Arg::I64(dst_plane as i64),
-                    Arg::I64(n as i64),
-                    Arg::I64(zero_from as i64),
-                    Arg::I64(zero_to as i64),
-                    Arg::I64(blocks as i64),
+                    Arg::Out(buf, self.address(b)),
+                    Arg::I64(self.plane() as i64),
+                    Arg::I64(from as i64 * s),
+                    Arg::I64(to as i64 * s),
+                    Arg::I64(n as i64 * s),
                 ],
             )
             .map_err(kv_err)
     }
 
-    /// Moves to a buffer of `capacity` slots, keeping the held slots.
-    fn reallocate(&mut self, capacity: usize) -> Result<(), KvError> {
-        let bytes = self.planes * self.plane_bytes(capacity);
-        let new = self.metal.dispatch().alloc(bytes.max(4)).map_err(|e| {
-            KvError(format!("out of device memory: cannot allocate {bytes} bytes of KV cache ({e})"))
-        })?;
-        if let Some(old) = &self.buf {
-            let n = self.held * self.stride;
-            self.copy_planes(old, self.plane(), &new, capacity * self.stride, n, n, n)?;
+    /// Moves held slots `[from, from + n)` down to `[to, to + n)`, block piece by piece.
+    fn slide(&mut self, from: usize, to: usize, n: usize) -> Result<(), KvError> {
+        let bp = BLOCK_POSITIONS;
+        let mut i = 0;
+        while i < n {
+            let (s, d) = (from + i, to + i);
+            let len = (n - i).min(bp - s % bp).min(bp - d % bp);
+            self.unshare(d / bp)?;
+            let buf = self.pool.buffer().map_err(kv_err)?;
+            if s / bp == d / bp {
+                self.move_in_block(&buf, d / bp, s % bp, d % bp, len)?;
+            } else {
+                let (src, dst) = (
+                    self.address(s / bp) + (s % bp) * self.slot_bytes(),
+                    self.address(d / bp) + (d % bp) * self.slot_bytes(),
+                );
+                self.pool.copy(
+                    (&buf, src),
+                    (&buf, dst),
+                    self.planes,
+                    self.plane(),
+                    len * self.stride,
+                    0,
+                    0,
+                )?;
+            }
+            i += len;
         }
-        self.buf = Some(new);
-        self.capacity = capacity;
         Ok(())
+    }
+
+    /// Byte offset of `layer`'s `half` (0: K, 1: V) at `slot` of block `b` (within it).
+    fn span(&self, b: usize, layer: usize, half: usize, slot: usize) -> usize {
+        self.address(b) + ((2 * layer + half) * BLOCK_POSITIONS + slot) * self.slot_bytes()
     }
 }
 
@@ -123,93 +173,100 @@ impl<D: Dispatch> KvStore for MetalKv<D> {
         if slots <= self.held {
             return Ok(());
         }
-        self.reserve(slots)?;
-        let buf = self.buf.as_ref().expect("reserved");
-        let plane = self.plane();
-        self.copy_planes(buf, plane, buf, plane, 0, self.held * self.stride, slots * self.stride)?;
+        let bp = BLOCK_POSITIONS;
+        let mut fresh = Vec::new();
+        for _ in self.table.len()..slots.div_ceil(bp) {
+            fresh.push(Arc::new(self.pool.take()?));
+        }
+        // Slots past the held ones in the last held block may keep what a rollback left.
+        let stale_end = slots.min(self.table.len() * bp);
+        if self.held < stale_end {
+            let b = self.held / bp;
+            self.unshare(b)?;
+            let (from, to) = ((self.held % bp) * self.stride, (stale_end - b * bp) * self.stride);
+            let buf = self.pool.buffer().map_err(kv_err)?;
+            let at = self.address(b);
+            self.pool.copy((&buf, at), (&buf, at), self.planes, self.plane(), 0, from, to)?;
+        }
+        let grew = !fresh.is_empty();
+        self.table.extend(fresh);
         self.held = slots;
+        if grew || self.device_table.is_none() {
+            self.sync_table()?;
+        }
         Ok(())
     }
 
     fn truncate(&mut self, slots: usize) {
+        // The uploaded table may keep dropped blocks past the held ones: nothing reads them.
         self.held = self.held.min(slots);
+        self.table.truncate(self.held.div_ceil(BLOCK_POSITIONS));
     }
 
     fn reserve(&mut self, slots: usize) -> Result<(), KvError> {
-        if slots <= self.capacity {
-            return Ok(());
-        }
-        self.reallocate(mtp_kernels::grown_capacity(self.capacity, slots))
+        let more = slots.div_ceil(BLOCK_POSITIONS).saturating_sub(self.table.len());
+        self.table.try_reserve(more).map_err(|e| KvError(format!("Metal K/V block table: {e}")))
     }
 
     fn move_down(&mut self, from: usize, to: usize, n: usize) {
-        let Some(buf) = &self.buf else { return };
-        let moved = self.metal.run(
-            self.kernel("kv_move_4", "kv_move_2"),
-            (self.planes as u32, 1),
-            256,
-            &[
-                Arg::Out(buf, 0),
-                Arg::I64(self.plane() as i64),
-                Arg::I64((from * self.stride) as i64),
-                Arg::I64((to * self.stride) as i64),
-                Arg::I64((n * self.stride) as i64),
-            ],
-        );
         // A dispatch fails only on a broken device, whose error every later call reports.
-        if let Err(e) = moved {
+        if let Err(e) = self.slide(from, to, n) {
             tracing::error!("{e}");
         }
     }
 
     fn bytes(&self) -> usize {
-        self.planes * self.plane_bytes(self.capacity)
+        self.table.len() * self.pool.block_bytes()
     }
 
     fn read(&self, layer: usize, n: usize) -> Result<(Vec<u8>, Vec<u8>), KvError> {
-        let Some(buf) = &self.buf else { return Ok((Vec::new(), Vec::new())) };
-        let (pb, len) = (self.plane_bytes(self.capacity), n * self.slot_bytes());
-        let (mut k, mut v) = (vec![0u8; len], vec![0u8; len]);
-        let d = self.metal.dispatch();
-        d.read(buf, 2 * layer * pb, &mut k).map_err(kv_err)?;
-        d.read(buf, (2 * layer + 1) * pb, &mut v).map_err(kv_err)?;
-        Ok((k, v))
+        let sb = self.slot_bytes();
+        let mut out = (vec![0u8; n * sb], vec![0u8; n * sb]);
+        if n == 0 {
+            return Ok(out);
+        }
+        let buf = self.pool.buffer().map_err(kv_err)?;
+        let d = self.pool.metal().dispatch();
+        for (half, dst) in [(0, &mut out.0), (1, &mut out.1)] {
+            for (b, chunk) in dst.chunks_mut(BLOCK_POSITIONS * sb).enumerate() {
+                d.read(&buf, self.span(b, layer, half, 0), chunk).map_err(kv_err)?;
+            }
+        }
+        Ok(out)
     }
 
     fn write_bytes(&mut self, layer: usize, slot: usize, k: &[u8], v: &[u8]) -> Result<(), KvError> {
-        let pb = self.plane_bytes(self.capacity);
-        let at = slot * self.slot_bytes();
-        if k.len() != v.len()
-            || !k.len().is_multiple_of(self.slot_bytes().max(1))
-            || at + k.len() > self.held * self.slot_bytes()
-        {
+        let sb = self.slot_bytes().max(1);
+        let n = k.len() / sb;
+        if k.len() != v.len() || !k.len().is_multiple_of(sb) || slot + n > self.held {
             return Err(KvError(format!(
                 "Metal KV cache: cannot write {} bytes at slot {slot} of {} held slots",
                 k.len(),
                 self.held
             )));
         }
-        let Some(buf) = &self.buf else { return Ok(()) };
-        let d = self.metal.dispatch();
-        d.write(buf, 2 * layer * pb + at, k).map_err(kv_err)?;
-        d.write(buf, (2 * layer + 1) * pb + at, v).map_err(kv_err)
+        let bp = BLOCK_POSITIONS;
+        let mut i = 0;
+        while i < n {
+            let s = slot + i;
+            let len = (n - i).min(bp - s % bp);
+            self.unshare(s / bp)?;
+            let buf = self.pool.buffer().map_err(kv_err)?;
+            let d = self.pool.metal().dispatch();
+            for (half, src) in [(0, k), (1, v)] {
+                d.write(&buf, self.span(s / bp, layer, half, s % bp), &src[i * sb..(i + len) * sb])
+                    .map_err(kv_err)?;
+            }
+            i += len;
+        }
+        Ok(())
     }
 
     fn try_clone(&self) -> Result<Box<dyn KvStore>, KvError> {
-        let mut copy = MetalKv { buf: None, capacity: 0, held: 0, metal: self.metal.clone(), ..*self };
-        if let Some(buf) = &self.buf {
-            copy.reallocate(self.capacity)?;
-            let n = self.held * self.stride;
-            copy.copy_planes(
-                buf,
-                self.plane(),
-                copy.buf.as_ref().expect("allocated"),
-                self.plane(),
-                n,
-                n,
-                n,
-            )?;
-            copy.held = self.held;
+        let mut copy =
+            MetalKv { pool: self.pool.clone(), table: self.table.clone(), device_table: None, ..*self };
+        if !copy.table.is_empty() {
+            copy.sync_table()?;
         }
         Ok(Box::new(copy))
     }
@@ -220,5 +277,29 @@ impl<D: Dispatch> KvStore for MetalKv<D> {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+
+    fn block_positions(&self) -> Option<usize> {
+        Some(BLOCK_POSITIONS)
+    }
+
+    fn share_blocks(&self, first: usize, n: usize) -> Result<Vec<KvBlock>, KvError> {
+        block_table::share(&self.table, first, n, self.pool.block_bytes(), self.held, "Metal KV")
+    }
+
+    fn adopt_blocks(&mut self, blocks: &[KvBlock], slots: usize) -> Result<(), KvError> {
+        let pool = self.pool.clone();
+        let fits = |b: &Arc<MetalBlock<D>>| pool.owns(b);
+        self.held =
+            block_table::adopt(&mut self.table, self.held, BLOCK_POSITIONS, blocks, slots, fits, "Metal KV")?;
+        self.sync_table()
+    }
+
+    fn for_each_allocation(&self, f: &mut dyn FnMut(usize, usize)) {
+        block_table::for_each(&self.table, self.pool.block_bytes(), f)
+    }
+
+    fn last_block_shared(&self) -> bool {
+        block_table::last_shared(&self.table)
     }
 }

@@ -9,9 +9,10 @@
 //! Activations are f32 buffers; weights stay in their checkpoint dtype, wrapped without a
 //! copy where the memory map allows it; K/V live in a [`MetalKv`] per row (bf16 for 16-bit
 //! checkpoints, f32 for f32 ones, or as chosen: `--kv-dtype`, or `--kv-bits 8|4` for
-//! quantized K/V in the CPU's format, quantized on store and dequantized on load). K/V
-//! stores and attention run one dispatch per row over that row's own buffer: a row's work is
-//! the same dispatch alone or in any batch.
+//! quantized K/V in the CPU's format, quantized on store and dequantized on load), in
+//! blocks of a pool per shape that rows and the prefix cache share (`kv.rs`, `pool.rs`).
+//! K/V stores and attention run one dispatch per row over that row's block table: a row's
+//! work is the same dispatch alone or in any batch.
 
 #[cfg(all(feature = "apple", target_os = "macos"))]
 pub mod apple;
@@ -19,8 +20,10 @@ mod dispatch;
 #[cfg(mtp_metal_emulator)]
 pub mod emulated;
 mod kv;
+mod pool;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
 
 use mtp_cache::{KvStore, RowCache, SlotMap};
 
@@ -43,12 +46,15 @@ const LINEAR_COLS_PER_GROUP: usize = 16;
 pub struct Metal<D: Dispatch> {
     d: D,
     backend: Backend,
+    /// K/V block pools by shape (layers, slot units, dtype): weak, so a shape's memory
+    /// goes when its last block does.
+    kv_pools: Mutex<HashMap<(usize, usize, usize), Weak<pool::MetalPool<D>>>>,
 }
 
 impl<D: Dispatch> Metal<D> {
     pub fn new(d: D, backend: Backend) -> Metal<D> {
         tracing::info!("Metal backend on {}", d.device_name());
-        Metal { d, backend }
+        Metal { d, backend, kv_pools: Mutex::new(HashMap::new()) }
     }
 
     /// What runs the kernels.
@@ -224,6 +230,9 @@ pub struct MetalBatch<D: Dispatch> {
     splits: i32,
 }
 
+// The kernels' block (KV_BLOCK in kernels.metal) is the cache's.
+const _: () = assert!(mtp_cache::BLOCK_POSITIONS == 64);
+
 /// A row's K/V layout as the kernels read it (`RowKv` in kernels.metal).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -232,6 +241,7 @@ struct RowKv {
     committed: i64,
     window_base: i64,
     ring: i64,
+    block_slots: i64,
 }
 
 impl RowKv {
@@ -241,12 +251,14 @@ impl RowKv {
             committed: map.committed as i64,
             window_base: map.base as i64,
             ring: map.ring as i64,
+            block_slots: kv.block_slots() as i64,
         }
     }
 
-    fn bytes(&self) -> [u8; 32] {
-        let mut b = [0u8; 32];
-        for (i, v) in [self.plane, self.committed, self.window_base, self.ring].iter().enumerate() {
+    fn bytes(&self) -> [u8; 40] {
+        let mut b = [0u8; 40];
+        let fields = [self.plane, self.committed, self.window_base, self.ring, self.block_slots];
+        for (i, v) in fields.iter().enumerate() {
             b[8 * i..8 * i + 8].copy_from_slice(&v.to_ne_bytes());
         }
         b
@@ -321,7 +333,20 @@ impl<D: Dispatch> Kernels for Metal<D> {
         head_dim: usize,
         kv: KvDtype,
     ) -> Box<dyn KvStore> {
-        Box::new(MetalKv::new(self.clone(), n_layers, kv.slot_units(heads, head_dim), kv))
+        let stride = kv.slot_units(heads, head_dim);
+        let mut pools = self.kv_pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.retain(|_, p| p.strong_count() > 0);
+        let key = (n_layers, stride, kv as usize);
+        let pool = match pools.get(&key).and_then(Weak::upgrade) {
+            Some(pool) => pool,
+            None => {
+                let bytes = MetalKv::<D>::block_bytes(n_layers, stride, kv);
+                let pool = Arc::new(pool::MetalPool::new(self.clone(), bytes, kv.unit_bytes()));
+                pools.insert(key, Arc::downgrade(&pool));
+                pool
+            }
+        };
+        Box::new(MetalKv::new(pool, n_layers, stride, kv))
     }
 
     fn alloc(&self, len: usize) -> Result<MetalBuf<D>> {
@@ -545,6 +570,7 @@ impl<D: Dispatch> Kernels for Metal<D> {
             let (tok0, count) = (batch.first_token[r], batch.first_token[r + 1] - batch.first_token[r]);
             let (store, row) = self.row_kv(cache, r, plane)?;
             let row = row.bytes();
+            let (pool, table) = store.buffers()?;
             self.run(
                 name,
                 (count as u32, blocks as u32),
@@ -561,12 +587,13 @@ impl<D: Dispatch> Kernels for Metal<D> {
                     Arg::In(&rope.sin.buf, 0),
                     Arg::In(&batch.toks.buf, 0),
                     Arg::I32(tok0 as i32),
-                    Arg::Out(store.buffer()?, 0),
+                    Arg::Out(&*pool, 0),
                     Arg::Bytes(&row),
                     Arg::I32(plane.layer() as i32),
                     Arg::I32(heads.heads as i32),
                     Arg::I32(heads.kv_heads as i32),
                     Arg::I32(heads.head_dim as i32),
+                    Arg::In(table, 0),
                 ],
             )?;
         }
@@ -691,6 +718,7 @@ impl<D: Dispatch> Metal<D> {
         out: &mut MetalBuf<D>,
     ) -> Result<()> {
         let row = row.bytes();
+        let (pool, table) = store.buffers()?;
         self.run(
             name,
             (count as u32, heads.heads as u32),
@@ -700,7 +728,7 @@ impl<D: Dispatch> Metal<D> {
                 Arg::Out(&out.buf, 0),
                 Arg::In(&toks.buf, 0),
                 Arg::I32(tok0 as i32),
-                Arg::In(store.buffer()?, 0),
+                Arg::In(&*pool, 0),
                 Arg::Bytes(&row),
                 Arg::I32(plane.layer() as i32),
                 Arg::I32(heads.heads as i32),
@@ -709,6 +737,7 @@ impl<D: Dispatch> Metal<D> {
                 Arg::F32(scale),
                 Arg::I32(splits),
                 Arg::I32(window.map_or(0, |w| w as i32)),
+                Arg::In(table, 0),
             ],
         )
     }
