@@ -42,13 +42,16 @@ use mtp_kernels::{
 /// Output columns per matmul threadgroup (4 SIMD-groups of 4: see kernels.metal).
 const LINEAR_COLS_PER_GROUP: usize = 16;
 
+/// A K/V store's shape: layers, slot units, dtype.
+type PoolShape = (usize, usize, usize);
+
 /// The Metal kernels on one device.
 pub struct Metal<D: Dispatch> {
     d: D,
     backend: Backend,
     /// K/V block pools by shape (layers, slot units, dtype): weak, so a shape's memory
     /// goes when its last block does.
-    kv_pools: Mutex<HashMap<(usize, usize, usize), Weak<pool::MetalPool<D>>>>,
+    kv_pools: Mutex<HashMap<PoolShape, Weak<pool::MetalPool<D>>>>,
 }
 
 impl<D: Dispatch> Metal<D> {

@@ -137,7 +137,7 @@ impl<D: Dispatch> MetalPool<D> {
                 Some(i) => i,
                 None => {
                     if s.next == s.blocks {
-                        let blocks = s.blocks.checked_mul(2).unwrap_or(usize::MAX).max(FIRST_BLOCKS);
+                        let blocks = s.blocks.saturating_mul(2).max(FIRST_BLOCKS);
                         self.grow(&mut s, blocks)?;
                     }
                     s.next += 1;
