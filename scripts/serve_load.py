@@ -11,6 +11,8 @@ nothing failed or was lost.
 prompt starting with the same T-token-ish block of code (run it against a server with
 `--prefix-cache-mib 0` and one with the default to compare). `--burst-prefix T` runs the
 concurrent load with every prompt starting with that block: agents sharing a system prompt.
+`--api messages` sends the same load to `/v1/messages` with the official `anthropic`
+client (each prompt as a user message; a token's arrival is a `content_block_delta`).
 """
 
 import argparse
@@ -62,6 +64,30 @@ async def one(client, model, prompt, i, max_tokens):
     return {"ttft": first, "gaps": gaps, "tokens": tokens, "finish": finish, "end": time.perf_counter()}
 
 
+async def one_message(client, model, prompt, i, max_tokens):
+    """`one` through Anthropic's Messages API: the stream's events, timed as they come."""
+    sampled = i % 2 == 1
+    t0 = time.perf_counter()
+    first, last, gaps, tokens, finish = None, None, [], 0, None
+    stream = await client.messages.create(
+        model=model, max_tokens=max_tokens, stream=True, messages=[{"role": "user", "content": prompt}],
+        extra_body={"temperature": 0.8 if sampled else 0.0, "seed": i},
+    )
+    async for event in stream:
+        if event.type == "content_block_delta":
+            now = time.perf_counter()
+            if first is None:
+                first = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+        elif event.type == "message_delta":
+            tokens = event.usage.output_tokens
+            # As the chat endpoint's finish reasons: every message that ends has one.
+            finish = {"max_tokens": "length"}.get(event.delta.stop_reason, "stop") if event.delta.stop_reason else None
+    return {"ttft": first, "gaps": gaps, "tokens": tokens, "finish": finish, "end": time.perf_counter()}
+
+
 def with_prefix(tokens):
     texts = prompts()
     return "\n".join(texts)[: tokens * 4]  # about 4 characters per token of code
@@ -84,7 +110,8 @@ async def load(args, client, model):
             except asyncio.QueueEmpty:
                 return
             try:
-                results.append(await one(client, model, texts[i % len(texts)], i, args.max_tokens))
+                send = one_message if args.api == "messages" else one
+                results.append(await send(client, model, texts[i % len(texts)], i, args.max_tokens))
             except Exception as e:  # counted and reported: a load run must show every failure
                 errors.append(f"request {i}: {e!r}")
 
@@ -96,6 +123,7 @@ async def load(args, client, model):
     gaps = [g for r in results for g in r["gaps"]]
     lost = [r for r in results if r["finish"] not in ("stop", "length")]
     shared = f", a shared prefix of about {args.burst_prefix} tokens" if args.burst_prefix else ""
+    print(f"{'/v1/messages' if args.api == 'messages' else '/v1/completions'}: ", end="")
     print(f"requests {args.requests} from {args.concurrency} concurrent clients, max_tokens {args.max_tokens}{shared}")
     print(f"completed {len(results)}, errors {len(errors)}, lost (no finish reason) {len(lost)}")
     print(f"wall {wall:.1f} s; {tokens} tokens; {tokens / wall:.1f} tokens/s; {len(results) / wall:.2f} requests/s")
@@ -129,12 +157,19 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--shared-prefix", type=int, default=0)
     ap.add_argument("--burst-prefix", type=int, default=0)
+    ap.add_argument("--api", choices=["completions", "messages"], default="completions")
     args = ap.parse_args()
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600,
                                 http_client=None)
 
     async def run():
         model = (await client.models.list()).data[0].id
+        if args.api == "messages":
+            import anthropic
+
+            root = args.base_url.removesuffix("/").removesuffix("/v1")
+            messages = anthropic.AsyncAnthropic(base_url=root, api_key="unused", max_retries=0, timeout=600)
+            return await load(args, messages, model)
         if args.shared_prefix:
             return await shared_prefix(args, client, model)
         return await load(args, client, model)

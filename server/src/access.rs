@@ -1,7 +1,8 @@
 //! Who may use the server: an API key, browser origins, and Host names.
 //!
-//! - With an API key, every endpoint but `/health` wants `Authorization: Bearer <key>`
-//!   (compared in constant time); otherwise `401`.
+//! - With an API key, every endpoint but `/health` wants `Authorization: Bearer <key>` or
+//!   Anthropic's `x-api-key: <key>` (compared in constant time); otherwise `401`. Refusals
+//!   of `/v1/messages` requests take Anthropic's error shape.
 //! - A request carrying an `Origin` header comes from a web page. It is refused (`403`)
 //!   unless the origin is allowed, because a page can send a `text/plain` POST to any
 //!   address without a CORS preflight. Allowed origins get CORS headers and preflights.
@@ -72,7 +73,13 @@ impl Gate {
             CorsLayer::new()
                 .allow_origin(origins)
                 .allow_methods([Method::GET, Method::POST])
-                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    header::HeaderName::from_static("x-api-key"),
+                    header::HeaderName::from_static("anthropic-version"),
+                    header::HeaderName::from_static("anthropic-beta"),
+                ])
                 .max_age(Duration::from_secs(600)),
         )
     }
@@ -111,12 +118,13 @@ impl Gate {
         // Preflights carry no credentials; the request they clear will.
         let open = req.uri().path() == "/health" || req.method() == Method::OPTIONS;
         if let (Some(key), false) = (&self.access.api_key, open) {
-            let given = header_str(req, header::AUTHORIZATION).and_then(|v| v.strip_prefix("Bearer "));
-            let matches = given.is_some_and(|g| bool::from(g.trim().as_bytes().ct_eq(key.as_bytes())));
-            if !matches {
+            let bearer = header_str(req, header::AUTHORIZATION).and_then(|v| v.strip_prefix("Bearer "));
+            let x_api_key = header_str(req, header::HeaderName::from_static("x-api-key"));
+            let matches = |g: &str| bool::from(g.trim().as_bytes().ct_eq(key.as_bytes()));
+            if !bearer.is_some_and(matches) && !x_api_key.is_some_and(matches) {
                 return Some(ApiError::new(
                     StatusCode::UNAUTHORIZED,
-                    "a missing or wrong API key: send `Authorization: Bearer <key>`",
+                    "a missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                 ));
             }
         }
@@ -142,6 +150,9 @@ pub(crate) async fn check(State(gate): State<Arc<Gate>>, req: Request, next: Nex
     match gate.refusal(&req) {
         Some(e) => {
             tracing::debug!(status = e.status.as_u16(), "{}", e.message);
+            if req.uri().path().starts_with("/v1/messages") {
+                return crate::anthropic::error_response(&e);
+            }
             e.into_response()
         }
         None => next.run(req).await,

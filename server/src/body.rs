@@ -25,35 +25,40 @@ impl FromRequest<Arc<AppState>> for LimitedBody {
     type Rejection = Response;
 
     async fn from_request(req: Request, app: &Arc<AppState>) -> Result<Self, Response> {
-        let limits = &app.limits;
-        let declared = req.headers().get(axum::http::header::CONTENT_LENGTH);
-        let declared = declared.and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        let body = req.into_body();
-        let read = async {
-            // Declared too large to drain: answer at once (the connection closes after).
-            if declared.is_some_and(|n| n > DRAIN_BYTES as u64) {
-                return Ok(None);
-            }
-            read_limited(body, limits.max_body_bytes).await
-        };
-        match tokio::time::timeout(limits.body_timeout, read).await {
-            Ok(Ok(Some(body))) => Ok(LimitedBody(body)),
-            Ok(Ok(None)) => Err(app.refuse(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the request body is over {} bytes (--max-body-mib)", limits.max_body_bytes),
-            ))),
-            Ok(Err(e)) => Err(app.refuse(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!("the request body could not be read: {e}"),
-            ))),
-            Err(_) => Err(app.refuse(ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                format!(
-                    "the request body did not arrive within {} s (--body-timeout)",
-                    limits.body_timeout.as_secs_f64()
-                ),
-            ))),
+        read(req, app).await.map(LimitedBody).map_err(|e| app.refuse(e))
+    }
+}
+
+/// The body of `req` within the limits, or the refusal (for endpoints whose error bodies
+/// take another shape).
+pub(crate) async fn read(req: Request, app: &AppState) -> Result<Bytes, ApiError> {
+    let limits = &app.limits;
+    let declared = req.headers().get(axum::http::header::CONTENT_LENGTH);
+    let declared = declared.and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let body = req.into_body();
+    let read = async {
+        // Declared too large to drain: answer at once (the connection closes after).
+        if declared.is_some_and(|n| n > DRAIN_BYTES as u64) {
+            return Ok(None);
         }
+        read_limited(body, limits.max_body_bytes).await
+    };
+    match tokio::time::timeout(limits.body_timeout, read).await {
+        Ok(Ok(Some(body))) => Ok(body),
+        Ok(Ok(None)) => Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is over {} bytes (--max-body-mib)", limits.max_body_bytes),
+        )),
+        Ok(Err(e)) => {
+            Err(ApiError::new(StatusCode::BAD_REQUEST, format!("the request body could not be read: {e}")))
+        }
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {} s (--body-timeout)",
+                limits.body_timeout.as_secs_f64()
+            ),
+        )),
     }
 }
 

@@ -1,4 +1,5 @@
-//! `mtp serve`: an OpenAI-compatible HTTP server over the engine.
+//! `mtp serve`: an OpenAI-compatible HTTP server over the engine, with Anthropic's Messages
+//! API beside it ([`anthropic`]).
 //!
 //! The engine runs on its own thread ([`worker`]); the HTTP side (axum on tokio) turns
 //! requests into engine jobs and streams their tokens back. Every response's tokens and
@@ -7,6 +8,7 @@
 //! that depends on other requests. A client that disconnects cancels its request.
 
 pub mod access;
+mod anthropic;
 pub mod api;
 mod body;
 pub mod chat;
@@ -104,9 +106,14 @@ pub struct AppState {
 impl AppState {
     /// Answers a refused request, counting it by status.
     fn refuse(&self, e: ApiError) -> Response {
+        self.count_refusal(&e);
+        e.into_response()
+    }
+
+    /// Counts a refused request by status (whatever shape its error body takes).
+    fn count_refusal(&self, e: &ApiError) {
         *self.refused.lock().unwrap_or_else(|p| p.into_inner()).entry(e.status.as_u16()).or_default() += 1;
         tracing::debug!(status = e.status.as_u16(), "{}", e.message);
-        e.into_response()
     }
 
     /// A seed for a sampled request that gave none: distinct per request.
@@ -193,6 +200,8 @@ impl Server {
             .route("/v1/models", get(routes::models))
             .route("/v1/completions", post(routes::completions))
             .route("/v1/chat/completions", post(routes::chat))
+            .route("/v1/messages", post(anthropic::messages))
+            .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
             .with_state(self.state.clone());
         if let Some(cors) = gate.cors() {
             router = router.layer(cors);

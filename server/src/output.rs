@@ -51,7 +51,7 @@ impl Choice {
 }
 
 /// The special tokens a plan's parsers must see as text.
-fn kept(app: &AppState, plan: &Plan) -> Vec<u32> {
+pub(crate) fn kept(app: &AppState, plan: &Plan) -> Vec<u32> {
     if plan.tool_calls || plan.reasoning.is_some() {
         app.markers.clone()
     } else {
@@ -266,8 +266,23 @@ pub(crate) fn stream_response(
     plan: Plan,
     receivers: Vec<mpsc::UnboundedReceiver<Update>>,
     slots: PendingSlots,
-    mut log: RequestLog,
+    log: RequestLog,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
+    let done = stream::once(async { Ok(SseEvent::default().data("[DONE]")) });
+    Sse::new(chunks(app, plan, receivers, slots, log).map(data).chain(done))
+}
+
+/// A chat or completion stream's chunks as JSON, in order (an error body, `{"error":
+/// ...}`, ends it if the engine fails): what [`stream_response`] sends as SSE data before
+/// `[DONE]`, and what `/v1/messages` ([`crate::anthropic`]) re-encodes as its events.
+pub(crate) fn chunks(
+    app: Arc<AppState>,
+    plan: Plan,
+    receivers: Vec<mpsc::UnboundedReceiver<Update>>,
+    slots: PendingSlots,
+    mut log: RequestLog,
+) -> impl Stream<Item = Value> {
     let updates = stream::select_all(
         receivers
             .into_iter()
@@ -302,17 +317,16 @@ pub(crate) fn stream_response(
     } else {
         Vec::new()
     };
-    let body = stream::iter(opening.into_iter().map(|v| Ok(SseEvent::default().data(v.to_string())))).chain(
+    stream::iter(opening).chain(
         stream::unfold(state, |mut s| async move {
             if s.done {
                 return None;
             }
             let events = s.next_events().await;
-            Some((stream::iter(events.into_iter().map(Ok)), s))
+            Some((stream::iter(events), s))
         })
         .flatten(),
-    );
-    Sse::new(body)
+    )
 }
 
 impl Streaming {
@@ -388,14 +402,13 @@ impl Streaming {
         Delta { reasoning, text, calls }
     }
 
-    /// The SSE events for the next update (several at the end of the stream).
-    async fn next_events(&mut self) -> Vec<SseEvent> {
-        let data = |v: Value| SseEvent::default().data(v.to_string());
+    /// The chunks for the next update (several at the end of the stream).
+    async fn next_events(&mut self) -> Vec<Value> {
         let Some((i, update)) = self.updates.next().await else {
             self.done = true;
             self.log.ended("error");
             let err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped");
-            return vec![data(err.body()), SseEvent::default().data("[DONE]")];
+            return vec![err.body()];
         };
         let mut out = Vec::new();
         match update {
@@ -404,7 +417,7 @@ impl Streaming {
                 self.texts[i].push(token);
                 let d = self.deltas(i, false);
                 let choice = self.choice_delta(i, d, &[token], &[logprob], &[top], None);
-                out.push(data(self.chunk(json!([choice]))));
+                out.push(self.chunk(json!([choice])));
             }
             Update::Finished(reason) => {
                 let d = self.deltas(i, true);
@@ -416,15 +429,15 @@ impl Streaming {
                     Some(d)
                 } else {
                     let choice = self.choice_delta(i, d, &[], &[], &[], None);
-                    out.push(data(self.chunk(json!([choice]))));
+                    out.push(self.chunk(json!([choice])));
                     None
                 };
                 let choice = self.choice_delta(i, last.unwrap_or_default(), &[], &[], &[], finish);
-                out.push(data(self.chunk(json!([choice]))));
+                out.push(self.chunk(json!([choice])));
                 self.open -= 1;
             }
             Update::Failed(msg) => {
-                out.push(data(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg).body()));
+                out.push(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, msg).body());
                 self.log.ended("error");
                 self.open = 0;
             }
@@ -438,9 +451,8 @@ impl Streaming {
                 let mut v = self.chunk(json!([]));
                 v["usage"] = json!({"prompt_tokens": self.plan.prompt.len(), "completion_tokens": completion,
                                     "total_tokens": self.plan.prompt.len() + completion});
-                out.push(data(v));
+                out.push(v);
             }
-            out.push(SseEvent::default().data("[DONE]"));
         }
         out
     }

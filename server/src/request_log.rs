@@ -37,7 +37,11 @@ impl RequestLog {
     /// The log of a request that reached its handler now, answered under the response id
     /// `id`.
     pub(crate) fn new(id: String, kind: Kind) -> RequestLog {
-        let route = if kind == Kind::Chat { "chat" } else { "completions" };
+        RequestLog::for_route(id, if kind == Kind::Chat { "chat" } else { "completions" })
+    }
+
+    /// [`RequestLog::new`] under a route of another name (`messages`).
+    pub(crate) fn for_route(id: String, route: &'static str) -> RequestLog {
         RequestLog(Some(Entry {
             id,
             route,

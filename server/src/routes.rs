@@ -5,7 +5,7 @@
 //! runs before its prompt is tokenized ([`prompt`], off the async workers), and a refusal
 //! names the field to blame.
 
-mod prompt;
+pub(crate) mod prompt;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -108,7 +108,7 @@ async fn answer(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Response {
 }
 
 /// Bodies up to this size are parsed on the async worker (it takes microseconds).
-const INLINE_PARSE_BYTES: usize = 64 << 10;
+pub(crate) const INLINE_PARSE_BYTES: usize = 64 << 10;
 
 async fn respond(
     app: &Arc<AppState>,
@@ -129,10 +129,30 @@ async fn respond(
     }
     let common: Common = api::fields(&body)?;
     log.set_stream(common.stream == Some(true));
-    let (source, max_completion_tokens, logprobs, tool_grammar) = match kind {
+    let sourced = match kind {
         Kind::Completion => completion_source(app, api::fields(&body)?)?,
         Kind::Chat => chat_source(app, api::fields(&body)?)?,
     };
+    let (plan, receivers, slots) = run(app, kind, common, sourced, log).await?;
+    if plan.stream {
+        Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
+    } else {
+        collect(app, &plan, receivers, slots, log).await.map(|v| Json(v).into_response())
+    }
+}
+
+/// A vetted request's jobs on the engine, from its shared fields and its prompt: planned
+/// (everything cheap checked before the prompt is tokenized), tokenized, fitted to the
+/// context and submitted. The chat endpoint's path after its body is read; `/v1/messages`
+/// ([`crate::anthropic`]) converts its body and comes in here too.
+pub(crate) async fn run(
+    app: &Arc<AppState>,
+    kind: Kind,
+    common: Common,
+    sourced: Sourced,
+    log: &mut RequestLog,
+) -> Result<(Plan, Vec<mpsc::UnboundedReceiver<Update>>, PendingSlots), ApiError> {
+    let (source, max_completion_tokens, logprobs, tool_grammar) = sourced;
     // Everything cheap is checked before the prompt is tokenized.
     let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tool_grammar)?;
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
@@ -146,11 +166,7 @@ async fn respond(
         plan.reasoning = Some((r, r.opened_by(&text)));
     }
     let (receivers, slots) = submit(app, &plan).await?;
-    if plan.stream {
-        Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
-    } else {
-        collect(app, &plan, receivers, slots, log).await.map(|v| Json(v).into_response())
-    }
+    Ok((plan, receivers, slots))
 }
 
 /// A completion's prompt, max_completion_tokens (none) and logprobs.
@@ -182,7 +198,7 @@ fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, Ap
 /// A request's prompt, max_completion_tokens, logprobs and tools.
 /// The last is the grammar a chat's tool calls are generated under (none without tools or
 /// with `tool_choice: none`).
-type Sourced = (Source, Option<u64>, Option<usize>, Option<String>);
+pub(crate) type Sourced = (Source, Option<u64>, Option<usize>, Option<String>);
 
 /// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming the index.
 fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
@@ -205,7 +221,7 @@ fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
 }
 
 /// A chat's messages and tools, max_completion_tokens and logprobs.
-fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, ApiError> {
+pub(crate) fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }

@@ -35,10 +35,23 @@ impl TextState {
     /// The full text, cut before the earliest stop string.
     fn cut(&self, tok: &Tokenizer) -> (String, bool) {
         let text = tok.decode_keeping(&self.tokens, &self.keep).unwrap_or_default();
-        match self.stops.iter().filter_map(|s| text.find(s.as_str())).min() {
-            Some(at) => (text[..at].to_string(), true),
+        match self.earliest_stop(&text) {
+            Some((at, _)) => (text[..at].to_string(), true),
             None => (text, false),
         }
+    }
+
+    /// Where the earliest stop string in `text` starts, and which it is (of two starting
+    /// there, the first given).
+    fn earliest_stop(&self, text: &str) -> Option<(usize, &str)> {
+        let found = self.stops.iter().filter_map(|s| text.find(s.as_str()).map(|at| (at, s.as_str())));
+        found.min_by_key(|&(at, _)| at)
+    }
+
+    /// The stop string the text was cut at, if any (Anthropic's `stop_sequence`).
+    pub fn stopped_by(&self, tok: &Tokenizer) -> Option<&str> {
+        let text = tok.decode_keeping(&self.tokens, &self.keep).unwrap_or_default();
+        self.earliest_stop(&text).map(|(_, s)| s)
     }
 
     /// Text not yet handed out that is safe to send: when `finished`, all of it (cut at a
