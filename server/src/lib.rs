@@ -16,6 +16,7 @@ pub mod net;
 mod output;
 pub mod reasoning;
 mod request_log;
+mod responses;
 mod routes;
 pub mod text;
 mod timing;
@@ -193,6 +194,7 @@ impl Server {
             .route("/v1/models", get(routes::models))
             .route("/v1/completions", post(routes::completions))
             .route("/v1/chat/completions", post(routes::chat))
+            .route("/v1/responses", post(responses::create))
             .with_state(self.state.clone());
         if let Some(cors) = gate.cors() {
             router = router.layer(cors);

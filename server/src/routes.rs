@@ -110,6 +110,16 @@ async fn answer(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Response {
 /// Bodies up to this size are parsed on the async worker (it takes microseconds).
 const INLINE_PARSE_BYTES: usize = 64 << 10;
 
+/// A request body parsed into JSON; a large one off the async workers, as its prompt will
+/// be tokenized.
+pub(crate) async fn parse(body: Bytes) -> Result<Value, ApiError> {
+    if body.len() > INLINE_PARSE_BYTES {
+        prompt::off_workers(move || api::parse_body(&body)).await
+    } else {
+        api::parse_body(&body)
+    }
+}
+
 async fn respond(
     app: &Arc<AppState>,
     kind: Kind,
@@ -117,21 +127,35 @@ async fn respond(
     log: &mut RequestLog,
 ) -> Result<Response, ApiError> {
     app.requests.fetch_add(1, Ordering::Relaxed);
-    // A large body is parsed off the async workers, as its prompt will be tokenized.
-    let body = if body.len() > INLINE_PARSE_BYTES {
-        prompt::off_workers(move || api::parse_body(&body)).await?
+    let body = parse(body).await?;
+    let (plan, receivers, slots) = start(app, kind, &body, log).await?;
+    if plan.stream {
+        Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
     } else {
-        api::parse_body(&body)?
-    };
-    match kind {
-        Kind::Completion => audit::check_completion(&body)?,
-        Kind::Chat => audit::check_chat(&body)?,
+        collect(app, &plan, receivers, slots, log).await.map(|v| Json(v).into_response())
     }
-    let common: Common = api::fields(&body)?;
+}
+
+/// A running request: its plan, each choice's updates, its share of `--max-pending`.
+pub(crate) type Started = (Plan, Vec<mpsc::UnboundedReceiver<Update>>, PendingSlots);
+
+/// Vets a completions or chat body, tokenizes its prompt and hands it to the engine (the
+/// path every generation endpoint takes; `/v1/responses` sends a chat body).
+pub(crate) async fn start(
+    app: &Arc<AppState>,
+    kind: Kind,
+    body: &Value,
+    log: &mut RequestLog,
+) -> Result<Started, ApiError> {
+    match kind {
+        Kind::Completion => audit::check_completion(body)?,
+        Kind::Chat => audit::check_chat(body)?,
+    }
+    let common: Common = api::fields(body)?;
     log.set_stream(common.stream == Some(true));
     let (source, max_completion_tokens, logprobs, tool_grammar) = match kind {
-        Kind::Completion => completion_source(app, api::fields(&body)?)?,
-        Kind::Chat => chat_source(app, api::fields(&body)?)?,
+        Kind::Completion => completion_source(app, api::fields(body)?)?,
+        Kind::Chat => chat_source(app, api::fields(body)?)?,
     };
     // Everything cheap is checked before the prompt is tokenized.
     let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tool_grammar)?;
@@ -146,11 +170,7 @@ async fn respond(
         plan.reasoning = Some((r, r.opened_by(&text)));
     }
     let (receivers, slots) = submit(app, &plan).await?;
-    if plan.stream {
-        Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
-    } else {
-        collect(app, &plan, receivers, slots, log).await.map(|v| Json(v).into_response())
-    }
+    Ok((plan, receivers, slots))
 }
 
 /// A completion's prompt, max_completion_tokens (none) and logprobs.
