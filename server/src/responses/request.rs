@@ -224,11 +224,13 @@ pub(crate) fn convert(body: &Value) -> Result<Converted, ApiError> {
     echo.insert("previous_response_id".into(), Value::Null);
     echo.insert("reasoning".into(), json!({"effort": null, "summary": null}));
     echo.insert("store".into(), json!(false));
-    echo.insert("temperature".into(), or("temperature", json!(1.0)));
+    // Numbers as OpenAI writes them (`0.0`, not the `0` a client may have sent).
+    let float = |k: &str| json!(get(k).and_then(Value::as_f64).unwrap_or(1.0));
+    echo.insert("temperature".into(), float("temperature"));
     echo.insert("text".into(), json!({"format": get("text").and_then(|t| t.get("format")).filter(|f| !f.is_null()).cloned().unwrap_or(json!({"type": "text"}))}));
     echo.insert("tool_choice".into(), or("tool_choice", json!("auto")));
     echo.insert("tools".into(), or("tools", json!([])));
-    echo.insert("top_p".into(), or("top_p", json!(1.0)));
+    echo.insert("top_p".into(), float("top_p"));
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), or("user", Value::Null));
     echo.insert("metadata".into(), metadata);
