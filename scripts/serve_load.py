@@ -13,6 +13,8 @@ prompt starting with the same T-token-ish block of code (run it against a server
 concurrent load with every prompt starting with that block: agents sharing a system prompt.
 `--api messages` sends the same load to `/v1/messages` with the official `anthropic`
 client (each prompt as a user message; a token's arrival is a `content_block_delta`).
+`--api responses` sends the requests to `/v1/responses` (streamed events; each final
+`Response`'s text must be its deltas, concatenated) instead of `/v1/completions`.
 """
 
 import argparse
@@ -41,7 +43,41 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def one(client, model, prompt, i, max_tokens):
+async def one_response(client, model, prompt, i, max_tokens):
+    """A streamed `/v1/responses` request: its text deltas timed, its final `Response`
+    checked against them (a mismatch raises, counted as an error)."""
+    sampled = i % 2 == 1
+    t0 = time.perf_counter()
+    first, last, gaps, text, final = None, None, [], "", None
+    stream = await client.responses.create(
+        model=model, input=prompt, max_output_tokens=max_tokens, stream=True,
+        temperature=0.8 if sampled else 0.0, extra_body={"seed": i},
+    )
+    async for event in stream:
+        if event.type == "response.output_text.delta":
+            now = time.perf_counter()
+            if first is None:
+                first = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+            text += event.delta
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    if final is None:
+        raise RuntimeError("the stream ended without response.completed or response.incomplete")
+    if final.output_text != text:
+        raise RuntimeError(f"the final response says {final.output_text!r}, its deltas {text!r}")
+    finish = "length" if final.status == "incomplete" else "stop"
+    return {"ttft": first, "gaps": gaps, "tokens": final.usage.output_tokens, "finish": finish,
+            "end": time.perf_counter()}
+
+
+async def one(client, model, prompt, i, max_tokens, api="completions"):
+    if api == "responses":
+        return await one_response(client, model, prompt, i, max_tokens)
+    if api == "messages":
+        return await one_message(client, model, prompt, i, max_tokens)
     sampled = i % 2 == 1
     t0 = time.perf_counter()
     first, last, gaps, tokens, finish = None, None, [], 0, None
@@ -110,8 +146,7 @@ async def load(args, client, model):
             except asyncio.QueueEmpty:
                 return
             try:
-                send = one_message if args.api == "messages" else one
-                results.append(await send(client, model, texts[i % len(texts)], i, args.max_tokens))
+                results.append(await one(client, model, texts[i % len(texts)], i, args.max_tokens, args.api))
             except Exception as e:  # counted and reported: a load run must show every failure
                 errors.append(f"request {i}: {e!r}")
 
@@ -123,8 +158,8 @@ async def load(args, client, model):
     gaps = [g for r in results for g in r["gaps"]]
     lost = [r for r in results if r["finish"] not in ("stop", "length")]
     shared = f", a shared prefix of about {args.burst_prefix} tokens" if args.burst_prefix else ""
-    print(f"{'/v1/messages' if args.api == 'messages' else '/v1/completions'}: ", end="")
-    print(f"requests {args.requests} from {args.concurrency} concurrent clients, max_tokens {args.max_tokens}{shared}")
+    print(f"requests {args.requests} to /v1/{args.api} from {args.concurrency} concurrent clients, "
+          f"max_tokens {args.max_tokens}{shared}")
     print(f"completed {len(results)}, errors {len(errors)}, lost (no finish reason) {len(lost)}")
     print(f"wall {wall:.1f} s; {tokens} tokens; {tokens / wall:.1f} tokens/s; {len(results) / wall:.2f} requests/s")
     print(f"time to first token: p50 {pct(ttft, 50) * 1e3:.0f} ms, p90 {pct(ttft, 90) * 1e3:.0f} ms, "
@@ -140,7 +175,7 @@ async def shared_prefix(args, client, model):
     prefix = with_prefix(args.shared_prefix)
     ttft = []
     for i in range(args.requests):
-        r = await one(client, model, prefix + "\n" + texts[i % len(texts)][:200], i, 4)
+        r = await one(client, model, prefix + "\n" + texts[i % len(texts)][:200], i, 4, args.api)
         ttft.append(r["ttft"])
     warm = ttft[1:]
     print(f"shared prefix of about {args.shared_prefix} tokens, {args.requests} requests one at a time")
@@ -157,7 +192,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--shared-prefix", type=int, default=0)
     ap.add_argument("--burst-prefix", type=int, default=0)
-    ap.add_argument("--api", choices=["completions", "messages"], default="completions")
+    ap.add_argument("--api", choices=["completions", "messages", "responses"], default="completions")
     args = ap.parse_args()
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=600,
                                 http_client=None)

@@ -18,6 +18,7 @@ pub mod net;
 mod output;
 pub mod reasoning;
 mod request_log;
+mod responses;
 mod routes;
 pub mod text;
 mod timing;
@@ -202,6 +203,7 @@ impl Server {
             .route("/v1/chat/completions", post(routes::chat))
             .route("/v1/messages", post(anthropic::messages))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+            .route("/v1/responses", post(responses::create))
             .with_state(self.state.clone());
         if let Some(cors) = gate.cors() {
             router = router.layer(cors);

@@ -22,7 +22,7 @@ use crate::worker::Update;
 use crate::AppState;
 
 /// The finish reason a client sees: a reply that made calls ends with `tool_calls`.
-fn finish_reason(r: FinishReason, made_calls: bool) -> &'static str {
+pub(crate) fn finish_reason(r: FinishReason, made_calls: bool) -> &'static str {
     match r {
         FinishReason::Eos | FinishReason::Stop | FinishReason::Grammar if made_calls => "tool_calls",
         FinishReason::Eos | FinishReason::Stop | FinishReason::Grammar => "stop",
@@ -61,7 +61,7 @@ pub(crate) fn kept(app: &AppState, plan: &Plan) -> Vec<u32> {
 
 /// A tool call's id: unique in this server's life (a conversation matches results to
 /// calls by it), not part of what the model generated.
-fn call_id(app: &AppState) -> String {
+pub(crate) fn call_id(app: &AppState) -> String {
     format!("call_{}", app.next_id.fetch_add(1, Ordering::Relaxed))
 }
 
@@ -232,10 +232,42 @@ pub(crate) fn response_id(app: &AppState, kind: Kind) -> String {
 
 /// A choice's new output for one chunk.
 #[derive(Default)]
-struct Delta {
-    reasoning: String,
-    text: String,
-    calls: Vec<Value>,
+pub(crate) struct Delta {
+    pub(crate) reasoning: String,
+    pub(crate) text: String,
+    /// In the chat stream's wire format ([`CallStream`]).
+    pub(crate) calls: Vec<Value>,
+}
+
+/// A choice's new reasoning, content and tool-call deltas, from its text so far, its
+/// reasoning split (with the content it has handed out) and its calls: the chat stream's
+/// per choice, the Responses stream's for its one.
+pub(crate) fn deltas(
+    app: &Arc<AppState>,
+    plan: &Plan,
+    text: &mut TextState,
+    (stream, content): &mut (Option<ReasoningStream>, String),
+    calls: &mut CallStream,
+    finished: bool,
+) -> Delta {
+    let Some(tok) = app.tokenizer.clone() else { return Default::default() };
+    let syntax = app.tool_syntax.as_deref().filter(|_| plan.tool_calls);
+    if syntax.is_none() && stream.is_none() {
+        return Delta { text: text.delta(&tok, finished), ..Delta::default() };
+    }
+    let (text, safe) = text.visible(&tok, finished);
+    let (reasoning, new) = match stream {
+        Some(s) => s.push(&text[..safe], finished),
+        None => {
+            // No reasoning: the content is the text so far.
+            content.clear();
+            (String::new(), text[..safe].to_string())
+        }
+    };
+    content.push_str(&new);
+    let Some(syntax) = syntax else { return Delta { reasoning, text: new, calls: Vec::new() } };
+    let (text, calls) = calls.push(syntax, content, finished, &mut || call_id(app));
+    Delta { reasoning, text, calls }
 }
 
 /// What the SSE stream holds between chunks.
@@ -380,26 +412,8 @@ impl Streaming {
 
     /// Choice `i`'s new reasoning, content and tool-call deltas.
     fn deltas(&mut self, i: usize, finished: bool) -> Delta {
-        let Some(tok) = self.app.tokenizer.clone() else { return Default::default() };
-        let syntax = self.app.tool_syntax.as_deref().filter(|_| self.plan.tool_calls);
-        let (stream, content) = &mut self.reasoning[i];
-        if syntax.is_none() && stream.is_none() {
-            return Delta { text: self.texts[i].delta(&tok, finished), ..Delta::default() };
-        }
-        let (text, safe) = self.texts[i].visible(&tok, finished);
-        let (reasoning, new) = match stream {
-            Some(s) => s.push(&text[..safe], finished),
-            None => {
-                // No reasoning: the content is the text so far.
-                content.clear();
-                (String::new(), text[..safe].to_string())
-            }
-        };
-        content.push_str(&new);
-        let Some(syntax) = syntax else { return Delta { reasoning, text: new, calls: Vec::new() } };
-        let app = self.app.clone();
-        let (text, calls) = self.calls[i].push(syntax, content, finished, &mut || call_id(&app));
-        Delta { reasoning, text, calls }
+        let s = self;
+        deltas(&s.app, &s.plan, &mut s.texts[i], &mut s.reasoning[i], &mut s.calls[i], finished)
     }
 
     /// The chunks for the next update (several at the end of the stream).

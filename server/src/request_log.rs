@@ -10,6 +10,7 @@
 //! sees it, comma-separated, `-` for one that did not finish), `ttft_ms` (from the request
 //! reaching its handler to its first token reaching the HTTP side; `-` without a token),
 //! `total_ms` (from reaching the handler to the end), `stream`.
+//! `/v1/responses` writes route `responses`, its ids `resp_N`.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -55,6 +56,15 @@ impl RequestLog {
             total: None,
             finish: Vec::new(),
         }))
+    }
+
+    /// The line's `route`, for an endpoint that runs as another's `kind` (`/v1/responses`
+    /// runs as chat).
+    pub(crate) fn on_route(mut self, route: &'static str) -> RequestLog {
+        if let Some(e) = &mut self.0 {
+            e.route = route;
+        }
+        self
     }
 
     /// The response id (empty once handed off).

@@ -110,6 +110,16 @@ async fn answer(app: &Arc<AppState>, kind: Kind, body: Bytes) -> Response {
 /// Bodies up to this size are parsed on the async worker (it takes microseconds).
 pub(crate) const INLINE_PARSE_BYTES: usize = 64 << 10;
 
+/// A request body parsed into JSON; a large one off the async workers, as its prompt will
+/// be tokenized.
+pub(crate) async fn parse(body: Bytes) -> Result<Value, ApiError> {
+    if body.len() > INLINE_PARSE_BYTES {
+        prompt::off_workers(move || api::parse_body(&body)).await
+    } else {
+        api::parse_body(&body)
+    }
+}
+
 async fn respond(
     app: &Arc<AppState>,
     kind: Kind,
@@ -117,23 +127,8 @@ async fn respond(
     log: &mut RequestLog,
 ) -> Result<Response, ApiError> {
     app.requests.fetch_add(1, Ordering::Relaxed);
-    // A large body is parsed off the async workers, as its prompt will be tokenized.
-    let body = if body.len() > INLINE_PARSE_BYTES {
-        prompt::off_workers(move || api::parse_body(&body)).await?
-    } else {
-        api::parse_body(&body)?
-    };
-    match kind {
-        Kind::Completion => audit::check_completion(&body)?,
-        Kind::Chat => audit::check_chat(&body)?,
-    }
-    let common: Common = api::fields(&body)?;
-    log.set_stream(common.stream == Some(true));
-    let sourced = match kind {
-        Kind::Completion => completion_source(app, api::fields(&body)?)?,
-        Kind::Chat => chat_source(app, api::fields(&body)?)?,
-    };
-    let (plan, receivers, slots) = run(app, kind, common, sourced, log).await?;
+    let body = parse(body).await?;
+    let (plan, receivers, slots) = start(app, kind, &body, log).await?;
     if plan.stream {
         Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
     } else {
@@ -141,17 +136,41 @@ async fn respond(
     }
 }
 
+/// A running request: its plan, each choice's updates, its share of `--max-pending`.
+pub(crate) type Started = (Plan, Vec<mpsc::UnboundedReceiver<Update>>, PendingSlots);
+
+/// Vets a completions or chat body, tokenizes its prompt and hands it to the engine (the
+/// path every generation endpoint takes; `/v1/responses` sends a chat body).
+pub(crate) async fn start(
+    app: &Arc<AppState>,
+    kind: Kind,
+    body: &Value,
+    log: &mut RequestLog,
+) -> Result<Started, ApiError> {
+    match kind {
+        Kind::Completion => audit::check_completion(body)?,
+        Kind::Chat => audit::check_chat(body)?,
+    }
+    let common: Common = api::fields(body)?;
+    let sourced = match kind {
+        Kind::Completion => completion_source(app, api::fields(body)?)?,
+        Kind::Chat => chat_source(app, api::fields(body)?)?,
+    };
+    run(app, kind, common, sourced, log).await
+}
+
 /// A vetted request's jobs on the engine, from its shared fields and its prompt: planned
 /// (everything cheap checked before the prompt is tokenized), tokenized, fitted to the
-/// context and submitted. The chat endpoint's path after its body is read; `/v1/messages`
-/// ([`crate::anthropic`]) converts its body and comes in here too.
+/// context and submitted. `/v1/messages` ([`crate::anthropic`]) converts its body into
+/// these and comes in here too.
 pub(crate) async fn run(
     app: &Arc<AppState>,
     kind: Kind,
     common: Common,
     sourced: Sourced,
     log: &mut RequestLog,
-) -> Result<(Plan, Vec<mpsc::UnboundedReceiver<Update>>, PendingSlots), ApiError> {
+) -> Result<Started, ApiError> {
+    log.set_stream(common.stream == Some(true));
     let (source, max_completion_tokens, logprobs, tool_grammar) = sourced;
     // Everything cheap is checked before the prompt is tokenized.
     let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tool_grammar)?;
