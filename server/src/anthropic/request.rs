@@ -331,7 +331,7 @@ pub(super) fn convert(r: MessagesRequest, endpoint: Endpoint) -> Result<(Common,
         stream: Some(stream),
         // The usage chunk carries the stream's output tokens; the token ids tell which
         // stop sequence ended the reply.
-        stream_options: stream.then(|| StreamOptions { include_usage: Some(true) }),
+        stream_options: stream.then_some(StreamOptions { include_usage: Some(true) }),
         return_token_ids: Some(true),
         response_format,
         ..Common::default()
