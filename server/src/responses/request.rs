@@ -247,7 +247,7 @@ fn metadata(v: Option<&Value>) -> Result<Value, ApiError> {
         return Err(ApiError::bad("metadata", "`metadata` holds at most 16 keys"));
     }
     for (k, v) in o {
-        if k.chars().count() > 64 || !v.as_str().is_some_and(|s| s.chars().count() <= 512) {
+        if k.chars().count() > 64 || v.as_str().is_none_or(|s| s.chars().count() > 512) {
             return Err(ApiError::bad(
                 &format!("metadata.{k}"),
                 "`metadata` keys are at most 64 characters, its values strings of at most 512",
