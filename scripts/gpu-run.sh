@@ -72,7 +72,10 @@
 #   serve-storm: 1,000 requests at once (512-token prompts, 256 new) through `mtp serve
 #          --max-batch 256 --kv-budget-mib 16384` on the same shape: rows outgrow the budget
 #          and are preempted; every request must finish, a sample equal to alone.
-# Usage: scripts/gpu-run.sh tests|bench|all|serve|serve-storm|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
+#   serve-ab: the base and the tree side by side through the same server flags as `serve`
+#          (an `ab REV` bundle): the shared-prefix burst alternated twice, the mix once
+#          each, then the tree's shared prefix at 8 requests/s for 60 s (480 requests).
+# Usage: scripts/gpu-run.sh tests|bench|all|serve|serve-ab|serve-storm|quant|kv|tp|gemma4-e2b|gemma4-31b-20|anchors|ab|oracle|long|numerics|prefill|profile-prefill|stagger|matmul|kernels|profile|profile-matmul|profile-wgmma. Logs go to $OUT
 # (default /tmp/mtp-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -593,7 +596,7 @@ if [ "$what" = stagger ]; then
     rm -rf /tmp/qwen3-8b
 fi
 
-if [ "$what" = serve ] || [ "$what" = serve-storm ]; then
+if [ "$what" = serve ] || [ "$what" = serve-ab ] || [ "$what" = serve-storm ]; then
     v=$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
     mkdir -p /tmp/pylib
     for w in gpu-bundle/wheels/py$v/*.whl; do
@@ -612,6 +615,28 @@ if [ "$what" = serve-storm ]; then
         --workload shared-prefix --prefix-tokens 1 --own-tokens 512 --arrival burst --requests 1000 \
         --concurrency 1000 --max-tokens 256 --ignore-eos --check-alone 8 \
         --json "$OUT/serve-storm.json" 2>&1 | tee "$OUT/serve-storm.log" || status=1
+    rm -rf /tmp/qwen3-8b
+fi
+if [ "$what" = serve-ab ]; then
+    burst=(--workload shared-prefix --prefix-tokens 8192 --own-tokens 256 --arrival burst --requests 128 --max-tokens 128)
+    mix=(--workload shared-prefix --prefix-tokens 1 --own-tokens 512 --arrival burst --requests 128 --max-tokens 256)
+    # One workload through one binary: its table lines, the log and JSON kept in $OUT.
+    serve_one() {
+        local name=$1 binary=$2
+        shift 2
+        # (bench[4..]: the flags after its own --binary)
+        python3 scripts/serve_bench.py --binary "$binary" "${bench[@]:4}" "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+        echo "== $name ($binary)"
+        grep -E 'output tokens/s|TTFT|inter-token|kv_bytes peak|bitwise|failed' "$OUT/$name.log"
+    }
+    for i in 1 2; do
+        serve_one "burst-base$i" "$bin/mtp-base" "${burst[@]}"
+        serve_one "burst-tree$i" "$bin/mtp" "${burst[@]}"
+    done
+    serve_one mix-base "$bin/mtp-base" "${mix[@]}"
+    serve_one mix-tree "$bin/mtp" "${mix[@]}"
+    serve_one poisson60-tree "$bin/mtp" --workload shared-prefix --prefix-tokens 8192 --own-tokens 256 \
+        --arrival poisson --rate 8 --requests 480 --max-tokens 128
     rm -rf /tmp/qwen3-8b
 fi
 if [ "$what" = serve ]; then

@@ -257,6 +257,54 @@ fn a_prefix_shared_by_16_rows_is_held_once() {
     );
 }
 
+/// Two 576-token prefixes (a whole attention segment of 512 keys and more), three requests
+/// each, in the batch's row order A0 B0 A1 A2 B1 B2: A1 and A2 adopt A0's blocks, B1 and B2
+/// B0's, so CUDA's attention reads each pair's shared segment once for both, beside rows that
+/// hold other keys. Every output keeps the bits of the request alone. Negative control (CUDA,
+/// whose attention groups rows by their block tables): rows grouped by committed length
+/// alone read another prefix's keys and the bits break.
+#[test]
+fn rows_sharing_a_segment_beside_rows_of_another_prefix_keep_their_bits() {
+    let model = Arc::new(common::load(&trained("target")));
+    if !pages(&model) || !common::full_matrix() {
+        eprintln!("skipped: the {:?} backend does not page, or runs the rotated matrix", model.backend());
+        return;
+    }
+    let prefix = |p: u32| (0..576u32).map(|i| 40 + (i * 61 + p * 7) % 1850).collect::<Vec<u32>>();
+    let (a, b) = (prefix(0), prefix(1));
+    let reqs: Vec<Request> = [(&a, 0u32), (&b, 1), (&a, 2), (&a, 3), (&b, 4), (&b, 5)]
+        .iter()
+        .map(|&(p, i)| {
+            let prompt = [p.clone(), (0..16).map(|t| 7 + (i * 113 + t * 19) % 1900).collect()].concat();
+            Request { id: format!("s{i}"), prompt, max_tokens: 20, ignore_eos: true, ..Request::default() }
+        })
+        .collect();
+    let want = alone(&model, &reqs);
+    let arrive = [0, 0, 1, 1, 2, 2];
+    let run = || {
+        let opts = EngineOptions {
+            max_batch: 8,
+            prefill_chunk: 1024,
+            prefix_cache_bytes: 64 << 20,
+            ..EngineOptions::default()
+        };
+        let mut e = Engine::new(&model, None, opts).unwrap();
+        let (got, _) = run_tracking_kv(&mut e, &reqs, &arrive);
+        (got, e.stats().prompt_tokens_cached)
+    };
+    let (got, cached) = run();
+    assert_eq!(got, want, "a row reading a shared segment differs from the request alone");
+    assert_eq!(cached, 4 * 576, "the later rows adopt their prefix's blocks");
+    if model.backend() != mtp::kernels::Backend::Cuda {
+        eprintln!("control skipped: the {:?} backend reads each row's keys on its own", model.backend());
+        return;
+    }
+    negative_control::set_share_by_length(true);
+    let (by_length, _) = run();
+    negative_control::set_share_by_length(false);
+    assert_ne!(by_length, want, "control: rows grouped by length alone must break the bits");
+}
+
 /// The same prompt sent four times (sampled, four seeds), the last three after the first
 /// has started: each adopts the first's blocks, the last partly filled one included, and
 /// copies that one at its first write. Negative controls: a shared block written in place

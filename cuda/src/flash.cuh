@@ -36,6 +36,13 @@
 // writing each query's segment state to `partial` for `flash_merge`. A walking block whose
 // keys lie in one segment normalises that state into `out` as it ends (merged into the
 // empty state, a state is itself).
+// Rows that hold the same blocks for their first keys (a shared prompt prefix) read them once
+// for all (`flash::share` groups them): a shared tile takes up to 16 tokens of several such
+// rows, all reading K/V through its first token's block table, and writes each query's states
+// of the shared segments [0, seg_hi) to `shared` as a split launch does; each row's own tile
+// then walks from segment seg_lo (= that seg_hi) on, merging the shared states first, in
+// segment order. A query's states, and the order they merge in, are those of reading alone.
+// A tile is four ints: first token, count, seg_lo, seg_hi (0 and INT_MAX: every segment).
 // `splits` > 1 is the negative control only: the chunks' anchor moves by a batch-sized
 // offset (64 - 2 splits), so a query's chunking follows the batch.
 // grid: (tiles, kv_heads * segments), block: 32 W (W warps, 16 W >= the tile's tokens x
@@ -163,9 +170,9 @@ __device__ __forceinline__ void fa_merge(float& m, float& l, float* acc, float m
 // FULL: hd == MAX_HD (the host launches the `_full` kernel only then), so every size below
 // is known at compile time; the arithmetic is the same.
 template <int MAX_HD, bool FULL, class Wg>
-__device__ void flash_impl(const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows,
-                           const int* tiles, int layer, int heads, int kv_heads, int hd, float scale, int splits,
-                           int window) {
+__device__ void flash_impl(const float* q, float* out, float* partial, const float* shared, int shared_segs,
+                           const Tok* toks, const RowKv* rows, const int* tiles, int layer, int heads, int kv_heads,
+                           int hd, float scale, int splits, int window) {
     constexpr int NT = MAX_HD / 8;  // 8-dim output tiles a row holds at most
     if (FULL) hd = MAX_HD;
     // 1,024-byte aligned: the period of the 128-byte swizzle wgmma reads K and V in.
@@ -184,8 +191,12 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
     // The last tiles first: a prompt's later tokens read the most keys (the long blocks start
     // early, the short ones fill the tail).
     const int tile = gridDim.x - 1 - blockIdx.x;
-    const int t0 = tiles[2 * tile], nt = tiles[2 * tile + 1];
+    const int t0 = tiles[4 * tile], nt = tiles[4 * tile + 1];
+    // The tile's segments [seg_lo, seg_hi): a shared tile's end where its rows' blocks part,
+    // an own tile's start past the segments its shared tile computed (their states in `shared`).
+    const int seg_lo = tiles[4 * tile + 2], seg_hi = tiles[4 * tile + 3];
     const int kvh = blockIdx.y % kv_heads, seg = blockIdx.y / kv_heads, max_segs = gridDim.y / kv_heads;
+    if (partial && (seg < seg_lo || seg >= seg_hi)) return;  // (the whole block: nothing to write)
     const int G = heads / kv_heads, n_rows = nt * G;
     const int shift = splits > 1 ? FA_CHUNK - 2 * splits : 0;
     const RowKv row = rows[toks[t0].row];
@@ -288,6 +299,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         c_begin = max(c_begin, seg * FA_SEG_CHUNKS);
         c_end = min(c_end, seg * FA_SEG_CHUNKS + FA_SEG_CHUNKS - 1);
     }
+    c_begin = max(c_begin, seg_lo * FA_SEG_CHUNKS);
+    if (seg_hi < 0x7fffffff / FA_SEG_CHUNKS) c_end = min(c_end, seg_hi * FA_SEG_CHUNKS - 1);
     // Chunk c's K and V into `stage`: keys outside [lo, hi) and dims past hd as zeros. A
     // thread copies the 16-byte pieces threadIdx.x, + blockDim.x, ... of the chunk's
     // (key, piece) grid, stepped without a division.
@@ -384,7 +397,38 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
         q_desc = Wg::at(qs + __shfl_sync(0xffffffffu, warp >> 2, 0) * 64 * hdp);
         kv_desc = Wg::at(kvs);
     }
-    const bool one_segment = c_begin <= c_end && c_begin / FA_SEG_CHUNKS == c_end / FA_SEG_CHUNKS;
+    // A walking block after a shared tile's segments merges their states first, in segment
+    // order, as it would have merged them had it computed them.
+    const bool prior = !partial && seg_lo > 0;
+    const bool one_segment = !prior && c_begin <= c_end && c_begin / FA_SEG_CHUNKS == c_end / FA_SEG_CHUNKS;
+    if (prior && warp_live) {
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            if (16 * warp + g + 8 * rr >= n_rows) continue;
+            const float* src = shared + ((long long)tok[rr] * heads + head[rr]) * shared_segs * (hd + 2);
+            float merged[NT * 2];
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                merged[2 * n] = tot[(4 * n + 2 * rr) * 32 + lane];
+                merged[2 * n + 1] = tot[(4 * n + 2 * rr + 1) * 32 + lane];
+            }
+            for (int s = 0; s < seg_lo; s++, src += hd + 2) {
+                float part[NT * 2];
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    const int d = 8 * n + 2 * t4;
+                    part[2 * n] = d < hd ? src[2 + d] : 0.0f;
+                    part[2 * n + 1] = d < hd ? src[3 + d] : 0.0f;
+                }
+                fa_merge<NT * 2>(tm[rr], tl[rr], merged, src[0], src[1], part);
+            }
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                tot[(4 * n + 2 * rr) * 32 + lane] = merged[2 * n];
+                tot[(4 * n + 2 * rr + 1) * 32 + lane] = merged[2 * n + 1];
+            }
+        }
+    }
     // Row rr's output: value(n, e) (output tile n, element e of the lane's pair) times inv,
     // stored as pairs (hd even: 8-byte aligned).
     auto store_out = [&](int rr, float inv, auto value) {
@@ -614,7 +658,8 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const Tok
 #define FLASH_KERNEL(name, MAX_HD, FULL, WG)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * FA_MAX_WARPS) name(                                    \
         const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows, const int* tiles,    \
-        int layer, int heads, int kv_heads, int hd, float scale, int splits, int window) {                   \
-        flash_impl<MAX_HD, FULL, WG>(q, out, partial, toks, rows, tiles, layer, heads, kv_heads, hd, scale,   \
-                                     splits, window);                                                        \
+        const float* shared, int shared_segs, int layer, int heads, int kv_heads, int hd, float scale,       \
+        int splits, int window) {                                                                            \
+        flash_impl<MAX_HD, FULL, WG>(q, out, partial, shared, shared_segs, toks, rows, tiles, layer, heads,   \
+                                     kv_heads, hd, scale, splits, window);                                   \
     }

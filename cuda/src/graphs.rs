@@ -90,6 +90,9 @@ struct Shape {
     /// kernel the most tokens a tile holds take ([`flash::launch_class`]), or that most
     /// ([`flash::launch_most`]) where the model's heads are not known.
     tiles: (usize, (usize, bool)),
+    /// Where rows share leading blocks: the shared tiles' count and class, and the shared
+    /// segments (the shared launch's grid).
+    shared: Option<(usize, (usize, bool), usize)>,
     ring: bool,
     /// The K/V dtype (which attention and store kernels the recording launches).
     kv: mtp_kernels::KvDtype,
@@ -157,14 +160,16 @@ impl CudaGraphs {
         if !recordable {
             return run_body(cuda, batch, out_lens, fetch, body);
         }
+        let class = |most: usize| match self.heads {
+            Some(heads) => flash::launch_class(most, heads),
+            None => (flash::launch_most(most), false),
+        };
         let shape = Shape {
             tokens: batch.m,
             rows: batch.rows.len() / super::ROW_FIELDS,
             segments: batch.most_keys.div_ceil(flash::SEGMENT),
-            tiles: match self.heads {
-                Some(heads) => (batch.tiles.count, flash::launch_class(batch.tiles.most, heads)),
-                None => (batch.tiles.count, (flash::launch_most(batch.tiles.most), false)),
-            },
+            tiles: (batch.tiles.count, class(batch.tiles.most)),
+            shared: batch.shared.as_ref().map(|sh| (sh.shared.count, class(sh.shared.most), sh.segments)),
             ring: batch.ring_rows.is_some(),
             kv: batch.kv,
             out_lens: out_lens.to_vec(),
@@ -293,6 +298,10 @@ impl Cuda {
         s.memcpy_dtod(&step.rows, &mut recorded.rows).map_err(driver("graph tables"))?;
         s.memcpy_dtod(&step.tokens, &mut recorded.tokens).map_err(driver("graph tables"))?;
         s.memcpy_dtod(&step.tiles.buf, &mut recorded.tiles.buf).map_err(driver("graph tables"))?;
+        if let (Some(dst), Some(src)) = (recorded.shared.as_mut(), step.shared.as_ref()) {
+            s.memcpy_dtod(&src.shared.buf, &mut dst.shared.buf).map_err(driver("graph tables"))?;
+            s.memcpy_dtod(&src.own.buf, &mut dst.own.buf).map_err(driver("graph tables"))?;
+        }
         if let (Some(dst), Some(src)) = (recorded.ring_rows.as_mut(), step.ring_rows.as_ref()) {
             s.memcpy_dtod(src, dst).map_err(driver("graph tables"))?;
         }

@@ -1412,6 +1412,9 @@ pub struct CudaBatch {
     splits: i32,
     /// The tokens cut into the tensor-core attention's tiles.
     tiles: flash::FlashTiles,
+    /// Where adjacent rows hold the same leading blocks: the tiles that read them once for
+    /// all (the main store's full-attention layers with the tensor-core attention).
+    shared: Option<flash::SharedTiles>,
 }
 
 impl Kernels for Cuda {
@@ -1558,6 +1561,15 @@ impl Kernels for Cuda {
             }
         }
         let (rows, ring_rows, tables) = self.row_layouts(&stores, &ring_stores)?;
+        let held: Vec<flash::HeldBlocks> = stores
+            .iter()
+            .map(|(store, map)| flash::HeldBlocks {
+                pool: store.base(),
+                table: store.table().collect(),
+                committed: map.committed,
+                ring: map.ring != 0,
+            })
+            .collect();
         // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
         let toks: Vec<i32> =
             slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
@@ -1567,7 +1579,17 @@ impl Kernels for Cuda {
             None
         };
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
-        let tiles = self.flash_tiles(&slots.iter().map(|s| s.row).collect::<Vec<_>>())?;
+        let token_rows: Vec<usize> = slots.iter().map(|s| s.row).collect();
+        let tiles = self.flash_tiles(&token_rows)?;
+        // (The split control moves the chunks' anchor: a shared tile's segments would not be its rows'.)
+        let shared = match flash::share(&token_rows, &held).filter(|_| splits == 1) {
+            Some((shared, own, segments)) => Some(flash::SharedTiles {
+                shared: self.tiles_on_device(shared, "shared tiles")?,
+                own: self.tiles_on_device(own, "batch layout")?,
+                segments,
+            }),
+            None => None,
+        };
         Ok(CudaBatch {
             toks: self.upload_as(&toks, "batch layout")?,
             rows: self.upload_as(&rows, "batch layout")?,
@@ -1579,6 +1601,7 @@ impl Kernels for Cuda {
             kv: kv.unwrap_or(KvDtype::F32),
             splits: splits as i32,
             tiles,
+            shared,
         })
     }
 
@@ -1881,7 +1904,21 @@ impl Kernels for Cuda {
         let win = window.map_or(0, |w| w as i32);
         let keys =
             AttentionKeys { tokens: batch.m, most: batch.most_keys, splits: batch.splits, window: win };
-        self.launch_attention(q, out, &batch.toks, rows, &batch.tiles, li, heads, scale, batch.kv, keys)
+        // Shared blocks are the main store's, read in full (no window).
+        let shared = batch.shared.as_ref().filter(|_| win == 0 && matches!(plane, Plane::Main(_)));
+        self.launch_attention(
+            q,
+            out,
+            &batch.toks,
+            rows,
+            &batch.tiles,
+            shared,
+            li,
+            heads,
+            scale,
+            batch.kv,
+            keys,
+        )
     }
 
     fn gather(&self, x: &CudaSlice<f32>, width: usize, rows: &[usize]) -> Result<CudaSlice<f32>> {
@@ -2028,6 +2065,7 @@ impl Cuda {
         toks: &CudaSlice<i32>,
         rows: &CudaSlice<i64>,
         tiles: &flash::FlashTiles,
+        shared: Option<&flash::SharedTiles>,
         li: i32,
         heads: Heads,
         scale: f32,
@@ -2036,7 +2074,7 @@ impl Cuda {
     ) -> Result<()> {
         check_gpu_kv(kv, heads.head_dim, "CUDA")?;
         if let Some(tier) = flash::pick(self.activations, kv, heads) {
-            return self.launch_flash(tier, q, out, toks, rows, tiles, li, heads, scale, keys);
+            return self.launch_flash(tier, q, out, toks, rows, tiles, shared, li, heads, scale, keys);
         }
         let s = &self.stream;
         let (variant, group) = attention_variant(heads);
@@ -2093,8 +2131,13 @@ impl Cuda {
 
     /// The tensor-core attention's tiles of a batch whose tokens sit in `rows`.
     fn flash_tiles(&self, rows: &[usize]) -> Result<flash::FlashTiles> {
-        let (pairs, most) = flash::tiles(rows);
-        Ok(flash::FlashTiles { buf: self.upload_as(&pairs, "batch layout")?, count: pairs.len() / 2, most })
+        self.tiles_on_device(flash::tiles(rows).0, "batch layout")
+    }
+
+    /// Tile quads ([`flash::FlashTiles`]) on the device.
+    fn tiles_on_device(&self, quads: Vec<i32>, what: &str) -> Result<flash::FlashTiles> {
+        let most = quads.chunks(4).map(|q| q[1] as usize).max().unwrap_or(0);
+        Ok(flash::FlashTiles { buf: self.upload_as(&quads, what)?, count: quads.len() / 4, most })
     }
 
     /// The row layout of `plane` and the layer within it.
@@ -2167,7 +2210,19 @@ impl AssistantKernels for Cuda {
         let keys = AttentionKeys { tokens: caches.len(), most, splits: 1, window: 0 };
         let kv = kv.unwrap_or(KvDtype::F32);
         let tiles = self.flash_tiles(&(0..caches.len()).collect::<Vec<_>>())?;
-        self.launch_attention(q, out, &toks, &rows, &tiles, plane.layer() as i32, heads, scale, kv, keys)?;
+        self.launch_attention(
+            q,
+            out,
+            &toks,
+            &rows,
+            &tiles,
+            None,
+            plane.layer() as i32,
+            heads,
+            scale,
+            kv,
+            keys,
+        )?;
         drop(tables); // freed after the launch on the same stream
         Ok(())
     }

@@ -11,6 +11,7 @@ thread_local! {
     static STALE_REPLAY: Cell<bool> = const { Cell::new(false) };
     static TOKEN_ORDERED_REDUCTION: Cell<bool> = const { Cell::new(false) };
     static PAD_ROWS_FIRST: Cell<bool> = const { Cell::new(false) };
+    static SHARE_BY_LENGTH: Cell<bool> = const { Cell::new(false) };
 }
 
 /// When on, `linear` runs a stock matmul whose kernel choice depends on M: candle's on
@@ -74,10 +75,21 @@ pub fn pad_rows_first() -> bool {
     PAD_ROWS_FIRST.with(|c| c.get())
 }
 
+/// When on, CUDA's attention takes rows of a batch as sharing their leading K/V blocks by
+/// their committed lengths alone, without comparing their block tables: a row then reads
+/// another's keys.
+pub fn set_share_by_length(on: bool) {
+    SHARE_BY_LENGTH.with(|c| c.set(on));
+}
+
+pub fn share_by_length() -> bool {
+    SHARE_BY_LENGTH.with(|c| c.get())
+}
+
 /// Every switch of the calling thread, to carry into the threads a forward spawns (the
 /// tensor-parallel ranks).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Switches([bool; 6]);
+pub struct Switches([bool; 7]);
 
 impl Switches {
     pub fn current() -> Switches {
@@ -88,17 +100,19 @@ impl Switches {
             stale_replay(),
             token_ordered_reduction(),
             pad_rows_first(),
+            share_by_length(),
         ])
     }
 
     /// Sets the calling thread's switches to these.
     pub fn apply(self) {
-        let [a, b, c, d, e, f] = self.0;
+        let [a, b, c, d, e, f, g] = self.0;
         set_stock_matmul(a);
         set_physical_rope(b);
         set_split_attention(c);
         set_stale_replay(d);
         set_token_ordered_reduction(e);
         set_pad_rows_first(f);
+        set_share_by_length(g);
     }
 }
