@@ -50,17 +50,10 @@ fn render_jinja2(template: &Path, jinja_tojson: bool) -> Option<Vec<String>> {
     let python = common::python_with("jinja2")?;
     let convs = std::env::temp_dir().join(format!("mtp-chat-templates-{}.json", std::process::id()));
     std::fs::write(&convs, serde_json::to_string(&conversations()).unwrap()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/render_chat_template.py");
-    let out = std::process::Command::new(&python)
-        .arg(script)
-        .arg(template)
-        .arg(&convs)
-        .args(["<bos>", "<eos>"])
-        .args(jinja_tojson.then_some("--jinja-tojson"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    Some(String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect())
+    let (template, convs) = (template.to_str().unwrap(), convs.to_str().unwrap());
+    let mut args = vec![template, convs, "<bos>", "<eos>"];
+    args.extend(jinja_tojson.then_some("--jinja-tojson"));
+    Some(common::script_lines(&python, "render_chat_template.py", &args))
 }
 
 fn templates() -> Vec<PathBuf> {

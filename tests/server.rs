@@ -9,7 +9,6 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -403,18 +402,12 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
 fn the_openai_python_client_gets_each_request_alone() {
     let Some(python) = common::python_with("openai") else { return };
     let addr = start(8, 256);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_client_check.py");
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .args(["--base-url", &format!("http://{addr}/v1"), "--model", MODEL])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let url = format!("http://{addr}/v1");
+    let lines: Vec<Value> =
+        common::script_lines(&python, "openai_client_check.py", &["--base-url", &url, "--model", MODEL]);
     let dir = trained("target");
     let model = common::load(&dir);
     let tok = Tokenizer::from_dir(&dir).unwrap();
-    let lines: Vec<Value> =
-        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(lines.len() >= 8, "the script reported {} requests", lines.len());
     for l in &lines {
         let ids = |k: &str| -> Vec<u32> { serde_json::from_value(l[k].clone()).unwrap() };

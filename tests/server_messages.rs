@@ -12,34 +12,20 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::http::{dechunk, http, post};
+use common::server::{trained_server, MODEL};
 use common::trained;
-use mtp::base::Tokenizer;
-use mtp::drafter::{Drafter, MtpDrafter};
-use mtp::engine::{DraftLen, EngineOptions};
 use mtp::server::access::Access;
-use mtp::server::{Server, ServerOptions};
+use mtp::server::ServerOptions;
 use serde_json::{json, Value};
 
-const MODEL: &str = "mtp-trained";
-
-/// A server on the trained family with its MTP head, batch 8, adaptive k; the chat
-/// template from `template_dir` (the checkpoint's own when `None`), `api_key` required
-/// when given.
+/// A server on the trained family ([`common::server::trained_server`]), the chat template
+/// from `template_dir` (the checkpoint's own when `None`), `api_key` required when given.
 fn start(template_dir: Option<&Path>, api_key: Option<&str>) -> SocketAddr {
-    let dir = trained("target");
-    let model = Arc::new(common::load(&dir));
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let (d, m) = (dir.clone(), model.clone());
-    let make = Box::new(move || Ok(Some(Box::new(MtpDrafter::load(&d, m)?) as Box<dyn Drafter>)));
-    let opts = EngineOptions { max_batch: 8, k: DraftLen::Adaptive(4), ..EngineOptions::default() };
     let access = Access { api_key: api_key.map(String::from), ..Access::default() };
-    let options = ServerOptions { model_name: MODEL.into(), access, ..ServerOptions::default() };
-    let server = Server::start(template_dir.unwrap_or(&dir), model, Some(tok), make, opts, options).unwrap();
-    server.spawn("127.0.0.1:0".parse().unwrap()).unwrap()
+    trained_server(template_dir, ServerOptions { access, ..ServerOptions::default() })
 }
 
 fn tools() -> Value {
@@ -486,15 +472,9 @@ fn without_nulls(v: &Value) -> Value {
 fn the_anthropic_python_client_drives_messages() {
     let Some(python) = common::python_with("anthropic") else { return };
     let addr = start(None, Some("sekret"));
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/anthropic_client_check.py");
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .args(["--base-url", &format!("http://{addr}"), "--model", MODEL, "--api-key", "sekret"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<Value> =
-        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let url = format!("http://{addr}");
+    let args = ["--base-url", &url, "--model", MODEL, "--api-key", "sekret"];
+    let lines: Vec<Value> = common::script_lines(&python, "anthropic_client_check.py", &args);
     assert!(lines.len() >= 6, "the script reported {} requests", lines.len());
     let authed = |path: &str, body: &Value| {
         let (s, v) = with_headers(addr, path, &[("x-api-key", "sekret")], &body.to_string());

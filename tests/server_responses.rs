@@ -13,38 +13,18 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::http::{http, post};
+use common::server::{trained_server, MODEL};
 use common::trained;
-use mtp::base::Tokenizer;
-use mtp::drafter::{Drafter, MtpDrafter};
-use mtp::engine::{DraftLen, EngineOptions};
-use mtp::server::{Server, ServerOptions};
+use mtp::server::ServerOptions;
 use serde_json::{json, Value};
 
-const MODEL: &str = "mtp-trained";
-
-/// A server on the trained family with its MTP head, batch 8, adaptive k; the chat
-/// template from `template_dir` (the checkpoint's own when `None`).
+/// A server on the trained family ([`common::server::trained_server`]), the chat template
+/// from `template_dir` (the checkpoint's own when `None`).
 fn start(template_dir: Option<&Path>) -> SocketAddr {
-    let dir = trained("target");
-    let model = Arc::new(common::load(&dir));
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let (d, m) = (dir.clone(), model.clone());
-    let make = Box::new(move || Ok(Some(Box::new(MtpDrafter::load(&d, m)?) as Box<dyn Drafter>)));
-    let opts = EngineOptions { max_batch: 8, k: DraftLen::Adaptive(4), ..EngineOptions::default() };
-    let server = Server::start(
-        template_dir.unwrap_or(&dir),
-        model,
-        Some(tok),
-        make,
-        opts,
-        ServerOptions { model_name: MODEL.into(), ..ServerOptions::default() },
-    )
-    .unwrap();
-    server.spawn("127.0.0.1:0".parse().unwrap()).unwrap()
+    trained_server(template_dir, ServerOptions::default())
 }
 
 /// Responses' flat function tools.
@@ -580,15 +560,9 @@ fn bad_requests_are_refused_naming_the_field() {
 fn the_openai_python_client_drives_responses() {
     let Some(python) = common::python_with("openai") else { return };
     let addr = start(None);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_responses_check.py");
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .args(["--base-url", &format!("http://{addr}/v1"), "--model", MODEL])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let url = format!("http://{addr}/v1");
     let lines: Vec<Value> =
-        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        common::script_lines(&python, "openai_responses_check.py", &["--base-url", &url, "--model", MODEL]);
     assert!(lines.len() >= 10, "the script reported {} requests", lines.len());
     for l in &lines {
         if l["name"] == "agents" {

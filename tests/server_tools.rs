@@ -13,38 +13,18 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::http::{http, post, sse_events};
+use common::server::{trained_server, MODEL};
 use common::trained;
-use mtp::base::Tokenizer;
-use mtp::drafter::{Drafter, MtpDrafter};
-use mtp::engine::{DraftLen, EngineOptions};
-use mtp::server::{Server, ServerOptions};
+use mtp::server::ServerOptions;
 use serde_json::{json, Value};
 
-const MODEL: &str = "mtp-trained";
-
-/// A server on the trained family with its MTP head, batch 8, adaptive k; the chat
-/// template from `template_dir` (the checkpoint's own when `None`).
+/// A server on the trained family ([`common::server::trained_server`]), the chat template
+/// from `template_dir` (the checkpoint's own when `None`).
 fn start(template_dir: Option<&Path>) -> SocketAddr {
-    let dir = trained("target");
-    let model = Arc::new(common::load(&dir));
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let (d, m) = (dir.clone(), model.clone());
-    let make = Box::new(move || Ok(Some(Box::new(MtpDrafter::load(&d, m)?) as Box<dyn Drafter>)));
-    let opts = EngineOptions { max_batch: 8, k: DraftLen::Adaptive(4), ..EngineOptions::default() };
-    let server = Server::start(
-        template_dir.unwrap_or(&dir),
-        model,
-        Some(tok),
-        make,
-        opts,
-        ServerOptions { model_name: MODEL.into(), ..ServerOptions::default() },
-    )
-    .unwrap();
-    server.spawn("127.0.0.1:0".parse().unwrap()).unwrap()
+    trained_server(template_dir, ServerOptions::default())
 }
 
 fn tools() -> Value {
@@ -346,21 +326,12 @@ fn the_openai_python_client_drives_tools_and_reasoning() {
     let think = tempdir("client");
     let source = std::fs::read_to_string(trained("target").join("chat_template.jinja")).unwrap();
     std::fs::write(think.join("chat_template.jinja"), format!("{source}<think>\n")).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_tools_check.py");
     for (template, extra) in [(None, None), (Some(think.as_path()), Some("--reasoning"))] {
         let addr = start(template);
-        let out = std::process::Command::new(&python)
-            .arg(&script)
-            .args(["--base-url", &format!("http://{addr}/v1"), "--model", MODEL])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let lines: Vec<Value> = String::from_utf8(out.stdout)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let url = format!("http://{addr}/v1");
+        let mut args = vec!["--base-url", &url, "--model", MODEL];
+        args.extend(extra);
+        let lines: Vec<Value> = common::script_lines(&python, "openai_tools_check.py", &args);
         assert!(lines.len() >= 6, "the script reported {} requests", lines.len());
         for l in &lines {
             let mut request = l["request"].clone();

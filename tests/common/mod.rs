@@ -3,6 +3,7 @@
 
 pub mod http;
 pub mod invariance;
+pub mod server;
 
 use std::path::{Path, PathBuf};
 
@@ -150,6 +151,15 @@ pub fn python_with(module: &str) -> Option<String> {
     assert!(std::env::var_os("MTP_REQUIRE_OPENAI").is_none(), "{python} has no `{module}` package");
     eprintln!("skipped: {python} has no `{module}` package (.ci/run installs it; or set MTP_PYTHON)");
     None
+}
+
+/// Runs `scripts/{script}` with `python` and `args`, asserts it succeeded (its stderr
+/// otherwise), and returns its output, one JSON value a line.
+pub fn script_lines<T: serde::de::DeserializeOwned>(python: &str, script: &str, args: &[&str]) -> Vec<T> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts").join(script);
+    let out = std::process::Command::new(python).arg(&path).args(args).output().unwrap();
+    assert!(out.status.success(), "{script}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 /// The first row of `got` that differs from `want` (tokens, logprobs and top alternatives
