@@ -242,6 +242,24 @@ fn refusals_name_their_field() {
             "response_format",
             "invalid JSON schema",
         ),
+        // A schema every document of which must hold itself: refused when it comes, not at
+        // the call's first stuck token (a 500 once generation reached it).
+        (
+            "h",
+            json!({"messages": user(), "response_format": {"type": "json_schema", "json_schema": {"schema":
+                   {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}}),
+            400,
+            "response_format.json_schema.schema",
+            "`$ref` `#` is required inside itself",
+        ),
+        (
+            "h",
+            json!({"messages": user(), "tool_choice": "required", "tools": [{"type": "function", "function":
+                   {"name": "f", "parameters": {"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}}}]}),
+            400,
+            "tools[0].function.parameters",
+            "no finite document matches it",
+        ),
         ("h", json!({"messages": user(), "tool_choice": "required"}), 400, "tool_choice", "`tools` is empty"),
         (
             "h",

@@ -60,6 +60,7 @@ fn compact(schema: &Value) -> Result<Value, String> {
         Value::Bool(false) => return Err("the schema `false` matches nothing".into()),
         other => return Err(format!("a schema must be a JSON object or boolean, got `{other}`")),
     };
+    crate::check_finite(&schema)?;
     if schema.get("x-guidance").is_none() {
         let opts = JsonCompileOptions { whitespace_flexible: false, ..JsonCompileOptions::default() };
         opts.apply_to(&mut schema);
@@ -131,7 +132,13 @@ impl Grammars {
 impl Guide {
     /// The tokens allowed after the consumed ones (only EOS once the grammar is complete).
     pub fn mask(&mut self) -> Result<TokenMask, String> {
-        let m = self.matcher.compute_mask_or_eos().map_err(|e| e.to_string())?;
+        let m = self.matcher.compute_mask_or_eos().map_err(|e| match e.to_string() {
+            // llguidance's name for a parse that cannot go on.
+            s if s.contains("NoExtensionBias") => {
+                "the grammar allows no token here: no complete value can follow".into()
+            }
+            s => s,
+        })?;
         if m.is_zero() {
             return Err("the grammar allows no token here".into());
         }

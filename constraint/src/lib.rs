@@ -12,11 +12,13 @@
 //! Imports `mtp-base` only; the verifier applies the masks, the engine drives the guides.
 
 pub mod closed;
+mod finite;
 mod guide;
 pub mod negative_control;
 mod panics;
 mod vocab;
 
 pub use closed::closed;
+pub use finite::check_finite;
 pub use guide::{lark_json, Constraint, Guide, TokenMask};
 pub use vocab::Grammars;

@@ -408,6 +408,7 @@ fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
     })?;
     let schema = |s: Option<&Value>, at: &str| match s {
         Some(schema) if schema.is_object() || schema.is_boolean() => {
+            mtp_engine::check_finite_schema(schema).map_err(|e| ApiError::bad(at, e))?;
             Ok(Some(Constraint::JsonSchema(mtp_engine::closed_schema(schema))))
         }
         _ => Err(ApiError::bad(at, format!("`{at}` must be a JSON Schema (an object or a boolean)"))),

@@ -203,7 +203,12 @@ pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
         let parameters = match f.get("parameters") {
             None | Some(Json::Null) => serde_json::json!({"type": "object", "properties": {}}),
             // Closed as vLLM and SGLang close them: only declared keys, each once.
-            Some(p @ Json::Object(_)) => mtp_engine::closed_schema(p),
+            Some(p @ Json::Object(_)) => {
+                // An endless schema would stall the call mid-way: refused now, by path.
+                let at = format!("tools[{i}].function.parameters");
+                mtp_engine::check_finite_schema(p).map_err(|e| ApiError::bad(&at, e))?;
+                mtp_engine::closed_schema(p)
+            }
             Some(_) => {
                 return Err(ApiError::bad(
                     &format!("tools[{i}].function.parameters"),
@@ -342,10 +347,13 @@ mod tests {
     fn tools_and_choices_are_read_or_refused_by_field() {
         let tools = read_tools(&serde_json::json!([
             {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-            {"type": "function", "function": {"name": "ping"}}
+            {"type": "function", "function": {"name": "ping"}},
+            // Recursion with a way out (the control of the endless schema below).
+            {"type": "function", "function": {"name": "tree", "parameters":
+                {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}}}
         ]))
         .unwrap();
-        assert_eq!(tools.len(), 2);
+        assert_eq!(tools.len(), 3);
         assert_eq!(tools[1].parameters["type"], "object");
         for (bad, param) in [
             (serde_json::json!([{"type": "retrieval"}]), "tools[0].type"),
@@ -359,6 +367,11 @@ mod tests {
             ),
             (
                 serde_json::json!([{"type": "function", "function": {"name": "a", "parameters": 3}}]),
+                "tools[0].function.parameters",
+            ),
+            (
+                serde_json::json!([{"type": "function", "function": {"name": "a", "parameters":
+                    {"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}}}]),
                 "tools[0].function.parameters",
             ),
         ] {
