@@ -611,7 +611,7 @@ fi
 if [ "$what" = serve-storm ]; then
     ulimit -n 8192
     python3 scripts/serve_bench.py --binary "$bin/mtp" --url http://127.0.0.1:8311 \
-        --serve="--target /tmp/qwen3-8b --backend cuda --max-batch 256 --kv-budget-mib 16384 --max-pending 1024 --max-connections 1100" \
+        --serve="--target /tmp/qwen3-8b --backend cuda --max-batch 256 --kv-budget-mib 16384 --max-pending 1024 --max-connections 1100 --max-connections-per-client 1100" \
         --workload shared-prefix --prefix-tokens 1 --own-tokens 512 --arrival burst --requests 1000 \
         --concurrency 1000 --max-tokens 256 --ignore-eos --check-alone 8 \
         --json "$OUT/serve-storm.json" 2>&1 | tee "$OUT/serve-storm.log" || status=1

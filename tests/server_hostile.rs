@@ -247,13 +247,14 @@ fn hostile_clients_cannot_stall_the_server() {
     let slowest = prober.join().unwrap();
     assert!(slowest < Duration::from_secs(1), "/health took {slowest:?} under load");
 
-    // Connections over the limit are answered 503 at once; the idle ones holding the
-    // limit are closed by the header timeout, and the server serves again.
+    // Connections over the limit are answered 503 at once (/health still served); the idle
+    // ones holding the limit are closed by the header timeout, and the server serves again.
     let holders: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(addr).unwrap()).collect();
     thread::sleep(Duration::from_millis(200));
-    let (status, _, body) = exchange(addr, "GET", "/health", "", b"");
+    let (status, _, body) = exchange(addr, "POST", "/v1/completions", "", b"{}");
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("--max-connections"), "{body}");
+    assert_eq!(exchange(addr, "GET", "/health", "", b"").0, 200, "/health past the limit");
     for s in holders {
         assert!(closed_within(s, Duration::from_secs(5)));
     }
@@ -265,6 +266,65 @@ fn hostile_clients_cannot_stall_the_server() {
     let after = rss_kib(served.child.id());
     assert!(after < baseline + 150 * 1024, "RSS went from {baseline} KiB to {after} KiB and stayed");
     eprintln!("RSS {baseline} KiB before the storm, {after} KiB after; slowest /health {slowest:?}");
+}
+
+/// A connection to `addr` from the loopback address `from` (another client, as the server
+/// counts them).
+fn connect_from(from: [u8; 4], addr: SocketAddr) -> TcpStream {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from((from, 0)).into()).unwrap();
+    s.connect(&addr.into()).unwrap();
+    s.into()
+}
+
+/// One exchange from the loopback address `from`; returns status and body.
+fn exchange_from(from: [u8; 4], addr: SocketAddr, request: &str) -> (u16, String) {
+    let mut s = connect_from(from, addr);
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, text)
+}
+
+/// One client (127.0.0.1) holding all it may of 16 connections (14: all but an eighth)
+/// cannot take the last two: its next request is answered 503 naming
+/// --max-connections-per-client while another client (127.0.0.2) is served. Once the
+/// other client fills the server, a third gets 503 naming --max-connections. /health and
+/// /metrics are answered past either limit.
+#[test]
+fn one_client_cannot_take_every_connection() {
+    let served = serve(&["--max-connections", "16"], &[]);
+    let addr = served.addr;
+    let (one, two, three) = ([127, 0, 0, 1], [127, 0, 0, 2], [127, 0, 0, 3]);
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let body = r#"{"prompt": "fn main() {", "max_tokens": 2}"#;
+    let completion = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let held: Vec<TcpStream> = (0..14).map(|_| connect_from(one, addr)).collect();
+    thread::sleep(Duration::from_millis(200));
+    let (status, text) = exchange_from(one, addr, &completion);
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("--max-connections-per-client"), "{text}");
+    for path in ["/health", "/metrics"] {
+        assert_eq!(exchange_from(one, addr, &get(path)).0, 200, "{path} of the client at its limit");
+    }
+    // Control: another client is served beside it.
+    let (status, text) = exchange_from(two, addr, &completion);
+    assert_eq!(status, 200, "{text}");
+    // The other client takes the last two: now the server is full for everyone.
+    let also: Vec<TcpStream> = (0..2).map(|_| connect_from(two, addr)).collect();
+    thread::sleep(Duration::from_millis(200));
+    let (status, text) = exchange_from(three, addr, &completion);
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("(--max-connections)"), "{text}");
+    assert_eq!(exchange_from(three, addr, &get("/health")).0, 200, "/health of a full server");
+    drop((held, also));
 }
 
 #[test]

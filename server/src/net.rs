@@ -1,11 +1,15 @@
 //! Connections: accepted up to a limit, and each bounded in time, so slow, idle or
 //! half-open clients cannot hold the server.
 //!
-//! - At most [`Limits::max_connections`] are served at once; a connection over the limit
-//!   is answered `503` and closed (a few at a time; past that it is closed unanswered), so
-//!   a flood cannot exhaust file descriptors.
-//! - A connection must deliver a complete request head within [`Limits::header_timeout`]
-//!   of opening, and again within it of its previous response (keep-alive idle time).
+//! - At most [`Limits::max_connections`] are served at once, at most
+//!   [`Limits::max_connections_per_client`] of them for one client address; a connection
+//!   over either limit is answered `503` and closed (a few at a time; past that it is closed
+//!   unanswered), so a flood cannot exhaust file descriptors, nor one peer every slot. A
+//!   refused connection that asks for `/health` or `/metrics` is served all the same
+//!   ([`admit`]).
+//! - A connection must send its first byte within [`FIRST_BYTE`] (or the header timeout,
+//!   if shorter), deliver a complete request head within [`Limits::header_timeout`] of
+//!   opening, and again within it of its previous response (keep-alive idle time).
 //! - A response write that makes no progress for [`Limits::write_timeout`] (a client that
 //!   stopped reading) closes the connection.
 //! - Request bodies have their own size and time limits ([`crate::body`]).
@@ -30,11 +34,15 @@ use tokio::time::{sleep, timeout, Sleep};
 
 use crate::api::ApiError;
 
+mod admit;
+
 /// How much of the server one client may take, and for how long.
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Connections served at once.
     pub max_connections: usize,
+    /// Of those, the most one client address holds.
+    pub max_connections_per_client: usize,
     /// From opening (or the previous response) to a complete request head.
     pub header_timeout: Duration,
     /// For a whole request body.
@@ -49,6 +57,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 512,
+            max_connections_per_client: Limits::per_client_share(512),
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(60),
@@ -56,6 +65,18 @@ impl Default for Limits {
         }
     }
 }
+
+impl Limits {
+    /// One client's default share of `max_connections`: all but an eighth (at least one
+    /// slot left to the others where there are two).
+    pub fn per_client_share(max_connections: usize) -> usize {
+        max_connections.saturating_sub((max_connections / 8).max(1)).max(1)
+    }
+}
+
+/// The longest a new connection may wait before its first byte (a real client sends its
+/// request at once; a half-open one holds a slot until then).
+pub const FIRST_BYTE: Duration = Duration::from_secs(10);
 
 /// Connections over the limit answered at once; more than this are closed unanswered.
 const REFUSALS_AT_ONCE: usize = 64;
@@ -80,17 +101,22 @@ pub(crate) async fn serve(
         }
     }
     let open = Arc::new(Semaphore::new(limits.max_connections));
+    let per_client = admit::PerClient::new(limits.max_connections_per_client);
     let refusing = Arc::new(Semaphore::new(REFUSALS_AT_ONCE));
     let graceful = GracefulShutdown::new();
     // HTTP/1.1 only: sniffing for HTTP/2 would wait on a silent client with no timeout.
     let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
     builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    // A probe served past the limits: its one request, then closed.
+    let mut probes = auto::Builder::new(TokioExecutor::new()).http1_only();
+    probes.http1().timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(1)).keep_alive(false);
+    let probes = Arc::new(probes);
     let service = TowerToHyperService::new(app);
     tokio::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors (or a connection reset before accept): wait, don't spin.
                     tracing::warn!("accept: {e}");
@@ -100,24 +126,40 @@ pub(crate) async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let Ok(permit) = open.clone().try_acquire_owned() else {
+        let client = per_client.take(peer.ip());
+        let permit = client.as_ref().and_then(|_| open.clone().try_acquire_owned().ok());
+        let why = match client {
+            None => Refusal::Client(limits.max_connections_per_client),
+            Some(_) => Refusal::Server(limits.max_connections),
+        };
+        let (Some(client), Some(permit)) = (client, permit) else {
             if let Ok(slot) = refusing.clone().try_acquire_owned() {
+                let (probes, service) = (probes.clone(), service.clone());
                 tokio::spawn(async move {
-                    refuse(stream, limits.max_connections).await;
+                    let mut stream = stream;
+                    match admit::probe(&mut stream).await {
+                        Some(read) => {
+                            let io = TokioIo::new(admit::Prefixed::new(read, stream));
+                            let _ =
+                                timeout(Duration::from_secs(5), probes.serve_connection(io, service)).await;
+                        }
+                        None => refuse(stream, why).await,
+                    }
                     drop(slot);
                 });
             }
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let io = TokioIo::new(Timed::new(stream, limits.header_timeout, limits.write_timeout));
+        let first_byte = limits.header_timeout.min(FIRST_BYTE);
+        let io = TokioIo::new(Timed::new(stream, first_byte, limits.write_timeout));
         let conn = builder.serve_connection_with_upgrades(io, service.clone()).into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!("connection: {e}");
             }
-            drop(permit);
+            drop((permit, client));
         });
     }
     drop(listener);
@@ -133,10 +175,25 @@ fn open_file_limit() -> Option<u64> {
     line.split_whitespace().nth(3)?.parse().ok()
 }
 
-/// Answers a connection over the limit with a 503 (OpenAI error JSON) and closes it.
-async fn refuse(mut stream: TcpStream, limit: usize) {
-    let message =
-        format!("the server holds its limit of {limit} connections (--max-connections); retry later");
+/// Which limit a refused connection met.
+#[derive(Clone, Copy)]
+enum Refusal {
+    /// Its client holds this many connections.
+    Client(usize),
+    /// The server holds this many.
+    Server(usize),
+}
+
+/// Answers a connection over a limit with a 503 (OpenAI error JSON) and closes it.
+async fn refuse(mut stream: TcpStream, why: Refusal) {
+    let message = match why {
+        Refusal::Client(n) => format!(
+            "this client holds its limit of {n} connections (--max-connections-per-client); retry later"
+        ),
+        Refusal::Server(n) => {
+            format!("the server holds its limit of {n} connections (--max-connections); retry later")
+        }
+    };
     let body = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message).body().to_string();
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\

@@ -160,6 +160,10 @@ struct HttpArgs {
     /// Connections served at once; more are answered 503.
     #[arg(long, default_value_t = 512, value_parser = mtp::at_least_one)]
     max_connections: usize,
+    /// Of those, the most one client address may hold (default: all but an eighth of
+    /// --max-connections); more are answered 503, /health and /metrics still served.
+    #[arg(long, value_parser = mtp::at_least_one)]
+    max_connections_per_client: Option<usize>,
     /// Seconds a connection has to send a request head (also its keep-alive idle time).
     #[arg(long, default_value = "30", value_parser = mtp::seconds)]
     header_timeout: std::time::Duration,
@@ -178,6 +182,9 @@ impl HttpArgs {
     fn limits(&self) -> Limits {
         Limits {
             max_connections: self.max_connections,
+            max_connections_per_client: self
+                .max_connections_per_client
+                .unwrap_or_else(|| Limits::per_client_share(self.max_connections)),
             header_timeout: self.header_timeout,
             body_timeout: self.body_timeout,
             write_timeout: self.write_timeout,
