@@ -306,7 +306,13 @@ fn one_client_cannot_take_every_connection() {
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-    let held: Vec<TcpStream> = (0..14).map(|_| connect_from(one, addr)).collect();
+    // Holders send a request's first byte, so they stay until the header timeout (30 s).
+    let hold = |from| {
+        let mut s = connect_from(from, addr);
+        s.write_all(b"P").unwrap();
+        s
+    };
+    let held: Vec<TcpStream> = (0..14).map(|_| hold(one)).collect();
     thread::sleep(Duration::from_millis(200));
     let (status, text) = exchange_from(one, addr, &completion);
     assert_eq!(status, 503, "{text}");
@@ -317,9 +323,27 @@ fn one_client_cannot_take_every_connection() {
     // Control: another client is served beside it.
     let (status, text) = exchange_from(two, addr, &completion);
     assert_eq!(status, 200, "{text}");
-    // The other client takes the last two: now the server is full for everyone.
-    let also: Vec<TcpStream> = (0..2).map(|_| connect_from(two, addr)).collect();
-    thread::sleep(Duration::from_millis(200));
+    // The other client takes the last two: now the server is full for everyone. (A
+    // connection made before the server freed the last request's slot is refused, after
+    // the second a refused connection has to ask for /health: made again.)
+    let mut also: Vec<TcpStream> = Vec::new();
+    for _ in 0..5 {
+        while also.len() < 2 {
+            also.push(hold(two));
+        }
+        thread::sleep(Duration::from_millis(1500));
+        also.retain(|s| {
+            s.set_nonblocking(true).unwrap();
+            let answered =
+                s.peek(&mut [0u8; 1]).map_or_else(|e| e.kind() != std::io::ErrorKind::WouldBlock, |_| true);
+            s.set_nonblocking(false).unwrap();
+            !answered
+        });
+        if also.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(also.len(), 2, "the last two slots taken");
     let (status, text) = exchange_from(three, addr, &completion);
     assert_eq!(status, 503, "{text}");
     assert!(text.contains("(--max-connections)"), "{text}");

@@ -129,6 +129,46 @@ fn oversized_prompts_are_refused_at_once_while_health_answers() {
 
 /// Each refusal names its field: a table of (endpoint, body, status, param, words the
 /// message must hold), and the harmless fields that are accepted and ignored.
+/// Bodies a JSON value cannot spell: a key given twice (refused by path, where a plain
+/// parse keeps the last), and a JSON body sent as a multipart form (415 naming
+/// Content-Type). Controls: the same bodies with distinct keys, or as JSON, are answered.
+#[test]
+fn repeated_keys_and_form_bodies_are_refused() {
+    let addr = start(16, None);
+    let send = |content_type: &str, body: &str| {
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: {content_type}\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        raw_exchange(addr, &head)
+    };
+    let (status, text) = send("application/json", r#"{"prompt": "fn", "max_tokens": 2, "max_tokens": 4000}"#);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("the key `max_tokens` is given twice"), "{text}");
+    let (status, text) = send("application/json", r#"{"prompt": "fn", "max_tokens": 2, "logprobs": 1}"#);
+    assert_eq!(status, 200, "control: {text}");
+    let (status, text) = send("multipart/form-data; boundary=x", r#"{"prompt": "fn", "max_tokens": 2}"#);
+    assert_eq!(status, 415, "{text}");
+    assert!(text.contains("\"param\":\"Content-Type\""), "{text}");
+    for control in ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=utf-8"] {
+        let (status, text) = send(control, r#"{"prompt": "fn", "max_tokens": 2}"#);
+        assert_eq!(status, 200, "{control}: {text}");
+    }
+}
+
+/// Sends `raw` as is; returns the status and the whole answer.
+fn raw_exchange(addr: SocketAddr, raw: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(raw.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).into_owned();
+    (text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), text)
+}
+
 #[test]
 fn refusals_name_their_field() {
     let addr = start(2, None);
@@ -404,6 +444,23 @@ fn refusals_name_their_field() {
             "stream_options.include_usge",
             "unrecognized",
         ),
+        // A tool result must answer a call made before it (as OpenAI requires).
+        (
+            "h",
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]}),
+            400,
+            "messages[1].role",
+            "none came before it",
+        ),
+        (
+            "h",
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c1",
+                   "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c2", "content": "42"}]}),
+            400,
+            "messages[2].tool_call_id",
+            "`c2` is the id of no earlier tool call",
+        ),
     ];
     let mut wrong = Vec::new();
     for (endpoint, body, status, param, words) in &cases {
@@ -424,7 +481,9 @@ fn refusals_name_their_field() {
                "response_format": {"type": "text"}, "modalities": ["text"], "frequency_penalty": 0,
                "logit_bias": {}, "stop": null, "stream": null, "seed": null}),
         json!({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi", "name": null},
-                            {"role": "assistant", "content": null, "tool_calls": []}, {"role": "tool", "content": "42"}]}),
+                            {"role": "assistant", "content": null, "tool_calls": []},
+                            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]}),
         json!({"prompt": "fn", "user": "u1", "echo": false, "best_of": 1, "suffix": null, "presence_penalty": 0.0}),
         // TGI's response format (huggingface_hub's), OpenAI's `strict` and schema names.
         json!({"prompt": "fn", "response_format": {"type": "json", "value": {"type": "object"}}}),

@@ -91,12 +91,7 @@ async fn count(app: &Arc<AppState>, req: Request) -> Result<usize, ApiError> {
 
 /// The body within the server's limits, parsed (a large one off the async workers).
 async fn read_body(app: &Arc<AppState>, req: Request) -> Result<Value, ApiError> {
-    let body = crate::body::read(req, app).await?;
-    if body.len() > routes::INLINE_PARSE_BYTES {
-        prompt::off_workers(move || api::parse_body(&body)).await
-    } else {
-        api::parse_body(&body)
-    }
+    routes::parse(crate::body::read(req, app).await?).await
 }
 
 fn refuse(app: &AppState, e: &ApiError) -> Response {

@@ -8,6 +8,7 @@
 
 pub mod audit;
 mod nested;
+mod strict;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -30,6 +31,11 @@ impl ApiError {
 
     pub fn bad(param: &str, message: impl Into<String>) -> ApiError {
         ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.into()) }
+    }
+
+    /// The same error answered with `status`.
+    pub fn with_status(self, status: StatusCode) -> ApiError {
+        ApiError { status, ..self }
     }
 
     pub fn body(&self) -> Value {
@@ -60,9 +66,10 @@ pub fn quote(v: &str) -> String {
     }
 }
 
-/// Parses a request body: malformed JSON, or anything but an object, is a 400.
+/// Parses a request body: malformed JSON, a key given twice in one object, or anything but
+/// an object, is a 400.
 pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
+    match strict::parse(body) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(ApiError::new(StatusCode::BAD_REQUEST, "the request body must be a JSON object")),
         Err(e) => Err(ApiError::new(StatusCode::BAD_REQUEST, format!("malformed JSON body: {e}"))),

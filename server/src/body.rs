@@ -35,6 +35,10 @@ pub(crate) async fn read(req: Request, app: &AppState) -> Result<Bytes, ApiError
     let limits = &app.limits;
     let declared = req.headers().get(axum::http::header::CONTENT_LENGTH);
     let declared = declared.and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let media = req.headers().get(axum::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    // A form's parts are not the JSON they may hold (no Content-Type, JSON's, text and
+    // curl's default form type are read as JSON).
+    let multipart = media.is_some_and(|m| m.trim_start().to_ascii_lowercase().starts_with("multipart/"));
     let body = req.into_body();
     let read = async {
         // Declared too large to drain: answer at once (the connection closes after).
@@ -44,6 +48,11 @@ pub(crate) async fn read(req: Request, app: &AppState) -> Result<Bytes, ApiError
         read_limited(body, limits.max_body_bytes).await
     };
     match tokio::time::timeout(limits.body_timeout, read).await {
+        Ok(Ok(Some(_))) if multipart => Err(ApiError::bad(
+            "Content-Type",
+            "a multipart/form-data body is not read: send the request as JSON (Content-Type: application/json)",
+        )
+        .with_status(StatusCode::UNSUPPORTED_MEDIA_TYPE)),
         Ok(Ok(Some(body))) => Ok(body),
         Ok(Ok(None)) => Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,

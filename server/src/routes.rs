@@ -239,12 +239,45 @@ fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
+/// Every `tool` message answers a call an earlier assistant message made (by its
+/// `tool_call_id` where both carry ids), as OpenAI requires: a result of no call is
+/// refused naming the message.
+fn answered_calls(messages: &[api::Message]) -> Result<(), ApiError> {
+    let mut ids: Vec<&str> = Vec::new();
+    let mut any_call = false;
+    for (i, m) in messages.iter().enumerate() {
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| m.role == "assistant" && !c.is_empty()) {
+            any_call = true;
+            ids.extend(calls.iter().filter_map(|c| c.get("id")?.as_str()));
+        }
+        if m.role != "tool" {
+            continue;
+        }
+        if !any_call {
+            return Err(ApiError::bad(
+                &format!("messages[{i}].role"),
+                "a `tool` message must answer a tool call of an earlier assistant message; none came before it",
+            ));
+        }
+        if let Some(id) = m.tool_call_id.as_deref().filter(|_| !ids.is_empty()) {
+            if !ids.contains(&id) {
+                return Err(ApiError::bad(
+                    &format!("messages[{i}].tool_call_id"),
+                    format!("`{}` is the id of no earlier tool call", api::quote(id)),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A chat's messages and tools, max_completion_tokens and logprobs.
 pub(crate) fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
     let messages = r.messages.iter().enumerate().map(|(i, m)| m.read(i)).collect::<Result<Vec<_>, _>>()?;
+    answered_calls(&r.messages)?;
     let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (_, Some(k)) if k > 20 => {
             return Err(ApiError::bad("top_logprobs", "`top_logprobs` must be between 0 and 20"))
