@@ -191,6 +191,8 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // A render is bounded in work as its output is in bytes (`render`).
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
@@ -221,6 +223,76 @@ impl ChatTemplate {
             eos_token => self.eos_token,
         };
         let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
-        template.render(ctx).map_err(|e| format!("chat template: {e}"))
+        let mut out = Capped { text: Vec::new(), over: false };
+        match template.render_to_write(ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.text).map_err(|e| format!("chat template: {e}")),
+            Err(_) if out.over => Err(format!(
+                "the chat template's output for these messages passed {} MiB",
+                RENDERED_BYTES >> 20
+            )),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(format!(
+                "the chat template ran past its budget of {RENDER_FUEL} steps for these messages"
+            )),
+            Err(e) => Err(format!("chat template: {e}")),
+        }
+    }
+}
+
+/// The most a render may write: far past any context's worth of text.
+const RENDERED_BYTES: usize = 32 << 20;
+/// The most template instructions a render may run (a second or so): real templates take
+/// thousands a message.
+const RENDER_FUEL: u64 = 50_000_000;
+
+/// A render's output, refused past [`RENDERED_BYTES`].
+struct Capped {
+    text: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len().saturating_add(buf.len()) > RENDERED_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered chat is too long"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(source: &str, content: &str) -> Result<String, String> {
+        let t = ChatTemplate::from_source(source.into(), "<s>".into(), "</s>".into()).unwrap();
+        let chat = Conversation {
+            messages: vec![serde_json::json!({"role": "user", "content": content})],
+            tools: Vec::new(),
+        };
+        t.render(&chat)
+    }
+
+    /// A render is bounded in output and in work, each refusal naming which; the same
+    /// templates within the bounds render (the controls).
+    #[test]
+    fn renders_are_bounded_in_bytes_and_steps() {
+        let repeat =
+            |n: usize| format!("{{% for i in range({n}) %}}{{{{ messages[0].content }}}}{{% endfor %}}");
+        let kib = "x".repeat(1024);
+        let e = render(&repeat(40_000), &kib).unwrap_err();
+        assert!(e.contains("passed 32 MiB"), "{e}");
+        assert_eq!(render(&repeat(10), &kib).unwrap().len(), 10 * 1024);
+        let spin = |n: usize| {
+            format!("{{% for i in range({n}) %}}{{% for j in range({n}) %}}{{% endfor %}}{{% endfor %}}ok")
+        };
+        let e = render(&spin(20_000), "").unwrap_err();
+        assert!(e.contains("budget of 50000000 steps"), "{e}");
+        assert_eq!(render(&spin(100), "").unwrap(), "ok");
     }
 }
