@@ -224,7 +224,7 @@ impl ChatTemplate {
         };
         let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
         let mut out = Capped { text: Vec::new(), over: false };
-        match template.render_to_write(ctx, &mut out) {
+        match template.render_captured_to(ctx, &mut out) {
             Ok(_) => String::from_utf8(out.text).map_err(|e| format!("chat template: {e}")),
             Err(_) if out.over => Err(format!(
                 "the chat template's output for these messages passed {} MiB",
