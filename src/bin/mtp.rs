@@ -30,6 +30,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the serve variant's size costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Generation (plain or speculative, greedy or sampled) for every request of a
