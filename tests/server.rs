@@ -499,3 +499,51 @@ fn latency_histograms_count_every_request_and_kv_blocks_return_to_idle() {
     assert_eq!(metric(addr, "mtp_kv_blocks_free"), idle_free);
     assert_eq!(metric(addr, "mtp_preemptions_total"), 0.0);
 }
+
+/// `/tokenize` and `/detokenize` as vLLM spells them, and `/v1/models/{id}`: a prompt's
+/// ids are the tokenizer's (and those a completion reports), detokenizing gives the text
+/// back, a chat's count is its `usage.prompt_tokens`; a wrong model is 404, an unknown key
+/// 400 by name, an id past the vocabulary 400 naming its index.
+#[test]
+fn tokenize_detokenize_and_the_model_entry() {
+    let addr = start(8, 256);
+    let tok = Tokenizer::from_dir(&trained("target")).unwrap();
+    let text = "fn main() { println!(\"hi\"); }";
+    let (status, v) = post(addr, "/tokenize", &json!({"model": MODEL, "prompt": text}));
+    assert_eq!(status, 200, "{v}");
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(ids, tok.encode(text).unwrap());
+    assert_eq!(v["count"], ids.len());
+    assert!(v["max_model_len"].as_u64().unwrap() > 0 && v["token_strs"].is_null(), "{v}");
+    let (_, c) =
+        post(addr, "/v1/completions", &json!({"prompt": text, "max_tokens": 1, "return_token_ids": true}));
+    assert_eq!(c["usage"]["prompt_tokens"], ids.len(), "{c}");
+    let (_, plain) = post(addr, "/tokenize", &json!({"prompt": text, "add_special_tokens": false}));
+    assert_eq!(plain["tokens"], json!(tok.encode_plain(text).unwrap()));
+    let (status, d) = post(addr, "/detokenize", &json!({"tokens": ids}));
+    assert_eq!((status, d["prompt"].as_str().unwrap()), (200, text), "{d}");
+
+    let messages =
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort a list."}]);
+    let (status, t) = post(addr, "/tokenize", &json!({"messages": messages}));
+    assert_eq!(status, 200, "{t}");
+    let (_, chat) = post(addr, "/v1/chat/completions", &json!({"messages": messages, "max_tokens": 1}));
+    assert_eq!(t["count"], chat["usage"]["prompt_tokens"], "{t} {chat}");
+
+    for (path, body, status, param) in [
+        ("/tokenize", json!({"model": "other", "prompt": "x"}), 404, "model"),
+        ("/tokenize", json!({"prompt": "x", "echo": true}), 400, "echo"),
+        ("/tokenize", json!({"prompt": "x", "messages": []}), 400, "messages"),
+        ("/tokenize", json!({"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0].role"),
+        ("/detokenize", json!({"tokens": [1, 1 << 30]}), 400, "tokens"),
+    ] {
+        let (got, v) = post(addr, path, &body);
+        assert_eq!((got, v["error"]["param"].as_str().unwrap_or("")), (status, param), "{body}: {v}");
+    }
+    let (status, m) = http(addr, "GET", &format!("/v1/models/{MODEL}"), "");
+    assert_eq!(status, 200, "{m}");
+    assert_eq!(serde_json::from_str::<Value>(&m).unwrap()["id"], MODEL);
+    let (status, m) = http(addr, "GET", "/v1/models/nope", "");
+    assert_eq!(status, 404, "{m}");
+    assert!(m.contains("not served here"), "{m}");
+}

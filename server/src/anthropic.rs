@@ -82,7 +82,7 @@ async fn count(app: &Arc<AppState>, req: Request) -> Result<usize, ApiError> {
     request::check(&body, request::Endpoint::CountTokens)?;
     let r: request::MessagesRequest = api::fields(&body)?;
     if r.model != app.model_name {
-        return Err(request::unknown_model(app, &r.model));
+        return Err(ApiError::unknown_model(&app.model_name, &r.model));
     }
     let (_, chat) = request::convert(r, request::Endpoint::CountTokens)?;
     let (source, ..) = routes::chat_source(app, chat).map_err(request::renamed)?;

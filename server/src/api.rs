@@ -33,6 +33,15 @@ impl ApiError {
         ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.into()) }
     }
 
+    /// The 404 for a model this server does not serve (`served` is the one it does).
+    pub fn unknown_model(served: &str, model: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("model `{}` is not served here (this server serves `{served}`)", quote(model)),
+            param: Some("model".into()),
+        }
+    }
+
     /// The same error answered with `status`.
     pub fn with_status(self, status: StatusCode) -> ApiError {
         ApiError { status, ..self }

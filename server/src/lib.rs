@@ -22,6 +22,7 @@ mod responses;
 mod routes;
 pub mod text;
 mod timing;
+mod tokenize;
 pub mod tools;
 pub mod worker;
 
@@ -199,6 +200,9 @@ impl Server {
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .route("/v1/models", get(routes::models))
+            .route("/v1/models/{id}", get(tokenize::model))
+            .route("/tokenize", post(tokenize::tokenize))
+            .route("/detokenize", post(tokenize::detokenize))
             .route("/v1/completions", post(routes::completions))
             .route("/v1/chat/completions", post(routes::chat))
             .route("/v1/messages", post(anthropic::messages))

@@ -31,7 +31,7 @@ use crate::worker::{Job, Update};
 use crate::AppState;
 use prompt::Source;
 
-type Shared = State<Arc<AppState>>;
+pub(crate) type Shared = State<Arc<AppState>>;
 
 /// Which endpoint a request came through (they differ only in their bodies).
 #[derive(Clone, Copy, PartialEq)]
@@ -73,10 +73,13 @@ pub async fn health() -> Json<Value> {
 }
 
 pub async fn models(State(app): Shared) -> Json<Value> {
-    Json(json!({"object": "list", "data": [
-        {"id": app.model_name, "object": "model", "created": app.started, "owned_by": "mtp",
-         "max_model_len": app.context}
-    ]}))
+    Json(json!({"object": "list", "data": [model_entry(&app)]}))
+}
+
+/// The served model as `/v1/models` lists it.
+pub(crate) fn model_entry(app: &AppState) -> Value {
+    json!({"id": app.model_name, "object": "model", "created": app.started, "owned_by": "mtp",
+           "max_model_len": app.context})
 }
 
 pub async fn metrics(State(app): Shared) -> Response {
@@ -192,7 +195,9 @@ pub(crate) async fn run(
 fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, ApiError> {
     let source = match r.prompt {
         Value::String(t) => Source::Text(t),
-        Value::Array(items) if items.iter().all(Value::is_number) => Source::Ids(token_ids(app, &items)?),
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            Source::Ids(token_ids(app, &items, "prompt")?)
+        }
         Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
             return Err(ApiError::bad("prompt", "one prompt per request: a string or a list of token ids"))
         }
@@ -219,17 +224,18 @@ fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, Ap
 /// with `tool_choice: none`).
 pub(crate) type Sourced = (Source, Option<u64>, Option<usize>, Option<String>);
 
-/// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming the index.
-fn token_ids(app: &AppState, items: &[Value]) -> Result<Vec<u32>, ApiError> {
+/// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming `param` and
+/// the index.
+pub(crate) fn token_ids(app: &AppState, items: &[Value], param: &str) -> Result<Vec<u32>, ApiError> {
     items
         .iter()
         .enumerate()
         .map(|(i, v)| {
             v.as_u64().filter(|&t| t < app.vocab as u64).map(|t| t as u32).ok_or_else(|| {
                 ApiError::bad(
-                    "prompt",
+                    param,
                     format!(
-                        "token ids must be integers between 0 and {} (the vocabulary's last id); prompt[{i}] is {}",
+                        "token ids must be integers between 0 and {} (the vocabulary's last id); {param}[{i}] is {}",
                         app.vocab.saturating_sub(1),
                         api::quote(&v.to_string())
                     ),
@@ -339,15 +345,7 @@ fn plan(
 ) -> Result<(Plan, Asked), ApiError> {
     if let Some(m) = &c.model {
         if *m != app.model_name {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "model `{}` is not served here (this server serves `{}`)",
-                    api::quote(m),
-                    app.model_name
-                ),
-                param: Some("model".into()),
-            });
+            return Err(ApiError::unknown_model(&app.model_name, m));
         }
     }
     let n = c.n.unwrap_or(1);

@@ -12,7 +12,6 @@
 //! `thinking` its `reasoning_content`. A refusal from the chat path is renamed back to the
 //! Anthropic field ([`renamed`]).
 
-use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -525,19 +524,6 @@ pub(super) fn renamed(mut e: ApiError) -> ApiError {
     }
     e.param = Some(new);
     e
-}
-
-/// The 404 for a model this server does not serve (as the chat endpoint answers it).
-pub(super) fn unknown_model(app: &crate::AppState, model: &str) -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        message: format!(
-            "model `{}` is not served here (this server serves `{}`)",
-            quote(model),
-            app.model_name
-        ),
-        param: Some("model".into()),
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,143 @@
+//! `POST /tokenize` and `POST /detokenize` as vLLM spells them, and `GET /v1/models/{id}`.
+//!
+//! `/tokenize` takes `prompt` (text, tokenized as `/v1/completions` tokenizes it;
+//! `add_special_tokens: false` leaves the tokenizer's own out) or `messages` (and `tools`,
+//! rendered and tokenized exactly as `/v1/chat/completions` does: the ids a chat's
+//! `usage.prompt_tokens` counts) and answers `{"count", "max_model_len", "tokens",
+//! "token_strs": null}`; `/detokenize` takes `tokens` and answers `{"prompt"}`. `model`,
+//! when given, must be the served one; any other key is refused by name.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use crate::api::{self, ApiError, ChatRequest, Message};
+use crate::body::LimitedBody;
+use crate::routes::{self, prompt, Shared};
+use crate::AppState;
+
+pub async fn tokenize(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
+    match count(&app, body).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => app.refuse(e),
+    }
+}
+
+pub async fn detokenize(State(app): Shared, LimitedBody(body): LimitedBody) -> Response {
+    let text = async {
+        let body = routes::parse(body).await?;
+        known(&app, &body, &["model", "tokens"])?;
+        let ids = body
+            .get("tokens")
+            .and_then(Value::as_array)
+            .ok_or_else(|| ApiError::bad("tokens", "`tokens` must be a list of token ids"))?;
+        let ids = routes::token_ids(&app, ids, "tokens")?;
+        let tok = app
+            .tokenizer
+            .clone()
+            .ok_or_else(|| ApiError::bad("tokens", "the target has no tokenizer.json"))?;
+        tok.decode(&ids).map_err(|e| ApiError::bad("tokens", e.to_string()))
+    };
+    match text.await {
+        Ok(prompt) => Json(json!({"prompt": prompt})).into_response(),
+        Err(e) => app.refuse(e),
+    }
+}
+
+/// `GET /v1/models/{id}`: the served model's entry, or a 404 naming it.
+pub async fn model(State(app): Shared, Path(id): Path<String>) -> Response {
+    if id != app.model_name {
+        let e = ApiError::unknown_model(&app.model_name, &id);
+        return (e.status, Json(e.body())).into_response();
+    }
+    Json(routes::model_entry(&app)).into_response()
+}
+
+async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, ApiError> {
+    let body = routes::parse(body).await?;
+    let ids = match (body.get("prompt"), body.get("messages")) {
+        (Some(_), Some(_)) => return Err(ApiError::bad("messages", "give `prompt` or `messages`, not both")),
+        (Some(p), None) => {
+            known(app, &body, &["model", "prompt", "add_special_tokens"])?;
+            let text = p.as_str().ok_or_else(|| ApiError::bad("prompt", "`prompt` must be a string"))?;
+            match body.get("add_special_tokens").map(Value::as_bool) {
+                None | Some(Some(true)) => {
+                    prompt::tokenize(app, prompt::Source::Text(text.into()), "prompt").await?
+                }
+                Some(Some(false)) => {
+                    let tok = app
+                        .tokenizer
+                        .clone()
+                        .ok_or_else(|| ApiError::bad("prompt", "the target has no tokenizer.json"))?;
+                    let text = text.to_string();
+                    prompt::off_workers(move || {
+                        tok.encode_plain(&text).map_err(|e| ApiError::bad("prompt", e.to_string()))
+                    })
+                    .await?
+                }
+                Some(None) => {
+                    return Err(ApiError::bad("add_special_tokens", "`add_special_tokens` must be a boolean"))
+                }
+            }
+        }
+        (None, Some(_)) => {
+            known(app, &body, &["model", "messages", "tools", "add_generation_prompt"])?;
+            if body.get("add_generation_prompt").is_some_and(|v| v != &json!(true)) {
+                return Err(ApiError::bad(
+                    "add_generation_prompt",
+                    "only `true` is accepted (the chat endpoint always adds the generation prompt)",
+                ));
+            }
+            let mut chat_body = json!({"messages": body["messages"]});
+            if let Some(t) = body.get("tools") {
+                chat_body["tools"] = t.clone();
+            }
+            api::audit::check_chat(&chat_body)?;
+            let messages: Vec<Message> =
+                api::fields(&body["messages"]).map_err(|e| renamed(e, "messages"))?;
+            let chat = ChatRequest {
+                messages,
+                logprobs: None,
+                top_logprobs: None,
+                max_completion_tokens: None,
+                tools: body.get("tools").cloned(),
+                tool_choice: None,
+                parallel_tool_calls: None,
+            };
+            let (source, ..) = routes::chat_source(app, chat)?;
+            prompt::tokenize(app, source, "messages").await?
+        }
+        (None, None) => return Err(ApiError::bad("prompt", "give `prompt` (text) or `messages`")),
+    };
+    Ok(json!({"count": ids.len(), "max_model_len": app.context, "tokens": ids, "token_strs": null}))
+}
+
+/// Refuses a key of `body` outside `allowed` by name, and a `model` other than the served one.
+fn known(app: &AppState, body: &Value, allowed: &[&str]) -> Result<(), ApiError> {
+    let map = body
+        .as_object()
+        .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "the body must be a JSON object"))?;
+    if let Some(k) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(ApiError::bad(k, format!("unrecognized request argument `{}`", api::quote(k))));
+    }
+    match map.get("model") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(m)) if *m == app.model_name => Ok(()),
+        Some(Value::String(m)) => Err(ApiError::unknown_model(&app.model_name, m)),
+        Some(_) => Err(ApiError::bad("model", "`model` must be a string")),
+    }
+}
+
+/// `e` with its `param` under `prefix` (a field of `messages[i]` read from the list alone).
+fn renamed(mut e: ApiError, prefix: &str) -> ApiError {
+    e.param = Some(match e.param.take() {
+        Some(p) if p.starts_with('[') => format!("{prefix}{p}"),
+        Some(p) => format!("{prefix}.{p}"),
+        None => prefix.to_string(),
+    });
+    e
+}
