@@ -39,7 +39,11 @@ fn render_ours(template: &ChatTemplate) -> Vec<String> {
         .iter()
         .map(|c| {
             let tools = c.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
-            let chat = Conversation { messages: c["messages"].as_array().unwrap().clone(), tools };
+            let chat = Conversation {
+                messages: c["messages"].as_array().unwrap().clone(),
+                tools,
+                ..Conversation::default()
+            };
             template.render(&chat).unwrap()
         })
         .collect()

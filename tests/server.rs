@@ -261,8 +261,10 @@ fn staggered_streams(addr: SocketAddr, stock_matmul: bool) -> (usize, usize) {
     for (i, g) in got.iter().enumerate() {
         let (chat, b, sampling, stop) = body(i);
         let prompt = if chat {
-            let msgs =
-                Conversation { messages: b["messages"].as_array().unwrap().clone(), tools: Vec::new() };
+            let msgs = Conversation {
+                messages: b["messages"].as_array().unwrap().clone(),
+                ..Conversation::default()
+            };
             tok.encode_plain(&template.render(&msgs).unwrap()).unwrap()
         } else {
             tok.encode(b["prompt"].as_str().unwrap()).unwrap()

@@ -430,3 +430,40 @@ fn a_server_beyond_loopback_without_a_key_warns() {
     let quiet = serve(&[], &[]);
     assert!(!quiet.log.iter().any(|l| l.contains("no API key")), "{:?}", quiet.log);
 }
+
+/// `--chat-template FILE` replaces the checkpoint's template (its BOS and EOS texts kept):
+/// a chat's prompt is the file's rendering. A file that is not there, or not valid Jinja,
+/// stops the server at start with an error naming it.
+#[test]
+fn a_chat_template_file_replaces_the_checkpoints() {
+    let dir = std::env::temp_dir().join(format!("mtp-chat-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("t.jinja");
+    std::fs::write(&file, "FROM-THE-FILE {% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    let served = serve(&["--chat-template", file.to_str().unwrap()], &[]);
+    let body = json!({"messages": [{"role": "user", "content": "hello"}]}).to_string();
+    let (status, _, text) =
+        exchange(served.addr, "POST", "/tokenize", "Content-Type: application/json\r\n", body.as_bytes());
+    assert_eq!(status, 200, "{text}");
+    let ids = serde_json::from_str::<Value>(&text).unwrap()["tokens"].to_string();
+    let (_, _, back) =
+        exchange(served.addr, "POST", "/detokenize", "", format!("{{\"tokens\": {ids}}}").as_bytes());
+    assert!(back.contains("FROM-THE-FILE hello"), "{back}");
+    // Control: the checkpoint's own template renders something else.
+    let own = serve(&[], &[]);
+    let (_, _, text) = exchange(own.addr, "POST", "/tokenize", "", body.as_bytes());
+    assert_ne!(serde_json::from_str::<Value>(&text).unwrap()["tokens"].to_string(), ids);
+    for (bad, content) in [("missing.jinja", None), ("broken.jinja", Some("{% for %}"))] {
+        let path = dir.join(bad);
+        if let Some(c) = content {
+            std::fs::write(&path, c).unwrap();
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_mtp"))
+            .args(["serve", "--port", "0", "--chat-template", path.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(bad), "{bad}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -444,6 +444,13 @@ fn refusals_name_their_field() {
             "stream_options.include_usge",
             "unrecognized",
         ),
+        (
+            "h",
+            json!({"messages": user(), "chat_template_kwargs": {"messages": []}}),
+            400,
+            "chat_template_kwargs.messages",
+            "set by the server",
+        ),
         // A tool result must answer a call made before it (as OpenAI requires).
         (
             "h",
@@ -484,6 +491,7 @@ fn refusals_name_their_field() {
                             {"role": "assistant", "content": null, "tool_calls": []},
                             {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
                              "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]}),
+        json!({"messages": user(), "chat_template_kwargs": {"enable_thinking": false, "note": "x"}}),
         json!({"prompt": "fn", "user": "u1", "echo": false, "best_of": 1, "suffix": null, "presence_penalty": 0.0}),
         // TGI's response format (huggingface_hub's), OpenAI's `strict` and schema names.
         json!({"prompt": "fn", "response_format": {"type": "json", "value": {"type": "object"}}}),
@@ -561,7 +569,7 @@ fn message_content_cannot_forge_control_tokens() {
                 &template
                     .render(&Conversation {
                         messages: vec![json!({"role": "user", "content": content})],
-                        tools: Vec::new(),
+                        ..Conversation::default()
                     })
                     .unwrap(),
             )

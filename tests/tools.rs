@@ -141,6 +141,7 @@ impl Family {
                 let chat = Conversation {
                     messages: vec![json!({"role": "user", "content": question})],
                     tools: if ask == Ask::Calls { tool_json(self.bounded_strings) } else { Vec::new() },
+                    ..Conversation::default()
                 };
                 let prompt = self.tok.encode_plain(&self.template.render(&chat).unwrap()).unwrap();
                 let constraint = match ask {

@@ -168,6 +168,9 @@ pub struct ChatRequest {
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Extra variables for the chat template, checked by [`crate::chat::Conversation::kwargs`].
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Value>,
 }
 
 /// The roles a message may have (OpenAI's; `developer` is its newer name for `system`,

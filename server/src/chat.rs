@@ -23,7 +23,12 @@ pub use isolate::{Piece, RenderedChat};
 pub struct Conversation {
     pub messages: Vec<Json>,
     pub tools: Vec<Json>,
+    /// Extra template variables (`chat_template_kwargs`), by name.
+    pub kwargs: serde_json::Map<String, Json>,
 }
+
+/// Variables the server sets itself: a `chat_template_kwargs` key may not name them.
+const RESERVED: [&str; 5] = ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token"];
 
 impl Conversation {
     /// Every string the conversation holds (content, names, arguments, descriptions).
@@ -40,8 +45,34 @@ impl Conversation {
             }
         }
         let mut out = Vec::new();
-        self.messages.iter().chain(&self.tools).for_each(|v| walk(v, &mut out));
+        self.messages.iter().chain(&self.tools).chain(self.kwargs.values()).for_each(|v| walk(v, &mut out));
         out
+    }
+
+    /// `chat_template_kwargs` as the template's variables: an object whose keys are names
+    /// (letters, digits, `_`, not a digit first) other than the server's own; else a
+    /// refusal naming the key.
+    pub fn kwargs(v: Option<&Json>) -> Result<serde_json::Map<String, Json>, (String, String)> {
+        let map = match v {
+            None | Some(Json::Null) => return Ok(Default::default()),
+            Some(Json::Object(m)) => m,
+            Some(_) => {
+                return Err(("chat_template_kwargs".into(), "must be an object of template variables".into()))
+            }
+        };
+        for k in map.keys() {
+            let name = !k.is_empty()
+                && !k.starts_with(|c: char| c.is_ascii_digit())
+                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            let at = format!("chat_template_kwargs.{k}");
+            if !name {
+                return Err((at, "a template variable's name is letters, digits and `_`".into()));
+            }
+            if RESERVED.contains(&k.as_str()) {
+                return Err((at, format!("`{k}` is set by the server (from the request's own fields)")));
+            }
+        }
+        Ok(map.clone())
     }
 
     /// The conversation with `f` applied to every string, values and keys alike: a
@@ -59,6 +90,8 @@ impl Conversation {
         Conversation {
             messages: self.messages.iter().map(|v| walk(v, f)).collect(),
             tools: self.tools.iter().map(|v| walk(v, f)).collect(),
+            // Values only: the keys are the template's variable names.
+            kwargs: self.kwargs.iter().map(|(k, v)| (k.clone(), walk(v, f))).collect(),
         }
     }
 }
@@ -146,11 +179,21 @@ impl ChatTemplate {
     /// The template of checkpoint `dir`, or `None` when it has none. A template that is
     /// there but unreadable or not valid Jinja is an error naming the file.
     pub fn from_dir(dir: &Path) -> Result<Option<ChatTemplate>> {
+        ChatTemplate::load(dir, None)
+    }
+
+    /// The template in file `file` (`--chat-template`) with checkpoint `dir`'s BOS and EOS
+    /// texts; an error names the file.
+    pub fn from_file(file: &Path, dir: &Path) -> Result<ChatTemplate> {
+        ChatTemplate::load(dir, Some(file))?.with_context(|| format!("{}: no template", file.display()))
+    }
+
+    fn load(dir: &Path, file: Option<&Path>) -> Result<Option<ChatTemplate>> {
         let config_path = dir.join("tokenizer_config.json");
         let config: Json =
             if config_path.exists() { mtp_base::config::read_json(&config_path)? } else { Json::Null };
-        let jinja_path = dir.join("chat_template.jinja");
-        let (source, from) = if jinja_path.exists() {
+        let jinja_path = file.map_or_else(|| dir.join("chat_template.jinja"), Path::to_path_buf);
+        let (source, from) = if file.is_some() || jinja_path.exists() {
             // A template is text of a JSON file's size at most (a FIFO or device refused).
             let bytes = mtp_base::files::read_bounded(&jinja_path, mtp_base::files::MAX_JSON_BYTES)?;
             let t = String::from_utf8(bytes)
@@ -221,6 +264,7 @@ impl ChatTemplate {
             add_generation_prompt => true,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
+            ..Value::from_serialize(&chat.kwargs)
         };
         let template = self.env.get_template("chat").map_err(|e| e.to_string())?;
         let mut out = Capped { text: Vec::new(), over: false };
@@ -273,9 +317,40 @@ mod tests {
         let t = ChatTemplate::from_source(source.into(), "<s>".into(), "</s>".into()).unwrap();
         let chat = Conversation {
             messages: vec![serde_json::json!({"role": "user", "content": content})],
-            tools: Vec::new(),
+            ..Conversation::default()
         };
         t.render(&chat)
+    }
+
+    /// `chat_template_kwargs` reach the template as variables (Qwen3's switch); names the
+    /// server sets, and names that are no identifiers, are refused by key. Control: without
+    /// them the template's default holds.
+    #[test]
+    fn template_kwargs_are_variables_and_cannot_replace_the_servers() {
+        let source = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}{{ messages[0].content }}";
+        let t = ChatTemplate::from_source(source.into(), "<s>".into(), "</s>".into()).unwrap();
+        let chat = |kwargs: Option<Json>| Conversation {
+            messages: vec![serde_json::json!({"role": "user", "content": "hi"})],
+            kwargs: Conversation::kwargs(kwargs.as_ref()).unwrap(),
+            ..Conversation::default()
+        };
+        assert_eq!(
+            t.render(&chat(Some(serde_json::json!({"enable_thinking": false})))).unwrap(),
+            "NOTHINK hi"
+        );
+        assert_eq!(t.render(&chat(None)).unwrap(), "hi");
+        for (bad, at) in [
+            (serde_json::json!({"messages": []}), "chat_template_kwargs.messages"),
+            (
+                serde_json::json!({"add_generation_prompt": false}),
+                "chat_template_kwargs.add_generation_prompt",
+            ),
+            (serde_json::json!({"a-b": 1}), "chat_template_kwargs.a-b"),
+            (serde_json::json!({"1x": 1}), "chat_template_kwargs.1x"),
+            (serde_json::json!([1]), "chat_template_kwargs"),
+        ] {
+            assert_eq!(Conversation::kwargs(Some(&bad)).unwrap_err().0, at, "{bad}");
+        }
     }
 
     /// A render is bounded in output and in work, each refusal naming which; the same

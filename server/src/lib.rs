@@ -65,6 +65,8 @@ pub struct ServerOptions {
     /// The reasoning markup: `auto` (from the chat template), `none`, or one of
     /// [`reasoning::Reasoning::NAMES`].
     pub reasoning_parser: String,
+    /// A chat template file to use instead of the checkpoint's (`--chat-template`).
+    pub chat_template: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerOptions {
@@ -76,6 +78,7 @@ impl Default for ServerOptions {
             access: Access::default(),
             tool_parser: "auto".into(),
             reasoning_parser: "auto".into(),
+            chat_template: None,
         }
     }
 }
@@ -142,7 +145,10 @@ impl Server {
         engine: EngineOptions,
         opts: ServerOptions,
     ) -> Result<Server> {
-        let template = ChatTemplate::from_dir(dir)?;
+        let template = match &opts.chat_template {
+            Some(file) => Some(ChatTemplate::from_file(file, dir)?),
+            None => ChatTemplate::from_dir(dir)?,
+        };
         if template.is_none() {
             tracing::warn!("{}: no chat template; /v1/chat/completions will refuse requests", dir.display());
         }

@@ -284,6 +284,8 @@ pub(crate) fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, Api
     }
     let messages = r.messages.iter().enumerate().map(|(i, m)| m.read(i)).collect::<Result<Vec<_>, _>>()?;
     answered_calls(&r.messages)?;
+    let kwargs =
+        Conversation::kwargs(r.chat_template_kwargs.as_ref()).map_err(|(at, why)| ApiError::bad(&at, why))?;
     let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (_, Some(k)) if k > 20 => {
             return Err(ApiError::bad("top_logprobs", "`top_logprobs` must be between 0 and 20"))
@@ -324,7 +326,7 @@ pub(crate) fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, Api
         _ => Vec::new(),
     };
     Ok((
-        Source::Chat(Conversation { messages, tools: raw_tools }),
+        Source::Chat(Conversation { messages, tools: raw_tools, kwargs }),
         r.max_completion_tokens,
         logprobs,
         grammar,

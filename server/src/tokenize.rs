@@ -85,7 +85,11 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
             }
         }
         (None, Some(_)) => {
-            known(app, &body, &["model", "messages", "tools", "add_generation_prompt"])?;
+            known(
+                app,
+                &body,
+                &["model", "messages", "tools", "add_generation_prompt", "chat_template_kwargs"],
+            )?;
             if body.get("add_generation_prompt").is_some_and(|v| v != &json!(true)) {
                 return Err(ApiError::bad(
                     "add_generation_prompt",
@@ -107,6 +111,7 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
                 tools: body.get("tools").cloned(),
                 tool_choice: None,
                 parallel_tool_calls: None,
+                chat_template_kwargs: body.get("chat_template_kwargs").cloned(),
             };
             let (source, ..) = routes::chat_source(app, chat)?;
             prompt::tokenize(app, source, "messages").await?

@@ -86,6 +86,10 @@ enum Command {
         /// chat template's markup), none, qwen3 (`<think>`), gemma4 (`<|channel>`).
         #[arg(long, default_value = "auto")]
         reasoning_parser: String,
+        /// A Jinja chat template file to use instead of the checkpoint's (its BOS and EOS
+        /// texts still the checkpoint's).
+        #[arg(long)]
+        chat_template: Option<std::path::PathBuf>,
     },
     /// Writes an HF-layout checkpoint with random weights in the shape of a known model.
     /// For Gemma 4, --layers keeps the sliding/full pattern and the share of KV-shared
@@ -587,6 +591,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             sampling,
             tool_parser,
             reasoning_parser,
+            chat_template,
         } => {
             let sampling_mode = SamplingMode::parse(&sampling).map_err(anyhow::Error::msg)?;
             let access = http.access()?;
@@ -633,6 +638,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     access,
                     tool_parser,
                     reasoning_parser,
+                    chat_template,
                 },
             )?;
             server.run_blocking(addr)?;

@@ -343,6 +343,13 @@ pub(super) fn convert(r: MessagesRequest, endpoint: Endpoint) -> Result<(Common,
         tools: tools.map(Value::Array),
         tool_choice,
         parallel_tool_calls: parallel,
+        // Thinking on or off as templates that can switch it read it (Qwen3's
+        // `enable_thinking`); adaptive leaves the template's default.
+        chat_template_kwargs: match r.thinking.as_ref().map(|t| t.kind.as_str()) {
+            Some("enabled") => Some(serde_json::json!({"enable_thinking": true})),
+            Some("disabled") => Some(serde_json::json!({"enable_thinking": false})),
+            _ => None,
+        },
     };
     Ok((common, chat))
 }

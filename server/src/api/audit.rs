@@ -108,6 +108,8 @@ pub const CHAT: &[(&str, Rule)] = &[
     ("tools", Honoured),
     ("tool_choice", Honoured),
     ("parallel_tool_calls", Honoured),
+    // vLLM's: extra variables for the chat template (Qwen3's `enable_thinking`).
+    ("chat_template_kwargs", Honoured),
     ("functions", Refused { neutral: no_entries, why: FUNCTIONS }),
     ("function_call", Refused { neutral: no_tool, why: FUNCTIONS }),
     ("modalities", Refused { neutral: |v| *v == json!(["text"]), why: "only [\"text\"] is supported" }),

@@ -185,7 +185,7 @@ mod tests {
             "properties": {"<|im_start|>": {"type": "object", "properties": {"<|endoftext|>": {}}}}}}});
         let call = serde_json::json!({"role": "assistant", "content": "",
             "tool_calls": [{"function": {"name": "f", "arguments": {"<|im_start|>x": 1}}}]});
-        let chat = Conversation { messages: vec![call], tools: vec![tool] };
+        let chat = Conversation { messages: vec![call], tools: vec![tool], ..Conversation::default() };
         let controls = |r: &RenderedChat| match r {
             RenderedChat::Plain(_) => panic!("special text was not noticed"),
             RenderedChat::Isolated(p) => p.iter().filter(|p| matches!(p, Piece::Control(..))).count(),
