@@ -143,10 +143,11 @@ fn missing_and_misshapen_tensors_are_named() {
     edit_config(&dir, |v| v["intermediate_size"] = serde_json::json!(100));
     let e = load_err(&dir);
     assert!(e.contains("mlp.") && e.contains("shape") && e.contains("model.safetensors"), "{e}");
-    // One more layer than the file holds.
+    // One more layer than the file holds (`layer_types` would have to list it too).
     edit_config(&dir, |v| {
         v["intermediate_size"] = serde_json::json!(96);
         v["num_hidden_layers"] = serde_json::json!(2);
+        v.as_object_mut().unwrap().remove("layer_types");
     });
     let e = load_err(&dir);
     assert!(e.contains("missing tensor `model.layers.1."), "{e}");
@@ -486,7 +487,10 @@ fn a_tensor_the_config_needs_but_the_file_lacks_is_named() {
 fn checkpoints_that_do_not_match_their_config_are_refused() {
     let trained = copy_dir(&common::trained("target"), "fewer-layers");
     Model::load(&trained).expect("the untouched trained target loads");
-    edit_config(&trained, |v| v["num_hidden_layers"] = 3.into());
+    edit_config(&trained, |v| {
+        v["num_hidden_layers"] = 3.into();
+        v.as_object_mut().unwrap().remove("layer_types");
+    });
     let e = load_err(&trained);
     assert!(
         e.contains("`model.layers.3.")

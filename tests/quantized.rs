@@ -243,6 +243,69 @@ fn unsupported_quantization_is_refused_by_name() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A copy of every file of MLX fixture `name` in a temporary directory, its config.json's
+/// `quantization` edited by `edit`.
+fn with_quantization(name: &str, tag: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mtp-quantized-{tag}-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(mlx(name)).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let path = dir.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut c["quantization"]);
+    std::fs::write(&path, c.to_string()).unwrap();
+    dir
+}
+
+/// config.json's `quantization` must describe the stored tensors (mlx-lm builds its layers
+/// from it): bits, group size or mode the packed words and scales contradict are refused
+/// naming the key, the tensor and both values; a module's own entry (mixed precision)
+/// overrides the top-level values, and no mode is affine. Control: each copy untouched loads.
+#[test]
+fn quantization_contradicting_the_tensors_is_refused() {
+    let down1 = "model.layers.1.mlp.down_proj";
+    // Fixture, edit, the key and value named, the stored layout named.
+    type Case = (&'static str, fn(&mut Value), &'static str, &'static str);
+    let cases: [Case; 6] = [
+        ("qwen3-q4g32", |q| q["bits"] = 8.into(), "`quantization.bits`: 8,", "bits 4"),
+        ("qwen3-q4g32", |q| q["group_size"] = 64.into(), "`quantization.group_size`: 64,", "group_size 32"),
+        ("qwen3-q4g32", |q| q["mode"] = "mxfp4".into(), "`quantization.mode`: \"mxfp4\",", "mode \"affine\""),
+        (
+            "qwen3-mxfp4",
+            |q| drop(q.as_object_mut().unwrap().remove("mode")),
+            "`quantization.mode`: \"affine\",",
+            "mode \"mxfp4\"",
+        ),
+        (
+            "qwen2-q4g32-mixed",
+            |q| q["model.layers.1.mlp.down_proj"]["bits"] = 4.into(),
+            "`quantization.model.layers.1.mlp.down_proj.bits`: 4,",
+            "bits 8",
+        ),
+        (
+            "qwen2-q4g32-mixed",
+            |q| drop(q.as_object_mut().unwrap().remove("model.layers.1.mlp.down_proj")),
+            "`quantization.bits`: 4,",
+            "bits 8",
+        ),
+    ];
+    for (i, (name, edit, key, stored)) in cases.into_iter().enumerate() {
+        let dir = with_quantization(name, &format!("declared-{i}"), |_| {});
+        Model::load(&dir).unwrap_or_else(|e| panic!("the untouched {name} does not load: {e}"));
+        let dir = with_quantization(name, &format!("declared-{i}"), edit);
+        let err = Model::load(&dir).err().unwrap_or_else(|| panic!("case {i}: loaded")).to_string();
+        assert!(err.contains("config.json") && err.contains(key) && err.contains(stored), "case {i}: {err}");
+        assert!(
+            err.contains("tensor `") && (i < 4 || err.contains(&format!("`{down1}.weight`"))),
+            "case {i}: {err}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
 /// The qwen3-target fixture on the test backend with K/V in `kv`.
 fn qwen3_with_kv(kv: KvDtype) -> Model {
     let numerics = Numerics { kv, activations: common::test_activations() };

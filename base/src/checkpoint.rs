@@ -46,6 +46,8 @@ pub struct Checkpoint {
     tensors: HashMap<String, Entry>,
     /// Names read (or accounted for with [`Checkpoint::mark_read`]) so far.
     read: Mutex<HashSet<String>>,
+    /// config.json (when the directory has one) and its `quantization` object.
+    declared: Option<(PathBuf, serde_json::Value)>,
 }
 
 impl Checkpoint {
@@ -112,7 +114,16 @@ impl Checkpoint {
                 );
             }
         }
-        Ok(Checkpoint { dir: dir.to_path_buf(), tensors, read: Mutex::default() })
+        let config = dir.join("config.json");
+        let declared = match config.exists() {
+            true => read_json(&config)?
+                .get("quantization")
+                .filter(|q| q.is_object())
+                .cloned()
+                .map(|q| (config, q)),
+            false => None,
+        };
+        Ok(Checkpoint { dir: dir.to_path_buf(), tensors, read: Mutex::default(), declared })
     }
 
     /// The entry of `name`, recorded as read; an error naming it when absent.
@@ -249,7 +260,51 @@ impl Checkpoint {
                 "no `{biases_name}` (affine) and `{scales_name}` is not mxfp4's U8 exponents for groups of 32 4-bit values"
             )));
         };
+        let mode = if quant.biases.is_some() { "affine" } else { "mxfp4" };
+        self.check_declared(
+            stem,
+            [("bits", bits.into()), ("group_size", quant.group.into()), ("mode", mode.into())],
+        )?;
         Ok(Weight::quantized(packed, rows, cols, quant))
+    }
+
+    /// Refuses quantized `{stem}.weight` when the layout its shapes imply (`found`: bits,
+    /// group_size, mode) contradicts config.json's `quantization`, as mlx-lm reads it: the
+    /// module's own entry (named by its path, the tensor's stem) over the top-level values,
+    /// mode `affine` when neither names one. A key neither names is not checked.
+    fn check_declared(&self, stem: &str, found: [(&str, serde_json::Value); 3]) -> Result<()> {
+        let Some((path, q)) = &self.declared else { return Ok(()) };
+        // `true` is mlx-lm's "quantized with the top-level values".
+        let own = q.get(stem).filter(|o| !o.is_null() && **o != serde_json::Value::Bool(true));
+        if own.is_some_and(|o| !o.is_object()) {
+            let got = own.map_or(String::new(), |o| o.to_string());
+            return Err(Error::config(
+                path,
+                &format!("quantization.{stem}"),
+                format!("is {got}, but `{stem}.weight` is stored quantized (expected an object of its bits and group_size)"),
+            ));
+        }
+        let affine = serde_json::Value::from("affine");
+        for (key, found) in found {
+            let want = match (own.and_then(|o| o.get(key)), q.get(key)) {
+                (Some(w), _) => (format!("quantization.{stem}.{key}"), w),
+                (None, Some(w)) => (format!("quantization.{key}"), w),
+                (None, None) if key == "mode" => ("quantization.mode".to_string(), &affine),
+                (None, None) => continue,
+            };
+            if *want.1 != found {
+                return Err(Error::config(
+                    path,
+                    &want.0,
+                    format!(
+                        "{}, but tensor `{stem}.weight` is stored with {key} {found} (what its packed words and \
+                         `{stem}.scales` imply)",
+                        want.1
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Float tensor `name`, which must have exactly `shape`, viewed as `rows x cols`.

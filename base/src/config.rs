@@ -232,6 +232,12 @@ impl Config {
                     cfg.eos_token_ids.push(id);
                 }
             }
+            // generation_config.json's BOS, when it names one, is the one generation uses.
+            if let Some(&id) =
+                token_ids(&gen_path, "bos_token_id", g.get("bos_token_id"), cfg.vocab_size)?.first()
+            {
+                cfg.bos_token_id = Some(id);
+            }
         }
         Ok(cfg)
     }
@@ -250,6 +256,25 @@ impl Config {
             path: PathBuf::from(path),
             arch: arch_name.to_string(),
         })?;
+        // MLX quantization (weights found by their `.scales`; mlx-lm writes it at the root): the
+        // affine and mxfp4 modes. `Checkpoint` checks the tensors against it.
+        let quantization = k.opt("quantization");
+        if let Some(q) = quantization.filter(|q| !q.is_object()) {
+            return Err(Error::config(
+                path,
+                "quantization",
+                format!("expected an object of group_size, bits and mode, got {}", short(q)),
+            ));
+        }
+        if let Some(mode) = quantization.and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
+            if mode != "affine" && mode != "mxfp4" {
+                return Err(Error::config(
+                    path,
+                    "quantization.mode",
+                    format!("`{mode}` is not supported (affine and mxfp4, as `mlx_lm.convert -q` writes them, are)"),
+                ));
+            }
+        }
         // A multimodal Gemma 4 keeps its decoder's settings under `text_config`.
         if arch_name == "Gemma4ForConditionalGeneration" {
             let text = v
@@ -265,16 +290,6 @@ impl Config {
     /// EOS and BOS ids may sit in either.
     fn from_text(path: &Path, arch: Arch, text: &Value, v: &Value) -> Result<Config> {
         let k = Keys { path, v: text };
-        // MLX quantization (weights found by their `.scales`): the affine and mxfp4 modes.
-        if let Some(mode) = k.opt("quantization").and_then(|q| q.get("mode")).and_then(|m| m.as_str()) {
-            if mode != "affine" && mode != "mxfp4" {
-                return Err(Error::config(
-                    path,
-                    "quantization.mode",
-                    format!("`{mode}` is not supported (affine and mxfp4, as `mlx_lm.convert -q` writes them, are)"),
-                ));
-            }
-        }
         let hidden_size = k.usize("hidden_size")?;
         let heads = k.usize("num_attention_heads")?;
         if hidden_size % heads != 0 && k.opt("head_dim").is_none() {
@@ -302,22 +317,26 @@ impl Config {
         let rope_params = if arch == Arch::Gemma4 {
             None
         } else {
-            k.opt("rope_parameters").or_else(|| k.opt("rope_scaling"))
+            ["rope_parameters", "rope_scaling"].into_iter().find_map(|key| k.opt(key).map(|p| (key, p)))
         };
-        let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
-            Some(t) => {
-                t.as_f64().ok_or_else(|| Error::config(path, "rope_parameters.rope_theta", "not a number"))?
+        if let Some((key, p)) = rope_params.filter(|(_, p)| !p.is_object()) {
+            return Err(Error::config(
+                path,
+                key,
+                format!("expected an object such as {{\"rope_type\": \"llama3\", ...}}, got {}", short(p)),
+            ));
+        }
+        let rope_theta = match rope_params.and_then(|(key, p)| Some((key, p.get("rope_theta")?))) {
+            Some((key, t)) => {
+                t.as_f64().ok_or_else(|| Error::config(path, &format!("{key}.rope_theta"), "not a number"))?
                     as f32
             }
             None => k.f32_or("rope_theta", 10000.0)?,
         };
         let rope_scaling = match rope_params {
-            Some(p) => rope_scaling(path, p)?,
+            Some((key, p)) => rope_scaling(path, key, p)?,
             None => None,
         };
-        if arch != Arch::Gemma4 {
-            dense_family_switches(&k)?;
-        }
         let attention_bias = k.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match arch {
             Arch::Qwen2 => (true, false),
@@ -354,6 +373,9 @@ impl Config {
                 "num_hidden_layers",
                 format!("{num_hidden_layers} is over {MAX_LAYERS} layers"),
             ));
+        }
+        if arch != Arch::Gemma4 {
+            dense_family_switches(&k, num_hidden_layers)?;
         }
         let intermediate_size = k.usize("intermediate_size")?;
         // Every weight and table the loaders shape from these keys, checked once here.
@@ -401,7 +423,7 @@ impl Config {
 
 /// Settings the dense families' one forward (SiLU-gated MLP without biases, full attention)
 /// cannot honour, refused rather than ignored.
-fn dense_family_switches(k: &Keys) -> Result<()> {
+fn dense_family_switches(k: &Keys, layers: usize) -> Result<()> {
     match k.opt("hidden_act") {
         None => {}
         Some(Value::String(a)) if a == "silu" => {}
@@ -415,33 +437,192 @@ fn dense_family_switches(k: &Keys) -> Result<()> {
     if k.bool_or("use_sliding_window", false)? {
         return Err(Error::config(k.path, "use_sliding_window", "sliding-window attention is not supported"));
     }
+    // What transformers' `layer_type_validation` refuses. Any known type is accepted: only
+    // `use_sliding_window` (refused above) gives these families' sliding layers a window.
+    if let Some(types) = k.opt("layer_types") {
+        let list = types.as_array().filter(|a| a.len() == layers).ok_or_else(|| {
+            Error::config(
+                k.path,
+                "layer_types",
+                format!("expected a list of num_hidden_layers ({layers}) layer types, got {}", short(types)),
+            )
+        })?;
+        if let Some((i, t)) =
+            list.iter().enumerate().find(|(_, t)| !t.as_str().is_some_and(|t| LAYER_TYPES.contains(&t)))
+        {
+            return Err(Error::config(
+                k.path,
+                &format!("layer_types[{i}]"),
+                format!("unknown layer type {t} (expected one of {})", LAYER_TYPES.join(", ")),
+            ));
+        }
+    }
     Ok(())
 }
 
-fn rope_scaling(path: &Path, p: &Value) -> Result<Option<RopeScaling>> {
-    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+/// The layer types transformers knows (`ALLOWED_LAYER_TYPES`).
+const LAYER_TYPES: [&str; 4] =
+    ["full_attention", "sliding_attention", "chunked_attention", "linear_attention"];
+
+/// `v` as JSON, cut to 80 characters for an error message.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(80) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s,
+    }
+}
+
+fn rope_scaling(path: &Path, key: &str, p: &Value) -> Result<Option<RopeScaling>> {
+    let kind = match p.get("rope_type").or_else(|| p.get("type")).filter(|t| !t.is_null()) {
+        None => "default",
+        Some(Value::String(t)) => t.as_str(),
+        Some(t) => {
+            return Err(Error::config(
+                path,
+                &format!("{key}.rope_type"),
+                format!("expected a name, got {}", short(t)),
+            ))
+        }
+    };
     match kind {
         "default" => Ok(None),
         "llama3" => {
-            let num = |key: &str| match p.get(key).and_then(|v| v.as_f64()).map(|f| f as f32) {
+            let num = |name: &str| match p.get(name).and_then(|v| v.as_f64()).map(|f| f as f32) {
                 Some(f) if f.is_finite() && f > 0.0 => Ok(f),
-                _ => Err(Error::config(
-                    path,
-                    &format!("rope_scaling.{key}"),
-                    "missing or not a positive number",
-                )),
+                _ => Err(Error::config(path, &format!("{key}.{name}"), "missing or not a positive number")),
             };
-            Ok(Some(RopeScaling {
+            let s = RopeScaling {
                 factor: num("factor")?,
                 low_freq_factor: num("low_freq_factor")?,
                 high_freq_factor: num("high_freq_factor")?,
                 original_max_position_embeddings: num("original_max_position_embeddings")?,
-            }))
+            };
+            // The formula divides by their difference; transformers warns unless high is above low.
+            if s.high_freq_factor <= s.low_freq_factor {
+                return Err(Error::config(
+                    path,
+                    &format!("{key}.high_freq_factor"),
+                    format!(
+                        "{} must be greater than low_freq_factor {} (llama3 scaling divides by their difference)",
+                        s.high_freq_factor, s.low_freq_factor
+                    ),
+                ));
+            }
+            Ok(Some(s))
         }
         other => Err(Error::config(
             path,
-            "rope_scaling.rope_type",
+            &format!("{key}.rope_type"),
             format!("`{other}` is not supported (default, llama3)"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A three-layer Llama config.json, valid as it is.
+    fn llama() -> Value {
+        json!({"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_attention_heads": 2,
+            "num_hidden_layers": 3, "intermediate_size": 32, "vocab_size": 64})
+    }
+
+    /// The error `v` gets (or "loaded"), which must name config.json.
+    fn err(v: &Value) -> String {
+        let e = Config::from_value(Path::new("config.json"), v).map(|_| ()).err();
+        let e = e.map_or("loaded".to_string(), |e| e.to_string());
+        assert!(e.contains("config.json"), "{e}");
+        e
+    }
+
+    fn with(key: &str, x: Value) -> Value {
+        let mut v = llama();
+        v[key] = x;
+        v
+    }
+
+    #[test]
+    fn layer_types_must_list_every_layer_by_a_known_type() {
+        let ok = |x: Value| Config::from_value(Path::new("config.json"), &with("layer_types", x)).unwrap();
+        ok(json!(["full_attention", "full_attention", "full_attention"]));
+        // A known type is accepted: without `use_sliding_window` transformers gives it no window.
+        ok(json!(["full_attention", "sliding_attention", "full_attention"]));
+        let e = err(&with("layer_types", json!(["full_attention", "full_attention"])));
+        assert!(e.contains("`layer_types`") && e.contains("num_hidden_layers (3)"), "{e}");
+        let e = err(&with("layer_types", json!("full_attention")));
+        assert!(e.contains("`layer_types`") && e.contains("\"full_attention\""), "{e}");
+        let e = err(&with("layer_types", json!(["full_attention", "local_attention", "full_attention"])));
+        assert!(
+            e.contains("`layer_types[1]`")
+                && e.contains("local_attention")
+                && e.contains("sliding_attention"),
+            "{e}"
+        );
+        let e = err(&with("layer_types", json!(["full_attention", 7, "full_attention"])));
+        assert!(e.contains("`layer_types[1]`") && e.contains("7"), "{e}");
+    }
+
+    #[test]
+    fn rope_settings_must_be_objects() {
+        for key in ["rope_scaling", "rope_parameters"] {
+            let e = err(&with(key, json!("llama3")));
+            assert!(e.contains(&format!("`{key}`")) && e.contains("expected an object"), "{e}");
+            let e = err(&with(key, json!({"rope_type": 3})));
+            assert!(e.contains(&format!("`{key}.rope_type`")) && e.contains("expected a name"), "{e}");
+            // Control: the object, and null (absent).
+            let v = with(key, json!({"rope_type": "default", "rope_theta": 500000.0}));
+            assert_eq!(Config::from_value(Path::new("config.json"), &v).unwrap().rope_theta, 500000.0);
+            Config::from_value(Path::new("config.json"), &with(key, Value::Null)).unwrap();
+        }
+        let e = err(&with("quantization", json!("4bit")));
+        assert!(e.contains("`quantization`") && e.contains("expected an object"), "{e}");
+    }
+
+    #[test]
+    fn llama3_scaling_needs_high_freq_factor_above_low() {
+        let scaling = |low: f64, high: f64| {
+            with(
+                "rope_scaling",
+                json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low,
+                "high_freq_factor": high, "original_max_position_embeddings": 8192}),
+            )
+        };
+        let s =
+            Config::from_value(Path::new("config.json"), &scaling(1.0, 4.0)).unwrap().rope_scaling.unwrap();
+        assert!(s.adjust(0.01).is_finite());
+        for (low, high) in [(2.0, 2.0), (4.0, 1.0)] {
+            let e = err(&scaling(low, high));
+            assert!(
+                e.contains("`rope_scaling.high_freq_factor`") && e.contains("greater than low_freq_factor"),
+                "{e}"
+            );
+        }
+        // Both 0 is not a positive number.
+        assert!(err(&scaling(0.0, 0.0)).contains("`rope_scaling.low_freq_factor`"));
+    }
+
+    #[test]
+    fn generation_config_bos_must_be_in_the_vocabulary() {
+        let dir = std::env::temp_dir().join(format!("mtp-config-bos-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), with("bos_token_id", 1.into()).to_string()).unwrap();
+        let generation =
+            |g: Value| std::fs::write(dir.join("generation_config.json"), g.to_string()).unwrap();
+        generation(json!({"bos_token_id": 5}));
+        assert_eq!(Config::from_dir(&dir).unwrap().bos_token_id, Some(5));
+        generation(json!({"bos_token_id": 64}));
+        let e = Config::from_dir(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("generation_config.json") && e.contains("`bos_token_id`") && e.contains("64"),
+            "{e}"
+        );
+        generation(json!({"bos_token_id": "<s>"}));
+        assert!(Config::from_dir(&dir).unwrap_err().to_string().contains("`bos_token_id`"));
+        generation(json!({"eos_token_id": 2}));
+        assert_eq!(Config::from_dir(&dir).unwrap().bos_token_id, Some(1));
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

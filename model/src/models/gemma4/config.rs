@@ -186,7 +186,7 @@ impl Gemma4Config {
                     _ => Err(Error::config(
                         path,
                         &format!("layer_types[{i}]"),
-                        format!("unknown layer type {t}"),
+                        format!("unknown layer type {t} (full_attention, sliding_attention)"),
                     )),
                 })
                 .collect::<Result<_>>()?,
