@@ -192,6 +192,38 @@ fn sharded_checkpoints_load() {
         mtp::engine::prefill(m, &mut c, &[5, 6, 7], 8, false, true).unwrap().logits
     };
     assert_eq!(common::bits(&run(&single)), common::bits(&run(&sharded)));
+    // A tensor held by two shards, or the index placing it in a shard that does not hold
+    // it, is refused naming the entry: which copy loads is the checkpoint's to say.
+    let second = dir.join("model-00002-of-00002.safetensors");
+    let write_index = |m: &serde_json::Map<String, serde_json::Value>| {
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::json!({"weight_map": m}).to_string(),
+        )
+        .unwrap()
+    };
+    let mut moved = map.clone();
+    moved.insert("model.embed_tokens.weight".into(), "model-00002-of-00002.safetensors".into());
+    std::fs::copy(dir.join("model-00001-of-00001.safetensors"), &second).unwrap();
+    write_index(&moved);
+    let e = load_err(&dir);
+    // (Whichever shard is read first, its copy or the other's placement is the refusal.)
+    assert!(e.contains("weight_map.") && e.contains("stored in"), "{e}");
+    let data = [0u8; 4];
+    let extra = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &data).unwrap();
+    safetensors::tensor::serialize_to_file([("extra.weight", extra)], None, &second).unwrap();
+    let e = load_err(&dir);
+    assert!(
+        e.contains("weight_map.model.embed_tokens.weight")
+            && e.contains("but the tensor is stored in model-00001"),
+        "{e}"
+    );
+    std::fs::remove_file(&second).unwrap();
+    // Control: an index that omits a tensor its shard holds loads it (as transformers does).
+    let mut fewer = map.clone();
+    fewer.remove("model.embed_tokens.weight");
+    write_index(&fewer);
+    assert_eq!(common::bits(&run(&single)), common::bits(&run(&Model::load(&dir).unwrap())));
     // A shard named outside the directory is refused naming the entry (it was opened).
     for outside in ["../../../../etc/passwd", "/etc/passwd", "sub/../model-00001-of-00001.safetensors"] {
         let mut bad = map.clone();

@@ -54,6 +54,8 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
+        // The index's shard for each tensor it lists (none for a single file).
+        let mut listed: HashMap<String, String> = HashMap::new();
         let files: Vec<PathBuf> = if index.exists() {
             let v = read_json(&index)?;
             let map = v
@@ -77,6 +79,7 @@ impl Checkpoint {
                 if !names.iter().any(|n| n == f) {
                     names.push(f.to_string());
                 }
+                listed.insert(tensor.clone(), f.to_string());
             }
             names.into_iter().map(|n| dir.join(n)).collect()
         } else if single.exists() {
@@ -90,7 +93,7 @@ impl Checkpoint {
                 ),
             ));
         };
-        let mut tensors = HashMap::new();
+        let mut tensors: HashMap<String, Entry> = HashMap::new();
         for path in files {
             let file = crate::files::open_regular(&path)?;
             // SAFETY: the file is opened read-only; like every mmap loader we assume it is
@@ -100,7 +103,26 @@ impl Checkpoint {
                 .map_err(|e| Error::Safetensors { path: path.clone(), msg: e.to_string() })?;
             let base = map.as_ptr() as usize;
             let path = Arc::new(path);
+            let shard = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             for (name, view) in st.tensors() {
+                // A tensor in two shards, or not where the index says: which copy the
+                // model reads would be the loader's choice, not the checkpoint's.
+                if let Some(other) = tensors.get(&name) {
+                    let first =
+                        other.file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                    return Err(Error::config(
+                        &index,
+                        &format!("weight_map.{name}"),
+                        format!("tensor `{name}` is stored in both {first} and {shard}"),
+                    ));
+                }
+                if let Some(f) = listed.get(&name).filter(|f| **f != shard) {
+                    return Err(Error::config(
+                        &index,
+                        &format!("weight_map.{name}"),
+                        format!("names `{f}`, but the tensor is stored in {shard}"),
+                    ));
+                }
                 let start = view.data().as_ptr() as usize - base;
                 tensors.insert(
                     name,
