@@ -549,3 +549,52 @@ fn tokenize_detokenize_and_the_model_entry() {
     assert_eq!(status, 404, "{m}");
     assert!(m.contains("not served here"), "{m}");
 }
+
+/// A completions `prompt` listing several prompts (texts or token-id lists, as lm-eval
+/// sends them) is answered as OpenAI does: prompt `i`'s choice `j` at index `i * n + j`,
+/// each bitwise the same prompt sent alone, usage summed. Streamed lists and more than 64
+/// prompts are refused by field; a bad prompt of the list is named by its index.
+#[test]
+fn a_list_of_prompts_gets_each_prompts_choices_in_order() {
+    let addr = start(8, 256);
+    let tok = Tokenizer::from_dir(&trained("target")).unwrap();
+    let prompts = ["fn main() {", "struct Point {", "// sort a list\n"];
+    let one = |p: Value| {
+        let (status, v) = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": p, "max_tokens": 6, "n": 2, "temperature": 0.7,
+                                                                "seed": 3, "logprobs": 1, "ignore_eos": true}),
+        );
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let alone: Vec<Value> = prompts.iter().map(|p| one(json!(p))).collect();
+    let ids: Vec<Value> = prompts.iter().map(|p| json!(tok.encode(p).unwrap())).collect();
+    for list in [json!(prompts), json!(ids)] {
+        let v = one(list.clone());
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 6, "{v}");
+        for (k, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], k, "{v}");
+            let want = &alone[k / 2]["choices"][k % 2];
+            assert_eq!(
+                (&c["text"], &c["logprobs"]),
+                (&want["text"], &want["logprobs"]),
+                "prompt {}, choice {}",
+                k / 2,
+                k % 2
+            );
+        }
+        let summed: u64 = alone.iter().map(|a| a["usage"]["total_tokens"].as_u64().unwrap()).sum();
+        assert_eq!(v["usage"]["total_tokens"], summed, "{v}");
+    }
+    for (body, param) in [
+        (json!({"prompt": ["a", "b"], "stream": true}), "stream"),
+        (json!({"prompt": vec!["a"; 65]}), "prompt"),
+        (json!({"prompt": ["a", []]}), "prompt[1]"),
+    ] {
+        let (status, v) = post(addr, "/v1/completions", &body);
+        assert_eq!((status, v["error"]["param"].as_str().unwrap_or("")), (400, param), "{v}");
+    }
+}

@@ -187,7 +187,7 @@ fn refusals_name_their_field() {
         ("c", json!({"prompt": [5, 0.5]}), 400, "prompt", "prompt[1]"),
         ("c", json!({"prompt": [1, 99999]}), 400, "prompt", "prompt[1] is 99999"),
         ("c", json!({"prompt": [1, "a"]}), 400, "prompt", "prompt[1]"),
-        ("c", json!({"prompt": ["a", "b"]}), 400, "prompt", "one prompt per request"),
+        ("c", json!({"prompt": ["a", [1, 99999]]}), 400, "prompt[1]", "prompt[1][1] is 99999"),
         ("c", json!({"prompt": "fn", "n": 3}), 400, "n", "--max-pending"),
         ("c", json!({"prompt": "fn", "n": 0}), 400, "n", "between 1 and 16"),
         ("c", json!({"prompt": "fn", "stop": "x".repeat(2000)}), 400, "stop", "1024 bytes"),

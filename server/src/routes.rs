@@ -131,12 +131,96 @@ async fn respond(
 ) -> Result<Response, ApiError> {
     app.requests.fetch_add(1, Ordering::Relaxed);
     let body = parse(body).await?;
+    if kind == Kind::Completion {
+        if let Some(prompts) = prompt_list(&body)? {
+            return several(app, &body, prompts, log).await.map(|v| Json(v).into_response());
+        }
+    }
     let (plan, receivers, slots) = start(app, kind, &body, log).await?;
     if plan.stream {
         Ok(stream_response(app.clone(), plan, receivers, slots, log.hand_off()).into_response())
     } else {
         collect(app, &plan, receivers, slots, log).await.map(|v| Json(v).into_response())
     }
+}
+
+/// Most prompts one completions request may list.
+const MOST_PROMPTS: usize = 64;
+
+/// A completions `prompt` that lists several prompts (strings, or lists of token ids), or
+/// `None` for one prompt (a string, or one list of ids).
+fn prompt_list(body: &Value) -> Result<Option<Vec<Value>>, ApiError> {
+    let Some(Value::Array(items)) = body.get("prompt") else { return Ok(None) };
+    if items.is_empty()
+        || items.iter().all(Value::is_number)
+        || !items.iter().all(|v| v.is_string() || v.is_array())
+    {
+        return Ok(None);
+    }
+    if items.len() > MOST_PROMPTS {
+        return Err(ApiError::bad(
+            "prompt",
+            format!("at most {MOST_PROMPTS} prompts a request; got {}", items.len()),
+        ));
+    }
+    if body.get("stream") == Some(&json!(true)) {
+        return Err(ApiError::bad(
+            "stream",
+            "a list of prompts is answered unstreamed: send one request a prompt to stream",
+        ));
+    }
+    Ok(Some(items.clone()))
+}
+
+/// A completions request over several prompts: each submitted (so they run together), then
+/// answered as OpenAI does: prompt `i`'s choice `j` at index `i * n + j`, usage summed, and
+/// `prompt_token_ids` (when asked) one list a prompt. A prompt's refusal names `prompt[i]`.
+async fn several(
+    app: &Arc<AppState>,
+    body: &Value,
+    prompts: Vec<Value>,
+    log: &mut RequestLog,
+) -> Result<Value, ApiError> {
+    let mut started = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.into_iter().enumerate() {
+        let mut one = body.clone();
+        one["prompt"] = p;
+        let at = |mut e: ApiError| {
+            if let Some(param) = e.param.as_mut().filter(|p| p.starts_with("prompt")) {
+                *param = format!("prompt[{i}]{}", &param["prompt".len()..]);
+                e.message = e.message.replace("prompt[", &format!("prompt[{i}]["));
+            }
+            e
+        };
+        started.push(start(app, Kind::Completion, &one, log).await.map_err(at)?);
+    }
+    let mut out: Option<Value> = None;
+    let mut prompt_ids = Vec::new();
+    for (i, (plan, receivers, slots)) in started.into_iter().enumerate() {
+        let mut v = collect(app, &plan, receivers, slots, log).await?;
+        for c in v["choices"].as_array_mut().into_iter().flatten() {
+            c["index"] = json!(i * plan.n + c["index"].as_u64().unwrap_or(0) as usize);
+        }
+        prompt_ids.push(v.as_object_mut().and_then(|m| m.remove("prompt_token_ids")));
+        match out.as_mut() {
+            None => out = Some(v),
+            Some(all) => {
+                let more = v["choices"].as_array().cloned().unwrap_or_default();
+                if let Some(c) = all["choices"].as_array_mut() {
+                    c.extend(more);
+                }
+                for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+                    let sum = all["usage"][key].as_u64().unwrap_or(0) + v["usage"][key].as_u64().unwrap_or(0);
+                    all["usage"][key] = json!(sum);
+                }
+            }
+        }
+    }
+    let mut out = out.unwrap_or_else(|| json!({}));
+    if prompt_ids.iter().all(Option::is_some) && !prompt_ids.is_empty() {
+        out["prompt_token_ids"] = json!(prompt_ids);
+    }
+    Ok(out)
 }
 
 /// A running request: its plan, each choice's updates, its share of `--max-pending`.
@@ -197,9 +281,6 @@ fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, Ap
         Value::String(t) => Source::Text(t),
         Value::Array(items) if items.iter().all(Value::is_number) => {
             Source::Ids(token_ids(app, &items, "prompt")?)
-        }
-        Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
-            return Err(ApiError::bad("prompt", "one prompt per request: a string or a list of token ids"))
         }
         Value::Array(items) => {
             let i = items.iter().position(|v| !v.is_number()).unwrap_or(0);
