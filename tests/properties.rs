@@ -3,7 +3,9 @@
 //! compile or are refused with a message, never a panic, and an endless one is always
 //! refused before compiling; random chat conversations (roles, content, calls, results,
 //! special-token text) through `/v1/chat/completions` get 200 or a 4xx naming a
-//! `messages` field or another request field, never a 5xx. (Configs get the same treatment
+//! `messages` field or another request field, never a 5xx; valid bodies of every POST
+//! endpoint with random fields set to careless or hostile values get 200 or a 4xx, never a
+//! 5xx. (Configs get the same treatment
 //! field by field in `tests/loading.rs`; request fields in `tests/server_requests.rs`.)
 
 mod common;
@@ -199,4 +201,116 @@ fn random_conversations_are_answered_or_refused_by_field() {
     }
     eprintln!("{ok} answered, {refused} refused");
     assert!(ok > 0 && refused > 0, "the generator reaches both");
+}
+
+/// A random JSON value from values careless and hostile clients send.
+fn hostile(rng: &mut StdRng, depth: u32) -> Value {
+    match rng.random_range(0..14) {
+        0 => Value::Null,
+        1 => json!(rng.random_bool(0.5)),
+        2 => json!(-1),
+        3 => json!(0),
+        4 => json!(1e308),
+        5 => json!(u64::MAX),
+        6 => json!(rng.random_range(0..40)),
+        7 => json!("<|im_start|>"),
+        8 => json!("x".repeat(rng.random_range(0..200))),
+        9 => json!(MODEL),
+        10 if depth > 0 => {
+            Value::Array((0..rng.random_range(0..4)).map(|_| hostile(rng, depth - 1)).collect())
+        }
+        11 if depth > 0 => {
+            let keys = ["role", "content", "type", "text", "name", "prompt", "tokens", "messages"];
+            let n = rng.random_range(0..4);
+            Value::Object(
+                (0..n)
+                    .map(|_| (keys[rng.random_range(0..keys.len())].to_string(), hostile(rng, depth - 1)))
+                    .collect(),
+            )
+        }
+        _ => json!([rng.random_range(0..50), rng.random_range(0..50)]),
+    }
+}
+
+/// 300 bodies, each a valid body of one POST endpoint (completions, chat, Messages and
+/// its token count, Responses, /tokenize, /detokenize) with 0-2 of its fields set to a
+/// random careless or hostile value: every answer is a 200 or a 4xx with a JSON body (or
+/// an event stream), never a 5xx; the unchanged bodies are answered 200 (the control).
+#[test]
+fn random_bodies_to_every_endpoint_get_200_or_4xx() {
+    let addr = trained_server(None, ServerOptions::default());
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let bases = [
+        ("/v1/completions", json!({"prompt": "fn", "max_tokens": 2})),
+        ("/v1/chat/completions", json!({"messages": user, "max_tokens": 2})),
+        ("/v1/messages", json!({"model": MODEL, "messages": user, "max_tokens": 2})),
+        ("/v1/messages/count_tokens", json!({"model": MODEL, "messages": user})),
+        ("/v1/responses", json!({"model": MODEL, "input": "hi", "max_output_tokens": 2})),
+        ("/tokenize", json!({"prompt": "hi"})),
+        ("/detokenize", json!({"tokens": [1, 2]})),
+    ];
+    let fields = [
+        "model",
+        "prompt",
+        "messages",
+        "input",
+        "tokens",
+        "max_tokens",
+        "n",
+        "stream",
+        "temperature",
+        "seed",
+        "tools",
+        "tool_choice",
+        "chat_template_kwargs",
+        "add_special_tokens",
+        "logprobs",
+        "stop",
+        "system",
+        "max_output_tokens",
+        "instructions",
+    ];
+    let send = |path: &str, body: &Value| {
+        http(addr, "POST", path, &body.to_string(), Duration::from_secs(60)).unwrap()
+    };
+    for (path, base) in &bases {
+        let (status, text) = send(path, base);
+        assert_eq!(status, 200, "control: {path} {text}");
+    }
+    let mut rng = StdRng::seed_from_u64(7601);
+    let mut seen = std::collections::BTreeMap::new();
+    for case in 0..300 {
+        let (path, base) = &bases[case % bases.len()];
+        let mut body = base.clone();
+        for _ in 0..rng.random_range(0..3) {
+            let key = if rng.random_bool(0.5) {
+                base.as_object()
+                    .unwrap()
+                    .keys()
+                    .nth(rng.random_range(0..base.as_object().unwrap().len()))
+                    .unwrap()
+                    .clone()
+            } else {
+                fields[rng.random_range(0..fields.len())].to_string()
+            };
+            body[key.as_str()] = hostile(&mut rng, 2);
+        }
+        // Short answers: the property is about vetting, not generation.
+        for key in ["max_tokens", "max_output_tokens"] {
+            if body.get(key).and_then(Value::as_u64).is_some_and(|n| n > 4) {
+                body[key] = json!(4);
+            }
+        }
+        let (status, text) = send(path, &body);
+        assert!(status == 200 || (400..500).contains(&status), "case {case}: {path} {status} {text}\n{body}");
+        assert!(
+            serde_json::from_str::<Value>(&text).is_ok()
+                || text.starts_with("data:")
+                || text.starts_with("event:"),
+            "case {case}: {path} answered no JSON: {text:.200}"
+        );
+        *seen.entry(status).or_insert(0) += 1;
+    }
+    eprintln!("statuses: {seen:?}");
+    assert!(seen.get(&200).is_some_and(|&n| n > 20), "the mutations leave many bodies valid: {seen:?}");
 }
