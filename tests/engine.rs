@@ -227,6 +227,23 @@ fn preemption_storm(model: &Arc<Model>, n: usize, mtp_head: Option<&Path>) -> (V
     (differ, engine.stats().preemptions)
 }
 
+/// Admission leaves headroom (a block a row, 1-10% of the budget): the same storm preempts
+/// less than admission filling the budget to its last block (the control), and every
+/// request keeps its bits either way.
+#[test]
+fn admission_headroom_cuts_preemptions() {
+    let model = Arc::new(common::load(&fixture("qwen2-target")));
+    let n = if common::full_matrix() { 32 } else { 8 };
+    let (differ, with) = preemption_storm(&model, n, None);
+    assert!(differ.is_empty(), "with headroom: {differ:?} differ");
+    mtp::engine::negative_control::set_no_watermark(true);
+    let (differ, without) = preemption_storm(&model, n, None);
+    mtp::engine::negative_control::set_no_watermark(false);
+    assert!(differ.is_empty(), "without headroom: {differ:?} differ");
+    eprintln!("preemptions: {with} with headroom, {without} without");
+    assert!(with < without, "{with} preemptions with headroom, {without} without");
+}
+
 #[test]
 fn a_preemption_storm_loses_nothing_and_resumed_rows_keep_their_bits() {
     let model = Arc::new(common::load(&fixture("qwen2-target")));
@@ -235,6 +252,9 @@ fn a_preemption_storm_loses_nothing_and_resumed_rows_keep_their_bits() {
     // The emulator's rotated matrix: a smaller storm through the same kernels (the
     // scheduling is the host's, proven in full on the CPU).
     let (n, drafters) = if common::full_matrix() { (64, 2) } else { (12, 1) };
+    // Admission without headroom fills the budget to its last block, so rows preempt each
+    // other over and over (the headroom's own test is `admission_headroom_cuts_preemptions`).
+    mtp::engine::negative_control::set_no_watermark(true);
     for (name, dir) in [("oracle", None), ("mtp", Some(head.as_path()))].into_iter().take(drafters) {
         let (differ, preemptions) = preemption_storm(&model, n, dir);
         assert!(
@@ -250,6 +270,7 @@ fn a_preemption_storm_loses_nothing_and_resumed_rows_keep_their_bits() {
     mtp::engine::negative_control::set_resume_one_position_short(true);
     let (differ, _) = preemption_storm(&model, n.min(24), None);
     mtp::engine::negative_control::set_resume_one_position_short(false);
+    mtp::engine::negative_control::set_no_watermark(false);
     assert!(!differ.is_empty(), "a row resumed at a wrong position went unnoticed");
 }
 

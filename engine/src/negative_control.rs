@@ -5,6 +5,17 @@ use std::cell::Cell;
 
 thread_local! {
     static RESUME_ONE_POSITION_SHORT: Cell<bool> = const { Cell::new(false) };
+    static NO_WATERMARK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// When on, admission fills the K/V budget to the last block (no headroom for the
+/// admitted rows' growth).
+pub fn set_no_watermark(on: bool) {
+    NO_WATERMARK.with(|c| c.set(on));
+}
+
+pub(crate) fn no_watermark() -> bool {
+    NO_WATERMARK.with(|c| c.get())
 }
 
 /// When on, a preempted row recomputes one token fewer than it emitted before its last, so

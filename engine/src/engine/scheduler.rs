@@ -3,7 +3,10 @@
 //! Rows take K/V blocks as they grow; nothing is reserved for a request's worst case. A
 //! queued request is admitted when the budget holds what admitted rows hold now (shared
 //! blocks once), what their prompts still need, one verify window more for every decoding
-//! row, and the blocks of its own prompt that the prefix cache does not hold. Before each
+//! row, the blocks of its own prompt that the prefix cache does not hold, and a watermark
+//! of headroom (a block for each row that will grow past its blocks, within a tenth of the
+//! budget) so that admission does not fill the budget only to preempt at the next block
+//! boundary. Before each
 //! round, when the budget cannot hold the round's growth, blocks that only the prefix
 //! cache holds are evicted, then the newest admitted request is preempted: its blocks are
 //! freed and it goes back to the front of the queue, to recompute its prompt and the
@@ -110,6 +113,44 @@ impl Engine<'_> {
         self.prompt_growth(cached, q.request.prompt.len(), true).saturating_add(self.model.kv_bytes_per_row())
     }
 
+    /// Headroom admission leaves the admitted rows to grow into before one must be
+    /// preempted: a block for each row (the newcomer `q` included) that will need more
+    /// blocks than it holds through the next round, within a tenth of the budget; none
+    /// while nothing is admitted (the oldest request always runs).
+    fn watermark(&self, q: &Queued) -> usize {
+        let Some(budget) = self.opts.kv_budget_bytes else { return 0 };
+        if self.active.is_empty() && self.prompts.is_empty() || crate::negative_control::no_watermark() {
+            return 0;
+        }
+        let bp = self.block_positions;
+        let cap = self.model.max_positions();
+        // Whether a row now `len` long (a round from now) grows past that to `worst`.
+        let grows = |len: usize, worst: usize| worst.min(cap).div_ceil(bp) > len.div_ceil(bp);
+        let end = |prompt: usize, max_tokens: usize, drafting: bool| {
+            prompt.saturating_add(max_tokens).saturating_add(self.window(drafting))
+        };
+        let rows = self
+            .active
+            .iter()
+            .filter(|r| {
+                grows(r.cache.len() + self.window(r.drafting), end(r.prompt_len, r.max_tokens, r.drafting))
+            })
+            .count()
+            + self
+                .prompts
+                .iter()
+                .filter(|p| {
+                    let len = p.request.prompt.len() + self.window(true);
+                    grows(len, end(p.request.prompt.len(), p.request.max_tokens, true))
+                })
+                .count()
+            + usize::from(grows(
+                q.request.prompt.len() + self.window(true),
+                end(q.request.prompt.len(), q.request.max_tokens, true),
+            ));
+        self.block_bytes().saturating_mul(rows).min(budget / 10)
+    }
+
     /// Bytes over the budget if `more` were added to what is projected (0 when it fits).
     fn over_budget(&self, more: usize) -> usize {
         self.opts.kv_budget_bytes.map_or(0, |b| self.projected().saturating_add(more).saturating_sub(b))
@@ -125,7 +166,8 @@ impl Engine<'_> {
             let Some(at) = self.queue.iter().position(|q| !self.waits_for_prefix(&q.request.prompt)) else {
                 break;
             };
-            let over = self.over_budget(self.admission_need(&self.queue[at]));
+            let q = &self.queue[at];
+            let over = self.over_budget(self.admission_need(q).saturating_add(self.watermark(q)));
             if over > 0 {
                 if self.prefix.as_mut().is_some_and(|p| p.evict_unshared(over) > 0) {
                     continue;
