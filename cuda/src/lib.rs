@@ -1561,15 +1561,6 @@ impl Kernels for Cuda {
             }
         }
         let (rows, ring_rows, tables) = self.row_layouts(&stores, &ring_stores)?;
-        let held: Vec<flash::HeldBlocks> = stores
-            .iter()
-            .map(|(store, map)| flash::HeldBlocks {
-                pool: store.base(),
-                table: store.table().collect(),
-                committed: map.committed,
-                ring: map.ring != 0,
-            })
-            .collect();
         // (row, position, RoPE position, first key: 0, the window is the kernel's argument).
         let toks: Vec<i32> =
             slots.iter().flat_map(|s| [s.row as i32, s.pos as i32, s.rope_pos as i32, 0]).collect();
@@ -1581,8 +1572,21 @@ impl Kernels for Cuda {
         let splits = if negative_control::split_attention() { (16 / caches.len().max(1)).max(1) } else { 1 };
         let token_rows: Vec<usize> = slots.iter().map(|s| s.row).collect();
         let tiles = self.flash_tiles(&token_rows)?;
-        // (The split control moves the chunks' anchor: a shared tile's segments would not be its rows'.)
-        let shared = match flash::share(&token_rows, &held).filter(|_| splits == 1) {
+        // (The split control moves the chunks' anchor: a shared tile's segments would not be
+        // its rows'. A row alone shares with nobody: its table is not copied.)
+        let held = || -> Vec<flash::HeldBlocks> {
+            stores
+                .iter()
+                .map(|(store, map)| flash::HeldBlocks {
+                    pool: store.base(),
+                    table: store.table().collect(),
+                    committed: map.committed,
+                    ring: map.ring != 0,
+                })
+                .collect()
+        };
+        let grouped = (splits == 1 && stores.len() > 1).then(|| flash::share(&token_rows, &held())).flatten();
+        let shared = match grouped {
             Some((shared, own, segments)) => Some(flash::SharedTiles {
                 shared: self.tiles_on_device(shared, "shared tiles")?,
                 own: self.tiles_on_device(own, "batch layout")?,

@@ -139,7 +139,7 @@ pub(crate) async fn serve(
                     let mut stream = stream;
                     match admit::probe(&mut stream).await {
                         Some(read) => {
-                            let io = TokioIo::new(admit::Prefixed::new(read, stream));
+                            let io = TokioIo::new(admit::rejoined(read, stream));
                             let _ =
                                 timeout(Duration::from_secs(5), probes.serve_connection(io, service)).await;
                         }

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::api::{self, ApiError, ChatRequest, Message};
+use crate::api::{self, ApiError, ChatRequest};
 use crate::body::LimitedBody;
 use crate::routes::{self, prompt, Shared};
 use crate::AppState;
@@ -96,23 +96,13 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
                     "only `true` is accepted (the chat endpoint always adds the generation prompt)",
                 ));
             }
-            let mut chat_body = json!({"messages": body["messages"]});
-            if let Some(t) = body.get("tools") {
-                chat_body["tools"] = t.clone();
+            // The chat endpoint's own fields, vetted and read as it reads them.
+            let mut chat_body = body.clone();
+            if let Some(m) = chat_body.as_object_mut() {
+                m.retain(|k, _| ["messages", "tools", "chat_template_kwargs"].contains(&k.as_str()));
             }
             api::audit::check_chat(&chat_body)?;
-            let messages: Vec<Message> =
-                api::fields(&body["messages"]).map_err(|e| renamed(e, "messages"))?;
-            let chat = ChatRequest {
-                messages,
-                logprobs: None,
-                top_logprobs: None,
-                max_completion_tokens: None,
-                tools: body.get("tools").cloned(),
-                tool_choice: None,
-                parallel_tool_calls: None,
-                chat_template_kwargs: body.get("chat_template_kwargs").cloned(),
-            };
+            let chat: ChatRequest = api::fields(&chat_body)?;
             let (source, ..) = routes::chat_source(app, chat)?;
             prompt::tokenize(app, source, "messages").await?
         }
@@ -135,14 +125,4 @@ fn known(app: &AppState, body: &Value, allowed: &[&str]) -> Result<(), ApiError>
         Some(Value::String(m)) => Err(ApiError::unknown_model(&app.model_name, m)),
         Some(_) => Err(ApiError::bad("model", "`model` must be a string")),
     }
-}
-
-/// `e` with its `param` under `prefix` (a field of `messages[i]` read from the list alone).
-fn renamed(mut e: ApiError, prefix: &str) -> ApiError {
-    e.param = Some(match e.param.take() {
-        Some(p) if p.starts_with('[') => format!("{prefix}{p}"),
-        Some(p) => format!("{prefix}.{p}"),
-        None => prefix.to_string(),
-    });
-    e
 }

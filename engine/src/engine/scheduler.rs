@@ -124,11 +124,14 @@ impl Engine<'_> {
         }
         let bp = self.block_positions;
         let cap = self.model.max_positions();
-        // Whether a row now `len` long (a round from now) grows past that to `worst`.
+        // Whether a row `len` long a round from now grows past that to `worst`.
         let grows = |len: usize, worst: usize| worst.min(cap).div_ceil(bp) > len.div_ceil(bp);
         let end = |prompt: usize, max_tokens: usize, drafting: bool| {
             prompt.saturating_add(max_tokens).saturating_add(self.window(drafting))
         };
+        // A request whose prompt goes in (admitted or the newcomer).
+        let prompt_grows =
+            |r: &Request| grows(r.prompt.len() + self.window(true), end(r.prompt.len(), r.max_tokens, true));
         let rows = self
             .active
             .iter()
@@ -136,18 +139,8 @@ impl Engine<'_> {
                 grows(r.cache.len() + self.window(r.drafting), end(r.prompt_len, r.max_tokens, r.drafting))
             })
             .count()
-            + self
-                .prompts
-                .iter()
-                .filter(|p| {
-                    let len = p.request.prompt.len() + self.window(true);
-                    grows(len, end(p.request.prompt.len(), p.request.max_tokens, true))
-                })
-                .count()
-            + usize::from(grows(
-                q.request.prompt.len() + self.window(true),
-                end(q.request.prompt.len(), q.request.max_tokens, true),
-            ));
+            + self.prompts.iter().filter(|p| prompt_grows(&p.request)).count()
+            + usize::from(prompt_grows(&q.request));
         self.block_bytes().saturating_mul(rows).min(budget / 10)
     }
 

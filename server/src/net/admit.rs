@@ -6,12 +6,10 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
@@ -90,48 +88,10 @@ fn is_probe(line: &[u8]) -> bool {
     matches!(method, "GET" | "HEAD") && matches!(path, "/health" | "/metrics")
 }
 
-/// A stream whose first reads return `prefix` (bytes already read from it).
-pub(super) struct Prefixed {
-    prefix: Vec<u8>,
-    at: usize,
-    inner: TcpStream,
-}
-
-impl Prefixed {
-    pub(super) fn new(prefix: Vec<u8>, inner: TcpStream) -> Prefixed {
-        Prefixed { prefix, at: 0, inner }
-    }
-}
-
-impl AsyncRead for Prefixed {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if self.at < self.prefix.len() {
-            let n = (self.prefix.len() - self.at).min(buf.remaining());
-            let at = self.at;
-            buf.put_slice(&self.prefix[at..at + n]);
-            self.at += n;
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Prefixed {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
+/// `stream` as one connection again, its first reads the bytes [`probe`] took from it.
+pub(super) fn rejoined(read: Vec<u8>, stream: TcpStream) -> impl AsyncRead + AsyncWrite + Unpin {
+    let (reader, writer) = stream.into_split();
+    tokio::io::join(io::Cursor::new(read).chain(reader), writer)
 }
 
 #[cfg(test)]
