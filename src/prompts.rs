@@ -131,6 +131,7 @@ pub fn read_bounded(
             stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
             sampling,
             top_logprobs: l.top_logprobs.unwrap_or(defaults.top_logprobs),
+            prompt_logprobs: None,
             constraint,
         });
         arrive_at.push(l.arrive_at.unwrap_or(0));

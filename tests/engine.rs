@@ -9,7 +9,9 @@ use std::sync::Arc;
 use common::{bits, fixture, plain, request};
 use mtp::base::Tokenizer;
 use mtp::drafter::{Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
-use mtp::engine::{generate, DraftLen, Engine, EngineOptions, Event, FinishReason, Request, SamplingParams};
+use mtp::engine::{
+    generate, Completion, DraftLen, Engine, EngineOptions, Event, FinishReason, Request, SamplingParams,
+};
 use mtp::model::{Model, MtpLayout};
 use mtp::synth::SynthSpec;
 
@@ -52,7 +54,7 @@ fn events_stream_every_token_then_the_finish() {
                     finished[ids.iter().position(|&x| x == request).unwrap()] = Some(reason);
                 }
                 Event::Failed { error, .. } => panic!("{error}"),
-                Event::Admitted { .. } => {}
+                Event::Admitted { .. } | Event::PromptScored { .. } => {}
             }
         }
     }
@@ -210,7 +212,7 @@ fn preemption_storm(model: &Arc<Model>, n: usize, mtp_head: Option<&Path>) -> (V
                 }
                 Event::Finished { .. } => finished += 1,
                 Event::Failed { error, .. } => panic!("{error}"),
-                Event::Admitted { .. } => {}
+                Event::Admitted { .. } | Event::PromptScored { .. } => {}
             }
         }
         let held = engine.kv_bytes();
@@ -294,6 +296,82 @@ fn top_logprobs_list_the_most_likely_tokens_without_changing_the_output() {
             assert!(top.windows(2).all(|p| p[0].1 >= p[1].1), "most likely first");
         }
     }
+}
+
+/// Whether every scored prompt (a request's prompt and its plain continuation) carries, for
+/// each continuation token, the token, logprob bits, rank 1 and alternatives that plain
+/// decoding reported generating it, and nothing else came out of a request of 0 tokens.
+fn scores_match(generated: &[Request], plain_out: &[Completion], scored: &[Completion]) -> bool {
+    generated.iter().zip(plain_out).zip(scored).all(|((r, g), s)| {
+        let start = r.prompt.len() - 1;
+        let own = &s.prompt_logprobs[start.min(s.prompt_logprobs.len())..];
+        s.prompt_logprobs.len() == r.prompt.len() + g.tokens.len() - 1
+            && own.len() == g.tokens.len()
+            && own.iter().zip(&g.tokens).zip(&g.logprobs).zip(&g.top_logprobs).all(|(((p, &t), &lp), top)| {
+                p.token == t
+                    && p.logprob.to_bits() == lp.to_bits()
+                    && p.rank == 1
+                    && p.top.iter().map(|&(a, l)| (a, l.to_bits())).eq(top.iter().map(|&(a, l)| (a, l.to_bits())))
+            })
+    })
+}
+
+/// A scored prompt reads the logprob of each of its tokens after the ones before it: for a
+/// prompt that is a request's prompt and its greedy continuation, bitwise what plain
+/// decoding reported for each continuation token, whether the scored prompt runs alone or
+/// among decoding rows, in pieces of any size, with the prefix cache holding its start (it
+/// is computed whole) or under speculation. A scored request may ask for 0 tokens; one
+/// asking for more generates what the unscored request does. Negative control: the scores
+/// paired with the token each reading follows, not the next.
+#[test]
+fn scored_prompts_carry_the_logprobs_plain_decoding_gave_their_tokens() {
+    let model = common::load(&fixture("qwen3-target"));
+    let asked: Vec<Request> = requests().into_iter().map(|r| Request { top_logprobs: 3, ..r }).collect();
+    let plain_out: Vec<Completion> = plain(&model, &asked, 1).into_iter().map(Result::unwrap).collect();
+    let scored: Vec<Request> = asked
+        .iter()
+        .zip(&plain_out)
+        .map(|(r, g)| Request {
+            id: format!("scored-{}", r.id),
+            prompt: [r.prompt.clone(), g.tokens.clone()].concat(),
+            max_tokens: 0,
+            top_logprobs: 0,
+            prompt_logprobs: Some(3),
+            ..r.clone()
+        })
+        .collect();
+    let alone = plain(&model, &scored, 1);
+    let alone: Vec<Completion> = alone.into_iter().map(Result::unwrap).collect();
+    assert!(alone.iter().all(|c| c.tokens.is_empty() && c.finish == FinishReason::Length));
+    assert!(scores_match(&asked, &plain_out, &alone));
+    // Among decoding rows (the same prompts unscored, asking for tokens), pieces of 5
+    // tokens, the prefix cache warm with the unscored prompts, an n-gram drafter.
+    let mut mixed = asked.clone();
+    mixed.extend(scored.iter().cloned());
+    let continued = Request { id: "continued".into(), max_tokens: 4, ..scored[2].clone() };
+    mixed.push(continued.clone());
+    let opts =
+        EngineOptions { max_batch: 4, prefill_chunk: 5, prefix_cache_bytes: 8 << 20, ..EngineOptions::default() };
+    let run = |reqs: &[Request]| -> Vec<Completion> {
+        let drafter: Box<dyn Drafter> = Box::new(NgramDrafter::default());
+        common::run(&model, Some(drafter), opts.clone(), reqs, &[]).into_iter().map(Result::unwrap).collect()
+    };
+    let got = run(&mixed);
+    let n = asked.len();
+    assert!(scores_match(&asked, &plain_out, &got[n..2 * n]));
+    for (a, g) in alone.iter().zip(&got[n..2 * n]) {
+        assert_eq!(a.prompt_logprobs, g.prompt_logprobs, "{}: the same alone and among others", a.id);
+    }
+    let unscored = Request { prompt_logprobs: None, ..continued };
+    let want = plain(&model, &[unscored], 1).pop().unwrap().unwrap();
+    let last = &got[2 * n];
+    assert_eq!((&last.tokens, bits(&last.logprobs)), (&want.tokens, bits(&want.logprobs)));
+    assert_eq!(last.prompt_logprobs, alone[2].prompt_logprobs);
+    mtp::engine::negative_control::set_score_unshifted(true);
+    let broken = plain(&model, &scored, 1);
+    mtp::engine::negative_control::set_score_unshifted(false);
+    let broken: Vec<Completion> = broken.into_iter().map(Result::unwrap).collect();
+    assert!(!scores_match(&asked, &plain_out, &broken), "the control must break the check");
 }
 
 /// A copy of `name` whose embedding row for `token` is NaN.

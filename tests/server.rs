@@ -598,3 +598,100 @@ fn a_list_of_prompts_gets_each_prompts_choices_in_order() {
         assert_eq!((status, v["error"]["param"].as_str().unwrap_or("")), (400, param), "{v}");
     }
 }
+
+/// What lm-eval's loglikelihood requests ask (token-id prompts in a list, `echo`,
+/// `logprobs: 1`, `max_tokens` 0 or 1) scores a prompt as decoding scored its tokens: for a
+/// prompt that is a prompt and its greedy continuation, the echoed logprobs and
+/// alternatives of the continuation are those the continuation was generated with (the
+/// same JSON numbers), the first token's are null, and the text is the prompt's and then
+/// the completion's. vLLM's `prompt_logprobs` report the same numbers with ranks, on a
+/// completion's choice and atop a chat; a streamed echo opens with the prompt;
+/// `/tokenizer_info` names the EOS token (lm-eval tokenizes through the server with it); a
+/// chat of 0 tokens is refused.
+#[test]
+fn echo_and_prompt_logprobs_score_a_prompt_as_decoding_scored_its_tokens() {
+    let addr = start(8, 256);
+    let tok = Tokenizer::from_dir(&trained("target")).unwrap();
+    let prompt = tok.encode("fn main() {").unwrap();
+    let (status, generated) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": true,
+                "return_token_ids": true}),
+    );
+    assert_eq!(status, 200, "{generated}");
+    let g = &generated["choices"][0];
+    let g_ids: Vec<u32> = serde_json::from_value(g["token_ids"].clone()).unwrap();
+    let whole = [prompt.clone(), g_ids.clone()].concat();
+    let (n, w) = (prompt.len(), whole.len());
+    for max_tokens in [0usize, 1] {
+        let (status, v) = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": [whole, prompt], "echo": true, "logprobs": 1, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": true}),
+        );
+        assert_eq!(status, 200, "{v}");
+        let (c, lp) = (&v["choices"][0], &v["choices"][0]["logprobs"]);
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), w + max_tokens, "{v}");
+        assert_eq!((&lp["token_logprobs"][0], &lp["top_logprobs"][0]), (&Value::Null, &Value::Null), "{v}");
+        for key in ["token_logprobs", "top_logprobs"] {
+            let scored = &lp[key].as_array().unwrap()[n..w];
+            assert_eq!(scored, g["logprobs"][key].as_array().unwrap().as_slice(), "{key}: {v}");
+        }
+        let text = c["text"].as_str().unwrap();
+        assert!(text.starts_with(&tok.decode(&whole).unwrap()), "{text:?}");
+        if max_tokens == 0 {
+            assert_eq!(text, tok.decode(&whole).unwrap());
+        }
+        // The second prompt's generated token is the continuation's first.
+        let second = &v["choices"][1]["logprobs"]["token_logprobs"];
+        assert_eq!(second.as_array().unwrap().len(), n + max_tokens, "{v}");
+        if max_tokens == 1 {
+            assert_eq!(second[n], g["logprobs"]["token_logprobs"][0], "{v}");
+        }
+        assert_eq!(v["usage"]["completion_tokens"], json!(2 * max_tokens), "{v}");
+    }
+    // vLLM's prompt_logprobs: null, then a map holding each token (with its rank) and the
+    // most likely alternatives.
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": whole, "prompt_logprobs": 2, "max_tokens": 1, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let reported = v["choices"][0]["prompt_logprobs"].as_array().unwrap().clone();
+    assert_eq!((reported.len(), &reported[0]), (w, &Value::Null), "{v}");
+    for (j, &t) in g_ids.iter().enumerate() {
+        let entry = &reported[n + j][t.to_string()];
+        assert_eq!((&entry["logprob"], &entry["rank"]), (&g["logprobs"]["token_logprobs"][j], &json!(1)), "{v}");
+    }
+    assert!(reported[1..].iter().all(|m| (1..=3).contains(&m.as_object().unwrap().len())), "{v}");
+    let chat = json!({"messages": [{"role": "user", "content": "sort a list"}], "prompt_logprobs": 0,
+                      "max_tokens": 2, "temperature": 0});
+    let (status, v) = post(addr, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    let reported = v["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(reported.len() as u64, v["usage"]["prompt_tokens"].as_u64().unwrap(), "{v}");
+    assert!(reported[1..].iter().all(|m| m.as_object().unwrap().len() == 1), "{v}");
+    // A streamed echo opens with the prompt; with logprobs, with the prompt's too.
+    for logprobs in [Value::Null, json!(1)] {
+        let chunks = stream(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": prompt, "echo": true, "logprobs": logprobs, "max_tokens": 2, "stream": true,
+                    "temperature": 0}),
+        );
+        let first: Value = serde_json::from_str(&chunks[0]).unwrap();
+        assert_eq!(first["choices"][0]["text"], json!(tok.decode(&prompt).unwrap()), "{first}");
+        let echoed = first["choices"][0]["logprobs"]["tokens"].as_array().map_or(0, Vec::len);
+        assert_eq!(echoed, if logprobs.is_null() { 0 } else { n }, "{first}");
+    }
+    let (status, info) = http(addr, "GET", "/tokenizer_info", "");
+    assert_eq!(status, 200, "{info}");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert!(info["eos_token"].as_str().is_some_and(|e| !e.is_empty()), "{info}");
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0});
+    let (status, v) = post(addr, "/v1/chat/completions", &chat);
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
+}

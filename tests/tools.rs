@@ -161,6 +161,7 @@ impl Family {
                     stop: Vec::new(),
                     sampling,
                     top_logprobs: 2,
+                    prompt_logprobs: None,
                     constraint: Some(constraint),
                 }
             })

@@ -289,8 +289,8 @@ impl<'a> Engine<'a> {
         if r.prompt.is_empty() {
             return err("empty prompt".into());
         }
-        if r.max_tokens == 0 {
-            return err("max_tokens must be at least 1".into());
+        if r.max_tokens == 0 && r.prompt_logprobs.is_none() {
+            return err("max_tokens must be at least 1 (0 only when scoring the prompt)".into());
         }
         if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return err(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
@@ -500,6 +500,9 @@ impl<'a> Engine<'a> {
         if let Some(row) = p.resumes.take() {
             return self.resume(row, p, &last.hidden);
         }
+        if let Some(scores) = p.take_scores() {
+            events.push(Event::PromptScored { request: p.id, scores });
+        }
         let Prompt { id, request: r, guide, cache, reused, .. } = p;
         self.stats.prompt_tokens += r.prompt.len() as u64;
         self.stats.prompt_tokens_cached += reused as u64;
@@ -507,6 +510,11 @@ impl<'a> Engine<'a> {
         let room = self.prefix_limit();
         if let Some(prefix) = self.prefix.as_mut() {
             prefix.insert(&r.prompt, &cache, hidden, room);
+        }
+        if r.max_tokens == 0 {
+            // Only scored (submit refuses 0 otherwise).
+            events.push(Event::Finished { request: id, reason: FinishReason::Length });
+            return;
         }
         let mut row = Row {
             id,

@@ -50,6 +50,10 @@ pub fn generate(
                     p.top_logprobs.push(top);
                     continue;
                 }
+                Event::PromptScored { request, scores } => {
+                    partial[index_of[&request]].prompt_logprobs = scores;
+                    continue;
+                }
                 Event::Admitted { .. } => continue,
                 Event::Finished { request, reason } => (request, Ok(reason)),
                 Event::Failed { request, error } => (request, Err(error)),
@@ -61,6 +65,7 @@ pub fn generate(
                 tokens: p.tokens,
                 logprobs: p.logprobs,
                 top_logprobs: p.top_logprobs,
+                prompt_logprobs: p.prompt_logprobs,
                 finish,
             }));
             finished += 1;
@@ -76,4 +81,5 @@ struct Partial {
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     top_logprobs: Vec<Vec<(u32, f32)>>,
+    prompt_logprobs: Vec<crate::request::PromptToken>,
 }

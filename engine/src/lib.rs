@@ -27,4 +27,4 @@ pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;
 pub use prefill::{prefill, Prefilled};
 pub use prefix_cache::PrefixCache;
-pub use request::{Completion, Constraint, Event, FinishReason, Request, RequestId};
+pub use request::{Completion, Constraint, Event, FinishReason, PromptToken, Request, RequestId};

@@ -6,6 +6,17 @@ use std::cell::Cell;
 thread_local! {
     static RESUME_ONE_POSITION_SHORT: Cell<bool> = const { Cell::new(false) };
     static NO_WATERMARK: Cell<bool> = const { Cell::new(false) };
+    static SCORE_UNSHIFTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// When on, a scored prompt pairs the reading after each token with that token itself
+/// instead of the next one.
+pub fn set_score_unshifted(on: bool) {
+    SCORE_UNSHIFTED.with(|c| c.set(on));
+}
+
+pub(crate) fn score_unshifted() -> bool {
+    SCORE_UNSHIFTED.with(|c| c.get())
 }
 
 /// When on, admission fills the K/V budget to the last block (no headroom for the

@@ -6,12 +6,13 @@
 //! Chunking never changes a bit (the model's chunking invariance), so a row's tokens are the
 //! same however its prompt was cut.
 
+use mtp_base::logits::top_logprobs;
 use mtp_base::{Error, LogitSummary};
 use mtp_cache::RowCache;
 use mtp_constraint::Guide;
 use mtp_model::{Logits, Model, RowInput, RowOutput};
 
-use crate::request::{Request, RequestId};
+use crate::request::{PromptToken, Request, RequestId};
 
 /// What a prompt run through a cache leaves: the LM head's reading after its last token.
 #[derive(Clone, Debug)]
@@ -46,8 +47,9 @@ fn run_piece(
     full_logits: bool,
 ) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
     let want_hidden = hidden.is_some();
-    let out = forward_alone(model, piece_input(cache, piece, last, full_logits, want_hidden));
-    absorb(cache, piece.len(), out, hidden)
+    let logits = if last { Logits::Last } else { Logits::None };
+    let out = forward_alone(model, piece_input(cache, piece, logits, full_logits, want_hidden));
+    absorb(cache, piece.len(), out, hidden).map(|mut read| read.pop())
 }
 
 /// One row's forward of its own.
@@ -55,34 +57,63 @@ fn forward_alone(model: &Model, row: RowInput) -> Result<RowOutput, Error> {
     model.forward(&mut [row]).map(|mut outs| outs.pop().expect("one row in, one row out"))
 }
 
-/// A prompt's piece as a forward's row: logits after its last token only if it ends the
-/// prompt; its hidden states only for a drafter that reads them.
+/// A prompt's piece as a forward's row: its hidden states only for a drafter that reads
+/// them.
 fn piece_input<'a>(
     cache: &'a mut RowCache,
     piece: &'a [u32],
-    last: bool,
+    logits: Logits,
     full_logits: bool,
     hidden: bool,
 ) -> RowInput<'a> {
-    let logits = if last { Logits::Last } else { Logits::None };
     RowInput { tokens: piece, cache, logits, full_logits, hidden }
 }
 
-/// Commits a piece's forward (nothing of a failed one) and returns its LM-head reading, if
-/// it asked for one.
+/// Commits a piece's forward (nothing of a failed one) and returns its LM-head readings,
+/// one per token whose logits it asked for (logits empty where it asked for summaries).
 fn absorb(
     cache: &mut RowCache,
     piece_len: usize,
     out: Result<RowOutput, Error>,
     hidden: Option<&mut Vec<f32>>,
-) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
+) -> Result<Vec<(LogitSummary, Vec<f32>)>, Error> {
     cache.commit_window(if out.is_ok() { piece_len } else { 0 });
     let o = out?;
     if let Some(h) = hidden {
         h.extend_from_slice(&o.hidden);
     }
-    let logits = o.logits.into_iter().next().unwrap_or_default();
-    Ok(o.summaries.first().map(|&summary| (summary, logits)))
+    let mut logits = o.logits.into_iter();
+    Ok(o.summaries.into_iter().map(|summary| (summary, logits.next().unwrap_or_default())).collect())
+}
+
+/// Most tokens a piece of a scored prompt takes: its whole logits come back (a 256-token
+/// piece of a 152k vocabulary is 155 MB of them).
+pub(crate) const SCORED_PIECE: usize = 256;
+
+/// A scored prompt's readings so far ([`Request::prompt_logprobs`]).
+pub(crate) struct Scoring {
+    /// Alternatives per token.
+    top: usize,
+    /// Tokens `1..=scores.len()` of the prompt, scored.
+    scores: Vec<PromptToken>,
+}
+
+impl Scoring {
+    pub fn new(top: usize) -> Scoring {
+        Scoring { top, scores: Vec::new() }
+    }
+
+    /// Scores `next` under the reading after the token before it.
+    fn read(&mut self, summary: &LogitSummary, logits: &[f32], next: u32) {
+        let logit = logits[next as usize];
+        let above = logits.iter().filter(|&&l| l > logit).count();
+        self.scores.push(PromptToken {
+            token: next,
+            logprob: summary.logprob(logit),
+            rank: u32::try_from(above).unwrap_or(u32::MAX).saturating_add(1),
+            top: top_logprobs(logits, summary, self.top),
+        });
+    }
 }
 
 /// Runs `prompt` (not empty) through `cache` in chunks of `chunk` tokens.
@@ -130,6 +161,8 @@ pub(crate) struct Prompt {
     /// A preempted row whose prompt and emitted tokens (`request.prompt`) are being
     /// recomputed: it decodes on once they are in the cache.
     pub resumes: Option<Box<crate::engine::Row>>,
+    /// A scored prompt's readings (every piece reads the logits after each of its tokens).
+    pub scoring: Option<Scoring>,
 }
 
 /// Prompt tokens a round carries beside `verifying` tokens of decoding rows: what fills
@@ -163,7 +196,8 @@ impl Prompt {
         if start == self.reused {
             reserve(model, &mut self.cache, self.request.prompt.len() - start)?;
         }
-        let end = start.saturating_add(chunk.max(1)).min(self.request.prompt.len());
+        let most = if self.scoring.is_some() { chunk.min(SCORED_PIECE) } else { chunk };
+        let end = start.saturating_add(most.max(1)).min(self.request.prompt.len());
         Ok(Piece { start, end })
     }
 
@@ -173,9 +207,14 @@ impl Prompt {
 
     /// `piece` as a row of a forward (its own, or a verify's: `verify_beside`).
     pub fn input(&mut self, piece: Piece) -> RowInput<'_> {
-        let last = self.is_last(piece);
+        let logits = match (self.scoring.is_some(), self.is_last(piece)) {
+            (true, _) => Logits::All,
+            (false, true) => Logits::Last,
+            (false, false) => Logits::None,
+        };
+        let full = self.full_logits || self.scoring.is_some();
         let piece = &self.request.prompt[piece.start..piece.end];
-        piece_input(&mut self.cache, piece, last, self.full_logits, self.want_hidden)
+        piece_input(&mut self.cache, piece, logits, full, self.want_hidden)
     }
 
     /// Commits `piece`'s forward; after the last piece, the LM head's reading.
@@ -185,14 +224,28 @@ impl Prompt {
         out: Result<RowOutput, Error>,
     ) -> Result<Option<Prefilled>, Error> {
         let hidden = self.want_hidden.then_some(&mut self.hidden);
-        let read = absorb(&mut self.cache, piece.end - piece.start, out, hidden)?;
-        match (self.is_last(piece), read) {
+        let mut read = absorb(&mut self.cache, piece.end - piece.start, out, hidden)?;
+        let last = self.is_last(piece).then(|| read.pop()).flatten();
+        if let Some(s) = self.scoring.as_mut() {
+            // Reading r follows prompt token start + r; the prompt's last is `last`'s.
+            let shift = usize::from(crate::negative_control::score_unshifted());
+            for (r, (summary, logits)) in read.iter().enumerate() {
+                let next = self.request.prompt[piece.start + r + 1 - shift];
+                s.read(summary, logits, next);
+            }
+        }
+        match (self.is_last(piece), last) {
             (false, _) => Ok(None),
             (true, Some((summary, logits))) => {
                 Ok(Some(Prefilled { summary, logits, hidden: std::mem::take(&mut self.hidden) }))
             }
             (true, None) => Err(Error::Backend("the prompt's last forward returned no logits".into())),
         }
+    }
+
+    /// The scores of a prompt wholly in its cache (empty when it asked for none).
+    pub fn take_scores(&mut self) -> Option<Vec<PromptToken>> {
+        self.scoring.take().map(|s| s.scores)
     }
 }
 

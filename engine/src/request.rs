@@ -23,6 +23,11 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Report this many most-likely alternatives with each token (0: none).
     pub top_logprobs: usize,
+    /// Score the prompt: each prompt token's logprob after the tokens before it, with
+    /// this many alternatives ([`Event::PromptScored`]; `None`: not scored). A scored
+    /// prompt is computed whole (never loaded from the prefix cache: its positions'
+    /// logits are read) and may ask for `max_tokens` 0.
+    pub prompt_logprobs: Option<usize>,
     /// What the output must match (JSON schema, any JSON object, regex, Lark grammar);
     /// compiled at submit (needs a tokenizer), where a bad one is a request error.
     pub constraint: Option<Constraint>,
@@ -61,6 +66,12 @@ pub enum Event {
     Admitted {
         request: RequestId,
     },
+    /// A scored prompt's tokens after the first ([`Request::prompt_logprobs`]), in order,
+    /// sent once before its first token.
+    PromptScored {
+        request: RequestId,
+        scores: Vec<PromptToken>,
+    },
     /// One generated token and its natural-log probability under the target.
     Token {
         request: RequestId,
@@ -81,6 +92,18 @@ pub enum Event {
     },
 }
 
+/// A prompt token under the target, after the prompt's tokens before it: bitwise what plain
+/// decoding reports for that token had it generated it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptToken {
+    pub token: u32,
+    pub logprob: f32,
+    /// 1 + how many tokens are more likely (vLLM's `rank`).
+    pub rank: u32,
+    /// The most likely tokens there, most likely first (as many as asked for).
+    pub top: Vec<(u32, f32)>,
+}
+
 /// A finished request, assembled from its events.
 #[derive(Clone, Debug)]
 pub struct Completion {
@@ -89,5 +112,7 @@ pub struct Completion {
     pub logprobs: Vec<f32>,
     /// Per token, the alternatives the request asked for (empty lists when none).
     pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    /// The prompt's scores, when it asked for them (empty otherwise).
+    pub prompt_logprobs: Vec<PromptToken>,
     pub finish: FinishReason,
 }

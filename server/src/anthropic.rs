@@ -85,7 +85,7 @@ async fn count(app: &Arc<AppState>, req: Request) -> Result<usize, ApiError> {
         return Err(ApiError::unknown_model(&app.model_name, &r.model));
     }
     let (_, chat) = request::convert(r, request::Endpoint::CountTokens)?;
-    let (source, ..) = routes::chat_source(app, chat).map_err(request::renamed)?;
+    let source = routes::chat_source(app, chat).map_err(request::renamed)?.source;
     Ok(prompt::tokenize(app, source, "messages").await?.len())
 }
 

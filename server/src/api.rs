@@ -142,6 +142,8 @@ pub struct Common {
     pub return_token_ids: Option<bool>,
     /// Extension: keep generating past EOS ids.
     pub ignore_eos: Option<bool>,
+    /// Extension (vLLM's): each prompt token's logprob and this many alternatives.
+    pub prompt_logprobs: Option<i64>,
     /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`,
     /// read by [`crate::routes`] (which names the part at fault).
     pub response_format: Option<Value>,
@@ -155,6 +157,8 @@ pub struct CompletionRequest {
     /// How many most likely alternatives to report per token (0 to 20); present means
     /// report logprobs.
     pub logprobs: Option<u64>,
+    /// The prompt before the completion, in the text and (with `logprobs`) the logprobs.
+    pub echo: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.

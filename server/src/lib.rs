@@ -95,6 +95,9 @@ pub struct AppState {
     /// Special tokens decoded as text for the parsers (the syntaxes' markers).
     markers: Vec<u32>,
     model_name: String,
+    /// The text of the target's first EOS id and of its BOS id (`/tokenizer_info`).
+    eos_token: Option<String>,
+    bos_token: Option<String>,
     context: usize,
     vocab: usize,
     max_pending: usize,
@@ -170,6 +173,9 @@ impl Server {
             None => Vec::new(),
         };
         let (context, vocab) = (model.max_positions(), model.config.vocab_size);
+        let text_of = |id: Option<&u32>| tokenizer.as_ref().and_then(|t| t.hf().id_to_token(*id?));
+        let eos_token = text_of(model.config.eos_token_ids.first());
+        let bos_token = text_of(model.config.bos_token_id.as_ref());
         let gauges = Arc::new(Mutex::new(Gauges::default()));
         let jobs = worker::spawn(model, tokenizer.clone(), make_drafter, engine, gauges.clone())?;
         let started =
@@ -183,6 +189,8 @@ impl Server {
                 reasoning,
                 markers,
                 model_name: opts.model_name,
+                eos_token,
+                bos_token,
                 context,
                 vocab,
                 max_pending: opts.max_pending,
@@ -209,6 +217,7 @@ impl Server {
             .route("/v1/models/{id}", get(tokenize::model))
             .route("/tokenize", post(tokenize::tokenize))
             .route("/detokenize", post(tokenize::detokenize))
+            .route("/tokenizer_info", get(tokenize::info))
             .route("/v1/completions", post(routes::completions))
             .route("/v1/chat/completions", post(routes::chat))
             .route("/v1/messages", post(anthropic::messages))

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use futures_util::stream::{self, Stream, StreamExt};
-use mtp_engine::FinishReason;
+use mtp_engine::{FinishReason, PromptToken};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -36,6 +36,8 @@ struct Choice {
     text: TextState,
     logprobs: Vec<f32>,
     top: Vec<Vec<(u32, f32)>>,
+    /// The prompt's scores, when the choice asked for them.
+    prompt: Vec<PromptToken>,
     finish: Option<FinishReason>,
 }
 
@@ -45,9 +47,40 @@ impl Choice {
             text: TextState::new(stop.to_vec()).keeping(keep),
             logprobs: Vec::new(),
             top: Vec::new(),
+            prompt: Vec::new(),
             finish: None,
         }
     }
+}
+
+/// The prompt as an echoed completion starts with it.
+fn prompt_text(app: &AppState, plan: &Plan) -> String {
+    app.tokenizer.as_ref().and_then(|t| t.decode(&plan.prompt).ok()).unwrap_or_default()
+}
+
+/// vLLM's `prompt_logprobs`: null for the first token, then per token a map from token id
+/// to `{logprob, rank, decoded_token}` holding the token and its `k` most likely
+/// alternatives.
+fn prompt_logprobs_json(app: &AppState, k: usize, scores: &[PromptToken]) -> Value {
+    let entry = |id: u32, logprob: f32, rank: u32| {
+        json!({"logprob": logprob, "rank": rank, "decoded_token": token_text(app, id)})
+    };
+    let per_token = scores.iter().map(|s| {
+        let mut m = Map::new();
+        m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
+        for (r, &(id, lp)) in s.top.iter().take(k).enumerate() {
+            m.insert(id.to_string(), entry(id, lp, r as u32 + 1));
+        }
+        Value::Object(m)
+    });
+    Value::Array(std::iter::once(Value::Null).chain(per_token).collect())
+}
+
+/// An echoing completion's logprobs before its own: the prompt's tokens, the first with
+/// null (nothing came before it).
+struct Echoed<'a> {
+    tokens: &'a [u32],
+    scores: &'a [PromptToken],
 }
 
 /// The special tokens a plan's parsers must see as text.
@@ -105,6 +138,7 @@ fn logprobs_json(
     app: &AppState,
     kind: Kind,
     k: usize,
+    echoed: Option<Echoed>,
     tokens: &[u32],
     lps: &[f32],
     top: &[Vec<(u32, f32)>],
@@ -130,7 +164,8 @@ fn logprobs_json(
             json!({"content": content})
         }
         Kind::Completion => {
-            let strings: Vec<String> = tokens.iter().map(|&t| token_text(app, t)).collect();
+            let e = echoed.unwrap_or(Echoed { tokens: &[], scores: &[] });
+            let strings: Vec<String> = e.tokens.iter().chain(tokens).map(|&t| token_text(app, t)).collect();
             let mut offset = 0;
             let offsets: Vec<usize> = strings
                 .iter()
@@ -140,15 +175,25 @@ fn logprobs_json(
                     o
                 })
                 .collect();
+            let first = e.tokens.first().map(|_| Value::Null);
+            let lps: Vec<Value> = first
+                .clone()
+                .into_iter()
+                .chain(e.scores.iter().map(|s| json!(s.logprob)))
+                .chain(lps.iter().map(|&l| json!(l)))
+                .collect();
+            let alts = |alts: &[(u32, f32)]| {
+                let m: Map<String, Value> =
+                    alts.iter().take(k).map(|&(a, alp)| (token_text(app, a), json!(alp))).collect();
+                Value::Object(m)
+            };
             let top: Value = if k == 0 {
                 Value::Null
             } else {
-                top.iter()
-                    .map(|alts| {
-                        let m: Map<String, Value> =
-                            alts.iter().map(|&(a, alp)| (token_text(app, a), json!(alp))).collect();
-                        Value::Object(m)
-                    })
+                first
+                    .into_iter()
+                    .chain(e.scores.iter().map(|s| alts(&s.top)))
+                    .chain(top.iter().map(|t| alts(t)))
                     .collect()
             };
             json!({"tokens": strings, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets})
@@ -168,6 +213,7 @@ pub(crate) async fn collect(
         let mut c = Choice::new(&plan.stop, kept(app, plan));
         while let Some(u) = rx.recv().await {
             match u {
+                Update::Prompt(scores) => c.prompt = scores,
                 Update::Token { token, logprob, top } => {
                     log.token();
                     c.text.push(token);
@@ -188,16 +234,28 @@ pub(crate) async fn collect(
     }
     let completion_tokens: usize = choices.iter().map(|c| c.text.tokens().len()).sum();
     let tok = app.tokenizer.clone();
+    let echo = plan.echo.then(|| prompt_text(app, plan));
+    let reported = |c: &Choice| plan.prompt_logprobs.map(|k| prompt_logprobs_json(app, k, &c.prompt));
     let body: Vec<Value> = choices
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let text = tok.as_ref().map(|t| c.text.final_text(t)).unwrap_or_default();
+            let mut text = tok.as_ref().map(|t| c.text.final_text(t)).unwrap_or_default();
+            if let Some(e) = &echo {
+                text.insert_str(0, e);
+            }
             let logprobs = plan.logprobs.map_or(Value::Null, |k| {
-                logprobs_json(app, plan.kind, k, c.text.tokens(), &c.logprobs, &c.top)
+                let echoed = plan.echo.then_some(Echoed { tokens: &plan.prompt, scores: &c.prompt });
+                logprobs_json(app, plan.kind, k, echoed, c.text.tokens(), &c.logprobs, &c.top)
             });
             let (mut v, made_calls) = match plan.kind {
-                Kind::Completion => (json!({"index": i, "text": text, "logprobs": logprobs}), false),
+                Kind::Completion => {
+                    let mut v = json!({"index": i, "text": text, "logprobs": logprobs});
+                    if let Some(p) = choices.first().and_then(reported) {
+                        v["prompt_logprobs"] = p;
+                    }
+                    (v, false)
+                }
                 Kind::Chat => {
                     let (message, calls) = chat_message(app, plan, text);
                     (json!({"index": i, "message": message, "logprobs": logprobs}), calls)
@@ -220,6 +278,9 @@ pub(crate) async fn collect(
     });
     if plan.return_token_ids {
         out["prompt_token_ids"] = json!(plan.prompt);
+    }
+    if let (Kind::Chat, Some(p)) = (plan.kind, choices.first().and_then(reported)) {
+        out["prompt_logprobs"] = p;
     }
     Ok(out)
 }
@@ -341,10 +402,18 @@ pub(crate) fn chunks(
         done: false,
         sent_prompt: false,
     };
-    // The chat format opens every choice with its role.
+    // The chat format opens every choice with its role; an echoing completion's choice
+    // opens with its prompt (with the prompt's scores, when it asked for them).
     let opening: Vec<Value> = if state.plan.kind == Kind::Chat {
         (0..state.plan.n)
             .map(|i| state.chunk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
+            .collect()
+    } else if state.plan.echo {
+        let text = prompt_text(&state.app, &state.plan);
+        let unscored: Vec<usize> = (0..state.plan.n).filter(|&i| state.plan.scores(i).is_none()).collect();
+        unscored
+            .into_iter()
+            .map(|i| state.chunk(json!([{"index": i, "text": text, "logprobs": null, "finish_reason": null}])))
             .collect()
     } else {
         Vec::new()
@@ -385,7 +454,7 @@ impl Streaming {
             .plan
             .logprobs
             .filter(|_| !tokens.is_empty())
-            .map_or(Value::Null, |k| logprobs_json(&self.app, self.plan.kind, k, tokens, lps, top));
+            .map_or(Value::Null, |k| logprobs_json(&self.app, self.plan.kind, k, None, tokens, lps, top));
         let mut v = match self.plan.kind {
             Kind::Completion => {
                 json!({"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": finish})
@@ -410,6 +479,31 @@ impl Streaming {
         v
     }
 
+    /// The chunk choice `i`'s prompt scores make, if any: an echoing completion's prompt
+    /// and its logprobs, and `prompt_logprobs` (on the choice, or the chat chunk's top).
+    fn prompt_chunk(&mut self, i: usize, scores: &[PromptToken]) -> Option<Value> {
+        let reported = self.plan.prompt_logprobs.filter(|_| i == 0);
+        let reported = reported.map(|k| prompt_logprobs_json(&self.app, k, scores));
+        if self.plan.kind == Kind::Chat {
+            let mut v = self.chunk(json!([]));
+            v["prompt_logprobs"] = reported?;
+            return Some(v);
+        }
+        if !self.plan.echo && reported.is_none() {
+            return None;
+        }
+        let text = if self.plan.echo { prompt_text(&self.app, &self.plan) } else { String::new() };
+        let logprobs = self.plan.logprobs.filter(|_| self.plan.echo).map_or(Value::Null, |k| {
+            let echoed = Echoed { tokens: &self.plan.prompt, scores };
+            logprobs_json(&self.app, Kind::Completion, k, Some(echoed), &[], &[], &[])
+        });
+        let mut choice = json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": null});
+        if let Some(p) = reported {
+            choice["prompt_logprobs"] = p;
+        }
+        Some(self.chunk(json!([choice])))
+    }
+
     /// Choice `i`'s new reasoning, content and tool-call deltas.
     fn deltas(&mut self, i: usize, finished: bool) -> Delta {
         let s = self;
@@ -426,6 +520,11 @@ impl Streaming {
         };
         let mut out = Vec::new();
         match update {
+            Update::Prompt(scores) => {
+                if let Some(v) = self.prompt_chunk(i, &scores) {
+                    out.push(v);
+                }
+            }
             Update::Token { token, logprob, top } => {
                 self.log.token();
                 self.texts[i].push(token);

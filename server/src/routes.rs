@@ -50,6 +50,10 @@ pub(crate) struct Plan {
     pub(crate) stop: Vec<String>,
     /// `None`: no logprobs; `Some(k)`: logprobs with k alternatives.
     pub(crate) logprobs: Option<usize>,
+    /// A completion's text and logprobs start with its prompt's.
+    pub(crate) echo: bool,
+    /// vLLM's `prompt_logprobs`: each prompt token's logprob with k alternatives.
+    pub(crate) prompt_logprobs: Option<usize>,
     pub(crate) stream: bool,
     pub(crate) include_usage: bool,
     pub(crate) return_token_ids: bool,
@@ -62,6 +66,20 @@ pub(crate) struct Plan {
     /// How a chat reply's reasoning is split from its content, and whether the prompt
     /// left the reasoning block open (the reply starts inside it).
     pub(crate) reasoning: Option<(Reasoning, bool)>,
+}
+
+impl Plan {
+    /// The prompt scoring choice `i` asks the engine for: every choice echoing logprobs
+    /// and every choice of 0 tokens scores; `prompt_logprobs` (the same for every
+    /// choice) is read from the first.
+    pub(crate) fn scores(&self, i: usize) -> Option<usize> {
+        let echoed = self.logprobs.filter(|_| self.echo);
+        let reported = self.prompt_logprobs.filter(|_| i == 0);
+        match (echoed, reported) {
+            (None, None) if self.max_tokens == 0 => Some(0),
+            (a, b) => a.max(b),
+        }
+    }
 }
 
 pub(crate) fn now() -> u64 {
@@ -258,9 +276,10 @@ pub(crate) async fn run(
     log: &mut RequestLog,
 ) -> Result<Started, ApiError> {
     log.set_stream(common.stream == Some(true));
-    let (source, max_completion_tokens, logprobs, tool_grammar) = sourced;
+    let Sourced { source, max_completion_tokens, logprobs, tool_grammar, echo } = sourced;
     // Everything cheap is checked before the prompt is tokenized.
     let (mut plan, asked) = plan(app, kind, common, max_completion_tokens, logprobs, tool_grammar)?;
+    plan.echo = echo;
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let prompt = prompt::tokenize(app, source, param).await?;
     fit(app, &mut plan, prompt, asked)?;
@@ -297,13 +316,22 @@ fn completion_source(app: &AppState, r: CompletionRequest) -> Result<Sourced, Ap
         Some(k) if k <= 20 => Some(k as usize),
         Some(_) => return Err(ApiError::bad("logprobs", "`logprobs` must be between 0 and 20")),
     };
-    Ok((source, None, logprobs, None))
+    let echo = r.echo.unwrap_or(false);
+    Ok(Sourced { source, max_completion_tokens: None, logprobs, tool_grammar: None, echo })
 }
 
-/// A request's prompt, max_completion_tokens, logprobs and tools.
-/// The last is the grammar a chat's tool calls are generated under (none without tools or
-/// with `tool_choice: none`).
-pub(crate) type Sourced = (Source, Option<u64>, Option<usize>, Option<String>);
+/// A request's prompt and the fields its endpoint alone reads.
+pub(crate) struct Sourced {
+    pub(crate) source: Source,
+    pub(crate) max_completion_tokens: Option<u64>,
+    /// `None`: no logprobs; `Some(k)`: logprobs with k alternatives.
+    pub(crate) logprobs: Option<usize>,
+    /// The grammar a chat's tool calls are generated under (none without tools or with
+    /// `tool_choice: none`).
+    pub(crate) tool_grammar: Option<String>,
+    /// A completion's `echo`.
+    pub(crate) echo: bool,
+}
 
 /// Token ids from JSON numbers: integers in `0..vocab`, else a refusal naming `param` and
 /// the index.
@@ -406,12 +434,13 @@ pub(crate) fn chat_source(app: &AppState, r: ChatRequest) -> Result<Sourced, Api
         Some(Value::Array(list)) => list,
         _ => Vec::new(),
     };
-    Ok((
-        Source::Chat(Conversation { messages, tools: raw_tools, kwargs }),
-        r.max_completion_tokens,
+    Ok(Sourced {
+        source: Source::Chat(Conversation { messages, tools: raw_tools, kwargs }),
+        max_completion_tokens: r.max_completion_tokens,
         logprobs,
-        grammar,
-    ))
+        tool_grammar: grammar,
+        echo: false,
+    })
 }
 
 /// The output length asked for (none: the endpoint's default).
@@ -445,11 +474,17 @@ fn plan(
             ),
         ));
     }
+    // A completion of 0 tokens scores (or echoes) its prompt, as OpenAI's legacy API did.
     for (name, m) in [("max_tokens", c.max_tokens), ("max_completion_tokens", max_completion_tokens)] {
-        if m == Some(0) {
+        if m == Some(0) && kind == Kind::Chat {
             return Err(ApiError::bad(name, format!("`{name}` must be at least 1")));
         }
     }
+    let prompt_logprobs = match c.prompt_logprobs {
+        None => None,
+        Some(k @ 0..=20) => Some(k as usize),
+        Some(_) => return Err(ApiError::bad("prompt_logprobs", "`prompt_logprobs` must be between 0 and 20")),
+    };
     // Chat's newer name wins over the older one.
     let asked = max_completion_tokens.or(c.max_tokens);
     let top_k = match c.top_k {
@@ -485,6 +520,8 @@ fn plan(
         sampling,
         stop,
         logprobs,
+        echo: false,
+        prompt_logprobs,
         stream: c.stream.unwrap_or(false),
         include_usage: c.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
         return_token_ids: c.return_token_ids.unwrap_or(false),
@@ -613,6 +650,7 @@ async fn submit(
             stop: plan.stop.clone(),
             sampling: SamplingParams { seed: plan.sampling.seed.wrapping_add(i as u64), ..plan.sampling },
             top_logprobs: plan.logprobs.unwrap_or(0),
+            prompt_logprobs: plan.scores(i),
             constraint: plan.constraint.clone(),
         };
         let sent = app.jobs.send(Job { request, updates: tx, accepted: atx });

@@ -1,4 +1,5 @@
-//! `POST /tokenize` and `POST /detokenize` as vLLM spells them, and `GET /v1/models/{id}`.
+//! `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` as vLLM spells them, and
+//! `GET /v1/models/{id}`.
 //!
 //! `/tokenize` takes `prompt` (text, tokenized as `/v1/completions` tokenizes it;
 //! `add_special_tokens: false` leaves the tokenizer's own out) or `messages` (and `tools`,
@@ -46,6 +47,19 @@ pub async fn detokenize(State(app): Shared, LimitedBody(body): LimitedBody) -> R
         Ok(prompt) => Json(json!({"prompt": prompt})).into_response(),
         Err(e) => app.refuse(e),
     }
+}
+
+/// `GET /tokenizer_info`: the special tokens' text, the chat template and the context, as
+/// vLLM answers it (lm-eval's remote tokenizer reads it, then tokenizes through
+/// `/tokenize`).
+pub async fn info(State(app): Shared) -> Json<Value> {
+    Json(json!({
+        "eos_token": app.eos_token,
+        "bos_token": app.bos_token,
+        "pad_token": null,
+        "chat_template": app.template.as_ref().map(|t| t.source()),
+        "model_max_length": app.context,
+    }))
 }
 
 /// `GET /v1/models/{id}`: the served model's entry, or a 404 naming it.
@@ -103,7 +117,7 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
             }
             api::audit::check_chat(&chat_body)?;
             let chat: ChatRequest = api::fields(&chat_body)?;
-            let (source, ..) = routes::chat_source(app, chat)?;
+            let source = routes::chat_source(app, chat)?.source;
             prompt::tokenize(app, source, "messages").await?
         }
         (None, None) => return Err(ApiError::bad("prompt", "give `prompt` (text) or `messages`")),

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::Drafter;
-use mtp_engine::{Engine, EngineOptions, Event, FinishReason, KvUsage, Request, RequestId, SpecStats};
+use mtp_engine::{Engine, EngineOptions, Event, FinishReason, KvUsage, PromptToken, Request, RequestId, SpecStats};
 use mtp_model::Model;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -20,6 +20,9 @@ use crate::timing::{Clock, Latencies};
 /// What a request's stream receives, in order.
 #[derive(Debug)]
 pub enum Update {
+    /// The prompt's scores (asked with `echo` and `logprobs`, or `prompt_logprobs`), before
+    /// any token.
+    Prompt(Vec<PromptToken>),
     Token { token: u32, logprob: f32, top: Vec<(u32, f32)> },
     Finished(FinishReason),
     Failed(String),
@@ -175,6 +178,7 @@ fn route(
             }
             return None;
         }
+        Event::PromptScored { request, scores } => (request, Update::Prompt(scores), false),
         Event::Token { request, token, logprob, top } => {
             tally.generated_tokens = tally.generated_tokens.saturating_add(1);
             // The step's tokens of this request are timed together, at its first.

@@ -20,7 +20,7 @@ use mtp_constraint::Guide;
 use mtp_drafter::Commit;
 
 use super::{Engine, Held, Row};
-use crate::prefill::Prompt;
+use crate::prefill::{Prompt, Scoring};
 use crate::request::{Event, Request, RequestId};
 
 /// A request waiting for admission: new, or preempted.
@@ -156,7 +156,8 @@ impl Engine<'_> {
     /// may go first. Cached prefixes yield to what admission needs.
     pub(super) fn admit(&mut self, events: &mut Vec<Event>) {
         while self.active.len() + self.prompts.len() < self.opts.max_batch {
-            let Some(at) = self.queue.iter().position(|q| !self.waits_for_prefix(&q.request.prompt)) else {
+            let ready = |q: &Queued| q.request.prompt_logprobs.is_some() || !self.waits_for_prefix(&q.request.prompt);
+            let Some(at) = self.queue.iter().position(ready) else {
                 break;
             };
             let q = &self.queue[at];
@@ -182,7 +183,9 @@ impl Engine<'_> {
         let mut cache = self.model.new_cache();
         let drafting = q.resumes.as_ref().is_none_or(|r| r.drafting);
         let want_hidden = drafting && self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
-        let (reused, hidden) = match self.prefix.as_mut() {
+        // A scored prompt reads every position's logits, so it computes them all.
+        let scored = q.resumes.is_none() && q.request.prompt_logprobs.is_some();
+        let (reused, hidden) = match self.prefix.as_mut().filter(|_| !scored) {
             Some(p) => p.load(&q.request.prompt, &mut cache, want_hidden),
             None => (0, Vec::new()),
         };
@@ -192,6 +195,7 @@ impl Engine<'_> {
         let r = &q.request;
         let full_logits =
             q.resumes.is_none() && (!r.sampling.is_greedy() || r.top_logprobs > 0 || q.guide.is_some());
+        let scoring = r.prompt_logprobs.filter(|_| scored).map(Scoring::new);
         Prompt {
             id: q.id,
             request: q.request,
@@ -202,6 +206,7 @@ impl Engine<'_> {
             want_hidden,
             full_logits,
             resumes: q.resumes,
+            scoring,
         }
     }
 

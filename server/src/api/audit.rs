@@ -81,6 +81,7 @@ pub const COMMON: &[(&str, Rule)] = &[
     ("min_p", Honoured),
     ("return_token_ids", Honoured),
     ("ignore_eos", Honoured),
+    ("prompt_logprobs", Honoured),
     ("frequency_penalty", Refused { neutral: zero, why: PENALTY }),
     ("presence_penalty", Refused { neutral: zero, why: PENALTY }),
     (
@@ -94,7 +95,7 @@ pub const COMMON: &[(&str, Rule)] = &[
 pub const COMPLETIONS: &[(&str, Rule)] = &[
     ("prompt", Honoured),
     ("logprobs", Honoured),
-    ("echo", Refused { neutral: |v| v == false, why: "only `false` is accepted" }),
+    ("echo", Honoured),
     ("suffix", Refused { neutral: |v| v == "", why: "insertion is not supported" }),
     ("best_of", Refused { neutral: |v| v == 1, why: "only 1 is accepted (use `n`)" }),
 ];

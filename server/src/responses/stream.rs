@@ -163,6 +163,8 @@ impl Events {
                 self.done = true;
             }
             Some(Update::Failed(msg)) => self.fail(&msg, &mut out),
+            // A response's plan never scores its prompt.
+            Some(Update::Prompt(_)) => {}
             None => self.fail("the engine stopped", &mut out),
         }
         out
