@@ -90,6 +90,22 @@ def main():
         sys.exit("a negative temperature was accepted")
     except openai.BadRequestError:
         pass
+    # lm-eval's scoring request through the client: a list of prompts, echo, logprobs,
+    # max_tokens 0 (the numbers themselves are checked bit for bit in tests/server.rs).
+    prompts = ["fn main() {", "struct Point {"]
+    scored = client.completions.create(
+        model=args.model, prompt=prompts, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    if [c.text for c in sorted(scored.choices, key=lambda c: c.index)] != prompts:
+        sys.exit(f"echo with max_tokens 0 gave {[c.text for c in scored.choices]}")
+    for c in scored.choices:
+        lp = c.logprobs
+        n = len(lp.tokens)
+        if not (n > 1 and len(lp.token_logprobs) == n == len(lp.top_logprobs) == len(lp.text_offset)):
+            sys.exit(f"echoed logprobs of uneven lengths: {lp}")
+        if lp.token_logprobs[0] is not None or lp.top_logprobs[0] is not None:
+            sys.exit(f"the first echoed token has a logprob: {lp}")
+        if not all(x <= 0 for x in lp.token_logprobs[1:]) or not all(len(t) == 1 for t in lp.top_logprobs[1:]):
+            sys.exit(f"echoed logprobs out of range: {lp}")
     todo = cases()
     with ThreadPoolExecutor(max_workers=len(todo)) as pool:
         futures = [pool.submit(run, client, args.model, c, 0.05 * i) for i, c in enumerate(todo)]

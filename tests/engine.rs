@@ -311,7 +311,10 @@ fn scores_match(generated: &[Request], plain_out: &[Completion], scored: &[Compl
                 p.token == t
                     && p.logprob.to_bits() == lp.to_bits()
                     && p.rank == 1
-                    && p.top.iter().map(|&(a, l)| (a, l.to_bits())).eq(top.iter().map(|&(a, l)| (a, l.to_bits())))
+                    && p.top
+                        .iter()
+                        .map(|&(a, l)| (a, l.to_bits()))
+                        .eq(top.iter().map(|&(a, l)| (a, l.to_bits())))
             })
     })
 }
@@ -350,8 +353,12 @@ fn scored_prompts_carry_the_logprobs_plain_decoding_gave_their_tokens() {
     mixed.extend(scored.iter().cloned());
     let continued = Request { id: "continued".into(), max_tokens: 4, ..scored[2].clone() };
     mixed.push(continued.clone());
-    let opts =
-        EngineOptions { max_batch: 4, prefill_chunk: 5, prefix_cache_bytes: 8 << 20, ..EngineOptions::default() };
+    let opts = EngineOptions {
+        max_batch: 4,
+        prefill_chunk: 5,
+        prefix_cache_bytes: 8 << 20,
+        ..EngineOptions::default()
+    };
     let run = |reqs: &[Request]| -> Vec<Completion> {
         let drafter: Box<dyn Drafter> = Box::new(NgramDrafter::default());
         common::run(&model, Some(drafter), opts.clone(), reqs, &[]).into_iter().map(Result::unwrap).collect()

@@ -664,7 +664,11 @@ fn echo_and_prompt_logprobs_score_a_prompt_as_decoding_scored_its_tokens() {
     assert_eq!((reported.len(), &reported[0]), (w, &Value::Null), "{v}");
     for (j, &t) in g_ids.iter().enumerate() {
         let entry = &reported[n + j][t.to_string()];
-        assert_eq!((&entry["logprob"], &entry["rank"]), (&g["logprobs"]["token_logprobs"][j], &json!(1)), "{v}");
+        assert_eq!(
+            (&entry["logprob"], &entry["rank"]),
+            (&g["logprobs"]["token_logprobs"][j], &json!(1)),
+            "{v}"
+        );
     }
     assert!(reported[1..].iter().all(|m| (1..=3).contains(&m.as_object().unwrap().len())), "{v}");
     let chat = json!({"messages": [{"role": "user", "content": "sort a list"}], "prompt_logprobs": 0,

@@ -62,9 +62,7 @@ fn prompt_text(app: &AppState, plan: &Plan) -> String {
 /// to `{logprob, rank, decoded_token}` holding the token and its `k` most likely
 /// alternatives.
 fn prompt_logprobs_json(app: &AppState, k: usize, scores: &[PromptToken]) -> Value {
-    let entry = |id: u32, logprob: f32, rank: u32| {
-        json!({"logprob": logprob, "rank": rank, "decoded_token": token_text(app, id)})
-    };
+    let entry = |id: u32, logprob: f32, rank: u32| json!({"logprob": logprob, "rank": rank, "decoded_token": token_text(app, id)});
     let per_token = scores.iter().map(|s| {
         let mut m = Map::new();
         m.insert(s.token.to_string(), entry(s.token, s.logprob, s.rank));
@@ -413,7 +411,9 @@ pub(crate) fn chunks(
         let unscored: Vec<usize> = (0..state.plan.n).filter(|&i| state.plan.scores(i).is_none()).collect();
         unscored
             .into_iter()
-            .map(|i| state.chunk(json!([{"index": i, "text": text, "logprobs": null, "finish_reason": null}])))
+            .map(|i| {
+                state.chunk(json!([{"index": i, "text": text, "logprobs": null, "finish_reason": null}]))
+            })
             .collect()
     } else {
         Vec::new()

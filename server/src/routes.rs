@@ -483,7 +483,9 @@ fn plan(
     let prompt_logprobs = match c.prompt_logprobs {
         None => None,
         Some(k @ 0..=20) => Some(k as usize),
-        Some(_) => return Err(ApiError::bad("prompt_logprobs", "`prompt_logprobs` must be between 0 and 20")),
+        Some(_) => {
+            return Err(ApiError::bad("prompt_logprobs", "`prompt_logprobs` must be between 0 and 20"))
+        }
     };
     // Chat's newer name wins over the older one.
     let asked = max_completion_tokens.or(c.max_tokens);

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use mtp_base::Tokenizer;
 use mtp_drafter::Drafter;
-use mtp_engine::{Engine, EngineOptions, Event, FinishReason, KvUsage, PromptToken, Request, RequestId, SpecStats};
+use mtp_engine::{
+    Engine, EngineOptions, Event, FinishReason, KvUsage, PromptToken, Request, RequestId, SpecStats,
+};
 use mtp_model::Model;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -23,7 +25,11 @@ pub enum Update {
     /// The prompt's scores (asked with `echo` and `logprobs`, or `prompt_logprobs`), before
     /// any token.
     Prompt(Vec<PromptToken>),
-    Token { token: u32, logprob: f32, top: Vec<(u32, f32)> },
+    Token {
+        token: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    },
     Finished(FinishReason),
     Failed(String),
 }

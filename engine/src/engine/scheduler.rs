@@ -156,7 +156,8 @@ impl Engine<'_> {
     /// may go first. Cached prefixes yield to what admission needs.
     pub(super) fn admit(&mut self, events: &mut Vec<Event>) {
         while self.active.len() + self.prompts.len() < self.opts.max_batch {
-            let ready = |q: &Queued| q.request.prompt_logprobs.is_some() || !self.waits_for_prefix(&q.request.prompt);
+            let ready =
+                |q: &Queued| q.request.prompt_logprobs.is_some() || !self.waits_for_prefix(&q.request.prompt);
             let Some(at) = self.queue.iter().position(ready) else {
                 break;
             };
