@@ -552,7 +552,7 @@ fn tokenize_detokenize_and_the_model_entry() {
 
 /// A completions `prompt` listing several prompts (texts or token-id lists, as lm-eval
 /// sends them) is answered as OpenAI does: prompt `i`'s choice `j` at index `i * n + j`,
-/// each bitwise the same prompt sent alone, usage summed. Streamed lists and more than 64
+/// each bitwise the same prompt sent alone, usage summed, streamed or not. More than 64
 /// prompts are refused by field; a bad prompt of the list is named by its index.
 #[test]
 fn a_list_of_prompts_gets_each_prompts_choices_in_order() {
@@ -589,8 +589,31 @@ fn a_list_of_prompts_gets_each_prompts_choices_in_order() {
         let summed: u64 = alone.iter().map(|a| a["usage"]["total_tokens"].as_u64().unwrap()).sum();
         assert_eq!(v["usage"]["total_tokens"], summed, "{v}");
     }
+    // Streamed: each choice's chunks (renumbered) put together are its unstreamed text
+    // and logprobs, every chunk under one id, one usage chunk at the end, summed.
+    let body = json!({"prompt": prompts, "max_tokens": 6, "n": 2, "temperature": 0.7, "seed": 3, "logprobs": 1,
+                      "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+    let chunks = stream(addr, "/v1/completions", &body);
+    let parsed: Vec<Value> = chunks[..chunks.len() - 1].iter().map(|c| serde_json::from_str(c).unwrap()).collect();
+    let ids: std::collections::BTreeSet<&str> = parsed.iter().map(|v| v["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 1, "{chunks:?}");
+    let usage: Vec<&Value> = parsed.iter().filter(|v| v.get("usage").is_some_and(|u| !u.is_null())).collect();
+    let summed: u64 = alone.iter().map(|a| a["usage"]["completion_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(usage.len(), 1, "{chunks:?}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], summed, "{chunks:?}");
+    for k in 0..6 {
+        let mut text = String::new();
+        let mut lps = Vec::new();
+        for v in &parsed {
+            for c in v["choices"].as_array().unwrap().iter().filter(|c| c["index"] == k) {
+                text += c["text"].as_str().unwrap_or("");
+                lps.extend(c["logprobs"]["token_logprobs"].as_array().into_iter().flatten().cloned());
+            }
+        }
+        let want = &alone[k / 2]["choices"][k % 2];
+        assert_eq!((json!(text), json!(lps)), (want["text"].clone(), want["logprobs"]["token_logprobs"].clone()));
+    }
     for (body, param) in [
-        (json!({"prompt": ["a", "b"], "stream": true}), "stream"),
         (json!({"prompt": vec!["a"; 65]}), "prompt"),
         (json!({"prompt": ["a", []]}), "prompt[1]"),
     ] {

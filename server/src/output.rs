@@ -364,6 +364,56 @@ pub(crate) fn stream_response(
     Sse::new(chunks(app, plan, receivers, slots, log).map(data).chain(done))
 }
 
+/// Several prompts of one completions request streamed together: each prompt's chunks as
+/// they come, prompt `i`'s choice `j` renumbered `i * n + j`, every chunk under the first
+/// prompt's id, and (with `include_usage`) one usage chunk at the end, summed.
+pub(crate) fn stream_several(
+    app: Arc<AppState>,
+    started: Vec<crate::routes::Started>,
+    mut log: RequestLog,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let id = log.id().to_string();
+    let include_usage = started.first().is_some_and(|(p, ..)| p.include_usage);
+    let usage = Arc::new(std::sync::Mutex::new([0u64; 3]));
+    let merged = stream::select_all(started.into_iter().enumerate().map(|(i, (plan, receivers, slots))| {
+        let n = plan.n;
+        // The access-log line is the first prompt's.
+        let log = if i == 0 { log.hand_off() } else { RequestLog::none() };
+        chunks(app.clone(), plan, receivers, slots, log).map(move |v| (i * n, v)).boxed()
+    }));
+    let (id_all, sums) = (id.clone(), usage.clone());
+    let renumbered = merged.filter_map(move |(first, mut v)| {
+        let kept = if let Some(u) = v.get("usage").filter(|_| v["choices"] == json!([])) {
+            let mut s = sums.lock().unwrap_or_else(|p| p.into_inner());
+            for (k, key) in ["prompt_tokens", "completion_tokens", "total_tokens"].iter().enumerate() {
+                s[k] = s[k].saturating_add(u[key].as_u64().unwrap_or(0));
+            }
+            None
+        } else {
+            if v.get("choices").is_some() {
+                v["id"] = json!(id_all);
+            }
+            for c in v["choices"].as_array_mut().into_iter().flatten() {
+                c["index"] = json!(first + c["index"].as_u64().unwrap_or(0) as usize);
+            }
+            Some(v)
+        };
+        std::future::ready(kept)
+    });
+    let model = app.model_name.clone();
+    let last = stream::once(async move {
+        let s = *usage.lock().unwrap_or_else(|p| p.into_inner());
+        include_usage.then(|| {
+            json!({"id": id, "object": "text_completion", "created": now(), "model": model, "choices": [],
+                   "usage": {"prompt_tokens": s[0], "completion_tokens": s[1], "total_tokens": s[2]}})
+        })
+    })
+    .filter_map(std::future::ready);
+    let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
+    let done = stream::once(async { Ok(SseEvent::default().data("[DONE]")) });
+    Sse::new(renumbered.chain(last).map(data).chain(done))
+}
+
 /// A chat or completion stream's chunks as JSON, in order (an error body, `{"error":
 /// ...}`, ends it if the engine fails): what [`stream_response`] sends as SSE data before
 /// `[DONE]`, and what `/v1/messages` ([`crate::anthropic`]) re-encodes as its events.

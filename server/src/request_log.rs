@@ -74,6 +74,11 @@ impl RequestLog {
 
     /// Moves the line into a new log (a stream's, which outlives its handler); this one
     /// then writes nothing.
+    /// A log that writes nothing (a part of a request whose line another log writes).
+    pub(crate) fn none() -> RequestLog {
+        RequestLog(None)
+    }
+
     pub(crate) fn hand_off(&mut self) -> RequestLog {
         RequestLog(self.0.take())
     }

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::api::{self, audit, ApiError, ChatRequest, Common, CompletionRequest};
 use crate::body::LimitedBody;
 use crate::chat::Conversation;
-use crate::output::{collect, response_id, stream_response};
+use crate::output::{collect, response_id, stream_response, stream_several};
 use crate::reasoning::Reasoning;
 use crate::request_log::RequestLog;
 use crate::tools::{self, ToolChoice};
@@ -151,7 +151,11 @@ async fn respond(
     let body = parse(body).await?;
     if kind == Kind::Completion {
         if let Some(prompts) = prompt_list(&body)? {
-            return several(app, &body, prompts, log).await.map(|v| Json(v).into_response());
+            let started = start_several(app, &body, prompts, log).await?;
+            if body.get("stream") == Some(&json!(true)) {
+                return Ok(stream_several(app.clone(), started, log.hand_off()).into_response());
+            }
+            return several(app, started, log).await.map(|v| Json(v).into_response());
         }
     }
     let (plan, receivers, slots) = start(app, kind, &body, log).await?;
@@ -181,24 +185,17 @@ fn prompt_list(body: &Value) -> Result<Option<Vec<Value>>, ApiError> {
             format!("at most {MOST_PROMPTS} prompts a request; got {}", items.len()),
         ));
     }
-    if body.get("stream") == Some(&json!(true)) {
-        return Err(ApiError::bad(
-            "stream",
-            "a list of prompts is answered unstreamed: send one request a prompt to stream",
-        ));
-    }
     Ok(Some(items.clone()))
 }
 
-/// A completions request over several prompts: each submitted (so they run together), then
-/// answered as OpenAI does: prompt `i`'s choice `j` at index `i * n + j`, usage summed, and
-/// `prompt_token_ids` (when asked) one list a prompt. A prompt's refusal names `prompt[i]`.
-async fn several(
+/// A completions request's several prompts, each submitted (so they run together); a
+/// prompt's refusal names `prompt[i]`.
+async fn start_several(
     app: &Arc<AppState>,
     body: &Value,
     prompts: Vec<Value>,
     log: &mut RequestLog,
-) -> Result<Value, ApiError> {
+) -> Result<Vec<Started>, ApiError> {
     let mut started = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.into_iter().enumerate() {
         let mut one = body.clone();
@@ -212,6 +209,12 @@ async fn several(
         };
         started.push(start(app, Kind::Completion, &one, log).await.map_err(at)?);
     }
+    Ok(started)
+}
+
+/// Several prompts answered as OpenAI does: prompt `i`'s choice `j` at index `i * n + j`,
+/// usage summed, and `prompt_token_ids` (when asked) one list a prompt.
+async fn several(app: &Arc<AppState>, started: Vec<Started>, log: &mut RequestLog) -> Result<Value, ApiError> {
     let mut out: Option<Value> = None;
     let mut prompt_ids = Vec::new();
     for (i, (plan, receivers, slots)) in started.into_iter().enumerate() {
