@@ -594,7 +594,8 @@ fn a_list_of_prompts_gets_each_prompts_choices_in_order() {
     let body = json!({"prompt": prompts, "max_tokens": 6, "n": 2, "temperature": 0.7, "seed": 3, "logprobs": 1,
                       "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
     let chunks = stream(addr, "/v1/completions", &body);
-    let parsed: Vec<Value> = chunks[..chunks.len() - 1].iter().map(|c| serde_json::from_str(c).unwrap()).collect();
+    let parsed: Vec<Value> =
+        chunks[..chunks.len() - 1].iter().map(|c| serde_json::from_str(c).unwrap()).collect();
     let ids: std::collections::BTreeSet<&str> = parsed.iter().map(|v| v["id"].as_str().unwrap()).collect();
     assert_eq!(ids.len(), 1, "{chunks:?}");
     let usage: Vec<&Value> = parsed.iter().filter(|v| v.get("usage").is_some_and(|u| !u.is_null())).collect();
@@ -611,12 +612,14 @@ fn a_list_of_prompts_gets_each_prompts_choices_in_order() {
             }
         }
         let want = &alone[k / 2]["choices"][k % 2];
-        assert_eq!((json!(text), json!(lps)), (want["text"].clone(), want["logprobs"]["token_logprobs"].clone()));
+        assert_eq!(
+            (json!(text), json!(lps)),
+            (want["text"].clone(), want["logprobs"]["token_logprobs"].clone())
+        );
     }
-    for (body, param) in [
-        (json!({"prompt": vec!["a"; 65]}), "prompt"),
-        (json!({"prompt": ["a", []]}), "prompt[1]"),
-    ] {
+    for (body, param) in
+        [(json!({"prompt": vec!["a"; 65]}), "prompt"), (json!({"prompt": ["a", []]}), "prompt[1]")]
+    {
         let (status, v) = post(addr, "/v1/completions", &body);
         assert_eq!((status, v["error"]["param"].as_str().unwrap_or("")), (400, param), "{v}");
     }

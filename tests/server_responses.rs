@@ -583,3 +583,63 @@ fn the_openai_python_client_drives_responses() {
         }
     }
 }
+
+/// `include: ["message.output_text.logprobs"]` with `top_logprobs` gives the message text
+/// the chat endpoint's logprobs for the same request (token, logprob, bytes and the
+/// alternatives, without ids), unstreamed and streamed (each text delta carrying its
+/// tokens', the `.done` event and the final `Response` all of them); another `include`
+/// entry, `top_logprobs` over 20 and logprobs beside tools are refused by name.
+#[test]
+fn text_logprobs_are_the_chat_replys() {
+    let addr = start(None);
+    let body = json!({"input": "write a sort", "max_output_tokens": 12, "temperature": 0,
+                      "include": ["message.output_text.logprobs"], "top_logprobs": 2});
+    let c = chat(
+        addr,
+        &json!({"messages": [{"role": "user", "content": "write a sort"}], "max_tokens": 12, "temperature": 0,
+                "logprobs": true, "top_logprobs": 2}),
+    );
+    let strip = |e: &Value| json!({"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]});
+    let want: Vec<Value> = c["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let mut v = strip(e);
+            v["top_logprobs"] = e["top_logprobs"].as_array().unwrap().iter().map(strip).collect();
+            v
+        })
+        .collect();
+    assert_eq!(want.len(), 12, "{c}");
+    let message = |r: &Value| -> Value {
+        let items = r["output"].as_array().unwrap();
+        items.iter().find(|i| i["type"] == "message").unwrap()["content"][0]["logprobs"].clone()
+    };
+    let (status, v) = post(addr, "/v1/responses", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((message(&v), &v["top_logprobs"]), (json!(want), &json!(2)), "{v}");
+    let mut asked = body.clone();
+    asked["stream"] = json!(true);
+    let (status, text) =
+        http(addr, "POST", "/v1/responses", &asked.to_string(), Duration::from_secs(600)).unwrap();
+    assert_eq!(status, 200, "{text}");
+    let ev = events(&text);
+    let of = |kind: &'static str| ev.iter().filter(move |e| e["type"] == kind);
+    let carried: Vec<Value> =
+        of("response.output_text.delta").flat_map(|e| e["logprobs"].as_array().unwrap().clone()).collect();
+    assert_eq!(carried, want, "the deltas' logprobs");
+    let done = of("response.output_text.done").next().unwrap();
+    assert_eq!(done["logprobs"], json!(want));
+    assert_eq!(message(&ev.last().unwrap()["response"]), json!(want));
+    // Unasked, none.
+    let (_, plain) = post(addr, "/v1/responses", &json!({"input": "write a sort", "max_output_tokens": 4}));
+    assert_eq!(message(&plain), json!([]), "{plain}");
+    refused(addr, json!({"input": "hi", "include": ["reasoning.encrypted_content"]}), "include[0]");
+    refused(addr, json!({"input": "hi", "include": "x"}), "include");
+    refused(addr, json!({"input": "hi", "top_logprobs": 21}), "top_logprobs");
+    refused(
+        addr,
+        json!({"input": "hi", "tools": tools(), "include": ["message.output_text.logprobs"]}),
+        "include",
+    );
+}

@@ -76,7 +76,7 @@ fn prompt_logprobs_json(app: &AppState, k: usize, scores: &[PromptToken]) -> Val
 
 /// An echoing completion's logprobs before its own: the prompt's tokens, the first with
 /// null (nothing came before it).
-struct Echoed<'a> {
+pub(crate) struct Echoed<'a> {
     tokens: &'a [u32],
     scores: &'a [PromptToken],
 }
@@ -132,7 +132,7 @@ fn token_text(app: &AppState, t: u32) -> String {
 }
 
 /// The logprobs object for tokens `tokens` with their logprobs and alternatives.
-fn logprobs_json(
+pub(crate) fn logprobs_json(
     app: &AppState,
     kind: Kind,
     k: usize,

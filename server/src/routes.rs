@@ -214,7 +214,11 @@ async fn start_several(
 
 /// Several prompts answered as OpenAI does: prompt `i`'s choice `j` at index `i * n + j`,
 /// usage summed, and `prompt_token_ids` (when asked) one list a prompt.
-async fn several(app: &Arc<AppState>, started: Vec<Started>, log: &mut RequestLog) -> Result<Value, ApiError> {
+async fn several(
+    app: &Arc<AppState>,
+    started: Vec<Started>,
+    log: &mut RequestLog,
+) -> Result<Value, ApiError> {
     let mut out: Option<Value> = None;
     let mut prompt_ids = Vec::new();
     for (i, (plan, receivers, slots)) in started.into_iter().enumerate() {

@@ -53,7 +53,13 @@ pub async fn create(State(app): State<Arc<AppState>>, LimitedBody(body): Limited
 async fn respond(app: &Arc<AppState>, body: Bytes, log: &mut RequestLog) -> Result<Response, ApiError> {
     app.requests.fetch_add(1, Ordering::Relaxed);
     let body = routes::parse(body).await?;
-    let Converted { chat, origins, echo } = request::convert(&body)?;
+    let Converted { chat, origins, echo, logprobs } = request::convert(&body)?;
+    if logprobs && app.reasoning.is_some() {
+        return Err(ApiError::bad(
+            "include",
+            "logprobs are reported for replies of text alone: this model's replies may hold reasoning",
+        ));
+    }
     let (plan, mut receivers, slots) =
         routes::start(app, Kind::Chat, &chat, log).await.map_err(|e| rename(e, &origins))?;
     let created_at = now();

@@ -49,12 +49,24 @@ pub(crate) fn reasoning_item(id: &str, text: &str, status: &str) -> Value {
            "content": [{"type": "reasoning_text", "text": text}], "status": status})
 }
 
-pub(crate) fn output_text(text: &str) -> Value {
-    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+pub(crate) fn output_text(text: &str, logprobs: &[Value]) -> Value {
+    json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
 }
 
-pub(crate) fn message_item(id: &str, text: &str, status: &str) -> Value {
-    json!({"id": id, "type": "message", "status": status, "role": "assistant", "content": [output_text(text)]})
+pub(crate) fn message_item(id: &str, text: &str, logprobs: &[Value], status: &str) -> Value {
+    json!({"id": id, "type": "message", "status": status, "role": "assistant",
+           "content": [output_text(text, logprobs)]})
+}
+
+/// A token's logprob as the Responses API writes it: the chat format's entry (and its
+/// alternatives) without the token id.
+pub(crate) fn text_logprob(chat_entry: &Value) -> Value {
+    let strip = |e: &Value| json!({"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]});
+    let mut v = strip(chat_entry);
+    let top: Vec<Value> =
+        chat_entry["top_logprobs"].as_array().map_or(Vec::new(), |t| t.iter().map(strip).collect());
+    v["top_logprobs"] = Value::Array(top);
+    v
 }
 
 pub(crate) fn call_item(id: &str, call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
@@ -125,7 +137,10 @@ pub(crate) fn from_chat(
     let calls = message["tool_calls"].as_array().map_or(&[][..], Vec::as_slice);
     let text = message["content"].as_str().unwrap_or_default();
     if !text.is_empty() || calls.is_empty() {
-        items.push(message_item(&fresh("msg"), text, "completed"));
+        // Asked only of replies that are text alone: every token's is the text's.
+        let logprobs = choice["logprobs"]["content"].as_array();
+        let logprobs: Vec<Value> = logprobs.map_or(Vec::new(), |l| l.iter().map(text_logprob).collect());
+        items.push(message_item(&fresh("msg"), text, &logprobs, "completed"));
     }
     for c in calls {
         let f = &c["function"];

@@ -61,19 +61,14 @@ const FIELDS: &[(&str, Rule)] = &[
     ("conversation", Refused { neutral: never, why: STATELESS }),
     ("background", Refused { neutral: |v| v == false, why: "responses are answered in the foreground" }),
     ("prompt", Refused { neutral: never, why: "stored prompt templates are OpenAI's" }),
-    (
-        "include",
-        Refused { neutral: empty_list, why: "there is no extra output to include; only [] is accepted" },
-    ),
+    // Read by `convert`: only `message.output_text.logprobs` can be included.
+    ("include", Honoured),
     ("reasoning", Refused { neutral: no_reasoning, why: "the model has no reasoning setting" }),
     (
         "truncation",
         Refused { neutral: |v| v == "disabled", why: "a prompt over the context is refused, never cut" },
     ),
-    (
-        "top_logprobs",
-        Refused { neutral: |v| v == 0, why: "logprobs are not reported here; only 0 is accepted" },
-    ),
+    ("top_logprobs", Honoured),
     // It bounds calls of built-in tools, and there are none.
     ("max_tool_calls", Refused { neutral: Value::is_u64, why: "it must be a non-negative integer" }),
     ("context_management", Refused { neutral: empty_list, why: "the context is never compacted" }),
@@ -145,6 +140,26 @@ pub(crate) struct Converted {
     pub(crate) origins: Vec<Origin>,
     /// The request's settings as a `Response` restates them (`tools`, `tool_choice`, ...).
     pub(crate) echo: Map<String, Value>,
+    /// `include` asks for the message text's logprobs.
+    pub(crate) logprobs: bool,
+}
+
+/// What `include` may name.
+const TEXT_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// Whether `include` asks for the text's logprobs (the only extra output there is).
+fn include(v: Option<&Value>) -> Result<bool, ApiError> {
+    let Some(v) = v else { return Ok(false) };
+    let list = v.as_array().ok_or_else(|| ApiError::bad("include", "`include` must be a list"))?;
+    for (i, item) in list.iter().enumerate() {
+        if item != TEXT_LOGPROBS {
+            return Err(ApiError::bad(
+                &format!("include[{i}]"),
+                format!("only `{TEXT_LOGPROBS}` can be included; got {}", quote(&item.to_string())),
+            ));
+        }
+    }
+    Ok(!list.is_empty())
 }
 
 /// Reads a Responses body; a refusal names the field by its Responses path.
@@ -174,6 +189,19 @@ pub(crate) fn convert(body: &Value) -> Result<Converted, ApiError> {
         }
     }
     let metadata = metadata(get("metadata"))?;
+    let logprobs = include(get("include"))?;
+    let top_logprobs = match get("top_logprobs") {
+        None => 0,
+        Some(v) => v.as_u64().filter(|&k| k <= 20).ok_or_else(|| {
+            ApiError::bad("top_logprobs", "`top_logprobs` must be an integer between 0 and 20")
+        })?,
+    };
+    if logprobs && get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::bad(
+            "include",
+            "logprobs are reported for replies of text alone: not beside `tools` (send no tools to score text)",
+        ));
+    }
     let mut chat = Map::new();
     let mut echo = Map::new();
     let instructions = match get("instructions") {
@@ -200,6 +228,10 @@ pub(crate) fn convert(body: &Value) -> Result<Converted, ApiError> {
         if let Some(format) = text_format(f)? {
             chat.insert("response_format".into(), format);
         }
+    }
+    if logprobs {
+        chat.insert("logprobs".into(), json!(true));
+        chat.insert("top_logprobs".into(), json!(top_logprobs));
     }
     for (from, to) in [
         ("model", "model"),
@@ -231,10 +263,11 @@ pub(crate) fn convert(body: &Value) -> Result<Converted, ApiError> {
     echo.insert("tool_choice".into(), or("tool_choice", json!("auto")));
     echo.insert("tools".into(), or("tools", json!([])));
     echo.insert("top_p".into(), float("top_p"));
+    echo.insert("top_logprobs".into(), json!(top_logprobs));
     echo.insert("truncation".into(), json!("disabled"));
     echo.insert("user".into(), or("user", Value::Null));
     echo.insert("metadata".into(), metadata);
-    Ok(Converted { chat: Value::Object(chat), origins, echo })
+    Ok(Converted { chat: Value::Object(chat), origins, echo, logprobs })
 }
 
 /// `metadata`: up to 16 string values under keys of at most 64 characters, as OpenAI's.

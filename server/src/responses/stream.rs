@@ -55,6 +55,10 @@ struct Events {
     id: String,
     created_at: u64,
     echo: Map<String, Value>,
+    /// Logprobs of tokens whose text no delta has carried yet (when asked for).
+    pending: Vec<Value>,
+    /// Those the open message's deltas carried.
+    carried: Vec<Value>,
     done: bool,
     log: RequestLog,
     _slots: PendingSlots,
@@ -81,6 +85,8 @@ pub(crate) fn respond(
         id: log.id().to_string(),
         created_at: crate::routes::now(),
         echo,
+        pending: Vec::new(),
+        carried: Vec::new(),
         done: false,
         log,
         _slots: slots,
@@ -130,9 +136,22 @@ impl Events {
     async fn next_events(&mut self) -> Vec<SseEvent> {
         let mut out = Vec::new();
         match self.updates.recv().await {
-            Some(Update::Token { token, .. }) => {
+            Some(Update::Token { token, logprob, top }) => {
                 self.log.token();
                 self.text.push(token);
+                if let Some(k) = self.plan.logprobs {
+                    let chat = crate::output::logprobs_json(
+                        &self.app,
+                        self.plan.kind,
+                        k,
+                        None,
+                        &[token],
+                        &[logprob],
+                        &[top],
+                    );
+                    self.pending
+                        .extend(chat["content"].as_array().into_iter().flatten().map(reply::text_logprob));
+                }
                 let d = self.delta(false);
                 self.apply(d, &mut out);
             }
@@ -232,7 +251,7 @@ impl Events {
             ),
             Open::Message { id, .. } => (
                 json!({"id": id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}),
-                Some((id.clone(), reply::output_text(""))),
+                Some((id.clone(), reply::output_text("", &[]))),
             ),
             Open::Call { id, call_id, name, .. } => {
                 (reply::call_item(id, call_id, name, "", "in_progress"), None)
@@ -268,7 +287,9 @@ impl Events {
         };
         let mut fields = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": delta});
         if kind == "response.output_text.delta" {
-            fields["logprobs"] = json!([]);
+            let carried = std::mem::take(&mut self.pending);
+            fields["logprobs"] = json!(carried);
+            self.carried.extend(carried);
         }
         out.push(self.event(kind, fields));
     }
@@ -288,13 +309,16 @@ impl Events {
                 reply::reasoning_item(&id, &text, status)
             }
             Open::Message { id, text } => {
+                // Tokens whose text a stop string cut are the message's too, as unstreamed.
+                let mut logprobs = std::mem::take(&mut self.carried);
+                logprobs.append(&mut self.pending);
                 let fields = json!({"item_id": id, "output_index": index, "content_index": 0, "text": text,
-                                    "logprobs": []});
+                                    "logprobs": logprobs});
                 out.push(self.event("response.output_text.done", fields));
                 let fields = json!({"item_id": id, "output_index": index, "content_index": 0,
-                                    "part": reply::output_text(&text)});
+                                    "part": reply::output_text(&text, &logprobs)});
                 out.push(self.event("response.content_part.done", fields));
-                reply::message_item(&id, &text, status)
+                reply::message_item(&id, &text, &logprobs, status)
             }
             Open::Call { id, call_id, name, arguments } => {
                 let fields =
