@@ -3,8 +3,9 @@
 //! optional `"max_tokens"`, `"stop"` (a list of strings), `"arrive_at"` (submit the
 //! request once the engine has completed that many rounds) and the sampling fields
 //! `"temperature"`, `"top_k"`, `"top_p"`, `"min_p"`, `"seed"` (each overrides the
-//! command line's value for that request) and `"top_logprobs"` (report that many most
-//! likely alternatives with each token). A constraint on the output, at most one of
+//! command line's value for that request), `"top_logprobs"` (report that many most
+//! likely alternatives with each token) and `"prompt_logprobs"` (score the prompt's tokens,
+//! with that many alternatives each; `"max_tokens": 0` then generates nothing). A constraint on the output, at most one of
 //! `"json_schema"` (a schema), `"regex"`, `"grammar"` (Lark) and `"response_format"`
 //! (`{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {"schema": ...}}`).
 //!
@@ -42,6 +43,7 @@ struct Line {
     min_p: Option<f32>,
     seed: Option<u64>,
     top_logprobs: Option<usize>,
+    prompt_logprobs: Option<usize>,
     json_schema: Option<Value>,
     regex: Option<String>,
     grammar: Option<String>,
@@ -131,7 +133,7 @@ pub fn read_bounded(
             stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
             sampling,
             top_logprobs: l.top_logprobs.unwrap_or(defaults.top_logprobs),
-            prompt_logprobs: None,
+            prompt_logprobs: l.prompt_logprobs,
             constraint,
         });
         arrive_at.push(l.arrive_at.unwrap_or(0));

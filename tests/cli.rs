@@ -647,3 +647,39 @@ fn constrained_prompt_lines_match_and_bad_ones_fail_alone() {
     assert_ne!(code, 0);
     assert!(err.contains("at most one"), "{err}");
 }
+
+/// `"prompt_logprobs"` on a prompts line scores the prompt: for a prompt that is a prompt
+/// and its greedy continuation, the continuation's scores are the logprobs `mtp generate`
+/// printed generating it (the same f32 text), rank 1 each; `"max_tokens": 0` generates
+/// nothing, and is refused for a line that scores nothing.
+#[test]
+fn prompt_logprobs_score_a_prompt_as_generation_scored_it() {
+    let target = common::fixture("llama-target");
+    let t = target.to_str().unwrap();
+    let first =
+        write_prompts("score-1", "{\"id\": \"g\", \"prompt_ids\": [5, 9, 200, 31], \"max_tokens\": 5}\n");
+    let (code, out, err) = mtp(&["generate", "--target", t, "--prompts", &first, "--ignore-eos"]);
+    assert_eq!(code, 0, "{err}");
+    let g: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let mut ids = vec![5, 9, 200, 31];
+    ids.extend(g["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()));
+    let lines = format!(
+        "{{\"id\": \"s\", \"prompt_ids\": {ids:?}, \"max_tokens\": 0, \"prompt_logprobs\": 0}}\n\
+         {{\"id\": \"z\", \"prompt_ids\": [5, 9], \"max_tokens\": 0}}\n"
+    );
+    let second = write_prompts("score-2", &lines);
+    let (_, out, err) = mtp(&["generate", "--target", t, "--prompts", &second]);
+    let mut lines = out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+    let s = lines.next().unwrap_or_else(|| panic!("{err}"));
+    assert_eq!(s["tokens"], serde_json::json!([]), "{s}");
+    let scored = s["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(scored.len(), ids.len() - 1, "{s}");
+    for (j, p) in scored[3..].iter().enumerate() {
+        assert_eq!(
+            (&p["token"], &p["logprob"], &p["rank"]),
+            (&g["tokens"][j], &g["logprobs"][j], &serde_json::json!(1))
+        );
+    }
+    let z = lines.next().unwrap();
+    assert!(z["error"].as_str().is_some_and(|e| e.contains("max_tokens")), "{z}");
+}

@@ -457,7 +457,20 @@ struct OutputLine<'a> {
     /// Per token, `[id, logprob]` of the most likely alternatives, when the request asked.
     #[serde(skip_serializing_if = "Option::is_none")]
     top_logprobs: Option<&'a [Vec<(u32, f32)>]>,
+    /// Per prompt token after the first, its logprob after the ones before it, when the
+    /// request asked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_logprobs: Option<Vec<PromptLogprob<'a>>>,
     finish_reason: &'static str,
+}
+
+/// A scored prompt token: its id, logprob, rank and most likely alternatives there.
+#[derive(serde::Serialize)]
+struct PromptLogprob<'a> {
+    token: u32,
+    logprob: f32,
+    rank: u32,
+    top: &'a [(u32, f32)],
 }
 
 /// An error of `mtp synth`: a config.json key it would have written wrongly is named by the
@@ -555,6 +568,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
                             text,
                             logprobs: &c.logprobs,
                             top_logprobs: (req.top_logprobs > 0).then_some(&c.top_logprobs[..]),
+                            prompt_logprobs: req.prompt_logprobs.map(|_| {
+                                c.prompt_logprobs
+                                    .iter()
+                                    .map(|p| PromptLogprob {
+                                        token: p.token,
+                                        logprob: p.logprob,
+                                        rank: p.rank,
+                                        top: &p.top,
+                                    })
+                                    .collect()
+                            }),
                             finish_reason: c.finish.as_str(),
                         })?
                     }
