@@ -294,6 +294,21 @@ fn exchange_from(from: [u8; 4], addr: SocketAddr, request: &str) -> (u16, String
 /// --max-connections-per-client while another client (127.0.0.2) is served. Once the
 /// other client fills the server, a third gets 503 naming --max-connections. /health and
 /// /metrics are answered past either limit.
+/// HTTP/2 is not served: a connection that sends its preface and an empty SETTINGS frame,
+/// then nothing, is closed within the header timeout (it was held open: hyper's
+/// upgrade-capable connection sniffed for HTTP/2 past `http1_only`), while HTTP/1.1 is
+/// answered.
+#[test]
+fn an_http2_connection_does_not_escape_the_header_timeout() {
+    let served = serve(&["--header-timeout", "2"], &[]);
+    let addr = served.addr;
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00").unwrap();
+    assert!(closed_within(s, Duration::from_secs(6)), "an HTTP/2 preface held its connection");
+    let (status, _, body) = exchange(addr, "GET", "/health", "", b"");
+    assert_eq!(status, 200, "{body}");
+}
+
 #[test]
 fn one_client_cannot_take_every_connection() {
     let served = serve(&["--max-connections", "16"], &[]);

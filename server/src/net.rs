@@ -153,7 +153,9 @@ pub(crate) async fn serve(
         let _ = stream.set_nodelay(true);
         let first_byte = limits.header_timeout.min(FIRST_BYTE);
         let io = TokioIo::new(Timed::new(stream, first_byte, limits.write_timeout));
-        let conn = builder.serve_connection_with_upgrades(io, service.clone()).into_owned();
+        // Not `serve_connection_with_upgrades`: it sniffs for HTTP/2 whatever `http1_only` says,
+        // and an HTTP/2 connection escapes the header timeout.
+        let conn = builder.serve_connection(io, service.clone()).into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
