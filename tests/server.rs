@@ -538,6 +538,8 @@ fn tokenize_detokenize_and_the_model_entry() {
         ("/tokenize", json!({"prompt": "x", "messages": []}), 400, "messages"),
         ("/tokenize", json!({"messages": [{"role": "robot", "content": "x"}]}), 400, "messages[0].role"),
         ("/detokenize", json!({"tokens": [1, 1 << 30]}), 400, "tokens"),
+        // Without the tokenizer's own tokens, the byte bound holds too (it skipped it).
+        ("/tokenize", json!({"prompt": "ab ".repeat(2_500_000), "add_special_tokens": false}), 413, "prompt"),
     ] {
         let (got, v) = post(addr, path, &body);
         assert_eq!((got, v["error"]["param"].as_str().unwrap_or("")), (status, param), "{body}: {v}");
@@ -724,4 +726,21 @@ fn echo_and_prompt_logprobs_score_a_prompt_as_decoding_scored_its_tokens() {
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0});
     let (status, v) = post(addr, "/v1/chat/completions", &chat);
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
+    // Bounds: the logprobs a request's scores report (64 prompts of 1,000 tokens with 20
+    // alternatives: 1.3 M; one of them: 21 k, answered), and a list's choices within
+    // --max-pending (20 prompts of n 16 are 320 of 256).
+    let long: Vec<u32> = (0..1000).map(|i| 100 + i % 500).collect();
+    let scored = |prompt: Value| {
+        post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": prompt, "echo": true, "logprobs": 20, "max_tokens": 0}),
+        )
+    };
+    let (status, v) = scored(json!(vec![long.clone(); 64]));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("prompt_logprobs")), "{v}");
+    assert_eq!(scored(json!(long)).0, 200);
+    let (status, v) =
+        post(addr, "/v1/completions", &json!({"prompt": vec!["a"; 20], "n": 16, "max_tokens": 1}));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("n")), "{v}");
 }

@@ -68,7 +68,31 @@ pub(crate) struct Plan {
     pub(crate) reasoning: Option<(Reasoning, bool)>,
 }
 
+/// Logprobs a request's scored prompts may report (a position's own and its
+/// alternatives'): what bounds the memory and the body of an answer. lm-eval's requests
+/// (`logprobs: 1`, 8 prompts of 2,048 tokens) take a quarter of it.
+const MOST_SCORED_ENTRIES: usize = 1 << 17;
+
+fn too_many_scores(entries: usize) -> ApiError {
+    ApiError::bad(
+        "prompt_logprobs",
+        format!(
+            "scoring these prompts reports {entries} logprobs (prompt tokens x choices x (1 + alternatives)); \
+             a request may report at most {MOST_SCORED_ENTRIES}: send fewer or shorter prompts, or fewer alternatives"
+        ),
+    )
+}
+
 impl Plan {
+    /// The logprobs its scored prompts report: each scoring choice's prompt tokens, each
+    /// with its own logprob and its alternatives.
+    fn scored_entries(&self) -> usize {
+        (0..self.n)
+            .filter_map(|i| self.scores(i))
+            .map(|k| self.prompt.len().saturating_mul(k + 1))
+            .fold(0, usize::saturating_add)
+    }
+
     /// The prompt scoring choice `i` asks the engine for: every choice echoing logprobs
     /// and every choice of 0 tokens scores; `prompt_logprobs` (the same for every
     /// choice) is read from the first.
@@ -150,7 +174,7 @@ async fn respond(
     app.requests.fetch_add(1, Ordering::Relaxed);
     let body = parse(body).await?;
     if kind == Kind::Completion {
-        if let Some(prompts) = prompt_list(&body)? {
+        if let Some(prompts) = prompt_list(app, &body)? {
             let started = start_several(app, &body, prompts, log).await?;
             if body.get("stream") == Some(&json!(true)) {
                 return Ok(stream_several(app.clone(), started, log.hand_off()).into_response());
@@ -171,7 +195,7 @@ const MOST_PROMPTS: usize = 64;
 
 /// A completions `prompt` that lists several prompts (strings, or lists of token ids), or
 /// `None` for one prompt (a string, or one list of ids).
-fn prompt_list(body: &Value) -> Result<Option<Vec<Value>>, ApiError> {
+fn prompt_list(app: &AppState, body: &Value) -> Result<Option<Vec<Value>>, ApiError> {
     let Some(Value::Array(items)) = body.get("prompt") else { return Ok(None) };
     if items.is_empty()
         || items.iter().all(Value::is_number)
@@ -183,6 +207,19 @@ fn prompt_list(body: &Value) -> Result<Option<Vec<Value>>, ApiError> {
         return Err(ApiError::bad(
             "prompt",
             format!("at most {MOST_PROMPTS} prompts a request; got {}", items.len()),
+        ));
+    }
+    // More choices than the server ever holds can never be admitted: retrying cannot help.
+    let n = body.get("n").and_then(Value::as_u64).unwrap_or(1);
+    let choices = n.saturating_mul(items.len() as u64);
+    if choices > app.max_pending as u64 {
+        return Err(ApiError::bad(
+            "n",
+            format!(
+                "{} prompts of `n` {n} make {choices} choices; this server holds at most {} requests at once (--max-pending)",
+                items.len(),
+                app.max_pending
+            ),
         ));
     }
     Ok(Some(items.clone()))
@@ -208,6 +245,10 @@ async fn start_several(
             e
         };
         started.push(start(app, Kind::Completion, &one, log).await.map_err(at)?);
+        let entries = started.iter().map(|(p, ..)| p.scored_entries()).fold(0, usize::saturating_add);
+        if entries > MOST_SCORED_ENTRIES {
+            return Err(too_many_scores(entries));
+        }
     }
     Ok(started)
 }
@@ -290,6 +331,9 @@ pub(crate) async fn run(
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let prompt = prompt::tokenize(app, source, param).await?;
     fit(app, &mut plan, prompt, asked)?;
+    if plan.scored_entries() > MOST_SCORED_ENTRIES {
+        return Err(too_many_scores(plan.scored_entries()));
+    }
     log.planned(plan.prompt.len(), plan.n);
     if let (Kind::Chat, Some(r), Some(tok)) = (kind, app.reasoning, &app.tokenizer) {
         // The prompt's end tells whether the template opened the reasoning block.

@@ -83,6 +83,7 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
                     prompt::tokenize(app, prompt::Source::Text(text.into()), "prompt").await?
                 }
                 Some(Some(false)) => {
+                    prompt::fits(app, text.len(), "prompt", false)?;
                     let tok = app
                         .tokenizer
                         .clone()

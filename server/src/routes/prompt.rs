@@ -94,7 +94,7 @@ pub(crate) async fn tokenize(
 }
 
 /// Refuses `bytes` of text that cannot fit the context, whatever they tokenize to.
-fn fits(app: &AppState, bytes: usize, param: &str, rendered: bool) -> Result<(), ApiError> {
+pub(crate) fn fits(app: &AppState, bytes: usize, param: &str, rendered: bool) -> Result<(), ApiError> {
     let Some(per) = app.tokenizer.as_ref().and_then(|t| t.max_bytes_per_token()) else { return Ok(()) };
     let limit = app.context.saturating_mul(per);
     if bytes <= limit {
