@@ -929,6 +929,36 @@ fn fifos_devices_and_directories_are_refused_by_name() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A looping or dangling link named as a checkpoint file is an error naming it: it was
+/// taken for an absent file (a tokenizer.json loop: no tokenizer, text prompts refused; a
+/// generation_config.json loop: its EOS ids silently lost; a model.safetensors loop: "no
+/// model.safetensors in this directory"). Control: the copy with its files loads.
+#[cfg(unix)]
+#[test]
+fn broken_links_are_errors_naming_the_file_not_absent_files() {
+    let dir = copy_fixture("qwen3-target", "broken-links");
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 3}"#).unwrap();
+    assert!(Model::load(&dir).is_ok() && Tokenizer::from_dir_if_present(&dir).unwrap().is_some());
+    for name in ["model.safetensors", "tokenizer.json", "generation_config.json"] {
+        let path = dir.join(name);
+        let original = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        for (target, says) in [(path.clone(), "symbolic links"), (dir.join("gone"), "No such file")] {
+            std::os::unix::fs::symlink(&target, &path).unwrap();
+            let err = match name {
+                "tokenizer.json" => Tokenizer::from_dir_if_present(&dir).err().map(|e| e.to_string()),
+                _ => Model::load(&dir).err().map(|e| e.to_string()),
+            };
+            let err = err.unwrap_or_else(|| format!("{name}: loaded as if absent"));
+            assert!(err.contains(name) && err.contains(says), "{name} -> {target:?}: {err}");
+            std::fs::remove_file(&path).unwrap();
+        }
+        std::fs::write(&path, original).unwrap();
+    }
+    assert!(Model::load(&dir).is_ok() && Tokenizer::from_dir_if_present(&dir).unwrap().is_some());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `tie_word_embeddings: true` beside a stored `lm_head.weight` (zeros here): the head is
 /// the embedding, as transformers ties it; the stored one is ignored (it was used: every
 /// logit 0, token 0). Control: the same checkpoint without the stored head, bit for bit.

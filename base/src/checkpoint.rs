@@ -56,7 +56,7 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         // The index's shard for each tensor it lists (none for a single file).
         let mut listed: HashMap<String, String> = HashMap::new();
-        let files: Vec<PathBuf> = if index.exists() {
+        let files: Vec<PathBuf> = if crate::files::present(&index) {
             let v = read_json(&index)?;
             let map = v
                 .get("weight_map")
@@ -82,7 +82,7 @@ impl Checkpoint {
                 listed.insert(tensor.clone(), f.to_string());
             }
             names.into_iter().map(|n| dir.join(n)).collect()
-        } else if single.exists() {
+        } else if crate::files::present(&single) {
             vec![single]
         } else {
             return Err(Error::io(
@@ -137,7 +137,7 @@ impl Checkpoint {
             }
         }
         let config = dir.join("config.json");
-        let declared = match config.exists() {
+        let declared = match crate::files::present(&config) {
             true => read_json(&config)?
                 .get("quantization")
                 .filter(|q| q.is_object())

@@ -225,7 +225,7 @@ impl Config {
         let v = read_json(&path)?;
         let mut cfg = Config::from_value(&path, &v)?;
         let gen_path = dir.join("generation_config.json");
-        if gen_path.exists() {
+        if crate::files::present(&gen_path) {
             let g = read_json(&gen_path)?;
             for id in token_ids(&gen_path, "eos_token_id", g.get("eos_token_id"), cfg.vocab_size)? {
                 if !cfg.eos_token_ids.contains(&id) {

@@ -16,6 +16,13 @@ pub const MAX_JSON_BYTES: u64 = 64 << 20;
 /// of 256k tokens and their merges, are about 35 MiB).
 pub const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
 
+/// Whether there is an entry at `path`, a broken or looping link included (`exists`
+/// says false for those, so a checkpoint's unreadable file was taken for an absent one):
+/// reading it then fails naming it.
+pub fn present(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
+}
+
 /// `path` opened for reading when it is a regular file (or a link to one); the file type is
 /// checked before `open`, which would block on a FIFO.
 pub fn open_regular(path: &Path) -> Result<File> {

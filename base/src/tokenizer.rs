@@ -68,7 +68,7 @@ pub struct Tokenizer {
 impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
-        if !path.exists() {
+        if !crate::files::present(&path) {
             return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "not found")));
         }
         let bytes = crate::files::read_bounded(&path, crate::files::MAX_TOKENIZER_BYTES)?;
@@ -118,7 +118,7 @@ impl Tokenizer {
     /// The tokenizer of `dir`, or `None` when it has no `tokenizer.json`; a file that is
     /// there but cannot be read or parsed is an error naming it.
     pub fn from_dir_if_present(dir: &Path) -> Result<Option<Tokenizer>> {
-        if dir.join("tokenizer.json").exists() {
+        if crate::files::present(&dir.join("tokenizer.json")) {
             Tokenizer::from_dir(dir).map(Some)
         } else {
             Ok(None)

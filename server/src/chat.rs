@@ -191,9 +191,9 @@ impl ChatTemplate {
     fn load(dir: &Path, file: Option<&Path>) -> Result<Option<ChatTemplate>> {
         let config_path = dir.join("tokenizer_config.json");
         let config: Json =
-            if config_path.exists() { mtp_base::config::read_json(&config_path)? } else { Json::Null };
+            if mtp_base::files::present(&config_path) { mtp_base::config::read_json(&config_path)? } else { Json::Null };
         let jinja_path = file.map_or_else(|| dir.join("chat_template.jinja"), Path::to_path_buf);
-        let (source, from) = if file.is_some() || jinja_path.exists() {
+        let (source, from) = if file.is_some() || mtp_base::files::present(&jinja_path) {
             // A template is text of a JSON file's size at most (a FIFO or device refused).
             let bytes = mtp_base::files::read_bounded(&jinja_path, mtp_base::files::MAX_JSON_BYTES)?;
             let t = String::from_utf8(bytes)
