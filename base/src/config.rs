@@ -326,12 +326,50 @@ impl Config {
                 format!("expected an object such as {{\"rope_type\": \"llama3\", ...}}, got {}", short(p)),
             ));
         }
-        let rope_theta = match rope_params.and_then(|(key, p)| Some((key, p.get("rope_theta")?))) {
-            Some((key, t)) => {
-                t.as_f64().ok_or_else(|| Error::config(path, &format!("{key}.rope_theta"), "not a number"))?
-                    as f32
+        // `rope_parameters` wins over the older keys beside it, as in transformers; one that
+        // contradicts it is said, not silently dropped.
+        if let (Some(("rope_parameters", p)), Some(s)) = (rope_params, k.opt("rope_scaling")) {
+            if s != p {
+                tracing::warn!(
+                    "{}: `rope_scaling` {} is ignored: `rope_parameters` {} is read",
+                    path.display(),
+                    short(s),
+                    short(p)
+                );
             }
-            None => k.f32_or("rope_theta", 10000.0)?,
+        }
+        // Gemma 4's RoPE, per layer type, has its own reader.
+        let top_factor = k.opt("partial_rotary_factor").filter(|_| arch != Arch::Gemma4);
+        for (at, factor) in [("partial_rotary_factor".to_string(), top_factor)].into_iter().chain(
+            rope_params
+                .map(|(key, p)| (format!("{key}.partial_rotary_factor"), p.get("partial_rotary_factor"))),
+        ) {
+            if let Some(f) = factor.filter(|f| !f.is_null() && f.as_f64() != Some(1.0)) {
+                return Err(Error::config(
+                    path,
+                    &at,
+                    format!(
+                        "{}: RoPE over part of each head is not supported for {arch:?} (only 1.0)",
+                        short(f)
+                    ),
+                ));
+            }
+        }
+        let (rope_theta, theta_key) = match rope_params.and_then(|(key, p)| Some((key, p.get("rope_theta")?)))
+        {
+            Some((key, t)) => {
+                let at = format!("{key}.rope_theta");
+                let theta = t.as_f64().ok_or_else(|| Error::config(path, &at, "not a number"))?;
+                if let Some(top) = k.opt("rope_theta").filter(|top| top.as_f64() != Some(theta)) {
+                    tracing::warn!(
+                        "{}: `rope_theta` {} is ignored: `{at}` {theta} is read",
+                        path.display(),
+                        short(top)
+                    );
+                }
+                (theta as f32, at)
+            }
+            None => (k.f32_or("rope_theta", 10000.0)?, "rope_theta".to_string()),
         };
         let rope_scaling = match rope_params {
             Some((key, p)) => rope_scaling(path, key, p)?,
@@ -351,7 +389,7 @@ impl Config {
             ));
         }
         if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(Error::config(path, "rope_theta", format!("{rope_theta} is not a positive number")));
+            return Err(Error::config(path, &theta_key, format!("{rope_theta} is not a positive number")));
         }
         let max_position_embeddings = k.usize_or("max_position_embeddings", 4096)?;
         if max_position_embeddings == 0 || max_position_embeddings > MAX_POSITIONS {
@@ -563,6 +601,22 @@ mod tests {
         );
         let e = err(&with("layer_types", json!(["full_attention", 7, "full_attention"])));
         assert!(e.contains("`layer_types[1]`") && e.contains("7"), "{e}");
+    }
+
+    /// `partial_rotary_factor`, which these families do not implement, was ignored: it is
+    /// refused by name, top-level or in `rope_parameters` (a factor of 1 loads); a bad
+    /// `rope_parameters.rope_theta` is named by its path. (`rope_scaling` or `rope_theta`
+    /// beside `rope_parameters` are ignored as transformers ignores them, with a warning.)
+    #[test]
+    fn unsupported_rope_settings_are_refused_by_name() {
+        let load = |v: &Value| Config::from_value(Path::new("config.json"), v);
+        let e = err(&with("rope_parameters", json!({"rope_type": "default", "rope_theta": -1.0})));
+        assert!(e.contains("`rope_parameters.rope_theta`"), "{e}");
+        let e = err(&with("partial_rotary_factor", json!(0.5)));
+        assert!(e.contains("`partial_rotary_factor`") && e.contains("not supported"), "{e}");
+        let e = err(&with("rope_parameters", json!({"rope_type": "default", "partial_rotary_factor": 0.5})));
+        assert!(e.contains("`rope_parameters.partial_rotary_factor`"), "{e}");
+        load(&with("partial_rotary_factor", json!(1.0))).unwrap();
     }
 
     #[test]

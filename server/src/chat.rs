@@ -190,8 +190,11 @@ impl ChatTemplate {
 
     fn load(dir: &Path, file: Option<&Path>) -> Result<Option<ChatTemplate>> {
         let config_path = dir.join("tokenizer_config.json");
-        let config: Json =
-            if mtp_base::files::present(&config_path) { mtp_base::config::read_json(&config_path)? } else { Json::Null };
+        let config: Json = if mtp_base::files::present(&config_path) {
+            mtp_base::config::read_json(&config_path)?
+        } else {
+            Json::Null
+        };
         let jinja_path = file.map_or_else(|| dir.join("chat_template.jinja"), Path::to_path_buf);
         let (source, from) = if file.is_some() || mtp_base::files::present(&jinja_path) {
             // A template is text of a JSON file's size at most (a FIFO or device refused).
