@@ -524,11 +524,17 @@ fn tokenize_detokenize_and_the_model_entry() {
     assert_eq!(plain["tokens"], json!(tok.encode_plain(text).unwrap()));
     let (status, d) = post(addr, "/detokenize", &json!({"tokens": ids}));
     assert_eq!((status, d["prompt"].as_str().unwrap()), (200, text), "{d}");
+    // A field given as null is the field left out (it was refused as not a boolean).
+    let (status, nulls) = post(addr, "/tokenize", &json!({"prompt": text, "add_special_tokens": null}));
+    assert_eq!((status, &nulls["tokens"]), (200, &v["tokens"]), "{nulls}");
 
     let messages =
         json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort a list."}]);
     let (status, t) = post(addr, "/tokenize", &json!({"messages": messages}));
     assert_eq!(status, 200, "{t}");
+    let (_, with_null) =
+        post(addr, "/tokenize", &json!({"messages": messages, "add_generation_prompt": null}));
+    assert_eq!(with_null["tokens"], t["tokens"], "{with_null}");
     let (_, chat) = post(addr, "/v1/chat/completions", &json!({"messages": messages, "max_tokens": 1}));
     assert_eq!(t["count"], chat["usage"]["prompt_tokens"], "{t} {chat}");
 

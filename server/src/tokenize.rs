@@ -78,7 +78,7 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
         (Some(p), None) => {
             known(app, &body, &["model", "prompt", "add_special_tokens"])?;
             let text = p.as_str().ok_or_else(|| ApiError::bad("prompt", "`prompt` must be a string"))?;
-            match body.get("add_special_tokens").map(Value::as_bool) {
+            match body.get("add_special_tokens").filter(|v| !v.is_null()).map(Value::as_bool) {
                 None | Some(Some(true)) => {
                     prompt::tokenize(app, prompt::Source::Text(text.into()), "prompt").await?
                 }
@@ -105,7 +105,7 @@ async fn count(app: &Arc<AppState>, body: axum::body::Bytes) -> Result<Value, Ap
                 &body,
                 &["model", "messages", "tools", "add_generation_prompt", "chat_template_kwargs"],
             )?;
-            if body.get("add_generation_prompt").is_some_and(|v| v != &json!(true)) {
+            if body.get("add_generation_prompt").is_some_and(|v| !v.is_null() && v != &json!(true)) {
                 return Err(ApiError::bad(
                     "add_generation_prompt",
                     "only `true` is accepted (the chat endpoint always adds the generation prompt)",
