@@ -158,7 +158,8 @@ fn text_line(buf: &[u8], max_line: usize) -> std::result::Result<&str, String> {
 /// A request line: a JSON object of known fields, each of its type; an error says which
 /// field is wrong or what the line is instead of an object.
 fn parse_line(line: &str) -> Result<Line> {
-    let v: Value = serde_json::from_str(line)?;
+    // A key given twice is refused (the last value won), as the server refuses it.
+    let v: Value = mtp_base::json::parse(line.as_bytes())?;
     let Value::Object(fields) = &v else {
         let got = match v {
             Value::Array(_) => "an array",

@@ -87,6 +87,14 @@ fn bad_requests_fail_alone_and_bad_files_are_named() {
     assert_eq!(code, 1);
     assert!(out.is_empty());
     assert!(err.contains(":2") && err.contains("invalid request"), "{err}");
+    // A key given twice is refused naming it (the last value won).
+    let twice = write_prompts(
+        "twice",
+        "{\"id\": \"a\", \"prompt_ids\": [1], \"max_tokens\": 2, \"max_tokens\": 5}\n",
+    );
+    let (code, out, err) = mtp(&["generate", "--prompts", &twice]);
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    assert!(err.contains(":1") && err.contains("`max_tokens` is given twice"), "{err}");
 
     let (code, _, err) = mtp(&["generate", "--target", "/nonexistent/model"]);
     assert_eq!(code, 1);
@@ -257,6 +265,29 @@ fn counts_of_zero_are_refused_naming_the_flag() {
         let (code, err) = mtp_bench(&["--target", t, flag, "0"]);
         assert!(code != 0 && err.contains(flag) && err.contains("at least 1"), "{flag}: {err}");
     }
+}
+
+/// mtp-bench refuses what it could not report truly: requests the context would cut short
+/// (the report said 8 tokens a request where each generated 1, at a meaningless speed),
+/// and a `--json` it cannot write, before anything runs (it failed after the whole run).
+/// Control: the same run with room, and a writable report.
+#[test]
+fn mtp_bench_refuses_runs_it_could_not_report_truly() {
+    let t = common::fixture("qwen3-draft");
+    let t = t.to_str().unwrap();
+    let prompts = write_prompts("bench-context", "{\"id\": \"a\", \"prompt_ids\": [5, 9, 11]}\n");
+    let base =
+        ["--target", t, "--prompts", &prompts, "--drafters", "ngram", "--batch", "1", "--temperatures", "0"];
+    let run = |extra: &[&str]| mtp_bench(&[&base[..], extra].concat());
+    let (code, err) = run(&["--max-tokens", "100000000"]);
+    assert!(code != 0 && err.contains("--max-tokens") && err.contains("context"), "{err}");
+    let (code, err) = run(&["--max-tokens", "2", "--json", "/nonexistent/dir/report.json"]);
+    assert!(code != 0 && err.contains("--json") && !err.contains("runs"), "{err}");
+    let report = std::env::temp_dir().join(format!("mtp-bench-report-{}.json", std::process::id()));
+    let (code, err) = run(&["--max-tokens", "2", "--json", report.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(std::fs::read_to_string(&report).unwrap().contains("\"rows\""));
+    std::fs::remove_file(report).ok();
 }
 
 /// Sizes whose bytes would wrap, negative sampling values, crossed n-gram bounds and a

@@ -8,6 +8,7 @@ pub mod error;
 pub mod files;
 pub mod hub;
 pub mod isa;
+pub mod json;
 pub mod logits;
 pub mod quant;
 pub mod tokenizer;

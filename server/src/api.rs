@@ -8,7 +8,6 @@
 
 pub mod audit;
 mod nested;
-mod strict;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -78,7 +77,7 @@ pub fn quote(v: &str) -> String {
 /// Parses a request body: malformed JSON, a key given twice in one object, or anything but
 /// an object, is a 400.
 pub fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
-    match strict::parse(body) {
+    match mtp_base::json::parse(body) {
         Ok(v @ Value::Object(_)) => Ok(v),
         Ok(_) => Err(ApiError::new(StatusCode::BAD_REQUEST, "the request body must be a JSON object")),
         Err(e) => Err(ApiError::new(StatusCode::BAD_REQUEST, format!("malformed JSON body: {e}"))),

@@ -179,6 +179,23 @@ fn bench(cli: Cli) -> Result<bool> {
             reqs
         }
     };
+    // A request the context cuts short would time fewer tokens than the report says.
+    let context = model.max_positions();
+    if let Some(r) =
+        requests.iter().find(|r| r.prompt.len().saturating_add(cli.max_tokens) > context.saturating_add(1))
+    {
+        bail!(
+            "request {}: {} prompt tokens and --max-tokens {} pass the model's context of {context} positions, \
+             so it would generate fewer tokens than the run reports: lower --max-tokens (or --prompt-tokens)",
+            r.id,
+            r.prompt.len(),
+            cli.max_tokens
+        );
+    }
+    // A report that cannot be written fails now, not after the whole run.
+    if let Some(path) = &cli.json {
+        std::fs::File::create(path).with_context(|| format!("--json {}: cannot write", path.display()))?;
+    }
     let factories = drafters
         .into_iter()
         .map(|d| DrafterFactory::new(d, &target_dir, &model))

@@ -1,6 +1,6 @@
-//! Request bodies parsed as JSON with every object's keys distinct: a key given twice is
-//! refused naming its path, where a plain parse keeps the last value and a proxy or
-//! validator in front of the server may have read the first.
+//! JSON parsed with every object's keys distinct (the server's request bodies, the CLI's
+//! prompts lines): a key given twice is refused naming its path, where a plain parse keeps
+//! the last value and a proxy or validator in front of the server may have read the first.
 
 use std::fmt;
 
