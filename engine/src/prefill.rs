@@ -243,7 +243,7 @@ impl Prompt {
         }
     }
 
-    /// The scores of a prompt wholly in its cache (empty when it asked for none).
+    /// The scores of a prompt wholly in its cache (`None` when it asked for none).
     pub fn take_scores(&mut self) -> Option<Vec<PromptToken>> {
         self.scoring.take().map(|s| s.scores)
     }
