@@ -87,6 +87,34 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A `top_p` as the f32 sampling uses, refused where the f32 would differ from what was
+/// written in kind: a positive value under f32's range would become 0 and be refused as
+/// "got 0", which the user never wrote.
+pub fn top_p_f32(x: f64) -> Result<f32, String> {
+    if x > 0.0 && x as f32 == 0.0 {
+        return Err(format!("top_p must be in (0, 1], got {x:e}, 0 as an f32"));
+    }
+    Ok(x as f32)
+}
+
+/// Parses `--top-p` through [`top_p_f32`] (the range itself is checked with the other
+/// sampling settings).
+pub fn top_p_arg(s: &str) -> Result<f32, String> {
+    top_p_f32(s.parse::<f64>().map_err(|e| e.to_string())?)
+}
+
+/// The most runs of each setting `mtp-bench --repeats` takes (each is the whole workload).
+pub const MAX_REPEATS: usize = 1000;
+
+/// Parses `--repeats`: 1 to [`MAX_REPEATS`].
+pub fn repeat_count(s: &str) -> Result<usize, String> {
+    let n = at_least_one(s)?;
+    if n > MAX_REPEATS {
+        return Err(format!("{n} is more than the {MAX_REPEATS} runs a setting may repeat"));
+    }
+    Ok(n)
+}
+
 /// Parses a size in MiB (0 allowed) whose byte count fits a `usize`: clap names the flag
 /// when it does not, instead of the size wrapping when shifted to bytes.
 pub fn mib(s: &str) -> Result<usize, String> {

@@ -39,7 +39,8 @@ struct Line {
     arrive_at: Option<u64>,
     temperature: Option<f32>,
     top_k: Option<usize>,
-    top_p: Option<f32>,
+    /// Read as f64 so that a value under f32's range is refused as written.
+    top_p: Option<f64>,
     min_p: Option<f32>,
     seed: Option<u64>,
     top_logprobs: Option<usize>,
@@ -115,10 +116,15 @@ pub fn read_bounded(
             bail!("{}: duplicate request id `{id}`", at());
         }
         let d = defaults.sampling;
+        let top_p = l
+            .top_p
+            .map(crate::top_p_f32)
+            .transpose()
+            .map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
         let sampling = SamplingParams {
             temperature: l.temperature.unwrap_or(d.temperature),
             top_k: l.top_k.unwrap_or(d.top_k),
-            top_p: l.top_p.unwrap_or(d.top_p),
+            top_p: top_p.unwrap_or(d.top_p),
             min_p: l.min_p.unwrap_or(d.min_p),
             seed: l.seed.unwrap_or(d.seed),
         };

@@ -238,4 +238,7 @@ fn bad_arguments_are_refused() {
     assert!(code == 2 && err.contains("--prompts-dir"), "{err}");
     let (code, _, err) = bench(&["--prompts-dir", "src", "--prompt-tokens", "18446744073709551615"]);
     assert!(code == 1 && err.contains("--prompt-tokens") && err.contains("at most"), "{err}");
+    // A repeat count past the bound is refused by name (each run is the whole workload).
+    let (code, _, err) = bench(&["--repeats", "18446744073709551615"]);
+    assert!(code == 2 && err.contains("--repeats") && err.contains("1000 runs"), "{err}");
 }

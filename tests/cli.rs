@@ -72,7 +72,10 @@ fn bad_requests_fail_alone_and_bad_files_are_named() {
     let prompts = write_prompts(
         "bad",
         &format!(
-            "{{\"id\": \"ok\", \"prompt_ids\": [3, 4]}}\n{{\"id\": \"huge\", \"prompt_ids\": [{}]}}\n",
+            "{{\"id\": \"ok\", \"prompt_ids\": [3, 4]}}\n{{\"id\": \"huge\", \"prompt_ids\": [{}]}}\n\
+             {{\"id\": \"alts\", \"prompt_ids\": [3], \"top_logprobs\": 1000000}}\n\
+             {{\"id\": \"scored\", \"prompt_ids\": [3], \"prompt_logprobs\": 1000000}}\n\
+             {{\"id\": \"all\", \"prompt_ids\": [3], \"top_logprobs\": 8192}}\n",
             vec!["3"; 1100].join(",")
         ),
     );
@@ -81,6 +84,13 @@ fn bad_requests_fail_alone_and_bad_files_are_named() {
     let lines: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines[0]["tokens"].as_array().unwrap().len(), 3);
     assert!(lines[1]["error"].as_str().unwrap().contains("context"));
+    // More alternatives than the vocabulary holds are refused naming the field, not clamped.
+    for (line, key) in [(2, "top_logprobs"), (3, "prompt_logprobs")] {
+        let e = lines[line]["error"].as_str().unwrap();
+        assert!(e.contains(key) && e.contains("1000000") && e.contains("8192 tokens"), "{e}");
+    }
+    // Control: the whole vocabulary is a valid ask.
+    assert_eq!(lines[4]["top_logprobs"][0].as_array().unwrap().len(), 8192, "{}", lines[4]);
 
     let broken = write_prompts("broken", "{\"id\": \"x\", \"prompt_ids\": [1]}\n{\"id\": \"y\"\n");
     let (code, out, err) = mtp(&["generate", "--prompts", &broken]);
@@ -243,6 +253,13 @@ fn sampling_flags_seeds_and_per_request_overrides() {
     );
     let (code, _, err) = mtp(&["generate", "--target", t, "--prompts", &broken]);
     assert!(code == 1 && err.contains(":2") && err.contains("min_p"), "{err}");
+    // A top_p under f32's range is refused as written, not as the "got 0" it rounds to.
+    let all: Vec<&str> = base.iter().chain(&["--top-p", "1e-300"]).copied().collect();
+    let (code, _, err) = mtp(&all);
+    assert!(code == 2 && err.contains("--top-p") && err.contains("got 1e-300"), "{err}");
+    let tiny = write_prompts("tiny-top-p", "{\"id\": \"y\", \"prompt_ids\": [1], \"top_p\": 1e-300}\n");
+    let (code, _, err) = mtp(&["generate", "--target", t, "--prompts", &tiny]);
+    assert!(code == 1 && err.contains(":1") && err.contains("got 1e-300"), "{err}");
 }
 
 fn mtp_bench(args: &[&str]) -> (i32, String) {

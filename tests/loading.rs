@@ -91,6 +91,75 @@ fn bad_json_is_named() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// A config, generation config or index that is JSON but not an object is refused
+/// saying so (the config's error said "key ``"; the others read as files of no keys).
+/// Control: the same files as objects load.
+#[test]
+fn json_files_that_are_not_objects_are_named() {
+    let dir = copy_fixture("qwen3-draft", "json-kind");
+    Model::load(&dir).expect("control: the fixture loads");
+    let config = std::fs::read(dir.join("config.json")).unwrap();
+    for (file, body, got) in [
+        ("config.json", "[1, 2]", "an array"),
+        ("generation_config.json", "\"eos\"", "a string"),
+        ("model.safetensors.index.json", "7", "a number"),
+    ] {
+        std::fs::write(dir.join("config.json"), &config).unwrap();
+        std::fs::write(dir.join(file), body).unwrap();
+        let e = load_err(&dir);
+        assert!(e.contains(file) && e.contains(&format!("expected a JSON object, got {got}")), "{file}: {e}");
+        std::fs::remove_file(dir.join(file)).ok();
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A safetensors header whose shape or offsets lie is refused naming the tensor that
+/// lies (the safetensors crate named none for a shape, and for overlapping offsets the
+/// tensor second by offset, whichever told the lie).
+#[test]
+fn safetensors_header_lies_name_their_tensor() {
+    let dir = copy_fixture("qwen3-draft", "header-lie");
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let write = |h: &serde_json::Map<String, serde_json::Value>| {
+        let mut text = serde_json::to_vec(h).unwrap();
+        text.resize(n.max(text.len()), b' ');
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(text);
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&file, out).unwrap();
+    };
+    let by_offset = |h: &serde_json::Map<String, serde_json::Value>| {
+        let mut names: Vec<String> = h.keys().filter(|k| *k != "__metadata__").cloned().collect();
+        names.sort_by_key(|k| h[k]["data_offsets"][0].as_u64().unwrap());
+        names
+    };
+    let names = by_offset(&header);
+    // The first tensor by offset claims one more row than its bytes hold.
+    let mut shape = header.clone();
+    let first = &names[0];
+    let rows = shape[first]["shape"][0].as_u64().unwrap();
+    shape[first]["shape"][0] = (rows + 1).into();
+    write(&shape);
+    let e = load_err(&dir);
+    assert!(e.contains("model.safetensors") && e.contains(&format!("tensor `{first}`: shape")), "{e}");
+    // The second tensor's offsets moved back onto the first's bytes (the third's then start
+    // past its end: only the overlap is reported, naming the two that share bytes).
+    let mut overlap = header.clone();
+    let second = &names[1];
+    let [s, e2] = [0, 1].map(|i| overlap[second]["data_offsets"][i].as_u64().unwrap());
+    overlap[second]["data_offsets"] = serde_json::json!([s - 4, e2 - 4]);
+    write(&overlap);
+    let e = load_err(&dir);
+    assert!(e.contains(&format!("tensors `{first}` and `{second}` share bytes")), "{e}");
+    write(&header);
+    Model::load(&dir).expect("control: the header as written loads");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn bad_config_values_name_the_key() {
     let dir = copy_fixture("qwen3-draft", "key");
@@ -997,4 +1066,26 @@ fn an_added_token_reusing_an_id_is_named() {
     let err = Tokenizer::from_dir(&dir).err().unwrap().to_string();
     assert!(err.contains("tokenizer.json") && err.contains("`<|im_end|>` declares id 100"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A normalizer that multiplies text (a `Replace` of `a` by 100,000 bytes) cannot turn a
+/// prompt into gigabytes before the first token: a text it could grow past 256 MiB is an
+/// encode error naming tokenizer.json and the growth; a short text still encodes.
+/// Control: the fixture's own tokenizer encodes the same long text.
+#[test]
+fn a_normalizer_that_multiplies_text_is_bounded() {
+    let dir = copy_dir(&common::trained("target"), "tok-growth");
+    let long = "a".repeat(4096);
+    let own = Tokenizer::from_dir(&dir).unwrap();
+    assert!(own.encode(&long).unwrap().len() > 1, "control: the fixture's tokenizer encodes it");
+    let path = dir.join("tokenizer.json");
+    let mut t: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    t["normalizer"] =
+        serde_json::json!({"type": "Replace", "pattern": {"String": "a"}, "content": "b".repeat(100_000)});
+    std::fs::write(&path, serde_json::to_vec(&t).unwrap()).unwrap();
+    let grown = Tokenizer::from_dir(&dir).unwrap();
+    assert!(!grown.encode("a").unwrap().is_empty(), "a short text still encodes");
+    let e = grown.encode(&long).expect_err("refused before normalizing").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("100000 times") && e.contains("4096 bytes"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
 }

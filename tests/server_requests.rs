@@ -883,3 +883,49 @@ fn response_format_constrains_the_output_and_equals_the_request_alone() {
     let text = free["choices"][0]["text"].as_str().unwrap();
     assert!(serde_json::from_str::<Value>(text).is_err(), "{text}");
 }
+
+/// `tokenizer_config.json`'s template keys as transformers reads them: `"chat_template":
+/// null` and an empty template are no template (the server starts; chats are refused),
+/// where null stopped the server and an empty template rendered every chat as nothing;
+/// an empty `--chat-template` file is an error naming it; a `bos_token` or `eos_token`
+/// that is no token of tokenizer.json is refused naming the key. Controls: a template
+/// with an `eos_token` the tokenizer holds starts and is used.
+#[test]
+fn template_keys_read_as_transformers_reads_them() {
+    let dir = trained("target");
+    let tdir = std::env::temp_dir().join(format!("mtp-template-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&tdir).unwrap();
+    let model = Arc::new(common::load(&dir));
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let start_with = |config: &str, chat_template: Option<std::path::PathBuf>| {
+        std::fs::write(tdir.join("tokenizer_config.json"), config).unwrap();
+        let opts = ServerOptions { model_name: MODEL.into(), chat_template, ..ServerOptions::default() };
+        Server::start(
+            &tdir,
+            model.clone(),
+            Some(tok.clone()),
+            Box::new(|| Ok(None)),
+            EngineOptions::default(),
+            opts,
+        )
+    };
+    let source = std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap();
+    let with_template = |eos: &str| json!({"chat_template": source, "eos_token": eos}).to_string();
+    for config in [r#"{"chat_template": null}"#, r#"{"chat_template": ""}"#, r#"{"chat_template": "  \n"}"#] {
+        let server = start_with(config, None).unwrap_or_else(|e| panic!("{config}: {e:#}"));
+        let addr = server.spawn("127.0.0.1:0".parse().unwrap()).unwrap();
+        let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        let (status, body) = post(addr, "/v1/chat/completions", &chat);
+        assert_eq!(status, 400, "{config}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("no chat template"), "{config}: {body}");
+    }
+    let empty = tdir.join("empty.jinja");
+    std::fs::write(&empty, "").unwrap();
+    let e = start_with("{}", Some(empty.clone())).err().expect("an empty --chat-template");
+    assert!(format!("{e:#}").contains("empty.jinja") && format!("{e:#}").contains("empty"), "{e:#}");
+    let e = start_with(&with_template("<|nope|>"), None).err().expect("an EOS text with no token");
+    let e = format!("{e:#}");
+    assert!(e.contains("tokenizer_config.json") && e.contains("`eos_token` `<|nope|>`"), "{e}");
+    start_with(&with_template("<|endoftext|>"), None).expect("control: the tokenizer's own EOS text");
+    std::fs::remove_dir_all(tdir).ok();
+}

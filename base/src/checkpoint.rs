@@ -4,6 +4,8 @@
 //! A checkpoint remembers which tensors were read ([`Checkpoint::unread`]), so a loader can
 //! refuse a checkpoint holding tensors its config.json does not describe.
 
+mod header;
+
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -99,8 +101,10 @@ impl Checkpoint {
             // SAFETY: the file is opened read-only; like every mmap loader we assume it is
             // not truncated by another process while mapped.
             let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?);
-            let st = SafeTensors::deserialize(&map)
-                .map_err(|e| Error::Safetensors { path: path.clone(), msg: e.to_string() })?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                msg: header::explain(&map).unwrap_or_else(|| e.to_string()),
+            })?;
             let base = map.as_ptr() as usize;
             let path = Arc::new(path);
             let shard = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();

@@ -178,10 +178,22 @@ pub fn count_key(path: &Path, v: &Value, key: &str) -> Result<Option<usize>> {
     }
 }
 
-/// The JSON of the regular file `path`, at most [`MAX_JSON_BYTES`](crate::files::MAX_JSON_BYTES).
+/// The JSON object of the regular file `path` (anything else is an error naming it), at most [`MAX_JSON_BYTES`](crate::files::MAX_JSON_BYTES).
 pub fn read_json(path: &Path) -> Result<Value> {
     let bytes = crate::files::read_bounded(path, crate::files::MAX_JSON_BYTES)?;
-    serde_json::from_slice(&bytes).map_err(|source| Error::Json { path: path.to_path_buf(), source })
+    let v: Value =
+        serde_json::from_slice(&bytes).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
+    // Every file read here (config.json, generation_config.json, tokenizer_config.json,
+    // an index) is an object; anything else would read as a file of no keys.
+    let got = match v {
+        Value::Object(_) => return Ok(v),
+        Value::Array(_) => "an array",
+        Value::String(_) => "a string",
+        Value::Number(_) => "a number",
+        Value::Bool(_) => "true or false",
+        Value::Null => "null",
+    };
+    Err(Error::NotAnObject { path: path.to_path_buf(), got })
 }
 
 /// `key` (`eos_token_id`, `bos_token_id`) as a token id or a list of them, each an id of the

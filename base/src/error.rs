@@ -11,6 +11,8 @@ pub enum Error {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: invalid JSON: {source}")]
     Json { path: PathBuf, source: serde_json::Error },
+    #[error("{path}: expected a JSON object, got {got}")]
+    NotAnObject { path: PathBuf, got: &'static str },
     #[error("{path}: key `{key}`: {msg}")]
     Config { path: PathBuf, key: String, msg: String },
     #[error("{path}: key `architectures`: unknown architecture `{arch}` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration)")]

@@ -53,6 +53,11 @@ fn check_added_ids(bytes: &[u8], inner: &tokenizers::Tokenizer) -> std::result::
     Ok(())
 }
 
+/// The most bytes a text may take after the normalizer, at its worst case: real
+/// normalizers grow text at most a few dozen times, so only texts of megabytes (far past
+/// any context) meet it; a normalizer that multiplies text meets it on short ones.
+const MAX_NORMALIZED_BYTES: usize = 256 << 20;
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// `inner` with special-token text encoded as text; built on first use (a second copy
@@ -60,6 +65,8 @@ pub struct Tokenizer {
     literal: OnceLock<tokenizers::Tokenizer>,
     specials: Specials,
     max_bytes_per_token: Option<usize>,
+    /// How many times longer the normalizer may make a text ([`bound::max_growth`]).
+    max_growth: usize,
     path: PathBuf,
     /// One past the largest id, added tokens included.
     id_end: usize,
@@ -83,8 +90,17 @@ impl Tokenizer {
                 .map(|(id, t)| (t.content, id)),
         );
         let max_bytes_per_token = bound::max_bytes_per_token(&inner);
+        let max_growth = bound::max_growth(&inner);
         let id_end = inner.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
-        Ok(Tokenizer { inner, literal: OnceLock::new(), specials, max_bytes_per_token, path, id_end })
+        Ok(Tokenizer {
+            inner,
+            literal: OnceLock::new(),
+            specials,
+            max_bytes_per_token,
+            max_growth,
+            path,
+            id_end,
+        })
     }
 
     /// The tokenizer of `dir` when it has one, checked against the model `config` describes:
@@ -180,6 +196,18 @@ impl Tokenizer {
     }
 
     fn run(&self, t: &tokenizers::Tokenizer, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        if text.len().saturating_mul(self.max_growth) > MAX_NORMALIZED_BYTES {
+            return Err(Error::Tokenizer {
+                path: self.path.clone(),
+                msg: format!(
+                    "encode: the text is {} bytes and this tokenizer's normalizer may make a text {} times \
+                     longer, past the {} MiB a normalized text may take",
+                    text.len(),
+                    self.max_growth,
+                    MAX_NORMALIZED_BYTES >> 20
+                ),
+            });
+        }
         t.encode(text, add_special)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| Error::Tokenizer { path: self.path.clone(), msg: format!("encode: {e}") })

@@ -295,6 +295,14 @@ impl<'a> Engine<'a> {
         if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= vocab) {
             return err(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
         }
+        for (key, n) in [("top_logprobs", Some(r.top_logprobs)), ("prompt_logprobs", r.prompt_logprobs)] {
+            if n.is_some_and(|n| n > vocab) {
+                return err(format!(
+                    "{key} of {} asks for more alternatives than the vocabulary's {vocab} tokens",
+                    n.unwrap_or(0)
+                ));
+            }
+        }
         if r.prompt.len() > context {
             return err(format!(
                 "prompt of {} tokens does not fit the model's context of {context}",

@@ -204,6 +204,12 @@ impl ChatTemplate {
             (t, jinja_path)
         } else {
             match config.get("chat_template") {
+                // As transformers: a null or empty template is no template.
+                None | Some(Json::Null) => return Ok(None),
+                Some(Json::String(s)) if s.trim().is_empty() => {
+                    tracing::warn!("{}: `chat_template` is empty: no template", config_path.display());
+                    return Ok(None);
+                }
                 Some(Json::String(s)) => (s.clone(), config_path.clone()),
                 // A list of named templates: the one called `default`.
                 Some(Json::Array(list)) => {
@@ -218,9 +224,16 @@ impl ChatTemplate {
                     }
                 }
                 Some(_) => bail!("{}: `chat_template` is neither a string nor a list", config_path.display()),
-                None => return Ok(None),
             }
         };
+        if source.trim().is_empty() {
+            // `--chat-template` names the file on purpose; a checkpoint's empty file is none.
+            if file.is_some() {
+                bail!("{}: the chat template is empty", from.display());
+            }
+            tracing::warn!("{}: empty: no chat template", from.display());
+            return Ok(None);
+        }
         let template = ChatTemplate::from_source(
             source,
             token_text(config.get("bos_token")),
@@ -249,6 +262,12 @@ impl ChatTemplate {
         });
         env.add_template_owned("chat", source.clone())?;
         Ok(ChatTemplate { env, source, bos_token, eos_token })
+    }
+
+    /// `tokenizer_config.json`'s keys for the BOS and EOS texts the template writes, each
+    /// with its text (empty when the file names none).
+    pub fn special_texts(&self) -> [(&'static str, &str); 2] {
+        [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)]
     }
 
     /// The template's text.

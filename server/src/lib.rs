@@ -155,6 +155,18 @@ impl Server {
         if template.is_none() {
             tracing::warn!("{}: no chat template; /v1/chat/completions will refuse requests", dir.display());
         }
+        // A BOS or EOS text the tokenizer lacks would reach the model as plain text.
+        if let (Some(t), Some(tok)) = (&template, &tokenizer) {
+            for (key, text) in t.special_texts() {
+                if !text.is_empty() && tok.hf().token_to_id(text).is_none() {
+                    anyhow::bail!(
+                        "{}: `{key}` `{text}` is no token of {}: the chat template would write it as plain text",
+                        dir.join("tokenizer_config.json").display(),
+                        tok.path().display()
+                    );
+                }
+            }
+        }
         let source = template.as_ref().map(ChatTemplate::source);
         let tool_syntax = tools::choose(&opts.tool_parser, source)?;
         let reasoning = match opts.reasoning_parser.as_str() {

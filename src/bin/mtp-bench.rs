@@ -69,7 +69,7 @@ struct Cli {
     /// `--features metal`) or metal-emulated (the Metal kernels on the CPU emulator).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// How K/V are stored: auto, f32, bf16 (as for `mtp generate`).
+    /// How K/V are stored: auto, f32, bf16, q8, q4 (as for `mtp generate`).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
     /// Quantized K/V: 8 or 4 bits (as for `mtp generate`).
@@ -89,7 +89,7 @@ struct Cli {
     /// noisy) and every run must be identical. A setting's adaptive k (`auto`) starts each
     /// run from what it learned in the run before (as a server's engine carries it from one
     /// request to the next); its first run starts from priors (see --cold-k).
-    #[arg(long, default_value_t = 3, value_parser = mtp::at_least_one)]
+    #[arg(long, default_value_t = 3, value_parser = mtp::repeat_count)]
     repeats: usize,
     /// Start every run's adaptive k from its priors, as a freshly started server would
     /// for its first requests, instead of from the setting's run before.
@@ -205,10 +205,17 @@ fn bench(cli: Cli) -> Result<bool> {
         bail!("--constraint needs the target's tokenizer.json");
     }
     let settings: usize = cli.temperatures.iter().map(|&t| if t == 0.0 { 1 } else { modes.len() }).sum();
-    let runs = constraints.len()
-        * cli.repeats
-        * cli.batch.len()
-        * (cli.temperatures.len() + settings * factories.len() * cli.k.len());
+    // Each list is bounded by its command line, but their product need not fit.
+    let per_batch = settings
+        .checked_mul(factories.len())
+        .and_then(|n| n.checked_mul(cli.k.len()))
+        .and_then(|n| n.checked_add(cli.temperatures.len()));
+    let runs = [Some(constraints.len()), Some(cli.repeats), Some(cli.batch.len()), per_batch]
+        .into_iter()
+        .try_fold(1usize, |n, x| n.checked_mul(x?));
+    let Some(runs) = runs else {
+        bail!("the runs asked for (settings x --repeats x --batch) are too many to count")
+    };
     let bar = ProgressBar::new(runs as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),

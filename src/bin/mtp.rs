@@ -269,8 +269,8 @@ struct ModelArgs {
     /// the CPU emulator: slow, for testing).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// How K/V are stored: auto (bf16 for 16-bit checkpoints, f32 for f32 ones), f32, or
-    /// bf16.
+    /// How K/V are stored: auto (bf16 for 16-bit checkpoints, f32 for f32 ones), f32,
+    /// bf16, or q8 / q4 (the same as --kv-bits 8 / 4).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
     /// Quantize K/V to 8 or 4 bits (CPU; per position and KV head: an f32 scale and bias
@@ -381,7 +381,7 @@ struct SamplingArgs {
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Keep the most likely tokens up to this much probability mass (1: off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = mtp::top_p_arg)]
     top_p: f32,
     /// Keep tokens at least this fraction as likely as the most likely one (0: off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]

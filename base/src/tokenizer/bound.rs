@@ -9,6 +9,10 @@
 //! of 3 bytes is one space, `<0x41>` one byte). A normalizer may shrink text, at most 4
 //! to 1 (NFC/NFKC and lowercase map one character of up to 4 bytes to at least 1 byte);
 //! `Replace` is kept only where its replacement is no shorter than its pattern.
+//!
+//! [`max_growth`] bounds the other way: how many times longer a normalizer may make a text
+//! (a `Replace` of `a` by a 100,000-byte string would turn a short prompt into gigabytes
+//! before any token is counted).
 
 use serde_json::Value;
 use tokenizers::models::ModelWrapper;
@@ -86,6 +90,44 @@ fn normalizer_shrink(v: &Value) -> Option<usize> {
     }
 }
 
+/// At most how many times longer than its input the normalizer's output may be, in bytes
+/// (saturating; 1 without a normalizer). Per part: NFKC/NFKD (and, generously, NFC/NFD and
+/// a precompiled SentencePiece map, an NFKC variant) 11 (U+FDFA: 3 bytes to 33); a
+/// lowercase or a byte-level spelling 2; BERT's normalizer 3 (spaces around each CJK
+/// character); a `Replace` the replacement's length over the pattern's, or one more than
+/// the replacement's for a regex (which may match an empty string); a `Prepend` one more
+/// than its text (it prepends to each piece the added tokens leave); stripping parts 1.
+pub(super) fn max_growth(t: &tokenizers::Tokenizer) -> usize {
+    match t.get_normalizer().map(serde_json::to_value) {
+        Some(Ok(n)) => normalizer_growth(&n),
+        None => 1,
+        Some(Err(_)) => usize::MAX,
+    }
+}
+
+fn normalizer_growth(v: &Value) -> usize {
+    let text_len = |key: &str| v.get(key).and_then(Value::as_str).map_or(usize::MAX, str::len);
+    match kind(v) {
+        "Sequence" => v
+            .get("normalizers")
+            .and_then(Value::as_array)
+            .map_or(usize::MAX, |a| a.iter().fold(1usize, |g, n| g.saturating_mul(normalizer_growth(n)))),
+        "NFC" | "NFD" | "NFKC" | "NFKD" | "Precompiled" => 11,
+        "Lowercase" | "ByteLevel" => 2,
+        "BertNormalizer" => 3,
+        "Strip" | "StripAccents" => 1,
+        "Prepend" => text_len("prepend").saturating_add(1),
+        "Replace" => {
+            let content = text_len("content");
+            match v.get("pattern").and_then(|p| p.get("String")).and_then(Value::as_str) {
+                Some(pattern) if !pattern.is_empty() => content.div_ceil(pattern.len()).max(1),
+                _ => content.saturating_add(1),
+            }
+        }
+        _ => usize::MAX,
+    }
+}
+
 /// Whether a pre-tokenizer keeps every byte of its input.
 fn keeps_text(v: &Value) -> bool {
     match kind(v) {
@@ -103,7 +145,7 @@ fn keeps_text(v: &Value) -> bool {
 mod tests {
     use std::path::Path;
 
-    use super::{byte_level_char, max_bytes_per_token};
+    use super::{byte_level_char, max_bytes_per_token, max_growth};
     use crate::Tokenizer;
 
     #[test]
@@ -150,5 +192,35 @@ mod tests {
         assert_eq!(make("null", r#"{"type":"WhitespaceSplit"}"#, bpe_unk), None);
         let fused = bpe_unk.replace(r#""fuse_unk":false"#, r#""fuse_unk":true"#);
         assert_eq!(make("null", split, &fused), None);
+    }
+
+    /// Real normalizers grow text a few times at most; a `Replace` by a long string, or
+    /// replacements chained, grow it by their product.
+    #[test]
+    fn growth_multiplies_along_a_sequence() {
+        let growth = |normalizer: &str| {
+            let json = format!(
+                r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+                "normalizer":{normalizer},"pre_tokenizer":null,"post_processor":null,"decoder":null,
+                "model":{{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":null,
+                "end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false,"vocab":{{"a":0}},"merges":[]}}}}"#
+            );
+            max_growth(&json.parse::<tokenizers::Tokenizer>().unwrap())
+        };
+        let replace = |from: &str, to: &str| {
+            format!(r#"{{"type":"Replace","pattern":{{"String":"{from}"}},"content":"{to}"}}"#)
+        };
+        assert_eq!(growth("null"), 1);
+        // Llama's SentencePiece normalizer: a `▁` before each piece, spaces as `▁`.
+        let llama = format!(
+            r#"{{"type":"Sequence","normalizers":[{{"type":"Prepend","prepend":"▁"}},{}]}}"#,
+            replace(" ", "▁")
+        );
+        assert_eq!(growth(&llama), 12);
+        assert_eq!(growth(&replace("a", &"b".repeat(100_000))), 100_000);
+        let doubling =
+            format!(r#"{{"type":"Sequence","normalizers":[{}]}}"#, vec![replace("a", "aa"); 40].join(","));
+        assert_eq!(growth(&doubling), 1 << 40);
+        assert_eq!(growth(r#"{"type":"NFKC"}"#), 11);
     }
 }
