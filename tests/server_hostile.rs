@@ -482,3 +482,127 @@ fn a_chat_template_file_replaces_the_checkpoints() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// What the server answers to `request` sent as is, whole (every response on the
+/// connection until it closes).
+fn raw_answer(addr: SocketAddr, request: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let _ = s.write_all(request.as_bytes());
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+/// The error body of a whole answer (its head and body split at the blank line).
+fn error_body(answer: &str) -> Value {
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {answer}"))
+}
+
+/// `POST /v1/completions` sent as is with `headers` and `payload`; the whole answer.
+fn post_raw(addr: SocketAddr, headers: &str, payload: &str) -> String {
+    raw_answer(
+        addr,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n{payload}"
+        ),
+    )
+}
+
+const BODY: &str = r#"{"prompt": "fn main() {", "max_tokens": 1}"#;
+
+/// Both `Content-Length` and `Transfer-Encoding`, in either order, are a 400 naming
+/// `Transfer-Encoding`, and the request smuggled behind the chunked body is never answered
+/// (hyper framed the body as chunked, hid the pair and answered 200). Control: chunked
+/// alone is served.
+#[test]
+fn both_content_length_and_transfer_encoding_are_refused_and_nothing_is_smuggled() {
+    let served = serve(&[], &[]);
+    let addr = served.addr;
+    let chunked = format!("{:x}\r\n{BODY}\r\n0\r\n\r\n", BODY.len());
+    let smuggled = format!("GET /v1/models HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    let answer = post_raw(addr, "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n", &chunked);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let length = chunked.len() + smuggled.len();
+    for framing in [
+        format!("Content-Length: {length}\r\nTransfer-Encoding: chunked\r\n"),
+        format!("Transfer-Encoding: chunked\r\nContent-Length: {length}\r\n"),
+    ] {
+        let answer = post_raw(addr, &framing, &format!("{chunked}{smuggled}"));
+        assert!(answer.starts_with("HTTP/1.1 400"), "{framing:?}: {answer}");
+        assert_eq!(error_body(&answer)["error"]["param"], "Transfer-Encoding", "{answer}");
+        assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "the smuggled request was answered: {answer}");
+    }
+}
+
+/// Two `Content-Type`s (400), a `Content-Encoding` other than identity (415 naming it; the
+/// gzip body was read as JSON) and a `Host` port that is no port (400) are refused, each
+/// naming its header; one `Content-Type`, `identity`, and good ports are served.
+#[test]
+fn a_second_content_type_a_coded_body_and_a_bad_host_port_are_refused() {
+    let served = serve(&[], &[]);
+    let addr = served.addr;
+    let sized = |headers: &str| post_raw(addr, &format!("{headers}Content-Length: {}\r\n", BODY.len()), BODY);
+    for (headers, status, param, words) in [
+        (
+            "Content-Type: application/json\r\nContent-Type: text/plain\r\n",
+            400,
+            "Content-Type",
+            "more than one",
+        ),
+        ("Content-Encoding: gzip\r\n", 415, "Content-Encoding", "`gzip` is not supported"),
+        ("Content-Encoding: identity, br\r\n", 415, "Content-Encoding", "`br` is not supported"),
+    ] {
+        let answer = sized(headers);
+        assert!(answer.starts_with(&format!("HTTP/1.1 {status}")), "{headers:?}: {answer}");
+        let e = &error_body(&answer)["error"];
+        assert_eq!(e["param"], param, "{answer}");
+        assert!(e["message"].as_str().unwrap().contains(words), "{answer}");
+    }
+    for control in ["Content-Type: application/json\r\n", "Content-Encoding: identity\r\n", ""] {
+        let answer = sized(control);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{control:?}: {answer}");
+    }
+    let get = |host: &str| {
+        raw_answer(addr, &format!("GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"))
+    };
+    for host in ["localhost:abc", "localhost:70000", "localhost:", "127.0.0.1:80:80"] {
+        let answer = get(host);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{host}: {answer}");
+        assert_eq!(error_body(&answer)["error"]["param"], "Host", "{answer}");
+    }
+    assert!(get(&format!("localhost:{}", addr.port())).starts_with("HTTP/1.1 200"));
+    assert!(get("localhost").starts_with("HTTP/1.1 200"));
+}
+
+/// A path no endpoint serves is a 404 and a method an endpoint does not take a 405
+/// (keeping its `Allow`), each with an error body in its API's shape (they were empty).
+#[test]
+fn unknown_paths_and_methods_get_error_bodies() {
+    let served = serve(&[], &[]);
+    let addr = served.addr;
+    let (status, _, text) = exchange(addr, "GET", "/v1/nowhere", "", b"");
+    assert_eq!(status, 404, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert_eq!(v["error"]["type"], "not_found_error", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("GET /v1/nowhere"), "{v}");
+    let (status, _, text) = exchange(addr, "POST", "/v1/messages/batches", "", b"{}");
+    assert_eq!(status, 404, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert_eq!(
+        (&v["type"], &v["error"]["type"]),
+        (&json!("error"), &json!("not_found_error")),
+        "Anthropic's shape: {v}"
+    );
+    for (method, path, allow) in [("GET", "/v1/chat/completions", "post"), ("DELETE", "/v1/models", "get")] {
+        let (status, head, text) = exchange(addr, method, path, "", b"");
+        assert_eq!(status, 405, "{method} {path}: {head}");
+        assert!(head.contains(&format!("allow: {allow}")), "{head}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert_eq!(v["error"]["code"], 405, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(method), "{v}");
+    }
+    let (status, _, _) = exchange(addr, "GET", "/v1/models", "", b"");
+    assert_eq!(status, 200, "control");
+}

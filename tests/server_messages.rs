@@ -410,6 +410,52 @@ fn refusals_are_anthropic_errors_naming_the_field() {
             "tools.0.name: ",
         ),
         (with("top_k", json!(-3)), 400, "invalid_request_error", "top_k: "),
+        // Anthropic's temperature is 0 to 1 (1.5 sampled hotter than the API allows).
+        (
+            with("temperature", json!(1.5)),
+            400,
+            "invalid_request_error",
+            "temperature: `temperature` must be between 0 and 1",
+        ),
+        // A block's unknown key is refused as a field is (`cache_control` is Anthropic's: below).
+        (
+            with(
+                "messages",
+                json!([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_ctrl": {}}]}]),
+            ),
+            400,
+            "invalid_request_error",
+            "messages.0.content.0.cache_ctrl: ",
+        ),
+        // A misspelt schema keyword, named by its Anthropic path.
+        (
+            with("tools", json!([{"name": "f", "input_schema": {"type": "object", "proprties": {}}}])),
+            400,
+            "invalid_request_error",
+            "tools.0.input_schema.proprties: `proprties` is not a JSON Schema keyword",
+        ),
+        (
+            with(
+                "output_config",
+                json!({"format": {"type": "json_schema", "schema": {"type": "object", "requred": []}}}),
+            ),
+            400,
+            "invalid_request_error",
+            "output_config.format.schema.requred: ",
+        ),
+        // An assistant's calls have distinct ids.
+        (
+            with(
+                "messages",
+                json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "t1", "name": "get_time", "input": {}},
+                    {"type": "tool_use", "id": "t1", "name": "get_time", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "12:00"}]}]),
+            ),
+            400,
+            "invalid_request_error",
+            "messages.1.content.1.id: ",
+        ),
     ];
     for (body, status, kind, lead) in cases {
         let (s, v) = post(addr, "/v1/messages", &body);
@@ -431,6 +477,15 @@ fn refusals_are_anthropic_errors_naming_the_field() {
         &[("anthropic-version", "2023-06-01"), ("anthropic-beta", "tools-2024-04-04")],
         &with("metadata", json!({"user_id": "u-1"})).to_string(),
     );
+    assert_eq!(s, 200, "{v}");
+    // The controls: temperature 1, `cache_control` on blocks (ignored), schemas of standard
+    // keywords and annotations.
+    let mut cached = with("temperature", json!(1.0));
+    cached["system"] = json!([{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]);
+    cached["messages"] = json!([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "5m"}}]}]);
+    cached["tools"] = json!([{"name": "f", "input_schema": {"type": "object", "title": "F", "$schema":
+        "https://json-schema.org/draft/2020-12/schema", "properties": {"a": {"type": "string", "x-hint": "h"}}}}]);
+    let (s, v) = post(addr, "/v1/messages", &cached);
     assert_eq!(s, 200, "{v}");
 }
 

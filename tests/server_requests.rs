@@ -169,6 +169,24 @@ fn raw_exchange(addr: SocketAddr, raw: &str) -> (u16, String) {
     (text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0), text)
 }
 
+/// An assistant's call as OpenAI's wire format has it.
+fn call(id: &str, name: &str, arguments: Value) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+}
+
+/// A user turn, an assistant turn making `calls`, and their results.
+fn history(calls: Value) -> Value {
+    let results: Vec<Value> = (0..calls.as_array().map_or(0, Vec::len))
+        .map(|i| json!({"role": "tool", "tool_call_id": format!("c{}", i + 1), "content": "ok"}))
+        .collect();
+    let mut m = vec![
+        json!({"role": "user", "content": "hi"}),
+        json!({"role": "assistant", "content": null, "tool_calls": calls}),
+    ];
+    m.extend(results);
+    Value::Array(m)
+}
+
 #[test]
 fn refusals_name_their_field() {
     let addr = start(2, None);
@@ -470,6 +488,83 @@ fn refusals_name_their_field() {
             "messages[2].tool_call_id",
             "`c2` is the id of no earlier tool call",
         ),
+        // A text part's keys are vetted as a message's are: Anthropic's `cache_control` is not
+        // OpenAI's (it was silently dropped).
+        (
+            "h",
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}),
+            400,
+            "messages[0].content[0].cache_control",
+            "unrecognized request argument `messages[0].content[0].cache_control`",
+        ),
+        // An assistant's calls in the history: OpenAI's wire format, each id once.
+        (
+            "h",
+            json!({"messages": history(json!([{"id": "c1", "type": "custom", "function": {"name": "f", "arguments": "{}"}}]))}),
+            400,
+            "messages[1].tool_calls[0].type",
+            "`type` is `function`",
+        ),
+        (
+            "h",
+            json!({"messages": history(json!([call("c1", "", json!("{}"))]))}),
+            400,
+            "messages[1].tool_calls[0].function.name",
+            "a non-empty string",
+        ),
+        (
+            "h",
+            json!({"messages": history(json!([call("c1", "f", json!({"a": 1}))]))}),
+            400,
+            "messages[1].tool_calls[0].function.arguments",
+            "a string holding a JSON object",
+        ),
+        (
+            "h",
+            json!({"messages": history(json!([call("c1", "f", json!("[1, 2]"))]))}),
+            400,
+            "messages[1].tool_calls[0].function.arguments",
+            "a JSON object's text, not [1,2]",
+        ),
+        (
+            "h",
+            json!({"messages": history(json!([call("c1", "f", json!("{}")), call("c1", "g", json!("{}"))]))}),
+            400,
+            "messages[1].tool_calls[1].id",
+            "`c1` is also the id of messages[1].tool_calls[0]",
+        ),
+        // A misspelt JSON Schema keyword constrained nothing; now it is named.
+        (
+            "h",
+            json!({"messages": user(), "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f",
+                   "parameters": {"type": "object", "proprties": {"a": {"type": "string"}}, "required": ["a"]}}}]}),
+            400,
+            "tools[0].function.parameters.proprties",
+            "`proprties` is not a JSON Schema keyword (did you mean `properties`?)",
+        ),
+        (
+            "h",
+            json!({"messages": user(), "tools": [{"type": "function", "function": {"name": "f",
+                   "parameters": {"type": "object", "properties": {"a": {"type": "string"}}, "requred": ["a"]}}}]}),
+            400,
+            "tools[0].function.parameters.requred",
+            "did you mean `required`?",
+        ),
+        (
+            "h",
+            json!({"messages": user(), "response_format": {"type": "json_schema", "json_schema": {"schema":
+                   {"type": "object", "properties": {"a": {"anyOf": [{"type": "string", "maxLenght": 3}]}}}}}}),
+            400,
+            "response_format.json_schema.schema.properties.a.anyOf[0].maxLenght",
+            "did you mean `maxLength`?",
+        ),
+        (
+            "c",
+            json!({"prompt": "fn", "response_format": {"type": "json", "value": {"type": "object", "nullable": true}}}),
+            400,
+            "response_format.value.nullable",
+            "OpenAPI",
+        ),
     ];
     let mut wrong = Vec::new();
     for (endpoint, body, status, param, words) in &cases {
@@ -502,6 +597,20 @@ fn refusals_name_their_field() {
                {"name": "n", "description": "d", "strict": false, "schema": {"type": "object"}}}}),
         json!({"messages": user(), "tool_choice": "none", "tools": [{"type": "function", "function":
                {"name": "f", "description": "d", "strict": true, "parameters": {"type": "object"}}}]}),
+        // The controls of the above: text parts, calls with distinct ids (one without a
+        // `type`), and schemas of standard keywords, annotations and `x-` extensions.
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}]}),
+        json!({"messages": [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": null, "tool_calls": [call("c1", "f", json!("{\"a\": 1}")),
+                {"id": "c2", "function": {"name": "g", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}]}),
+        json!({"messages": user(), "response_format": {"type": "json_schema", "json_schema": {"schema": {
+               "$schema": "http://json-schema.org/draft-07/schema#", "title": "T", "description": "d", "$comment": "c",
+               "type": "object", "x-order": [1], "properties": {"a": {"type": "string", "maxLength": 3, "examples": ["ab"],
+               "default": "a", "deprecated": false}}, "required": ["a"]}}}}),
+        json!({"messages": user(), "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f",
+               "parameters": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"],
+               "$defs": {"n": {"type": "integer", "minimum": 0, "readOnly": true}}}}}]}),
     ];
     for body in &accepted {
         let path = if body.get("prompt").is_some() { "/v1/completions" } else { "/v1/chat/completions" };

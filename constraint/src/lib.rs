@@ -14,6 +14,7 @@
 pub mod closed;
 mod finite;
 mod guide;
+mod keywords;
 pub mod negative_control;
 mod panics;
 mod vocab;
@@ -21,4 +22,5 @@ mod vocab;
 pub use closed::closed;
 pub use finite::check_finite;
 pub use guide::{lark_json, Constraint, Guide, TokenMask};
+pub use keywords::check_keywords;
 pub use vocab::Grammars;

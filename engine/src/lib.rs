@@ -20,8 +20,8 @@ pub use engine::{Engine, EngineOptions, KvUsage};
 pub use generate::generate;
 pub use metrics::SpecStats;
 pub use mtp_constraint::{
-    check_finite as check_finite_schema, closed as closed_schema, lark_json,
-    negative_control as constraint_negative_control, Grammars, Guide, TokenMask,
+    check_finite as check_finite_schema, check_keywords as check_schema_keywords, closed as closed_schema,
+    lark_json, negative_control as constraint_negative_control, Grammars, Guide, TokenMask,
 };
 pub use mtp_sampling::{SamplingMode, SamplingParams};
 pub use mtp_verifier::WindowLayout;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use subtle::ConstantTimeEq;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
@@ -87,11 +87,7 @@ impl Gate {
     /// Why `req` may not be served, if it may not.
     fn refusal(&self, req: &Request) -> Option<ApiError> {
         let headers = req.headers();
-        // RFC 9112, 3.2: a request with more than one Host is answered 400 (which one a
-        // proxy and this check each read would differ).
-        if headers.get_all(header::HOST).iter().count() > 1 {
-            return Some(ApiError::new(StatusCode::BAD_REQUEST, "more than one Host header"));
-        }
+        // Two Hosts were refused before ([`crate::net::head`]).
         if !self.hosts.is_empty() {
             let host = req.uri().authority().map(|a| a.as_str()).or_else(|| header_str(req, header::HOST));
             let name = host.map(host_name).unwrap_or_default();
@@ -145,15 +141,13 @@ fn host_name(host: &str) -> String {
     name.to_ascii_lowercase()
 }
 
-/// The middleware: refuses what [`Gate`] refuses, passes the rest on.
+/// The middleware: refuses a malformed head ([`crate::net::head`]) and what [`Gate`]
+/// refuses, passes the rest on.
 pub(crate) async fn check(State(gate): State<Arc<Gate>>, req: Request, next: Next) -> Response {
-    match gate.refusal(&req) {
+    match crate::net::head::refusal(&req).or_else(|| gate.refusal(&req)) {
         Some(e) => {
             tracing::debug!(status = e.status.as_u16(), "{}", e.message);
-            if req.uri().path().starts_with("/v1/messages") {
-                return crate::anthropic::error_response(&e);
-            }
-            e.into_response()
+            crate::routes::error_for(req.uri().path(), &e)
         }
         None => next.run(req).await,
     }

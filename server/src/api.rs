@@ -254,35 +254,75 @@ impl Message {
                     "only assistant messages make tool calls",
                 ));
             }
-            let calls = calls
-                .iter()
-                .enumerate()
-                .map(|(j, c)| tool_call(c, &format!("messages[{i}].tool_calls[{j}]")))
-                .collect::<Result<Vec<_>, _>>()?;
-            m["tool_calls"] = Value::Array(calls);
+            let mut read: Vec<Value> = Vec::with_capacity(calls.len());
+            for (j, c) in calls.iter().enumerate() {
+                let at = format!("messages[{i}].tool_calls[{j}]");
+                let call = tool_call(c, &at)?;
+                let id = call["id"].as_str().unwrap_or_default();
+                if let Some(k) = read.iter().position(|r| !id.is_empty() && r["id"] == id) {
+                    return Err(ApiError::bad(
+                        &format!("{at}.id"),
+                        format!("`{}` is also the id of messages[{i}].tool_calls[{k}]: a message's calls have distinct ids", quote(id)),
+                    ));
+                }
+                read.push(call);
+            }
+            m["tool_calls"] = Value::Array(read);
         }
         Ok(m)
     }
 }
 
-/// An assistant message's call, for the template: arguments given as JSON text become the
-/// mapping they encode.
+/// An assistant message's call, for the template: `{"id", "type": "function", "function":
+/// {"name", "arguments"}}` as OpenAI's wire format has it, the arguments JSON text holding
+/// an object (left out: `{}`), which becomes the mapping it encodes. A `type` other than
+/// `function`, an id that is not a string, an empty name or arguments that are not an
+/// object's JSON text are refused naming the field.
 fn tool_call(c: &Value, at: &str) -> Result<Value, ApiError> {
+    match c.get("type") {
+        None | Some(Value::Null) => {}
+        Some(t) if t == "function" => {}
+        Some(t) => {
+            return Err(ApiError::bad(
+                &format!("{at}.type"),
+                format!("a tool call's `type` is `function`, not {}", quote(&t.to_string())),
+            ))
+        }
+    }
+    let id = match c.get("id") {
+        None | Some(Value::Null) => "",
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => return Err(ApiError::bad(&format!("{at}.id"), "a tool call's `id` must be a string")),
+    };
     let f = c
         .get("function")
         .filter(|f| f.is_object())
         .ok_or_else(|| ApiError::bad(&format!("{at}.function"), "a tool call needs a `function` object"))?;
-    let name = f
-        .get("name")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ApiError::bad(&format!("{at}.function.name"), "a tool call needs a function name"))?;
+    let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()).ok_or_else(|| {
+        ApiError::bad(&format!("{at}.function.name"), "a tool call needs a function name, a non-empty string")
+    })?;
+    let args_at = format!("{at}.function.arguments");
     let arguments = match f.get("arguments") {
         None | Some(Value::Null) => json!({}),
-        Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| {
-            ApiError::bad(&format!("{at}.function.arguments"), format!("the arguments are not JSON: {e}"))
-        })?,
-        Some(v) => v.clone(),
+        Some(Value::String(s)) => match mtp_base::json::parse(s.as_bytes()) {
+            Ok(v @ Value::Object(_)) => v,
+            Ok(v) => {
+                return Err(ApiError::bad(
+                    &args_at,
+                    format!("the arguments must be a JSON object's text, not {}", quote(&v.to_string())),
+                ))
+            }
+            Err(e) => return Err(ApiError::bad(&args_at, format!("the arguments are not JSON: {e}"))),
+        },
+        Some(v) => {
+            return Err(ApiError::bad(
+                &args_at,
+                format!(
+                    "the arguments must be a string holding a JSON object (`\"{{}}\"`), not {}",
+                    quote(&v.to_string())
+                ),
+            ))
+        }
     };
-    let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
     Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
 }

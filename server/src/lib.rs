@@ -235,6 +235,9 @@ impl Server {
             .route("/v1/messages", post(anthropic::messages))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
             .route("/v1/responses", post(responses::create))
+            // After the routes: it applies to those registered before it.
+            .method_not_allowed_fallback(routes::method_not_allowed)
+            .fallback(routes::not_found)
             .with_state(self.state.clone());
         if let Some(cors) = gate.cors() {
             router = router.layer(cors);

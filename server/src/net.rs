@@ -13,6 +13,9 @@
 //! - A response write that makes no progress for [`Limits::write_timeout`] (a client that
 //!   stopped reading) closes the connection.
 //! - Request bodies have their own size and time limits ([`crate::body`]).
+//! - Each request is told whether its head carried both `Content-Length` and
+//!   `Transfer-Encoding` ([`framing`]), which hyper hides; [`head`] refuses that pair and
+//!   the other heads a proxy could read otherwise.
 
 use std::future::Future;
 use std::io;
@@ -35,6 +38,8 @@ use tokio::time::{sleep, timeout, Sleep};
 use crate::api::ApiError;
 
 mod admit;
+pub(crate) mod framing;
+pub(crate) mod head;
 
 /// How much of the server one client may take, and for how long.
 #[derive(Clone, Debug)]
@@ -152,10 +157,22 @@ pub(crate) async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let first_byte = limits.header_timeout.min(FIRST_BYTE);
-        let io = TokioIo::new(Timed::new(stream, first_byte, limits.write_timeout));
+        let heads = Arc::new(framing::Heads::default());
+        let mut io = Timed::new(stream, first_byte, limits.write_timeout);
+        io.tap = Some(framing::Tap::new(heads.clone()));
+        let io = TokioIo::new(io);
+        // Each request carries its head's framing, as the tap read it.
+        let inner = service.clone();
+        let tagged =
+            hyper::service::service_fn(move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                if let Some(f) = heads.next() {
+                    req.extensions_mut().insert(f);
+                }
+                hyper::service::Service::call(&inner, req)
+            });
         // Not `serve_connection_with_upgrades`: it sniffs for HTTP/2 whatever `http1_only` says,
         // and an HTTP/2 connection escapes the header timeout.
-        let conn = builder.serve_connection(io, service.clone()).into_owned();
+        let conn = builder.serve_connection(io, tagged).into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -223,11 +240,14 @@ struct Timed {
     limit: Duration,
     blocked: Option<Pin<Box<Sleep>>>,
     first_byte: Option<Pin<Box<Sleep>>>,
+    /// Reads what is read, framing its requests.
+    tap: Option<framing::Tap>,
 }
 
 impl Timed {
     fn new(inner: TcpStream, header_timeout: Duration, limit: Duration) -> Self {
-        Timed { inner, limit, blocked: None, first_byte: Some(Box::pin(sleep(header_timeout))) }
+        let first_byte = Some(Box::pin(sleep(header_timeout)));
+        Timed { inner, limit, blocked: None, first_byte, tap: None }
     }
 
     /// Passes `poll` through, starting the stall clock when it is pending and failing
@@ -257,6 +277,9 @@ impl AsyncRead for Timed {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let (Poll::Ready(Ok(())), Some(tap)) = (&poll, self.tap.as_mut()) {
+            tap.feed(&buf.filled()[before..]);
+        }
         let Some(deadline) = self.first_byte.as_mut() else { return poll };
         match poll {
             Poll::Ready(Ok(())) if buf.filled().len() == before => poll, // closed before a byte

@@ -13,7 +13,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use mtp_engine::{Constraint, Request, SamplingParams};
@@ -108,6 +108,33 @@ impl Plan {
 
 pub(crate) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// An error answered in the shape of the API `path` belongs to: Anthropic's under
+/// `/v1/messages`, OpenAI's elsewhere.
+pub(crate) fn error_for(path: &str, e: &ApiError) -> Response {
+    if path.starts_with("/v1/messages") {
+        return crate::anthropic::error_response(e);
+    }
+    (e.status, Json(e.body())).into_response()
+}
+
+/// A path no endpoint serves: `404` with an error body (OpenAI's words), not an empty one.
+pub async fn not_found(method: Method, uri: Uri) -> Response {
+    let path = api::quote(uri.path());
+    let e = ApiError::new(StatusCode::NOT_FOUND, format!("Invalid URL ({method} {path}): no endpoint here"));
+    error_for(uri.path(), &e)
+}
+
+/// An endpoint asked with a method it does not take: `405` with an error body (the
+/// router adds the `Allow` header).
+pub async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let path = api::quote(uri.path());
+    let e = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed on {path} (the Allow header lists the methods that are)"),
+    );
+    error_for(uri.path(), &e)
 }
 
 pub async fn health() -> Json<Value> {
@@ -598,9 +625,9 @@ fn plan(
 }
 
 /// The constraint `response_format` asks for: none for `text`, any JSON object for
-/// `json_object`, a document valid under `json_schema.schema` for `json_schema`, with its
-/// objects closed ([`mtp_engine::closed_schema`]; OpenAI's `strict: true` schemas are closed
-/// already). TGI's form, as huggingface_hub sends it, `{"type": "json_object" | "json",
+/// `json_object`, a document valid under `json_schema.schema` (of known keywords:
+/// [`mtp_engine::check_schema_keywords`]) for `json_schema`, with its objects closed
+/// ([`mtp_engine::closed_schema`]; OpenAI's `strict: true` schemas are closed already). TGI's form, as huggingface_hub sends it, `{"type": "json_object" | "json",
 /// "value": schema}`, is the same as `json_schema` with that schema. Its keys were vetted
 /// by [`crate::api::audit`].
 fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
@@ -612,6 +639,8 @@ fn response_format(v: &Value) -> Result<Option<Constraint>, ApiError> {
     })?;
     let schema = |s: Option<&Value>, at: &str| match s {
         Some(schema) if schema.is_object() || schema.is_boolean() => {
+            mtp_engine::check_schema_keywords(schema)
+                .map_err(|(k, e)| ApiError::bad(&format!("{at}.{k}"), e))?;
             mtp_engine::check_finite_schema(schema).map_err(|e| ApiError::bad(at, e))?;
             Ok(Some(Constraint::JsonSchema(mtp_engine::closed_schema(schema))))
         }

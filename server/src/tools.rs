@@ -164,8 +164,9 @@ pub fn parse(syntax: &dyn ToolSyntax, text: &str) -> Parsed {
 
 /// The request's `tools`: `[{"type": "function", "function": {"name", "description",
 /// "parameters"}}]`. Names are unique, 1-64 of `a-zA-Z0-9_-` (OpenAI's rule, which keeps
-/// them safe inside every family's markup); parameters are a JSON Schema object, kept
-/// with its objects closed ([`mtp_engine::closed_schema`]) for the grammar.
+/// them safe inside every family's markup); parameters are a JSON Schema object of known
+/// keywords ([`mtp_engine::check_schema_keywords`]), kept with its objects closed
+/// ([`mtp_engine::closed_schema`]) for the grammar.
 pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
     let list = v.as_array().ok_or_else(|| ApiError::bad("tools", "`tools` must be a list of tools"))?;
     if list.len() > MAX_TOOLS {
@@ -206,6 +207,9 @@ pub fn read_tools(v: &Json) -> Result<Vec<Tool>, ApiError> {
             Some(p @ Json::Object(_)) => {
                 // An endless schema would stall the call mid-way: refused now, by path.
                 let at = format!("tools[{i}].function.parameters");
+                // A misspelt keyword would constrain nothing: refused by its path.
+                mtp_engine::check_schema_keywords(p)
+                    .map_err(|(k, e)| ApiError::bad(&format!("{at}.{k}"), e))?;
                 mtp_engine::check_finite_schema(p).map_err(|e| ApiError::bad(&at, e))?;
                 mtp_engine::closed_schema(p)
             }

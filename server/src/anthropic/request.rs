@@ -237,6 +237,10 @@ pub(super) fn convert(r: MessagesRequest, endpoint: Endpoint) -> Result<(Common,
     if r.messages.is_empty() {
         return Err(ApiError::bad("messages", "`messages` is empty"));
     }
+    // Anthropic's range, narrower than chat's: 1.5 would sample hotter than the API allows.
+    if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
+        return Err(ApiError::bad("temperature", format!("`temperature` must be between 0 and 1, got {t}")));
+    }
     if let Some(t) = &r.thinking {
         if !["enabled", "disabled", "adaptive"].contains(&t.kind.as_str()) {
             return Err(ApiError::bad(
@@ -463,19 +467,36 @@ fn assistant(content: InputContent, at: &str) -> Result<Message, ApiError> {
             "redacted_thinking" => {}
             "tool_use" => {
                 let (id, name) = (string(b, "id", &at)?, string(b, "name", &at)?);
+                for (key, v) in [("id", id), ("name", name)] {
+                    if v.is_empty() {
+                        return Err(ApiError::bad(
+                            &format!("{at}.{key}"),
+                            format!("a `tool_use` block's `{key}` is empty"),
+                        ));
+                    }
+                }
+                if let Some(k) = calls.iter().position(|(_, c): &(usize, Value)| c["id"] == id) {
+                    return Err(ApiError::bad(
+                        &format!("{at}.id"),
+                        format!("`{}` is also the id of the `tool_use` block content[{}]: a message's calls have distinct ids", quote(id), calls[k].0),
+                    ));
+                }
                 let input = b.get("input").filter(|v| v.is_object()).ok_or_else(|| {
                     ApiError::bad(&format!("{at}.input"), "a `tool_use` block needs `input`, an object")
                 })?;
-                calls.push(
-                    json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}),
-                );
+                // As chat's wire format carries them: the arguments' JSON text.
+                let arguments = input.to_string();
+                calls.push((
+                    j,
+                    json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}),
+                ));
             }
             other => return Err(unsupported(other, &format!("{at}.type"), "text, thinking and tool_use")),
         }
     }
     let mut m = text_message("assistant", text);
     m.reasoning_content = reasoning;
-    m.tool_calls = (!calls.is_empty()).then_some(calls);
+    m.tool_calls = (!calls.is_empty()).then(|| calls.into_iter().map(|(_, c)| c).collect());
     Ok(m)
 }
 
@@ -621,6 +642,24 @@ mod tests {
         assert_eq!(refused(with("thinking", json!({"type": "on"}))), "thinking.type");
         assert_eq!(refused(with("output_config", json!({"effort": "high"}))), "output_config.effort");
         assert_eq!(refused(with("stop_sequences", json!("x"))), "stop_sequences");
+        // Anthropic's temperature is 0 to 1.
+        assert_eq!(refused(with("temperature", json!(1.5))), "temperature");
+        assert_eq!(refused(with("temperature", json!(1))), "");
+        // An assistant's calls: named, with distinct ids.
+        let call = |id: &str, name: &str| json!({"type": "tool_use", "id": id, "name": name, "input": {}});
+        let turn = |blocks: Value| {
+            json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": blocks},
+                   {"role": "user", "content": "b"}])
+        };
+        assert_eq!(
+            refused(with("messages", turn(json!([call("t1", ""), call("t2", "f")])))),
+            "messages[1].content[0].name"
+        );
+        assert_eq!(
+            refused(with("messages", turn(json!([call("t1", "f"), call("t1", "g")])))),
+            "messages[1].content[1].id"
+        );
+        assert_eq!(refused(with("messages", turn(json!([call("t1", "f"), call("t2", "f")])))), "");
         // The count_tokens body has no generation fields.
         let counted = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
         assert_eq!(check(&counted, Endpoint::CountTokens).unwrap_err().param.as_deref(), Some("max_tokens"));

@@ -141,6 +141,11 @@ pub const MESSAGE: &[(&str, Rule)] = &[
     ("audio", Refused { neutral: never, why: "audio is not supported" }),
 ];
 
+/// Fields of a text content part (`{"type": "text", "text": ...}`): a key beside them
+/// (Anthropic's `cache_control`, a misspelt `txt`) is refused as an unknown field is.
+/// Parts of other types are refused by their `type` ([`super::Message::read`]).
+pub const TEXT_PART: &[(&str, Rule)] = &[("type", Honoured), ("text", Honoured)];
+
 /// Vets the fields of `body` against `tables` (the first holding a field wins): unknown
 /// fields, ignored fields of the wrong type and refused fields asking for something.
 pub fn check(body: &Value, tables: &[&[(&str, Rule)]], at: &str) -> Result<(), ApiError> {
@@ -191,12 +196,17 @@ fn check_nested(body: &Value) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// [`check`] for a chat body: its own fields, then each message's.
+/// [`check`] for a chat body: its own fields, then each message's and its text parts'.
 pub fn check_chat(body: &Value) -> Result<(), ApiError> {
     check(body, &[COMMON, CHAT], "")?;
     check_nested(body)?;
     for (i, m) in body.get("messages").and_then(Value::as_array).into_iter().flatten().enumerate() {
         check(m, &[MESSAGE], &format!("messages[{i}]"))?;
+        for (j, p) in m.get("content").and_then(Value::as_array).into_iter().flatten().enumerate() {
+            if p.get("type").and_then(Value::as_str) == Some("text") {
+                check(p, &[TEXT_PART], &format!("messages[{i}].content[{j}]"))?;
+            }
+        }
     }
     Ok(())
 }

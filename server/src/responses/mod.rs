@@ -98,8 +98,11 @@ fn responses_path(param: &str, origins: &[Origin]) -> String {
         },
         "tools" => param.replacen(".function", "", 1),
         "tool_choice" => param.replacen(".function", "", 1),
-        "response_format" if rest.starts_with(".json_schema.schema") => "text.format.schema".into(),
-        "response_format" => "text.format".into(),
+        "response_format" => match rest.strip_prefix(".json_schema.schema") {
+            // A keyword inside the schema keeps its path.
+            Some(inside) => format!("text.format.schema{inside}"),
+            None => "text.format".into(),
+        },
         "max_completion_tokens" => "max_output_tokens".into(),
         _ => param.into(),
     }
@@ -119,7 +122,12 @@ fn message_path(k: usize, tail: &str, origins: &[Origin]) -> String {
     let Some(item) = origin.item else { return "instructions".into() };
     if let Some((j, call)) = tail.strip_prefix(".tool_calls").and_then(message_index) {
         let at = origin.calls.get(j).copied().unwrap_or(item);
-        return format!("input[{at}]{}", call.replacen(".function", "", 1));
+        // A `function_call` item is flat, its id `call_id`.
+        let field = match call.replacen(".function", "", 1) {
+            f if f == ".id" => ".call_id".to_string(),
+            f => f,
+        };
+        return format!("input[{at}]{field}");
     }
     format!("input[{item}]{tail}")
 }
@@ -144,6 +152,12 @@ mod tests {
             ("tools[3].function.name", "tools[3].name"),
             ("tool_choice.function.name", "tool_choice.name"),
             ("response_format.json_schema.schema", "text.format.schema"),
+            (
+                "response_format.json_schema.schema.properties.a.minLenght",
+                "text.format.schema.properties.a.minLenght",
+            ),
+            ("messages[2].tool_calls[1].id", "input[2].call_id"),
+            ("tools[0].function.parameters.requred", "tools[0].parameters.requred"),
             ("response_format", "text.format"),
             ("max_completion_tokens", "max_output_tokens"),
             ("temperature", "temperature"),
