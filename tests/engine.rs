@@ -544,6 +544,26 @@ fn draft_lengths_past_the_bound_are_refused() {
     }
 }
 
+/// A verify token cost that is no figure (negative, NaN, infinite) is refused naming the
+/// option; a figure runs, and a row's tokens do not depend on it (greedy: exact either way).
+#[test]
+fn a_verify_token_cost_must_be_a_figure() {
+    let model = common::load(&fixture("qwen2-target"));
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let opts = EngineOptions { verify_token_cost: Some(bad), ..EngineOptions::default() };
+        let err = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).err().unwrap();
+        assert!(err.to_string().contains("`verify_token_cost`"), "{bad}: {err}");
+    }
+    for cost in [Some(0.0), Some(0.2), None] {
+        let opts = EngineOptions { verify_token_cost: cost, ..EngineOptions::default() };
+        let mut engine = Engine::new(&model, Some(Box::new(NgramDrafter::default())), opts).unwrap();
+        let got = generate(&mut engine, &requests(), &[], |_, _| {});
+        for (g, w) in got.iter().zip(plain(&model, &requests(), 1)) {
+            assert_eq!(g.as_ref().unwrap().tokens, w.unwrap().tokens, "{cost:?}");
+        }
+    }
+}
+
 /// A token budget per forward: prompts that arrive while a row decodes go in together, as
 /// many as the budget (`prefill_chunk`) holds beside the verify, not one prompt a round.
 #[test]

@@ -452,8 +452,11 @@ fn plain_run_helper_matches_engine() {
 #[test]
 fn rejection_rows_are_batch_invariant() {
     let t = Target::load("rejection", "qwen3-target", "qwen3-draft", true);
+    // The GPUs' verify token cost: on the CPU's own (a token a decode step) adaptive rows
+    // would not draft, and their invariance would go untested.
     let rejection = |k, max_batch, layout| EngineOptions {
         sampling_mode: SamplingMode::Rejection,
+        verify_token_cost: Some(0.2),
         ..with_k(k, max_batch, layout)
     };
     let mut judged = 0;

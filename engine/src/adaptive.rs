@@ -79,9 +79,9 @@ const PROBE_OPTIMISM: f64 = 0.15;
 /// Rounds without speculation before the first probe; doubles up to the maximum.
 const PROBE_GAP: u32 = 4;
 const MAX_PROBE_GAP: u32 = 64;
-/// Self-paced rows: cost of verifying one more token relative to a decode step (about
-/// what the CPU backend measures at batch 1). Fixed, like the drafter's relative cost, so
-/// that their k is a function of their own history only.
+/// Self-paced rows: cost of verifying one more token relative to a decode step, until the
+/// backend says its own ([`KChooser::with_verify_token_cost`]). Fixed, like the drafter's
+/// relative cost, so that their k is a function of their own history only.
 const SELF_PACED_VERIFY_COST: f64 = 0.2;
 /// Self-paced rows: a position the drafter catches up on costs this share of a draft step
 /// (many positions go through in one batched pass).
@@ -338,6 +338,9 @@ pub struct KChooser {
     warm_draft: bool,
     /// Verify tokens the backend computes as one (see [`KChooser::with_token_group`]).
     token_group: usize,
+    /// A self-paced row's verify token, in decode steps (see
+    /// [`KChooser::with_verify_token_cost`]).
+    verify_token_cost: f64,
 }
 
 impl KChooser {
@@ -358,6 +361,7 @@ impl KChooser {
             warm_verify: false,
             warm_draft: false,
             token_group: 1,
+            verify_token_cost: SELF_PACED_VERIFY_COST,
         }
     }
 
@@ -368,14 +372,23 @@ impl KChooser {
         self
     }
 
+    /// Self-paced rows price one more verify token at `cost` decode steps: the backend's
+    /// fixed figure ([`mtp_model::Model::verify_token_cost`]; 1 on the CPU, whose
+    /// matmuls cost each token its own share, so those rows draft only where a drafter
+    /// could pay there).
+    pub fn with_verify_token_cost(mut self, cost: f64) -> KChooser {
+        self.verify_token_cost = if cost.is_finite() { cost.max(0.0) } else { SELF_PACED_VERIFY_COST };
+        self
+    }
+
     /// What this chooser learned that outlives its rows (acceptance overall, costs, where
     /// new rows start), for a later engine of the same model and drafter.
     pub fn learned(&self) -> Learned {
         Learned(KChooser { rows: HashMap::new(), last_k: HashMap::new(), ..self.clone() })
     }
 
-    /// Continues from `learned` (this chooser's own maximum k, token group and drafter
-    /// cost stay: they describe the new engine).
+    /// Continues from `learned` (this chooser's own maximum k, token group, drafter cost
+    /// and verify token cost stay: they describe the new engine).
     pub fn resume(&mut self, learned: Learned) {
         let l = learned.0;
         self.overall = l.overall;
@@ -435,7 +448,7 @@ impl KChooser {
                     .collect();
                 // Per draft: the drafter's step and one verify token; to start drafting, the
                 // catch-up, spread over the rounds the row has left.
-                let per_draft = self.drafter_cost + SELF_PACED_VERIFY_COST;
+                let per_draft = self.drafter_cost + self.verify_token_cost;
                 let rate = |k: usize| {
                     let tokens = expected_tokens(&pr, k);
                     let horizon = if last > 0 { 1.0 } else { (c.remaining as f64 / tokens).max(1.0) };
@@ -881,6 +894,36 @@ mod tests {
             picks
         };
         assert_eq!(run(0, 0.001), run(7, 5.0));
+    }
+
+    /// A self-paced row prices its drafts by the backend's verify token: on the CPU (a
+    /// token costs a decode step) a free drafter accepted half the time is not worth it
+    /// (it drafted, and cost the default mtp-bench's rejection rows up to half their
+    /// speed); where a token costs a fifth (the GPUs), the same history drafts.
+    #[test]
+    fn self_paced_rows_price_drafts_by_the_backends_verify_token() {
+        let picks = |cost: f64| {
+            let mut c = KChooser::new(6, 0.0).with_verify_token_cost(cost);
+            let me = Candidate { row: 9, cap: 6, self_paced: true, behind: 0, remaining: 50 };
+            let mut picks = Vec::new();
+            for _ in 0..8 {
+                let k = c.choose(&[me], 0)[0];
+                picks.push(k);
+                let accepted = k / 2;
+                c.observe(
+                    &[Outcome { row: 9, behind: 0, asked: k, drafted: k, accepted }],
+                    0.001,
+                    0.0,
+                    1,
+                    true,
+                );
+            }
+            picks
+        };
+        assert!(picks(1.0).iter().all(|&k| k == 0), "{:?}", picks(1.0));
+        // The control: the GPUs' figure (and the chooser's default) drafts.
+        assert!(picks(0.2).iter().any(|&k| k > 0), "{:?}", picks(0.2));
+        assert_eq!(picks(SELF_PACED_VERIFY_COST), picks(0.2));
     }
 
     /// Whatever the timings, k's stay within each row's cap, with and without token groups

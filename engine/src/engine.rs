@@ -55,6 +55,11 @@ pub struct EngineOptions {
     /// With a KV budget, blocks only the cache holds count in it too, and are evicted when
     /// rows need the room.
     pub prefix_cache_bytes: usize,
+    /// What rows in rejection mode price one more verify token at, in decode steps of one
+    /// row (their k may depend on their own history only, so it is a fixed figure). `None`:
+    /// the backend's ([`mtp_model::Model::verify_token_cost`]: 1 on the CPU, a fifth on
+    /// the GPUs); a large model on the CPU, whose steps stream its weights, may set less.
+    pub verify_token_cost: Option<f64>,
 }
 
 impl Default for EngineOptions {
@@ -67,6 +72,7 @@ impl Default for EngineOptions {
             kv_budget_bytes: None,
             sampling_mode: SamplingMode::Exact,
             prefix_cache_bytes: 0,
+            verify_token_cost: None,
         }
     }
 }
@@ -156,8 +162,14 @@ impl<'a> Engine<'a> {
                 crate::MAX_DRAFT_TOKENS
             )));
         }
+        if let Some(c) = opts.verify_token_cost.filter(|c| !(c.is_finite() && *c >= 0.0)) {
+            return Err(Error::InvalidOption(format!(
+                "engine option `verify_token_cost`: {c} decode steps; give a finite figure, 0 or more"
+            )));
+        }
         let chooser = KChooser::new(opts.k.max(), drafter.as_ref().map_or(0.0, |d| d.relative_cost()))
-            .with_token_group(model.verify_token_group());
+            .with_token_group(model.verify_token_group())
+            .with_verify_token_cost(opts.verify_token_cost.unwrap_or_else(|| model.verify_token_cost()));
         // A sliding-window ring forgets old positions, so its rows cannot share a prefix.
         let probe = model.new_cache();
         let prefix_cache = opts.prefix_cache_bytes > 0 && !probe.has_ring();

@@ -356,6 +356,13 @@ pub trait Kernels: Send + Sync + Sized + 'static {
     fn token_group(&self) -> usize {
         1
     }
+    /// One more verify token's cost, in decode steps of one row, as a fixed figure for
+    /// this backend (rows whose k may not depend on timings price drafts by it). 1 here:
+    /// the CPU's matmuls are compute-bound at these sizes (a verify of two tokens costs
+    /// about two decode steps), so a draft pays only if it is always accepted.
+    fn verify_token_cost(&self) -> f64 {
+        1.0
+    }
     /// A new model's recordings, for its layers' attention `heads` (what a recorded
     /// attention launch depends on beside the batch).
     fn recordings(&self, _heads: Heads) -> Self::Recordings {

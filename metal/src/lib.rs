@@ -292,6 +292,12 @@ impl<D: Dispatch> Kernels for Metal<D> {
         self.backend
     }
 
+    fn verify_token_cost(&self) -> f64 {
+        // An Apple GPU's decode step streams the weights (the emulator computes the same
+        // bits, so it prices drafts as the GPU would).
+        0.2
+    }
+
     fn matrix(&self, w: &Weight) -> Result<MetalMat<D>> {
         let quant = match w.quant() {
             Some(q) => Some(MetalQuant {

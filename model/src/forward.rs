@@ -358,6 +358,10 @@ pub(crate) trait Net: Send + Sync {
     fn verify_token_group(&self) -> usize {
         1
     }
+    /// [`Kernels::verify_token_cost`] of the model's backend.
+    fn verify_token_cost(&self) -> f64 {
+        1.0
+    }
     fn max_positions(&self) -> usize;
     /// Ranks the model is split between (tensor parallelism; 1 for a whole model).
     fn tensor_parallel(&self) -> usize {
@@ -412,6 +416,12 @@ impl Model {
     /// about a whole one, so adaptive k fills groups.
     pub fn verify_token_group(&self) -> usize {
         self.net.verify_token_group()
+    }
+
+    /// One more verify token's cost in decode steps, fixed for the backend (CPU: 1;
+    /// GPUs, whose decode steps are bound by the weights' bytes: a fraction).
+    pub fn verify_token_cost(&self) -> f64 {
+        self.net.verify_token_cost()
     }
 
     /// An empty cache for one row of this model, on its backend.

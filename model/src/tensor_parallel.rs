@@ -329,6 +329,10 @@ impl Net for TensorParallel {
         self.ranks[0].verify_token_group()
     }
 
+    fn verify_token_cost(&self) -> f64 {
+        self.ranks[0].verify_token_cost()
+    }
+
     fn max_positions(&self) -> usize {
         self.ranks[0].max_positions()
     }

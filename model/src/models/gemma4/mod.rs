@@ -347,6 +347,10 @@ impl<B: Kernels> Net for Gemma4<B> {
         self.be.token_group()
     }
 
+    fn verify_token_cost(&self) -> f64 {
+        self.be.verify_token_cost()
+    }
+
     fn max_positions(&self) -> usize {
         self.max_positions
     }

@@ -431,6 +431,10 @@ impl<B: Kernels> Net for Decoder<B> {
         self.be.token_group()
     }
 
+    fn verify_token_cost(&self) -> f64 {
+        self.be.verify_token_cost()
+    }
+
     fn one_time_forwards(&self) -> u64 {
         self.be.one_time_forwards(&self.recordings)
     }
