@@ -375,9 +375,9 @@ impl KChooser {
     /// Self-paced rows price one more verify token at `cost` decode steps: the backend's
     /// fixed figure ([`mtp_model::Model::verify_token_cost`]; 1 on the CPU, whose
     /// matmuls cost each token its own share, so those rows draft only where a drafter
-    /// could pay there).
+    /// could pay there). `cost` is finite and 0 or more (`Engine::new` refuses others).
     pub fn with_verify_token_cost(mut self, cost: f64) -> KChooser {
-        self.verify_token_cost = if cost.is_finite() { cost.max(0.0) } else { SELF_PACED_VERIFY_COST };
+        self.verify_token_cost = cost;
         self
     }
 
