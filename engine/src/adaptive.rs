@@ -5,9 +5,12 @@
 //! the k's that maximise the batch's expected emitted tokens per second, from what the
 //! engine measured so far:
 //! - acceptance per draft position, conditional on the drafts before it being accepted:
-//!   decayed counts per row, with the drafter's overall counts as the row's prior;
+//!   decayed counts per row, with the drafter's overall counts as the row's prior, weighed
+//!   by how much the batch's rows differ beyond chance (alike rows share one k);
+//! - a row's tokens weighed by how far it has to go against the batch's mean (the last row
+//!   to finish runs on in a thinner batch);
 //! - verify cost (the whole round except drafting) by the batch's verify tokens: the
-//!   decayed mean at each count seen, a line between them;
+//!   decayed mean at each count seen, a line between the nearest seen on either side;
 //! - draft cost as a line in draft steps (the longest row's k), draft tokens and catch-up
 //!   (positions an idle drafter must run through first, paid once when a row starts).
 //!
@@ -58,8 +61,14 @@ impl DraftLen {
 /// Conditional acceptance of a fresh drafter at draft position 1; deeper positions start
 /// from the estimate of the position before.
 const PRIOR_ACCEPT: f64 = 0.6;
-/// How much a row's own counts weigh against the drafter's overall estimate (in draws).
+/// How much a row's own counts weigh against the drafter's overall estimate (in draws), at
+/// least; where the batch's rows accept alike, up to [`MOST_ROW_PRIOR_WEIGHT`]
+/// ([`KChooser::row_prior_weight`]).
 const ROW_PRIOR_WEIGHT: f64 = 2.0;
+/// The most a row's prior weighs: rows whose acceptance differs only by chance then share
+/// one k, rather than each following its own luck (64 alike rows at 70% got k's from 0 to
+/// 8, and the unlucky ones ran on alone after the others finished).
+const MOST_ROW_PRIOR_WEIGHT: f64 = 32.0;
 /// Per observation, old counts keep this share (rows drift; the batch changes).
 const ROW_DECAY: f64 = 0.9;
 const GLOBAL_DECAY: f64 = 0.98;
@@ -76,6 +85,9 @@ const OUTLIER: f64 = 2.0;
 const PRIOR_MARGINAL_SHARE: f64 = 0.25;
 /// A probe goes ahead only if drafting would pay with acceptance this much higher.
 const PROBE_OPTIMISM: f64 = 0.15;
+/// The most (and 1 over the least) a row's tokens are worth against the batch's mean, by
+/// how far it has to go.
+const MOST_WORTH: f64 = 2.0;
 /// Rounds without speculation before the first probe; doubles up to the maximum.
 const PROBE_GAP: u32 = 4;
 const MAX_PROBE_GAP: u32 = 64;
@@ -186,10 +198,12 @@ impl Line {
     }
 }
 
-/// Verify cost by verify tokens: the decayed mean of each token count seen, and a line
-/// through them for counts not seen (anchored at the nearest count seen), since the
-/// comparison that matters (B tokens against B + k) needs the step between counts more
-/// than any one level.
+/// Verify cost by verify tokens: the decayed mean of each token count seen; between two
+/// counts seen, the line between them (never falling); past them, a line fitted to all
+/// (anchored at the nearest count seen), since the comparison that matters (B tokens
+/// against B + k) needs the step between counts more than any one level, and a GPU's
+/// curve has steps (at 64 rows on the H100, 3 ms between 128 and 136 tokens) that one
+/// line through every count would spread over all of them.
 #[derive(Clone, Debug, Default)]
 struct VerifyCost {
     line: Line,
@@ -212,13 +226,18 @@ impl VerifyCost {
 
     fn predict(&self, tokens: f64) -> f64 {
         let (a, b) = self.line.fit(PRIOR_MARGINAL_SHARE);
-        let nearest =
-            self.seen_at.iter().filter(|(_, (w, _))| *w >= 2.0).min_by(|(t1, _), (t2, _)| {
-                (**t1 as f64 - tokens).abs().total_cmp(&(**t2 as f64 - tokens).abs())
-            });
-        let secs = match nearest {
-            Some((&t, &(w, sum))) => sum / w + b * (tokens - t as f64),
-            None => a + b * tokens,
+        let settled =
+            || self.seen_at.iter().filter(|(_, (w, _))| *w >= 2.0).map(|(&t, &(w, sum))| (t as f64, sum / w));
+        let below = settled().filter(|&(t, _)| t <= tokens).max_by(|x, y| x.0.total_cmp(&y.0));
+        let above = settled().filter(|&(t, _)| t >= tokens).min_by(|x, y| x.0.total_cmp(&y.0));
+        let secs = match (below, above) {
+            // Between two counts seen: the line between them (never falling).
+            (Some((t0, s0)), Some((t1, s1))) if t1 > t0 => {
+                s0 + (s1 - s0).max(0.0) * (tokens - t0) / (t1 - t0)
+            }
+            (Some((_, s)), Some(_)) => s,
+            (Some((t0, s0)), None) | (None, Some((t0, s0))) => s0 + b * (tokens - t0),
+            (None, None) => a + b * tokens,
         };
         secs.max(0.0)
     }
@@ -418,9 +437,37 @@ impl KChooser {
         self.verify.seen().then(|| self.verify.predict(tokens as f64))
     }
 
+    /// How much each row's prior weighs against its own counts (in draws), by empirical
+    /// Bayes over the rows the batch search moves: the first position's acceptance spread
+    /// between rows beyond what chance gives at their counts (`tau2`) against the chance
+    /// spread of one draw, between [`ROW_PRIOR_WEIGHT`] (rows that really differ: an
+    /// n-gram drafter on code and on prose) and [`MOST_ROW_PRIOR_WEIGHT`] (rows alike).
+    fn row_prior_weight(&self, rows: &[Candidate]) -> f64 {
+        let counts: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|c| !c.self_paced)
+            .filter_map(|c| self.rows.get(&c.row))
+            .filter_map(|a| Some((a.accepted.first().copied()?, a.reached.first().copied()?)))
+            .filter(|&(_, n)| n > 0.0)
+            .collect();
+        let (acc, n): (f64, f64) = counts.iter().fold((0.0, 0.0), |(a, n), &(ai, ni)| (a + ai, n + ni));
+        if counts.len() < 4 || n <= 0.0 {
+            return ROW_PRIOR_WEIGHT;
+        }
+        let p = acc / n;
+        let chance = p * (1.0 - p);
+        let spread: f64 = counts.iter().map(|&(a, ni)| ni * (a / ni - p).powi(2)).sum();
+        let tau2 = ((spread - (counts.len() - 1) as f64 * chance) / n).max(0.0);
+        if chance <= 0.0 {
+            return ROW_PRIOR_WEIGHT;
+        }
+        (chance / tau2.max(1e-12)).clamp(ROW_PRIOR_WEIGHT, MOST_ROW_PRIOR_WEIGHT)
+    }
+
     /// k for each candidate, in order; `others` rows verify this round without drafting.
     pub fn choose(&mut self, rows: &[Candidate], others: usize) -> Vec<usize> {
         let overall = self.overall_p();
+        let weight = self.row_prior_weight(rows);
         let mut ks = vec![0; rows.len()];
         // Per row: conditional acceptance, delivered share, and the most it can take.
         let mut p = Vec::with_capacity(rows.len());
@@ -467,7 +514,7 @@ impl KChooser {
                 continue;
             }
             let pr: Vec<f64> = match own {
-                Some(a) => (0..self.max_k).map(|j| a.conditional(j, overall[j], ROW_PRIOR_WEIGHT)).collect(),
+                Some(a) => (0..self.max_k).map(|j| a.conditional(j, overall[j], weight)).collect(),
                 None => overall.clone(),
             };
             // A row that drafted last round catches up on one round's tokens, every round;
@@ -479,12 +526,20 @@ impl KChooser {
             fill.push(own.map_or(self.overall.fill(), |a| a.fill()));
             limit.push(lim);
         }
+        // What a row's tokens are worth: by how far it has to go against the batch's mean
+        // (the row that finishes last runs on in a thinner batch; where all have as far to
+        // go, all are alike).
+        let mean_left = rows.iter().map(|c| c.remaining as f64).sum::<f64>() / rows.len().max(1) as f64;
+        let worth: Vec<f64> = rows
+            .iter()
+            .map(|c| (c.remaining as f64 / mean_left.max(1.0)).clamp(1.0 / MOST_WORTH, MOST_WORTH))
+            .collect();
         let searching = limit.iter().any(|&l| l > 0);
         if searching {
             // The search may look as deep as each row can go (a batch may gain only from
             // deep drafts); the step taken is at most twice last round's, plus one. Before
             // any verify was timed it judges by the prior costs (`round_cost`).
-            self.search(&mut ks, &p, &fill, &catch_up, &limit, others, MIN_GAIN);
+            self.search(&mut ks, &p, &worth, &fill, &catch_up, &limit, others, MIN_GAIN);
             for ((k, &cap), &l) in ks.iter_mut().zip(&step_cap).zip(&limit) {
                 if l > 0 {
                     *k = (*k).min(cap);
@@ -510,7 +565,7 @@ impl KChooser {
                 let hopeful: Vec<Vec<f64>> =
                     p.iter().map(|r| r.iter().map(|q| (q + PROBE_OPTIMISM).min(0.99)).collect()).collect();
                 let mut trial = ks.clone();
-                self.search(&mut trial, &hopeful, &fill, &catch_up, &limit, others, 1.0);
+                self.search(&mut trial, &hopeful, &worth, &fill, &catch_up, &limit, others, 1.0);
                 if let (true, Some(i)) = (trial.iter().any(|&k| k > 0), cheapest(&catch_up, &limit)) {
                     ks[i] = 1;
                 }
@@ -604,6 +659,7 @@ impl KChooser {
         &self,
         ks: &mut [usize],
         p: &[Vec<f64>],
+        worth: &[f64],
         fill: &[f64],
         catch_up: &[f64],
         limit: &[usize],
@@ -615,7 +671,7 @@ impl KChooser {
             tokens / cost(verify_tokens, steps, drafted, behind).max(1e-12)
         };
         let mut tokens: f64 =
-            others as f64 + (0..ks.len()).map(|i| expected_tokens(&p[i], ks[i])).sum::<f64>();
+            others as f64 + (0..ks.len()).map(|i| worth[i] * expected_tokens(&p[i], ks[i])).sum::<f64>();
         let mut verify_tokens: f64 =
             (others + ks.len()) as f64 + (0..ks.len()).map(|i| fill[i] * ks[i] as f64).sum::<f64>();
         let mut steps = ks.iter().copied().max().unwrap_or(0);
@@ -626,9 +682,9 @@ impl KChooser {
         loop {
             let mut pick: Option<(usize, usize, f64)> = None;
             for i in 0..ks.len() {
-                let base = expected_tokens(&p[i], ks[i]);
+                let base = worth[i] * expected_tokens(&p[i], ks[i]);
                 for k in ks[i] + 1..=limit[i] {
-                    let t = tokens - base + expected_tokens(&p[i], k);
+                    let t = tokens - base + worth[i] * expected_tokens(&p[i], k);
                     let v = verify_tokens + fill[i] * (k - ks[i]) as f64;
                     let b = if ks[i] == 0 { behind + catch_up[i] } else { behind };
                     let r = rate(t, v, steps.max(k), drafted + k - ks[i], b);
@@ -640,7 +696,7 @@ impl KChooser {
                 }
             }
             let Some((i, k, r)) = pick else { break };
-            tokens += expected_tokens(&p[i], k) - expected_tokens(&p[i], ks[i]);
+            tokens += worth[i] * (expected_tokens(&p[i], k) - expected_tokens(&p[i], ks[i]));
             verify_tokens += fill[i] * (k - ks[i]) as f64;
             drafted += k - ks[i];
             if ks[i] == 0 {
@@ -1013,5 +1069,191 @@ mod tests {
     fn expected_tokens_counts_the_bonus() {
         assert_eq!(expected_tokens(&[0.5, 0.5], 0), 1.0);
         assert_eq!(expected_tokens(&[0.5, 0.5], 2), 1.75);
+    }
+}
+
+/// Adaptive k over whole workloads (many rows of a fixed length, all arriving at once, as
+/// `mtp-bench` runs them) against a verify cost curve measured on a GPU.
+#[cfg(test)]
+mod workload {
+    use super::*;
+
+    /// ms by verify tokens, piecewise linear (extended past the last point).
+    fn interp(pts: &[(f64, f64)], t: f64) -> f64 {
+        for w in pts.windows(2) {
+            let ((x0, y0), (x1, y1)) = (w[0], w[1]);
+            if t <= x1 {
+                return y0 + (y1 - y0) * (t - x0).max(0.0) / (x1 - x0);
+            }
+        }
+        let ((x0, y0), (x1, y1)) = (pts[pts.len() - 2], pts[pts.len() - 1]);
+        y1 + (t - x1) * (y1 - y0) / (x1 - x0)
+    }
+
+    /// The 8B shape's verify ms at 64 rows by verify tokens (H100, 2026-12-07, the
+    /// chooser's round log: `RUST_LOG=mtp_engine=debug mtp-bench --batch 64`).
+    const H100_64_ROWS: &[(f64, f64)] = &[
+        (1.0, 6.4),
+        (8.0, 6.7),
+        (16.0, 7.5),
+        (64.0, 8.8),
+        (96.0, 10.9),
+        (128.0, 12.0),
+        (136.0, 15.3),
+        (200.0, 18.0),
+        (256.0, 18.6),
+        (320.0, 20.5),
+        (400.0, 26.6),
+        (576.0, 33.0),
+    ];
+    /// The same at 8 rows (H200, notes v31).
+    const H200_8_ROWS: &[(f64, f64)] = &[
+        (1.0, 4.7),
+        (8.0, 5.6),
+        (16.0, 6.6),
+        (24.0, 6.78),
+        (32.0, 6.9),
+        (40.0, 7.03),
+        (48.0, 7.18),
+        (56.0, 7.59),
+        (64.0, 7.57),
+        (72.0, 8.16),
+    ];
+
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn unit(&mut self) -> f64 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
+    /// ms until every row (row i accepting each draft with chance `p[i]`) has emitted `new`
+    /// tokens, with fixed k or adaptive (after a first run it learns from, as mtp-bench's
+    /// repeats do).
+    fn makespan(p: &[f64], new: usize, curve: &[(f64, f64)], fixed: Option<usize>, seed: u64) -> f64 {
+        let mut cold = KChooser::new(8, 0.0).with_token_group(8);
+        run(&mut cold, p, new, curve, fixed, seed + 1000);
+        let mut warm = KChooser::new(8, 0.0).with_token_group(8);
+        warm.resume(cold.learned());
+        run(&mut warm, p, new, curve, fixed, seed)
+    }
+
+    fn run(
+        c: &mut KChooser,
+        p: &[f64],
+        new: usize,
+        curve: &[(f64, f64)],
+        fixed: Option<usize>,
+        seed: u64,
+    ) -> f64 {
+        let mut rng = Lcg(seed);
+        let mut left = vec![new; p.len()];
+        let mut behind = vec![0; p.len()];
+        let mut ms = 0.0;
+        while left.iter().any(|&l| l > 0) {
+            let live: Vec<usize> = (0..p.len()).filter(|&i| left[i] > 0).collect();
+            let cands: Vec<Candidate> = live
+                .iter()
+                .filter(|&&i| left[i] > 1)
+                .map(|&i| Candidate {
+                    row: i as u64,
+                    cap: 8.min(left[i] - 1),
+                    self_paced: false,
+                    behind: behind[i],
+                    remaining: left[i],
+                })
+                .collect();
+            let ks: Vec<usize> = match fixed {
+                Some(k) => cands.iter().map(|c| k.min(c.cap)).collect(),
+                None => c.choose(&cands, live.len() - cands.len()),
+            };
+            let outcomes: Vec<Outcome> = cands
+                .iter()
+                .zip(&ks)
+                .map(|(cand, &k)| {
+                    let i = cand.row as usize;
+                    let accepted = (0..k).take_while(|_| rng.unit() < p[i]).count();
+                    Outcome { row: cand.row, behind: behind[i], asked: k, drafted: k, accepted }
+                })
+                .collect();
+            let tokens = live.len() + ks.iter().sum::<usize>();
+            // 2% timing noise.
+            let secs = interp(curve, tokens as f64) * 1e-3 * (1.0 + 0.02 * (rng.unit() - 0.5));
+            ms += secs * 1e3;
+            c.observe(&outcomes, 0.0, secs, tokens, true);
+            for &i in &live {
+                let o = outcomes.iter().find(|o| o.row == i as u64);
+                left[i] -= o.map_or(1, |o| o.accepted + 1).min(left[i]);
+                behind[i] = if o.is_some_and(|o| o.asked > 0) { 0 } else { behind[i] + 1 };
+                if left[i] == 0 {
+                    c.remove(i as u64);
+                }
+            }
+        }
+        ms
+    }
+
+    /// Mean makespan over seeds.
+    fn mean(p: &[f64], curve: &[(f64, f64)], fixed: Option<usize>) -> f64 {
+        (1..=6).map(|s| makespan(p, 64, curve, fixed, s)).sum::<f64>() / 6.0
+    }
+
+    #[test]
+    fn alike_rows_at_batch_finish_near_a_fixed_k() {
+        // 64 rows at 70% (oracle:0.7): the rows' own counts used to scatter their k's from
+        // 0 to 8, the unlucky rows running on alone at the end: 1.20x k=4's time here
+        // (0.98x plain's speed on the H100 where k=4 gave 1.08x).
+        let alike = vec![0.7; 64];
+        let (k4, auto) = (mean(&alike, H100_64_ROWS, Some(4)), mean(&alike, H100_64_ROWS, None));
+        assert!(auto <= 1.05 * k4, "auto {auto:.0} ms against k=4's {k4:.0}");
+        // 8 rows (H200): within 3% of the best fixed k, as before.
+        for p in [0.4, 0.7, 1.0] {
+            let rows = vec![p; 8];
+            let best = (1..=8).map(|k| mean(&rows, H200_8_ROWS, Some(k))).fold(f64::MAX, f64::min);
+            let auto = mean(&rows, H200_8_ROWS, None);
+            assert!(
+                auto <= 1.04 * best,
+                "8 rows at {p}: auto {auto:.0} ms against the best fixed k's {best:.0}"
+            );
+        }
+    }
+
+    #[test]
+    fn rows_that_differ_keep_their_own_k() {
+        // Half the rows accept 90%, half 30%: one k for all would be far from either.
+        let rows: Vec<f64> = (0..64).map(|i| if i % 2 == 0 { 0.9 } else { 0.3 }).collect();
+        let (k4, auto) = (mean(&rows, H100_64_ROWS, Some(4)), mean(&rows, H100_64_ROWS, None));
+        assert!(auto <= 0.8 * k4, "auto {auto:.0} ms against k=4's {k4:.0}");
+    }
+
+    #[test]
+    fn the_row_prior_weighs_by_how_much_rows_differ() {
+        let mut c = KChooser::new(8, 0.0);
+        let cands: Vec<Candidate> = (0..32)
+            .map(|r| Candidate { row: r, cap: 8, self_paced: false, behind: 0, remaining: 64 })
+            .collect();
+        let mut rng = Lcg(7);
+        let observe = |c: &mut KChooser, rng: &mut Lcg, p: &dyn Fn(u64) -> f64| {
+            for _ in 0..20 {
+                let outcomes: Vec<Outcome> = cands
+                    .iter()
+                    .map(|cand| {
+                        let accepted = (0..4).take_while(|_| rng.unit() < p(cand.row)).count();
+                        Outcome { row: cand.row, behind: 0, asked: 4, drafted: 4, accepted }
+                    })
+                    .collect();
+                c.observe(&outcomes, 0.0, 0.01, 160, true);
+            }
+        };
+        assert_eq!(c.row_prior_weight(&cands), ROW_PRIOR_WEIGHT, "no counts yet");
+        observe(&mut c, &mut rng, &|_| 0.7);
+        let alike = c.row_prior_weight(&cands);
+        assert!(alike >= 0.5 * MOST_ROW_PRIOR_WEIGHT, "alike rows: {alike}");
+        let mut d = KChooser::new(8, 0.0);
+        observe(&mut d, &mut rng, &|r| if r % 2 == 0 { 0.95 } else { 0.2 });
+        let differ = d.row_prior_weight(&cands);
+        assert!(differ <= 2.0 * ROW_PRIOR_WEIGHT, "rows that differ: {differ}");
     }
 }
