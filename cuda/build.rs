@@ -19,6 +19,21 @@ fn cuda() {
     println!("cargo:rerun-if-changed=src/walk.cuh");
     println!("cargo:rerun-if-changed=src/flash.cuh");
     println!("cargo:rerun-if-changed=src/forward.cuh");
+    // kernels.cu's op families, which it includes.
+    println!("cargo:rerun-if-changed=src/common.cuh");
+    println!("cargo:rerun-if-changed=src/matmul.cuh");
+    println!("cargo:rerun-if-changed=src/matmul_tc.cuh");
+    println!("cargo:rerun-if-changed=src/matmul_tcq.cuh");
+    println!("cargo:rerun-if-changed=src/matmul_tt.cuh");
+    println!("cargo:rerun-if-changed=src/embed.cuh");
+    println!("cargo:rerun-if-changed=src/norm.cuh");
+    println!("cargo:rerun-if-changed=src/summaries.cuh");
+    println!("cargo:rerun-if-changed=src/qk_rope_store.cuh");
+    println!("cargo:rerun-if-changed=src/attention.cuh");
+    println!("cargo:rerun-if-changed=src/kv.cuh");
+    println!("cargo:rerun-if-changed=src/stock.cuh");
+    println!("cargo:rerun-if-changed=src/elementwise.cuh");
+    println!("cargo:rerun-if-changed=src/flash_kernels.cuh");
     let nvcc = std::env::var_os("NVCC")
         .map(PathBuf::from)
         .or_else(|| {

@@ -51,7 +51,9 @@ fn main() -> anyhow::Result<()> {
     let all: Vec<TcKernel> =
         TcKernel::ALL.into_iter().filter(|k| only.is_empty() || only.contains(&format!("{k:?}"))).collect();
     if let Some(unknown) = only.iter().find(|name| !all.iter().any(|k| format!("{k:?}") == **name)) {
-        anyhow::bail!("--only: no tensor-core kernel is named {unknown:?} (see TcKernel in cuda/src/lib.rs)");
+        anyhow::bail!(
+            "--only: no tensor-core kernel is named {unknown:?} (see TcKernel in cuda/src/matmul_tc.rs)"
+        );
     }
     let cuda = Cuda::shared()?;
     println!("device: {}", cuda.device_name());

@@ -1,4 +1,5 @@
-// Attention on the tensor cores: included by kernels.cu (the mma.sync kernels) and hopper.cu (wgmma).
+// Attention on the tensor cores: included by flash_kernels.cuh (kernels.cu's mma.sync kernels)
+// and hopper.cu (wgmma).
 //
 // Taken where activations are bf16 and K/V are stored in bf16 (CUDA's default for 16-bit
 // checkpoints), for head sizes that are multiples of 8 up to 128 and at most 8 query heads
@@ -654,7 +655,7 @@ __device__ void flash_impl(const float* q, float* out, float* partial, const flo
     }
 }
 
-// A kernel of flash_impl: `Wg` FaMmaSync (kernels.cu's six) or FaWgmma (hopper.cu's).
+// A kernel of flash_impl: `Wg` FaMmaSync (flash_kernels.cuh's six) or FaWgmma (hopper.cu's).
 #define FLASH_KERNEL(name, MAX_HD, FULL, WG)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * FA_MAX_WARPS) name(                                    \
         const float* q, float* out, float* partial, const Tok* toks, const RowKv* rows, const int* tiles,    \

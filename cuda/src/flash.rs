@@ -8,7 +8,8 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::{ptr, split_segments, AttentionKeys, Cuda};
+use super::attention::{split_segments, AttentionKeys};
+use super::{ptr, Cuda};
 use mtp_base::error::Result;
 use mtp_kernels::{negative_control, Activations, Heads, KvDtype};
 

@@ -2,14 +2,14 @@
 // a GPU of compute capability 9.0): the tensor-core matmul for many tokens by wgmma, its
 // operands brought into shared memory by the tensor memory accelerator (TMA).
 //
-// Every output is summed in kernels.cu's canonical order (walk.cuh's phases, 128-wide
+// Every output is summed in matmul_tc.cuh's canonical order (walk.cuh's phases, 128-wide
 // chunks, two 16-k MMA steps a 32-wide block), so with the bits of every other tensor-core
 // kernel: a wgmma over 16 k gives the bits of mma.sync over the same 16 k, whichever
 // register or shared-memory place holds which k (cuda/probes/mma_bits.cu). The weights'
 // fragments come from registers, loaded as linear_tc loads them (lane 4g + t: k 8t..8t+7 of
 // rows g and g + 8 a block); the activations come from shared memory, written by
 // split_activations_steps in the matching order. bf16 activations only (the `_x1`
-// numerics); the exact three-term split keeps kernels.cu's tiles.
+// numerics); the exact three-term split keeps matmul_tt.cuh's tiles.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -165,7 +165,7 @@ struct WgFrag {
 // TOKS tokens, 128-byte swizzle; zeros past the edges), a block the tile (`tile_c`,
 // `tile_t`). PHASED: the block walks phase `phase`'s chunks alone and writes that phase's
 // partial to out[phase][m][n] (no bias), for linear_merge_phases to add in phase order, as
-// kernels.cu's phase-split tiles do. block: 384; dynamic shared memory: WG_STAGES stages of
+// matmul_tt.cuh's phase-split tiles do. block: 384; dynamic shared memory: WG_STAGES stages of
 // (128 + TOKS) x 64 bf16 + 1,024 (alignment) + the barriers.
 template <int TOKS, bool PHASED>
 __device__ __forceinline__ void linear_wg_impl(const TensorMap& wmap, const TensorMap& xmap, int m, int k, int n,
@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(384, 2)
                                           const __grid_constant__ WgParts p) {
     const int b = blockIdx.x;
     const int i = (p.parts > 2 && b >= p.first_tile[2]) ? 2 : (p.parts > 1 && b >= p.first_tile[1]) ? 1 : 0;
-    // Chosen by conditionals, as kernels.cu's TC_PART (a dynamic index would copy to the stack).
+    // Chosen by conditionals, as matmul_tc.cuh's TC_PART (a dynamic index would copy to the stack).
     const TensorMap* w = i == 0 ? &w0 : i == 1 ? &w1 : &w2;
     float* part = i == 0 ? p.part[0] : i == 1 ? p.part[1] : p.part[2];
     const int n = i == 0 ? p.n[0] : i == 1 ? p.n[1] : p.n[2];

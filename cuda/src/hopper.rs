@@ -1,7 +1,7 @@
 //! The Hopper matmul (`hopper.cu`, compiled for sm_90a): its module, loaded only on a GPU of
 //! compute capability 9.0, and its launch, whose operands the TMA reads through descriptors
 //! made here. It sums every output in the canonical order of the other tensor-core kernels
-//! (`kernels.cu`), so picking it changes the speed, never the bits.
+//! (`matmul_tc.cuh`, `matmul_tt.cuh`), so picking it changes the speed, never the bits.
 
 use std::sync::Arc;
 
@@ -10,8 +10,9 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice};
 use mtp_base::error::{Error, Result};
 use mtp_kernels::Out;
 
+use crate::matmul_tc::GRID_SMS;
 use crate::scratch::Scratch;
-use crate::{ptr, Cuda, CudaMat, TcKernel, GRID_SMS};
+use crate::{ptr, Cuda, CudaMat, TcKernel};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/hopper.ptx"));
 

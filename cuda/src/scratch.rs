@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use mtp_base::error::Result;
 
-use super::driver;
 use super::graphs::MOST_RECORDED_TOKENS;
+use super::{driver, Cuda};
 
 /// Free buffers of one element type.
 #[derive(Default)]
@@ -99,5 +99,23 @@ impl Pools {
         // SAFETY: a launch's scratch is written before it is read (see the module's doc).
         let buf = unsafe { stream.alloc::<T>(n) }.map_err(driver(what))?;
         Ok(Scratch { buf: Some(buf), home: keep.then_some(pool) })
+    }
+}
+
+impl Cuda {
+    /// `len` f32 of a launch's scratch over `m` tokens ([`scratch`]).
+    ///
+    /// [`scratch`]: crate::scratch
+    pub(crate) fn scratch_f32(&self, len: usize, m: usize, what: &'static str) -> Result<Scratch<'_, f32>> {
+        let pools = &self.scratch;
+        pools.take(&pools.f32s, &self.stream, len, m, what)
+    }
+
+    /// `len` bf16 of a launch's scratch over `m` tokens ([`scratch`]).
+    ///
+    /// [`scratch`]: crate::scratch
+    pub(crate) fn scratch_u16(&self, len: usize, m: usize, what: &'static str) -> Result<Scratch<'_, u16>> {
+        let pools = &self.scratch;
+        pools.take(&pools.u16s, &self.stream, len, m, what)
     }
 }

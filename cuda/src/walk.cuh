@@ -1,4 +1,4 @@
-// The tensor-core matmul's K walk, shared by kernels.cu and hopper.cu (see kernels.cu's
+// The tensor-core matmul's K walk, shared by kernels.cu and hopper.cu (see matmul_tc.cuh's
 // "Canonical order of one output"): K in 128-wide chunks, chunk c in phase c % 8, the 8
 // phases summed in phase order.
 
