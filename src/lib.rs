@@ -21,6 +21,24 @@ pub use mtp_verifier as verifier;
 pub mod bench;
 pub mod synth;
 
+/// `e` and its causes as one line for the user, outermost first: a cause whose text the
+/// line already holds is left out (the workspace's errors print their source inside their
+/// own message, so anyhow's `{:#}` said "No such file or directory (os error 2)" twice).
+pub fn error_report(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 /// Logs to stderr; `RUST_LOG` overrides `default_level`. Colour only when stderr is a
 /// terminal and `NO_COLOR` is unset or empty (no escape codes in files or supervisors' logs).
 pub fn init_logging(default_level: &str) {

@@ -109,6 +109,8 @@ fn bad_requests_fail_alone_and_bad_files_are_named() {
     let (code, _, err) = mtp(&["generate", "--target", "/nonexistent/model"]);
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
+    // The cause is said once (the error's own message already holds its source).
+    assert_eq!(err.matches("os error 2").count(), 1, "{err}");
 }
 
 #[test]

@@ -120,7 +120,7 @@ fn main() -> ExitCode {
             ExitCode::from(3)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", mtp::error_report(&e));
             ExitCode::FAILURE
         }
     }

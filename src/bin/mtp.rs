@@ -508,7 +508,7 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", mtp::error_report(&e));
             ExitCode::FAILURE
         }
     }
