@@ -165,7 +165,12 @@ fn text_line(buf: &[u8], max_line: usize) -> std::result::Result<&str, String> {
 /// field is wrong or what the line is instead of an object.
 fn parse_line(line: &str) -> Result<Line> {
     // A key given twice is refused (the last value won), as the server refuses it.
-    let v: Value = mtp_base::json::parse(line.as_bytes())?;
+    let v: Value = mtp_base::json::parse(line.as_bytes()).map_err(|e| match e.classify() {
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof => anyhow!(
+            "not JSON ({e}): each line is one JSON object such as {{\"id\": \"a\", \"prompt\": \"text\"}}"
+        ),
+        _ => anyhow!(e),
+    })?;
     let Value::Object(fields) = &v else {
         let got = match v {
             Value::Array(_) => "an array",

@@ -577,8 +577,13 @@ fn prompts_files_are_bounded_and_bad_lines_are_named() {
         assert!(code == 1 && err.contains("/dev/zero:1") && err.contains("NUL"), "{err}");
     }
     let good = "{\"id\": \"a\", \"prompt_ids\": [5, 9]}\n";
-    let cases: [(&str, &[u8], &str); 5] = [
+    let cases: [(&str, &[u8], &str); 6] = [
         ("array", b"[1,2,3]\n", ":1: invalid request: expected a JSON object"),
+        (
+            "text",
+            b"hello world\n",
+            ":1: invalid request: not JSON (expected value at line 1 column 1): each line is one JSON object",
+        ),
         ("binary", b"\x7fELF\x02\x01\x01\x00\x00", ":1: a NUL byte at byte 8"),
         ("latin1", b"{\"id\": \"a\", \"prompt_ids\": [5]}\n{\"prompt\": \"caf\xe9\"}\n", ":2: not UTF-8"),
         ("type", b"\n{\"id\": \"x\", \"prompt_ids\": \"5 9\"}\n", ":2: invalid request: field `prompt_ids`"),
