@@ -451,16 +451,14 @@ impl KChooser {
             .filter(|&(_, n)| n > 0.0)
             .collect();
         let (acc, n): (f64, f64) = counts.iter().fold((0.0, 0.0), |(a, n), &(ai, ni)| (a + ai, n + ni));
-        if counts.len() < 4 || n <= 0.0 {
-            return ROW_PRIOR_WEIGHT;
-        }
+        // Too few rows to tell, or every draft accepted (or none): nothing to weigh.
         let p = acc / n;
         let chance = p * (1.0 - p);
-        let spread: f64 = counts.iter().map(|&(a, ni)| ni * (a / ni - p).powi(2)).sum();
-        let tau2 = ((spread - (counts.len() - 1) as f64 * chance) / n).max(0.0);
-        if chance <= 0.0 {
+        if counts.len() < 4 || chance <= 0.0 {
             return ROW_PRIOR_WEIGHT;
         }
+        let spread: f64 = counts.iter().map(|&(a, ni)| ni * (a / ni - p).powi(2)).sum();
+        let tau2 = ((spread - (counts.len() - 1) as f64 * chance) / n).max(0.0);
         (chance / tau2.max(1e-12)).clamp(ROW_PRIOR_WEIGHT, MOST_ROW_PRIOR_WEIGHT)
     }
 
