@@ -230,30 +230,131 @@ pub fn draft_count(s: &str) -> Result<usize, String> {
     }
 }
 
-/// The checkpoint `mtp generate` and `mtp-bench` run when no `--target` is given: the
-/// trained family shipped in the repository (a small Qwen3 code model trained on Rust
-/// sources; recipe in `training/`), so the commands need no download. Its MTP head ships
-/// inside the checkpoint.
-pub const DEFAULT_TARGET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/target");
+/// The prompts JSONL format, for `--help` of the commands that read one (a macro so that
+/// `concat!` can put it after their examples).
+#[macro_export]
+macro_rules! prompts_format {
+    () => {
+        "\
+Prompts JSONL: one JSON object per line, e.g.
+  {\"id\": \"a\", \"prompt\": \"fn main() {\", \"max_tokens\": 16}
+  {\"id\": \"b\", \"prompt_ids\": [200, 620, 1266], \"temperature\": 0.8, \"seed\": 7, \"stop\": [\"}\"]}
+`prompt` (text) or `prompt_ids` (token ids); optional: id, max_tokens, stop, temperature,
+top_k, top_p, min_p, seed, top_logprobs, prompt_logprobs, arrive_at (R: submitted once the
+engine has completed R rounds), and one constraint: json_schema, regex, grammar (Lark) or
+response_format. Output: one JSON line per request (id, tokens, text, logprobs,
+finish_reason), in input order. Blank lines are skipped."
+    };
+}
+
+/// Files the repository ships for the commands' defaults, by path from its root: the
+/// trained family (a small Qwen3 code model trained on Rust sources, recipe in `training/`;
+/// its MTP head inside the target checkpoint) and the example prompts. [`shipped`] finds them.
+pub mod shipped_files {
+    /// The checkpoint `mtp generate`, `serve` and `mtp-bench` run when no `--target` is given.
+    pub const TARGET: &str = "tests/fixtures/trained/target";
+    /// The draft model trained for [`TARGET`] (same tokenizer, smaller).
+    pub const DRAFT: &str = "tests/fixtures/trained/draft";
+    /// `mtp generate`'s prompts when no `--prompts` is given.
+    pub const PROMPTS: &str = "examples/prompts.jsonl";
+    /// `mtp-bench`'s prompts when neither `--prompts` nor `--prompts-dir` is given: cut from
+    /// this repository's own sources, which the trained family never saw in training.
+    pub const HELDOUT_PROMPTS: &str = "examples/heldout-prompts.jsonl";
+}
+
+/// The source tree this binary was built from.
+const BUILT_FROM: &str = env!("CARGO_MANIFEST_DIR");
+
+/// Where a file the repository ships ([`shipped_files`]) is: in the checkout that holds the
+/// running executable (`target/release/mtp` or `target/debug/deps/...`, wherever the clone
+/// now is), else in the source tree the binary was built from (`cargo install --path .`
+/// leaves it there). A binary copied away from both finds neither: the error names the flag
+/// that replaces the default.
+pub fn shipped(rel: &str, flag: &str) -> anyhow::Result<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok();
+    shipped_from(rel, flag, exe.as_deref(), std::path::Path::new(BUILT_FROM))
+}
+
+/// [`shipped`] with the executable's path and the build tree given.
+fn shipped_from(
+    rel: &str,
+    flag: &str,
+    exe: Option<&std::path::Path>,
+    built_from: &std::path::Path,
+) -> anyhow::Result<std::path::PathBuf> {
+    let beside_exe = exe.into_iter().flat_map(|e| e.ancestors().skip(1)).map(|dir| dir.join(rel));
+    let mut looked = Vec::new();
+    for path in beside_exe.chain([built_from.join(rel)]) {
+        if path.exists() {
+            return Ok(path);
+        }
+        looked.push(path);
+    }
+    anyhow::bail!(
+        "no {flag} given, and the default it stands for ({rel}, shipped in the mtp repository) is not \
+         beside this executable or in the tree it was built from ({}): give {flag}, or run the binary \
+         from a checkout of the repository",
+        built_from.display()
+    )
+}
+
+/// The default target checkpoint ([`shipped_files::TARGET`]).
+pub fn default_target() -> anyhow::Result<std::path::PathBuf> {
+    shipped(shipped_files::TARGET, "--target")
+}
 
 /// The target checkpoint `--target` names: a directory, or a Hugging Face repo id resolved
-/// to its cached (or downloaded) snapshot; [`DEFAULT_TARGET`] without one.
-pub fn target_dir(target: Option<&std::path::Path>) -> Result<std::path::PathBuf, base::Error> {
+/// to its cached (or downloaded) snapshot; [`default_target`] without one.
+pub fn target_dir(target: Option<&std::path::Path>) -> anyhow::Result<std::path::PathBuf> {
     match target {
-        Some(t) => base::hub::resolve_from_env(t),
-        None => Ok(DEFAULT_TARGET.into()),
+        Some(t) => Ok(base::hub::resolve_from_env(t)?),
+        None => default_target(),
     }
 }
 
-/// The draft model trained for [`DEFAULT_TARGET`] (same tokenizer, smaller).
-pub const DEFAULT_DRAFT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/draft");
+#[cfg(test)]
+mod shipped_tests {
+    use super::*;
+    use std::path::Path;
 
-/// The MTP head trained for [`DEFAULT_TARGET`] (MiMo layout, inside the target checkpoint).
-pub const DEFAULT_MTP: &str = DEFAULT_TARGET;
+    /// A scratch directory holding the given files.
+    fn tree(tag: &str, files: &[&str]) -> std::path::PathBuf {
+        let root = std::env::temp_dir().join(format!("mtp-shipped-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for f in files {
+            let p = root.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, "").unwrap();
+        }
+        root
+    }
 
-/// `mtp generate`'s prompts when no `--prompts` is given.
-pub const DEFAULT_PROMPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/prompts.jsonl");
+    #[test]
+    fn a_moved_checkout_finds_its_own_files_first() {
+        let moved = tree("moved", &["examples/prompts.jsonl", "target/release/mtp"]);
+        let built = tree("built", &["examples/prompts.jsonl"]);
+        let exe = moved.join("target/release/mtp");
+        let got = shipped_from("examples/prompts.jsonl", "--prompts", Some(&exe), &built).unwrap();
+        assert_eq!(got, moved.join("examples/prompts.jsonl"));
+        // Without the file beside the executable, the build tree's.
+        let bare = tree("bare", &["bin/mtp"]);
+        let got =
+            shipped_from("examples/prompts.jsonl", "--prompts", Some(&bare.join("bin/mtp")), &built).unwrap();
+        assert_eq!(got, built.join("examples/prompts.jsonl"));
+    }
 
-/// `mtp-bench`'s prompts when neither `--prompts` nor `--prompts-dir` is given: cut from
-/// this repository's own sources, which the trained family never saw in training.
-pub const HELDOUT_PROMPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/heldout-prompts.jsonl");
+    #[test]
+    fn a_binary_away_from_both_names_the_flag() {
+        let bare = tree("away", &["bin/mtp"]);
+        let gone = Path::new("/nonexistent/mtp-source");
+        let e =
+            shipped_from(shipped_files::TARGET, "--target", Some(&bare.join("bin/mtp")), gone).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("give --target") && e.contains(shipped_files::TARGET) && e.contains("/nonexistent"),
+            "{e}"
+        );
+        // No executable path at all (current_exe failed): the build tree alone decides.
+        assert!(shipped_from(shipped_files::TARGET, "--target", None, gone).is_err());
+    }
+}

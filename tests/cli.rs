@@ -171,7 +171,14 @@ fn default_family_drafters_print_what_plain_decoding_prints() {
         vec![],
         vec!["--k", "auto", "--max-k", "3", "--max-batch", "2"],
         vec!["--drafter", "mtp", "--k", "3"],
-        vec!["--drafter", "draft-model", "--draft", mtp::DEFAULT_DRAFT, "--max-batch", "1"],
+        vec![
+            "--drafter",
+            "draft-model",
+            "--draft",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trained/draft"),
+            "--max-batch",
+            "1",
+        ],
         vec!["--drafter", "ngram", "--k", "5", "--max-batch", "2"],
     ] {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
@@ -306,6 +313,13 @@ fn mtp_bench_refuses_runs_it_could_not_report_truly() {
     let (code, err) = run(&["--max-tokens", "2", "--json", report.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");
     assert!(std::fs::read_to_string(&report).unwrap().contains("\"rows\""));
+    // Off a terminal, progress is a line per run (plain and ngram, --repeats 3: 6 runs).
+    assert!(
+        err.contains("run 1/6: ")
+            && err.contains("run 6/6: ngram, k auto, batch 1")
+            && err.contains("s left)"),
+        "{err}"
+    );
     std::fs::remove_file(report).ok();
 }
 
@@ -737,4 +751,74 @@ fn prompt_logprobs_score_a_prompt_as_generation_scored_it() {
     }
     let z = lines.next().unwrap();
     assert!(z["error"].as_str().is_some_and(|e| e.contains("max_tokens")), "{z}");
+}
+
+/// A copy of the binary outside any checkout, run from another directory, still finds the
+/// default model and prompts (in the tree it was built from).
+#[test]
+fn a_copied_binary_runs_from_another_directory() {
+    let dir = std::env::temp_dir().join(format!("mtp-copied-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("mtp");
+    std::fs::copy(env!("CARGO_BIN_EXE_mtp"), &exe).unwrap();
+    let out = Command::new(&exe)
+        .args(["generate", "--drafter", "none", "--max-tokens", "4"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 3, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every flag of every command says what it does in `--help`, and the commands that read
+/// prompts end their help with examples and the JSONL format.
+#[test]
+fn every_flag_has_help_text() {
+    let help = |bin: &str, args: &[&str]| {
+        let out = Command::new(bin).args(args).arg("--help").output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let mtp = env!("CARGO_BIN_EXE_mtp");
+    let pages = [
+        ("generate", help(mtp, &["generate"])),
+        ("serve", help(mtp, &["serve"])),
+        ("synth", help(mtp, &["synth"])),
+        ("synth-mtp", help(mtp, &["synth-mtp"])),
+        ("mtp-bench", help(env!("CARGO_BIN_EXE_mtp-bench"), &[])),
+    ];
+    for (name, page) in &pages {
+        // The options, up to the examples after them.
+        let lines: Vec<&str> = page.lines().take_while(|l| *l != "Examples:").collect();
+        let mut flags = 0;
+        for (i, line) in lines.iter().enumerate() {
+            let t = line.trim_start();
+            // Option lines are indented at most six spaces (`  -h, --help`, `      --flag <X>`),
+            // their help ten.
+            if !t.starts_with('-') || line.len() - t.len() > 6 {
+                continue;
+            }
+            flags += 1;
+            // Short pages put the help on the flag's line, after two spaces or more.
+            if t.split_once("  ")
+                .is_some_and(|(_, help)| !help.trim().is_empty() && !help.trim().starts_with('['))
+            {
+                continue;
+            }
+            let next = lines.get(i + 1).map(|l| l.trim()).unwrap_or("");
+            assert!(
+                !next.is_empty() && !next.starts_with('[') && !next.starts_with('-'),
+                "{name}: `{t}` has no help text (next line: {next:?})"
+            );
+        }
+        assert!(flags >= 4, "{name}: read {flags} flags from its help: the format changed?\n{page}");
+        if ["generate", "serve", "mtp-bench"].contains(name) {
+            assert!(page.contains("Examples:\n"), "{name}: no examples");
+        }
+        if ["generate", "mtp-bench"].contains(name) {
+            assert!(page.contains("Prompts JSONL: one JSON object per line"), "{name}: no JSONL format");
+        }
+    }
 }

@@ -18,11 +18,26 @@ use mtp::engine::{Completion, DraftLen, EngineOptions, Request, SamplingMode, Sa
 use mtp::kernels::Backend;
 use mtp::model::Model;
 
+const BENCH_HELP: &str = concat!(
+    "Examples:
+  mtp-bench                                   # the shipped family: draft model, MTP head, ngram
+  mtp-bench --drafters mtp,ngram --k 2,4,auto --batch 1,8 --temperatures 0 --repeats 3
+  mtp-bench --target /models/qwen3-8b --backend cuda --drafters oracle:0.7 \\
+      --prompts-dir ~/src --num-prompts 64 --prompt-tokens 256 --batch 64 --json out.json
+
+Progress goes to stderr (a bar on a terminal, a line per run otherwise); the table to stdout.
+Every request arrives at once (`arrive_at` is not read here).
+
+",
+    mtp::prompts_format!()
+);
+
 #[derive(Parser)]
 #[command(
     name = "mtp-bench",
     version,
-    about = "Compare drafters' acceptance and speed; check every row is identical"
+    about = "Compare drafters' acceptance and speed; check every row is identical",
+    after_long_help = BENCH_HELP
 )]
 struct Cli {
     /// Target checkpoint: directory or Hugging Face repo id (org/name[@revision]), taken from the
@@ -57,9 +72,10 @@ struct Cli {
     /// Cut prompts from the text files in this folder instead.
     #[arg(long)]
     prompts_dir: Option<PathBuf>,
-    /// How many prompts --prompts-dir cuts, and their length (nothing else reads them).
+    /// How many prompts --prompts-dir cuts (only with --prompts-dir).
     #[arg(long, default_value_t = 8, value_parser = mtp::at_least_one, requires = "prompts_dir")]
     num_prompts: usize,
+    /// Tokens of each prompt --prompts-dir cuts.
     #[arg(long, default_value_t = 64, value_parser = mtp::at_least_one, requires = "prompts_dir")]
     prompt_tokens: usize,
     /// New tokens per request (EOS is ignored so every run generates the same count).
@@ -143,8 +159,8 @@ fn bench(cli: Cli) -> Result<bool> {
     let drafters = match (&cli.drafters, default_target) {
         (Some(list), _) => DrafterSpec::parse_list(list)?,
         (None, true) => vec![
-            DrafterSpec::DraftModel(mtp::DEFAULT_DRAFT.into()),
-            DrafterSpec::Mtp(Some(mtp::DEFAULT_MTP.into())),
+            DrafterSpec::DraftModel(mtp::shipped(mtp::shipped_files::DRAFT, "--drafters")?),
+            DrafterSpec::Mtp(Some(target_dir.clone())),
             DrafterSpec::Ngram,
         ],
         // Another target: its own MTP head if it has one, and n-gram lookup.
@@ -167,7 +183,10 @@ fn bench(cli: Cli) -> Result<bool> {
             prompts_from_dir(dir, tok, cli.num_prompts, cli.prompt_tokens, cli.max_tokens)?
         }
         None => {
-            let path = cli.prompts.clone().unwrap_or_else(|| PathBuf::from(mtp::HELDOUT_PROMPTS));
+            let path = match &cli.prompts {
+                Some(p) => p.clone(),
+                None => mtp::shipped(mtp::shipped_files::HELDOUT_PROMPTS, "--prompts")?,
+            };
             let defaults = Request { max_tokens: cli.max_tokens, ignore_eos: true, ..Request::default() };
             let mut reqs = mtp::prompts::read(&path, tokenizer.as_ref(), &defaults)?.requests;
             if reqs.is_empty() {
@@ -216,10 +235,7 @@ fn bench(cli: Cli) -> Result<bool> {
     let Some(runs) = runs else {
         bail!("the runs asked for (settings x --repeats x --batch) are too many to count")
     };
-    let bar = ProgressBar::new(runs as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} runs {msg} [{elapsed}]").expect("template"),
-    );
+    let mut bar = Progress::new(runs);
     let numerics = model.numerics();
     eprintln!(
         "target {} ({:?}, {} layers), {} requests x {} tokens; {} backend, {:?} K/V, {} activations{}",
@@ -239,7 +255,7 @@ fn bench(cli: Cli) -> Result<bool> {
     let mut rows = Vec::new();
     let tok = tokenizer.as_ref();
     // Warm-up, untimed: the first timed run would otherwise pay for cold caches and pages.
-    bar.set_message("warm-up");
+    bar.start("warm-up (untimed)".into());
     let prefill_chunk = cli.prefill_chunk.unwrap_or(if cli.backend == "cuda" { 2048 } else { 64 });
     let opts = |max_batch: usize, k: DraftLen, sampling_mode: SamplingMode| EngineOptions {
         max_batch,
@@ -286,13 +302,13 @@ fn bench(cli: Cli) -> Result<bool> {
                 let slots = configs.len() + 1;
                 for slot in (0..slots).map(|i| (i + rep) % slots) {
                     let Some(c) = slot.checked_sub(1) else {
-                        bar.set_message(format!("plain, T={temperature}, batch {batch}, repeat {}", rep + 1));
+                        bar.start(format!("plain, T={temperature}, batch {batch}, repeat {}", rep + 1));
                         plain_runs.push(plain()?);
-                        bar.inc(1);
+                        bar.done();
                         continue;
                     };
                     let (mode, f, k) = configs[c];
-                    bar.set_message(format!(
+                    bar.start(format!(
                         "{}, k {}, batch {batch}, T={temperature} {}, repeat {}",
                         f.spec().label(),
                         k.label(),
@@ -312,7 +328,7 @@ fn bench(cli: Cli) -> Result<bool> {
                         opts(batch, k.with_max(cli.max_k), mode),
                         learned,
                     )?);
-                    bar.inc(1);
+                    bar.done();
                 }
             }
             let reference = &*reference.get_or_insert_with(|| plain_runs[0].completions.clone());
@@ -350,7 +366,7 @@ fn bench(cli: Cli) -> Result<bool> {
             }
         }
     }
-    bar.finish_and_clear();
+    bar.finish();
     println!("{}", markdown(&rows));
     // The masks' cost: plain decoding per token under each constraint beside `none`.
     for r in rows.iter().filter(|r| r.drafter == "none" && r.constraint != "none") {
@@ -382,6 +398,57 @@ fn bench(cli: Cli) -> Result<bool> {
             .with_context(|| format!("{}: cannot write", path.display()))?;
     }
     Ok(all_identical)
+}
+
+/// Progress on stderr: a bar with an ETA on a terminal; otherwise (a log, CI) one line per
+/// finished run, so a long benchmark never sits silent.
+struct Progress {
+    bar: ProgressBar,
+    terminal: bool,
+    total: usize,
+    finished: usize,
+    what: String,
+    run_started: std::time::Instant,
+    /// Seconds the finished runs took.
+    timed: f64,
+}
+
+impl Progress {
+    fn new(total: usize) -> Progress {
+        let bar = ProgressBar::new(total as u64);
+        bar.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} runs, ETA {eta} {msg} [{elapsed}]")
+                .expect("template"),
+        );
+        let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let run_started = std::time::Instant::now();
+        Progress { bar, terminal, total, finished: 0, what: String::new(), run_started, timed: 0.0 }
+    }
+
+    fn start(&mut self, what: String) {
+        self.bar.set_message(what.clone());
+        self.what = what;
+        self.run_started = std::time::Instant::now();
+    }
+
+    /// One timed run finished (the warm-up is not counted).
+    fn done(&mut self) {
+        self.finished += 1;
+        self.bar.inc(1);
+        let took = self.run_started.elapsed().as_secs_f64();
+        self.timed += took;
+        if !self.terminal {
+            let left = self.timed / self.finished as f64 * self.total.saturating_sub(self.finished) as f64;
+            eprintln!(
+                "run {}/{}: {}: {took:.2} s (about {left:.0} s left)",
+                self.finished, self.total, self.what
+            );
+        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 fn rayon_threads() -> usize {

@@ -23,6 +23,22 @@ use mtp::synth::{SynthQuant, SynthSpec};
 use serde_json::json;
 use std::net::ToSocketAddrs;
 
+const GENERATE_HELP: &str = concat!(
+    "Examples:
+  mtp generate --prompts my.jsonl --max-batch 8 > out.jsonl
+  mtp generate --target Qwen/Qwen3-0.6B --drafter ngram --temperature 0.7 --seed 1
+
+",
+    mtp::prompts_format!()
+);
+
+const SERVE_HELP: &str = "Examples:
+  mtp serve --target Qwen/Qwen3-8B --backend cuda --max-batch 64
+  mtp serve --host 0.0.0.0 --port 8080 --api-key \"$KEY\" --drafter ngram
+
+Then: curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+  -d '{\"model\": \"mtp-trained\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'";
+
 #[derive(Parser)]
 #[command(name = "mtp", version, about = "Lossless speculative generation with row-invariant numerics")]
 struct Cli {
@@ -38,6 +54,7 @@ enum Command {
     /// prompts JSONL; one JSON line per request on stdout, in input order. Greedy and
     /// exact-sampled output is bitwise the same whatever the drafter, k, batch size and
     /// arrival order.
+    #[command(after_long_help = GENERATE_HELP)]
     Generate {
         #[command(flatten)]
         model: ModelArgs,
@@ -56,11 +73,15 @@ enum Command {
     /// An OpenAI-compatible HTTP server (`/v1/completions`, `/v1/chat/completions`,
     /// streaming or not, `/v1/models`, `/health`, `/metrics`) over the same engine: every
     /// response's tokens and logprobs are those of the request run alone.
+    #[command(after_long_help = SERVE_HELP)]
     Serve {
         #[command(flatten)]
         model: ModelArgs,
+        /// Address to listen on: an IP or a host name (0.0.0.0: every interface; off
+        /// loopback, give --api-key).
         #[arg(long, default_value = "127.0.0.1")]
         host: String,
+        /// TCP port to listen on.
         #[arg(long, default_value_t = 8000)]
         port: u16,
         /// Bytes of K/V the exact prefix cache may hold, in MiB (0: off).
@@ -100,18 +121,25 @@ enum Command {
         /// gemma4-31b (Gemma 4 31B), gemma4-e2b (Gemma 4 E2B); Gemma 4 text decoders only.
         #[arg(long)]
         like: String,
+        /// Hidden size (default: the preset's).
         #[arg(long, value_parser = mtp::at_least_one)]
         hidden: Option<usize>,
+        /// Decoder layers (default: the preset's).
         #[arg(long, value_parser = mtp::at_least_one)]
         layers: Option<usize>,
+        /// Attention heads (default: the preset's).
         #[arg(long, value_parser = mtp::at_least_one)]
         heads: Option<usize>,
+        /// Key/value heads (default: the preset's).
         #[arg(long, value_parser = mtp::at_least_one)]
         kv_heads: Option<usize>,
+        /// Size of one attention head (default: the preset's).
         #[arg(long, value_parser = mtp::at_least_one)]
         head_dim: Option<usize>,
+        /// MLP intermediate size (default: the preset's).
         #[arg(long, value_parser = mtp::at_least_one)]
         intermediate: Option<usize>,
+        /// Vocabulary size (default: the preset's; the tokenizer written covers it).
         #[arg(long, value_parser = mtp::at_least_one)]
         vocab: Option<usize>,
         /// bf16, f16 or f32.
@@ -124,12 +152,14 @@ enum Command {
         /// Values per quantization group with --q-bits: 32, 64 or 128.
         #[arg(long, default_value_t = 64)]
         q_group_size: usize,
+        /// Seed of the random weights (the same seed writes the same bytes).
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// The most GiB of weights to write: a bigger shape is refused before anything is
         /// written (the file system's free space is checked too).
         #[arg(long, default_value_t = 16, value_parser = mtp::at_least_one)]
         max_gib: usize,
+        /// Directory to write (config.json, model.safetensors, tokenizer.json).
         #[arg(long)]
         out: PathBuf,
     },
@@ -141,8 +171,10 @@ enum Command {
         /// mimo (`model.mtp_layers.0.*`) or deepseek (`model.layers.{N}.*`).
         #[arg(long, default_value = "mimo")]
         layout: String,
+        /// Seed of the random weights.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Directory to write the head's config.json and model.safetensors.
         #[arg(long)]
         out: PathBuf,
     },
@@ -246,9 +278,10 @@ struct ModelArgs {
     /// The most drafts --k auto gives a row in one round.
     #[arg(long, default_value_t = 8, value_parser = mtp::draft_count)]
     max_k: usize,
-    /// Shortest and longest n-gram the ngram drafter matches.
+    /// Shortest n-gram the ngram drafter matches.
     #[arg(long, default_value_t = 1, value_parser = mtp::at_least_one)]
     ngram_min: usize,
+    /// Longest n-gram the ngram drafter matches (it tries the longest first).
     #[arg(long, default_value_t = 4, value_parser = mtp::at_least_one)]
     ngram_max: usize,
     /// K/V cache budget in MiB (target and drafter, prefix cache included): requests are
@@ -518,7 +551,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Generate { model: margs, prompts, max_tokens, ignore_eos, sampling } => {
             let (sampling, sampling_mode) = sampling.params()?;
-            let prompts = prompts.unwrap_or_else(|| PathBuf::from(mtp::DEFAULT_PROMPTS));
+            let prompts = match prompts {
+                Some(p) => p,
+                None => mtp::shipped(mtp::shipped_files::PROMPTS, "--prompts")?,
+            };
             let t0 = std::time::Instant::now();
             let (target, model, tokenizer) = margs.load()?;
             let defaults = Request { max_tokens, ignore_eos, sampling, ..Request::default() };
@@ -631,7 +667,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let model_name = served_model_name.unwrap_or_else(|| match &margs.target {
                 // A repo id resolved to a snapshot: serve it under the id.
                 Some(arg) if *arg != target => arg.to_string_lossy().into_owned(),
-                _ if target == Path::new(mtp::DEFAULT_TARGET) => "mtp-trained".into(),
+                None => "mtp-trained".into(),
                 _ => target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
             });
             let mut opts = EngineOptions {
