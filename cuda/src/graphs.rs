@@ -20,16 +20,20 @@ use mtp_base::error::{Error, Result};
 use mtp_kernels::negative_control;
 use mtp_kernels::{run_body, ForwardBody, Heads, Kernels};
 
-/// Forwards of more tokens than this run eagerly. 512 takes every decode step up to 512
-/// rows (the server's batch buckets: rows padded to a power of two) and the verifies of 64
-/// rows at up to k = 7: launched one by one, a 64-row 8B step costs 1.2 ms more than
-/// replayed (9.99 against 8.81 ms, H100, notes v37). Up to 80 tokens it took every verify
+/// Forwards of more tokens than this run eagerly. 320 takes every decode step up to 320
+/// rows (the server's batch buckets) and the verifies of 64 rows at up to k = 4: launched
+/// one by one, a 64-row 8B decode step costs 1.2 ms more than replayed (9.99 against 8.81
+/// ms), a 128-row one 1.4 ms (13.7 against 12.3), a 64-row k=4 verify 0.5 ms (H100, notes
+/// v37, v38). Past it a forward's kernels hide their launches: 100-row k=4 verifies (~500
+/// tokens) ran 22.0 ms replayed or not, and recording shapes there only cost (a 128-row
+/// k=4 bench, 512 recorded, ran 4% slower, its late rounds' shapes recorded once each).
+/// Up to 80 tokens it took every verify
 /// of 8 rows at up to the most drafts adaptive k gives, padded (v31, v32); a k=4 one (40
 /// tokens) replayed costs 9.7-10.0 ms against 10.6-11.2 launched (8B, H100, v23). The
 /// phase-split tiles and wgmma take their scratch (split activations, partials) from the
 /// backend's pool ([`super::scratch`]): buffers that live as long as the backend, so the
 /// TMA descriptors recorded with their addresses stay true.
-pub(super) const MOST_RECORDED_TOKENS: usize = 512;
+pub(super) const MOST_RECORDED_TOKENS: usize = 320;
 /// Recordings a model keeps, and the most bytes their output sets may hold (the least
 /// recently replayed goes first). A recording costs 1.5-5 ms beyond its forward; unpadded,
 /// an 8B B=8 bench met ~40 shapes (k's, rows ending, the drafts' spread over rows) and at 16
