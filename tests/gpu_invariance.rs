@@ -681,6 +681,7 @@ fn each_mode_near_its_own_function(what: &str, w: &mtp::base::Weight, x: &[f32],
 /// three-row steps run padded to four rows (the recorded shape), the one-row ones as they are.
 fn decode_and_verify_bits(
     dir: &Path,
+    batch: usize,
     block: usize,
     uneven: bool,
     graphs: bool,
@@ -690,9 +691,9 @@ fn decode_and_verify_bits(
     let model = Model::load_on(dir, Backend::Cuda).unwrap();
     let vocab = model.config.vocab_size;
     let mut rng = Lcg(41);
-    let mut caches: Vec<_> = (0..3).map(|_| model.new_cache()).collect();
+    let mut caches: Vec<_> = (0..batch).map(|_| model.new_cache()).collect();
     let mut next = Vec::new();
-    for (cache, n) in caches.iter_mut().zip([20, 40, 530]) {
+    for (cache, n) in caches.iter_mut().zip([20, 40, 530].into_iter().cycle()) {
         let prompt: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
         let mut rows =
             [RowInput { tokens: &prompt, cache, logits: Logits::Last, full_logits: true, hidden: true }];
@@ -702,7 +703,7 @@ fn decode_and_verify_bits(
     mtp::kernels::negative_control::set_stale_replay(control == Control::StaleTables);
     mtp::kernels::negative_control::set_pad_rows_first(control == Control::PadRowsFirst);
     let mut seen = Vec::new();
-    for rows_now in [3, 3, 3, 3, 3, 3, 1, 1, 1, 1] {
+    for rows_now in [batch, batch, batch, batch, batch, batch, 1, 1, 1, 1] {
         let tokens: Vec<[u32; 1]> = next[..rows_now].iter().map(|&t| [t]).collect();
         let mut rows: Vec<RowInput> = caches[..rows_now]
             .iter_mut()
@@ -722,13 +723,15 @@ fn decode_and_verify_bits(
         }
         caches[..rows_now].iter_mut().for_each(|c| c.commit_window(1));
     }
-    // Uneven: each step's 3 x block tokens split differently among the rows (the most a
-    // row holds changes; up to 8, one recording serves them all).
-    let spreads = if uneven { [[0, 0, 0], [2, -1, -1], [1, 1, -2]] } else { [[0; 3]; 3] };
-    for spread in spreads {
-        let blocks: Vec<Vec<u32>> = spread
-            .iter()
-            .map(|&d| (0..block.checked_add_signed(d).unwrap()).map(|_| rng.below(vocab) as u32).collect())
+    // Uneven: each step's tokens split differently among the rows (the most a row holds
+    // changes; up to 8, one recording serves them all), in threes of rows.
+    for spread in spreads(uneven) {
+        let blocks: Vec<Vec<u32>> = (0..batch)
+            .map(|r| {
+                (0..block.checked_add_signed(spread[r % 3]).unwrap())
+                    .map(|_| rng.below(vocab) as u32)
+                    .collect()
+            })
             .collect();
         let mut rows: Vec<RowInput> = caches
             .iter_mut()
@@ -751,6 +754,16 @@ fn decode_and_verify_bits(
     mtp::kernels::negative_control::set_pad_rows_first(false);
     Cuda::set_graphs(true);
     seen
+}
+
+/// How [`decode_and_verify_bits`]'s three verify steps move tokens between the rows of
+/// each three (none where not `uneven`).
+fn spreads(uneven: bool) -> [[isize; 3]; 3] {
+    if uneven {
+        [[0, 0, 0], [2, -1, -1], [1, 1, -2]]
+    } else {
+        [[0; 3]; 3]
+    }
 }
 
 /// The fault [`decode_and_verify_bits`] runs with, if any.
@@ -778,32 +791,43 @@ fn argmax(logits: &[f32]) -> u32 {
 /// TMA descriptors naming that scratch; 66-token ones, the most a recording took before was
 /// 48; and 15-token ones whose rows' 5-7 tokens share one
 /// recording of the tensor-core attention), each three-row step recorded padded to four rows
-/// and a multiple of four tokens. Controls: replays that do not copy each step's tables into
-/// the recording recompute the recorded step, and must differ; so must forwards whose padding
-/// rows come before the batch's own.
+/// and a multiple of four tokens; 120-token verifies (past the 80 a recording took before
+/// the batch buckets); and batches of 10 and 16 rows (decode and verify padded to a
+/// multiple of 8 rows, or one more: 98 tokens over 16 rows recorded as 104 over 17),
+/// whose recordings write the output set the 3-row ones grew. Controls: replays that do
+/// not copy each step's tables into the recording recompute the recorded step, and must
+/// differ; so must forwards whose padding rows come before the batch's own.
 #[test]
 fn graph_replays_give_the_eager_bits_and_stale_tables_do_not() {
     let cases = [
-        (fixture("qwen3-target"), 5, false),
-        (trained("target"), 5, true),
-        (trained("target"), 8, false),
-        (trained("target"), 14, false),
-        (trained("target"), 22, false),
+        (fixture("qwen3-target"), 3, 5, false),
+        (trained("target"), 3, 5, true),
+        (trained("target"), 3, 8, false),
+        (trained("target"), 3, 14, false),
+        (trained("target"), 3, 22, false),
+        (trained("target"), 3, 40, false),
+        (trained("target"), 10, 9, true),
+        (trained("target"), 16, 6, true),
     ];
-    for (dir, block, uneven) in cases {
-        let eager = decode_and_verify_bits(&dir, block, uneven, false, Control::None);
-        assert_eq!(eager.len(), 2 * (6 * 3 + 4 + 3 * 3 * block));
-        let name = dir.display();
+    for (dir, batch, block, uneven) in cases {
+        let eager = decode_and_verify_bits(&dir, batch, block, uneven, false, Control::None);
+        // Each decode step's rows and each verified token give a logits and a summary entry.
+        let verified: usize = spreads(uneven)
+            .iter()
+            .map(|spread| (0..batch).map(|r| block.checked_add_signed(spread[r % 3]).unwrap()).sum::<usize>())
+            .sum();
+        assert_eq!(eager.len(), 2 * (6 * batch + 4 + verified));
+        let name = format!("{} at {batch} rows, {block}-token blocks", dir.display());
         assert!(
-            decode_and_verify_bits(&dir, block, uneven, true, Control::None) == eager,
+            decode_and_verify_bits(&dir, batch, block, uneven, true, Control::None) == eager,
             "{name}: a replayed forward changed some row's bits"
         );
         assert!(
-            decode_and_verify_bits(&dir, block, uneven, true, Control::StaleTables) != eager,
+            decode_and_verify_bits(&dir, batch, block, uneven, true, Control::StaleTables) != eager,
             "{name}: replays with stale tables went unnoticed"
         );
         assert!(
-            decode_and_verify_bits(&dir, block, uneven, true, Control::PadRowsFirst) != eager,
+            decode_and_verify_bits(&dir, batch, block, uneven, true, Control::PadRowsFirst) != eager,
             "{name}: padding rows before the batch's own went unnoticed"
         );
     }
