@@ -25,6 +25,7 @@ pub use oracle::OracleDrafter;
 use mtp_base::logits::argmax;
 use mtp_base::Error;
 use mtp_cache::RowCache;
+use mtp_model::Hidden;
 use mtp_sampling::{Filtered, SamplingParams};
 
 /// The engine's handle for a row (unique for the engine's lifetime).
@@ -37,8 +38,8 @@ pub type RowId = u64;
 pub struct Commit<'a> {
     pub start: usize,
     pub tokens: &'a [u32],
-    /// The target's final-normed hidden state at each of those positions
-    /// (`tokens.len() * hidden_size` floats) when [`Drafter::needs_hidden`], else empty.
+    /// The target's hidden states at each of those positions, [`Drafter::hidden`]'s kind
+    /// (`tokens.len() * width` floats: [`Hidden::width`]); empty when it wants none.
     pub hidden: &'a [f32],
     pub next: u32,
 }
@@ -72,9 +73,9 @@ pub trait Drafter {
     /// A short name for tables and logs (`draft-model`, `mtp`, `ngram`, `oracle`).
     fn name(&self) -> &str;
 
-    /// Whether commits must carry the target's hidden states.
-    fn needs_hidden(&self) -> bool {
-        false
+    /// Which of the target's hidden states commits must carry (none by default).
+    fn hidden(&self) -> Hidden {
+        Hidden::None
     }
 
     /// Work of one draft step for one row relative to one target decode step (weights

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use mtp_base::Error;
 use mtp_cache::RowCache;
-use mtp_model::{Model, MtpHead, MtpInput};
+use mtp_model::{Hidden, Model, MtpHead, MtpInput};
 
 use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 
@@ -51,8 +51,8 @@ impl Drafter for MtpDrafter {
         "mtp"
     }
 
-    fn needs_hidden(&self) -> bool {
-        true
+    fn hidden(&self) -> Hidden {
+        Hidden::Final
     }
 
     fn kv_bytes_per_token(&self) -> usize {

@@ -13,5 +13,5 @@ pub mod mtp;
 pub mod registry;
 mod tensor_parallel;
 
-pub use forward::{Logits, Model, RowInput, RowOutput};
+pub use forward::{Hidden, Logits, Model, RowInput, RowOutput, Taps};
 pub use mtp::{MtpHead, MtpInput, MtpLayout, MtpOutput};
