@@ -155,7 +155,7 @@ fn rows_as_if_alone(model: &Model, name: &str) {
                 cache: &mut c,
                 logits: Logits::None,
                 full_logits: true,
-                hidden: true,
+                hidden: true.into(),
             }];
             model.forward(&mut rows).unwrap();
             c.commit_window(1);
@@ -188,7 +188,7 @@ fn skipped_compaction_is_caught(model: &Model) {
 fn hidden_of(model: &Model, seq: &[u32]) -> Vec<f32> {
     let mut c = model.new_cache();
     let mut rows =
-        [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true, hidden: true }];
+        [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true, hidden: true.into() }];
     model.forward(&mut rows).unwrap().remove(0).hidden
 }
 
