@@ -17,6 +17,7 @@ use mtp_kernels::{
     SUMMARY_VALUES,
 };
 
+use crate::eagle3::{Eagle3Net, Eagle3Spec};
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::Shard;
 
@@ -483,6 +484,15 @@ pub(crate) trait Net: Send + Sync {
     }
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
+    /// Loads the EAGLE-3 head `ck` (described by `spec`) onto this model's backend.
+    fn load_eagle3(&self, ck: &Checkpoint, spec: &Eagle3Spec) -> Result<Box<dyn Eagle3Net>> {
+        let _ = ck;
+        Err(Error::config(
+            &spec.path,
+            "architectures",
+            "EAGLE-3 heads draft for Llama, Mistral, Qwen2 and Qwen3 targets (this target taps no layers)",
+        ))
+    }
     /// The concrete net, for drafters that share a family's internals (Gemma 4's assistant).
     fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -5,6 +5,7 @@
 //! Written once over [`Kernels`]: every backend runs this forward. Its MTP head ([`mtp`])
 //! is one more of these layers.
 
+mod eagle3;
 mod mtp;
 
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,7 @@ use crate::forward::{
     check_tokens, head_outputs, padding_rows, row_outputs, slots_for, wanted_tokens, Head, Hidden, LmHead, Net,
     Proj, RowInput, RowOutput,
 };
+use crate::eagle3::{Eagle3Net, Eagle3Spec};
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::{check_split, Shard};
 
@@ -474,6 +476,10 @@ impl<B: Kernels> Net for Decoder<B> {
 
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>> {
         Ok(Box::new(mtp::MtpBlock::load(self, ck, layout, prefix)?))
+    }
+
+    fn load_eagle3(&self, ck: &Checkpoint, spec: &Eagle3Spec) -> Result<Box<dyn Eagle3Net>> {
+        Ok(Box::new(eagle3::Eagle3Block::load(self, ck, spec)?))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
