@@ -1,5 +1,6 @@
 //! Drafters propose tokens for the target to verify. One interface, several kinds:
-//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), Gemma 4's
+//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), an
+//! EAGLE-3 head reading the target's tapped layers ([`Eagle3Drafter`]), Gemma 4's
 //! assistant reading the target's K/V ([`AssistantDrafter`]), n-gram
 //! prompt lookup ([`NgramDrafter`]) and, for benchmarks and tests, an [`OracleDrafter`]
 //! that replays the target's own continuation with controlled corruption.
@@ -11,6 +12,7 @@
 
 mod assistant;
 mod draft_model;
+mod eagle3;
 mod mtp;
 mod ngram;
 mod oracle;
@@ -18,6 +20,7 @@ mod sequences;
 
 pub use assistant::AssistantDrafter;
 pub use draft_model::DraftModelDrafter;
+pub use eagle3::Eagle3Drafter;
 pub use mtp::MtpDrafter;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
@@ -70,7 +73,7 @@ pub struct Proposal {
 /// Proposes draft tokens for many rows at once and keeps per-row state in step with the
 /// target.
 pub trait Drafter {
-    /// A short name for tables and logs (`draft-model`, `mtp`, `ngram`, `oracle`).
+    /// A short name for tables and logs (`draft-model`, `mtp`, `eagle3`, `ngram`, `oracle`).
     fn name(&self) -> &str;
 
     /// Which of the target's hidden states commits must carry (none by default).
