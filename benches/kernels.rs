@@ -189,8 +189,13 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     };
     let decode = time(&mut || {
         let mut c = base.try_clone().unwrap();
-        let mut rows =
-            [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last, full_logits: true, hidden: Hidden::Final }];
+        let mut rows = [RowInput {
+            tokens: &[7],
+            cache: &mut c,
+            logits: Logits::Last,
+            full_logits: true,
+            hidden: Hidden::Final,
+        }];
         model.forward(&mut rows).unwrap();
     });
     println!("| decode (1 token) | {:.1} | 1.00 |", decode * 1e3);

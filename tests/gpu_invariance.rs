@@ -315,12 +315,22 @@ fn prefill_in_two(model: &Model, prompt: &[u32], tail: usize) -> Vec<f32> {
 fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let (head, last) = prompt.split_at(prompt.len() - 1);
     let mut cache = model.new_cache();
-    let mut rows =
-        [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true.into() }];
+    let mut rows = [RowInput {
+        tokens: head,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true.into(),
+    }];
     model.forward(&mut rows).unwrap();
     cache.commit_window(head.len());
-    let mut rows =
-        [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true.into() }];
+    let mut rows = [RowInput {
+        tokens: last,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true.into(),
+    }];
     model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
 }
 
@@ -694,8 +704,13 @@ fn decode_and_verify_bits(
     let mut next = Vec::new();
     for (cache, n) in caches.iter_mut().zip([20, 40, 530]) {
         let prompt: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
-        let mut rows =
-            [RowInput { tokens: &prompt, cache, logits: Logits::Last, full_logits: true, hidden: true.into() }];
+        let mut rows = [RowInput {
+            tokens: &prompt,
+            cache,
+            logits: Logits::Last,
+            full_logits: true,
+            hidden: true.into(),
+        }];
         next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
         cache.commit_window(n);
     }

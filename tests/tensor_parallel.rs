@@ -307,8 +307,13 @@ fn splits_the_model_cannot_take_are_refused_by_name() {
     let model = load(&fixture("qwen3-target"), 2);
     let mut cache = model.new_cache();
     let bad = [model.config.vocab_size as u32];
-    let mut rows =
-        [RowInput { tokens: &bad, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true.into() }];
+    let mut rows = [RowInput {
+        tokens: &bad,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true.into(),
+    }];
     let e = model.forward(&mut rows).expect_err("refused").to_string();
     assert!(e.contains("row 0") && e.contains("outside the vocabulary"), "{e}");
     let mut rows = [RowInput {

@@ -77,7 +77,11 @@ impl Drafter for Eagle3Drafter {
         if c.hidden.len() != c.tokens.len() * h {
             return Err(Error::Request {
                 request: format!("row {row}"),
-                msg: format!("EAGLE-3 commit needs {} tapped floats, got {}", c.tokens.len() * h, c.hidden.len()),
+                msg: format!(
+                    "EAGLE-3 commit needs {} tapped floats, got {}",
+                    c.tokens.len() * h,
+                    c.hidden.len()
+                ),
             });
         }
         let r = self.rows.entry(row).or_insert_with(|| Eagle3Row {

@@ -20,7 +20,8 @@
 //! Taps: the config's `eagle_aux_hidden_state_layer_ids` (vLLM and speculators: the id of
 //! the layer whose *input* is tapped), or SGLang's `eagle_config.eagle_aux_hidden_state_layer_ids`
 //! (the id of the layer whose *output* is tapped: the input of id + 1), else the published
-//! default, inputs of layers `(2, n / 2, n - 3)` of an `n`-layer target.
+//! default, inputs of layers `(2, n / 2, n - 3)` of an `n`-layer target. `fc` reads them
+//! in ascending layer order (the order those forwards append them in).
 //!
 //! Layouts, told apart by config.json:
 //! - SafeAILab / SGLang (`LlamaForCausalLMEagle3`, `Eagle3LlamaForCausalLM`): the layer's
@@ -62,7 +63,7 @@ pub struct Eagle3Spec {
     pub layout: Eagle3Layout,
     /// The decoder layer's settings (read as a Llama layer).
     pub config: Config,
-    /// Target layers whose input is tapped, in `fc`'s order.
+    /// Target layers whose input is tapped, ascending: `fc`'s order.
     pub taps: Vec<usize>,
     pub draft_vocab: usize,
     pub norm_before_residual: bool,
@@ -73,7 +74,9 @@ pub struct Eagle3Spec {
 /// `v[key]` as true or false (`default` when absent).
 fn flag(path: &Path, v: &Value, key: &str, default: Option<bool>) -> Result<bool> {
     match (v.get(key).filter(|x| !x.is_null()), default) {
-        (Some(x), _) => x.as_bool().ok_or_else(|| Error::config(path, key, format!("expected true or false, got {x}"))),
+        (Some(x), _) => {
+            x.as_bool().ok_or_else(|| Error::config(path, key, format!("expected true or false, got {x}")))
+        }
         (None, Some(d)) => Ok(d),
         (None, None) => Err(Error::config(
             path,
@@ -88,7 +91,10 @@ fn layer_ids(path: &Path, v: &Value, key: &str) -> Result<Option<Vec<usize>>> {
     let Some(x) = v.get(key).filter(|x| !x.is_null()) else { return Ok(None) };
     let bad = || Error::config(path, key, format!("expected a list of layer ids, got {x}"));
     let list = x.as_array().ok_or_else(bad)?;
-    list.iter().map(|i| i.as_u64().and_then(|i| usize::try_from(i).ok()).ok_or_else(bad)).collect::<Result<_>>().map(Some)
+    list.iter()
+        .map(|i| i.as_u64().and_then(|i| usize::try_from(i).ok()).ok_or_else(bad))
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// The published default taps of an `n`-layer target: inputs of layers 2, n / 2, n - 3.
@@ -124,10 +130,9 @@ impl Eagle3Spec {
         let (layer, under) = match layout {
             Eagle3Layout::SafeAiLab => (v.clone(), None),
             Eagle3Layout::Speculators => {
-                let t = v
-                    .get("transformer_layer_config")
-                    .filter(|t| t.is_object())
-                    .ok_or_else(|| Error::config(&path, "transformer_layer_config", "missing or not an object"))?;
+                let t = v.get("transformer_layer_config").filter(|t| t.is_object()).ok_or_else(|| {
+                    Error::config(&path, "transformer_layer_config", "missing or not an object")
+                })?;
                 (t.clone(), Some("transformer_layer_config"))
             }
         };
@@ -157,7 +162,11 @@ impl Eagle3Spec {
             None => (key("hidden_size"), config.hidden_size),
         };
         if th != target.hidden_size {
-            return Err(Error::config(&path, &th_key, format!("{th} differs from the target's hidden size {}", target.hidden_size)));
+            return Err(Error::config(
+                &path,
+                &th_key,
+                format!("{th} differs from the target's hidden size {}", target.hidden_size),
+            ));
         }
         let draft_vocab = count_key(&path, &v, "draft_vocab_size")?.unwrap_or(config.vocab_size);
         if draft_vocab == 0 || draft_vocab > config.vocab_size {
@@ -183,31 +192,39 @@ impl Eagle3Spec {
         if flag(&path, &v, "norm_before_fc", Some(false))? {
             return Err(Error::config(&path, "norm_before_fc", "true is not supported (a norm before fc)"));
         }
-        let norm_before_residual = flag(
-            &path,
-            &v,
-            "norm_before_residual",
-            (layout == Eagle3Layout::SafeAiLab).then_some(false),
-        )?;
+        let norm_before_residual =
+            flag(&path, &v, "norm_before_residual", (layout == Eagle3Layout::SafeAiLab).then_some(false))?;
         let n = target.num_hidden_layers;
         // vLLM's and speculators' ids name the tapped layer's input; SGLang's its output.
         let (ids_key, taps) = match (
             layer_ids(&path, &v, "eagle_aux_hidden_state_layer_ids")?,
-            eagle_config.map(|e| layer_ids(&path, e, "eagle_aux_hidden_state_layer_ids")).transpose()?.flatten(),
+            eagle_config
+                .map(|e| layer_ids(&path, e, "eagle_aux_hidden_state_layer_ids"))
+                .transpose()?
+                .flatten(),
         ) {
             (Some(ids), _) => ("eagle_aux_hidden_state_layer_ids", ids),
-            (None, Some(ids)) => {
-                ("eagle_config.eagle_aux_hidden_state_layer_ids", ids.into_iter().map(|i| i.saturating_add(1)).collect())
-            }
+            (None, Some(ids)) => (
+                "eagle_config.eagle_aux_hidden_state_layer_ids",
+                ids.into_iter().map(|i| i.saturating_add(1)).collect(),
+            ),
             (None, None) => (
                 "eagle_aux_hidden_state_layer_ids",
                 default_taps(n).ok_or_else(|| {
-                    Error::config(&path, "eagle_aux_hidden_state_layer_ids", format!("absent, and the default needs 3 or more target layers, not {n}"))
+                    Error::config(
+                        &path,
+                        "eagle_aux_hidden_state_layer_ids",
+                        format!("absent, and the default needs 3 or more target layers, not {n}"),
+                    )
                 })?,
             ),
         };
         if taps.len() != 3 {
-            return Err(Error::config(&path, ids_key, format!("{} layers: an EAGLE-3 head reads 3", taps.len())));
+            return Err(Error::config(
+                &path,
+                ids_key,
+                format!("{} layers: an EAGLE-3 head reads 3", taps.len()),
+            ));
         }
         if let Some(&bad) = taps.iter().find(|&&l| l >= n.min(MAX_LAYERS)) {
             return Err(Error::config(
@@ -223,6 +240,10 @@ impl Eagle3Spec {
                 format!("taps layer inputs {taps:?}, one twice (the default repeats one for a {n}-layer target: name them)"),
             ));
         }
+        // vLLM and SGLang append each tap as their forward passes its layer: `fc` reads them
+        // in ascending layer order, whatever order the config lists them in.
+        let mut taps = taps;
+        taps.sort_unstable();
         Ok(Eagle3Spec { layout, config, taps, draft_vocab, norm_before_residual, path })
     }
 }

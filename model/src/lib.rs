@@ -14,6 +14,6 @@ pub mod mtp;
 pub mod registry;
 mod tensor_parallel;
 
-pub use forward::{Hidden, Logits, Model, RowInput, RowOutput, Taps};
 pub use eagle3::{Eagle3Feed, Eagle3Head, Eagle3Input, Eagle3Layout, Eagle3Output, Eagle3Spec};
+pub use forward::{Hidden, Logits, Model, RowInput, RowOutput, Taps};
 pub use mtp::{MtpHead, MtpInput, MtpLayout, MtpOutput};

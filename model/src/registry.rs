@@ -13,10 +13,10 @@ use mtp_base::Checkpoint;
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Numerics};
 
 use crate::accounting;
+use crate::eagle3::{Eagle3Head, Eagle3Spec};
 use crate::forward::{Model, Net};
 use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
-use crate::eagle3::{Eagle3Head, Eagle3Spec};
 use crate::mtp::{MtpHead, MtpLayout};
 use crate::tensor_parallel::{Shard, TensorParallel};
 use mtp_kernels::collective::{Collective, HostCollective};

@@ -346,7 +346,8 @@ impl ModelArgs {
                 Some(Box::new(MtpDrafter::load(&dir, target.clone())?))
             }
             "eagle3" => {
-                let dir = self.draft_dir()?.context("--drafter eagle3 needs --draft DIR (the EAGLE-3 head)")?;
+                let dir =
+                    self.draft_dir()?.context("--drafter eagle3 needs --draft DIR (the EAGLE-3 head)")?;
                 Some(Box::new(Eagle3Drafter::load(&dir, target.clone())?))
             }
             "assistant" => {
@@ -355,7 +356,9 @@ impl ModelArgs {
                     .context("--drafter assistant needs --draft DIR (the assistant checkpoint)")?;
                 Some(Box::new(AssistantDrafter::load(&dir, target.clone())?))
             }
-            other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, eagle3, assistant, ngram)"),
+            other => {
+                bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, eagle3, assistant, ngram)")
+            }
         })
     }
 

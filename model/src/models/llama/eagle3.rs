@@ -62,7 +62,11 @@ fn draft_to_target(ck: &Checkpoint, spec: &Eagle3Spec, vocab: usize) -> Result<V
     let mut map = Vec::with_capacity(dv);
     for (d, &off) in offsets.iter().enumerate() {
         let t = (d as i64).checked_add(off).filter(|&t| t >= 0 && (t as usize) < vocab).ok_or_else(|| {
-            Error::config(&spec.path, "d2t", format!("draft id {d} + offset {off} is outside the vocabulary of {vocab}"))
+            Error::config(
+                &spec.path,
+                "d2t",
+                format!("draft id {d} + offset {off} is outside the vocabulary of {vocab}"),
+            )
         })? as usize;
         if std::mem::replace(&mut seen[t], true) {
             return Err(Error::config(&spec.path, "d2t", format!("two draft ids map to target id {t}")));
@@ -83,7 +87,8 @@ impl<B: Kernels> Eagle3Block<B> {
     pub(crate) fn load(target: &Decoder<B>, ck: &Checkpoint, spec: &Eagle3Spec) -> Result<Eagle3Block<B>> {
         if target.shard.is_some() {
             return Err(Error::InvalidOption(
-                "EAGLE-3 heads do not draft for a target split between ranks yet (run the target whole)".into(),
+                "EAGLE-3 heads do not draft for a target split between ranks yet (run the target whole)"
+                    .into(),
             ));
         }
         let (be, c, tc) = (&*target.be, &spec.config, &target.config);
@@ -155,7 +160,9 @@ impl<B: Kernels> Eagle3Net for Eagle3Block<B> {
             Eagle3Feed::Taps => self.taps * self.target_hidden,
             Eagle3Feed::Own => h,
         };
-        if let Some(r) = rows.iter().position(|r| r.tokens.is_empty() || r.states.len() != r.tokens.len() * width) {
+        if let Some(r) =
+            rows.iter().position(|r| r.tokens.is_empty() || r.states.len() != r.tokens.len() * width)
+        {
             return Err(Error::Request {
                 request: format!("eagle3 row {r}"),
                 msg: format!("needs at least one (state, token) pair and {width} state floats per token"),
@@ -181,12 +188,28 @@ impl<B: Kernels> Eagle3Net for Eagle3Block<B> {
             be.rms_norm(&x, &self.hidden_norm, eps, &mut normed, h, 0)?;
             x = normed;
         }
-        let (mut q, mut k, mut v) = (be.alloc(m * self.q.out)?, be.alloc(m * self.k.out)?, be.alloc(m * self.v.out)?);
-        be.linear_parts(&cat, m, &[self.q.part(), self.k.part(), self.v.part()], &mut [&mut q, &mut k, &mut v])?;
+        let (mut q, mut k, mut v) =
+            (be.alloc(m * self.q.out)?, be.alloc(m * self.k.out)?, be.alloc(m * self.v.out)?);
+        be.linear_parts(
+            &cat,
+            m,
+            &[self.q.part(), self.k.part(), self.v.part()],
+            &mut [&mut q, &mut k, &mut v],
+        )?;
         let mut caches: Vec<&mut RowCache> = rows.iter_mut().map(|r| &mut *r.cache).collect();
         let batch = be.batch(&slots, &tokens, &mut caches)?;
-        let heads = Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
-        be.qk_rope_store(&mut q, Some((&mut k, &v)), None, &self.rope, &batch, &mut caches, Plane::Main(0), heads)?;
+        let heads =
+            Heads { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        be.qk_rope_store(
+            &mut q,
+            Some((&mut k, &v)),
+            None,
+            &self.rope,
+            &batch,
+            &mut caches,
+            Plane::Main(0),
+            heads,
+        )?;
         let mut attn = be.alloc(m * self.q.out)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         be.attention(&q, &batch, &caches, Plane::Main(0), heads, scale, None, &mut attn)?;

@@ -20,11 +20,11 @@ use mtp_kernels::{
     SUMMARY_VALUES,
 };
 
-use crate::forward::{
-    check_tokens, head_outputs, padding_rows, row_outputs, slots_for, wanted_tokens, Head, Hidden, LmHead, Net,
-    Proj, RowInput, RowOutput,
-};
 use crate::eagle3::{Eagle3Net, Eagle3Spec};
+use crate::forward::{
+    check_tokens, head_outputs, padding_rows, row_outputs, slots_for, wanted_tokens, Head, Hidden, LmHead,
+    Net, Proj, RowInput, RowOutput,
+};
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::{check_split, Shard};
 
