@@ -356,8 +356,11 @@ fn heads_that_do_not_fit_are_refused_by_key() {
     // Tensors: a missing own embedding (hidden 8 is not the target's 384), one the head
     // does not read, no d2t for a smaller draft vocabulary, d2t leaving the vocabulary or
     // mapping two draft ids to one target id.
-    let keep = |n: &str| vec![n.to_string()];
-    let tensor_cases: Vec<(&str, Box<dyn Fn(&str) -> Vec<String>>, Option<Vec<i64>>, &str)> = vec![
+    fn keep(n: &str) -> Vec<String> {
+        vec![n.to_string()]
+    }
+    type Rename = Box<dyn Fn(&str) -> Vec<String>>;
+    let tensor_cases: Vec<(&str, Rename, Option<Vec<i64>>, &str)> = vec![
         (
             "embed",
             Box::new(|n| if n == "embed_tokens.weight" { vec![] } else { keep(n) }),

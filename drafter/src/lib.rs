@@ -13,6 +13,7 @@
 mod assistant;
 mod draft_model;
 mod eagle3;
+mod head;
 mod mtp;
 mod ngram;
 mod oracle;
