@@ -199,7 +199,10 @@ impl Eagle3Spec {
         let (ids_key, taps) = match (
             layer_ids(&path, &v, "eagle_aux_hidden_state_layer_ids")?,
             eagle_config
-                .map(|e| layer_ids(&path, e, "eagle_aux_hidden_state_layer_ids"))
+                .map(|e| {
+                    layer_ids(&path, e, "eagle_aux_hidden_state_layer_ids")
+                        .map_err(|e| e.under("eagle_config"))
+                })
                 .transpose()?
                 .flatten(),
         ) {
