@@ -3,7 +3,9 @@
 //! `x += down(silu(gate(n(x))) * up(n(x)))`, logits = `lm_head(norm(x))`.
 //! The three families differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
 //! Written once over [`Kernels`]: every backend runs this forward. Its MTP head ([`mtp`])
-//! is one more of these layers.
+//! is one more of these layers; an EAGLE-3 head's ([`eagle3`]) is one whose q/k/v read two
+//! normed inputs side by side. Rows may ask for the residual stream entering chosen layers
+//! ([`Hidden::Taps`]); such a forward runs launched, never as a recorded replay.
 
 mod eagle3;
 mod mtp;
