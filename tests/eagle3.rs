@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use common::{bits, eagle3_head, first_difference, request, run, trained};
 use mtp::drafter::{Commit, DraftAsk, Drafter, Eagle3Drafter};
-use mtp::engine::{Completion, DraftLen, EngineOptions, Request, SamplingParams, WindowLayout};
+use mtp::engine::{Completion, DraftLen, EngineOptions, Request, SamplingMode, SamplingParams, WindowLayout};
 use mtp::kernels::{Activations, Backend, KvDtype, Numerics};
 use mtp::model::{Eagle3Feed, Eagle3Head, Eagle3Input, Eagle3Layout, Hidden, Logits, Model, RowInput, Taps};
 
@@ -259,8 +259,11 @@ fn workload(sampled: bool) -> (Vec<Request>, Vec<u64>) {
     (requests, vec![0, 0, 1, 3, 4])
 }
 
+/// The workload through `--drafter eagle3` at fixed `k`, in `mode` (`Exact`: plain
+/// decoding's tokens).
 fn eagle3_run(
     model: &Arc<Model>,
+    mode: SamplingMode,
     k: usize,
     max_batch: usize,
     layout: WindowLayout,
@@ -273,6 +276,7 @@ fn eagle3_run(
         max_batch,
         prefill_chunk: 4,
         layout,
+        sampling_mode: mode,
         ..EngineOptions::default()
     };
     run(model, Some(d), opts, req, at)
@@ -287,7 +291,7 @@ fn drafting_with_eagle3_is_bitwise_plain_decoding() {
             common::plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
         for (k, max_batch) in [(1, 1), (3, 3), (4, 5)] {
             let layout = if max_batch == 5 { WindowLayout::SharedSlots } else { WindowLayout::RowTail };
-            let got = eagle3_run(&model, k, max_batch, layout, &requests, &at);
+            let got = eagle3_run(&model, SamplingMode::Exact, k, max_batch, layout, &requests, &at);
             assert_eq!(
                 first_difference(&got, &reference),
                 None,
@@ -295,12 +299,21 @@ fn drafting_with_eagle3_is_bitwise_plain_decoding() {
             );
         }
     }
+    // Rejection sampling keeps the distribution, not plain decoding's tokens: each row is
+    // bitwise the same alone and batched.
+    let (requests, at) = workload(true);
+    let rejection =
+        |max_batch, layout| eagle3_run(&model, SamplingMode::Rejection, 3, max_batch, layout, &requests, &at);
+    let alone: Vec<Completion> =
+        rejection(1, WindowLayout::RowTail).into_iter().map(|r| r.unwrap()).collect();
+    let batched = rejection(5, WindowLayout::SharedSlots);
+    assert_eq!(first_difference(&batched, &alone), None, "rejection mode, batched against alone");
     // The gate sees a fault: RoPE at physical slots breaks shared-slot batches.
     let (requests, at) = workload(false);
     let reference: Vec<Completion> =
         common::plain(&model, &requests, 1).into_iter().map(|r| r.unwrap()).collect();
     mtp::kernels::negative_control::set_physical_rope(true);
-    let broken = eagle3_run(&model, 3, 5, WindowLayout::SharedSlots, &requests, &at);
+    let broken = eagle3_run(&model, SamplingMode::Exact, 3, 5, WindowLayout::SharedSlots, &requests, &at);
     mtp::kernels::negative_control::set_physical_rope(false);
     assert!(first_difference(&broken, &reference).is_some(), "physical RoPE went unnoticed");
 }
