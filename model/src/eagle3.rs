@@ -206,7 +206,19 @@ impl Eagle3Spec {
                 .transpose()?
                 .flatten(),
         ) {
-            (Some(ids), _) => ("eagle_aux_hidden_state_layer_ids", ids),
+            (Some(ids), sglang) => {
+                // vLLM reads the root's; SGLang's `eagle_config` would tap other layers.
+                if let Some(other) =
+                    sglang.filter(|o| o.iter().map(|i| i.saturating_add(1)).ne(ids.iter().copied()))
+                {
+                    tracing::warn!(
+                        "{}: eagle_aux_hidden_state_layer_ids {ids:?} (layer inputs, vLLM's reading) is used; \
+                         eagle_config.eagle_aux_hidden_state_layer_ids {other:?} (layer outputs, SGLang's) disagrees",
+                        path.display()
+                    );
+                }
+                ("eagle_aux_hidden_state_layer_ids", ids)
+            }
             (None, Some(ids)) => (
                 "eagle_config.eagle_aux_hidden_state_layer_ids",
                 ids.into_iter().map(|i| i.saturating_add(1)).collect(),
