@@ -14,7 +14,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use mtp::base::Checkpoint;
 use mtp::kernels::ops::linear;
-use mtp::model::{Logits, Model, RowInput};
+use mtp::model::{Hidden, Logits, Model, RowInput};
 use mtp::synth::SynthSpec;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -189,8 +189,13 @@ fn steps(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
     };
     let decode = time(&mut || {
         let mut c = base.try_clone().unwrap();
-        let mut rows =
-            [RowInput { tokens: &[7], cache: &mut c, logits: Logits::Last, full_logits: true, hidden: true }];
+        let mut rows = [RowInput {
+            tokens: &[7],
+            cache: &mut c,
+            logits: Logits::Last,
+            full_logits: true,
+            hidden: Hidden::Final,
+        }];
         model.forward(&mut rows).unwrap();
     });
     println!("| decode (1 token) | {:.1} | 1.00 |", decode * 1e3);
@@ -238,7 +243,7 @@ fn decode(dir: &std::path::Path, reps: usize) -> anyhow::Result<()> {
                 cache: &mut cache,
                 logits: Logits::Last,
                 full_logits: true,
-                hidden: true,
+                hidden: Hidden::Final,
             }];
             let out = model.forward(&mut rows).unwrap();
             cache.commit_window(1);

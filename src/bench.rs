@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use mtp_base::Tokenizer;
-use mtp_drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter, OracleDrafter};
+use mtp_drafter::{
+    AssistantDrafter, DraftModelDrafter, Drafter, Eagle3Drafter, MtpDrafter, NgramDrafter, OracleDrafter,
+};
 use mtp_engine::{generate, Completion, Constraint, Engine, EngineOptions, Learned, Request, SpecStats};
 use mtp_model::Model;
 use serde::Serialize;
@@ -20,6 +22,8 @@ pub enum DrafterSpec {
     DraftModel(PathBuf),
     /// An MTP head from this directory, or from the target's own checkpoint.
     Mtp(Option<PathBuf>),
+    /// An EAGLE-3 head from this directory (it reads the target's tapped layers).
+    Eagle3(PathBuf),
     /// Gemma 4's assistant from this directory (it reads the target's K/V).
     Assistant(PathBuf),
     Ngram,
@@ -28,7 +32,7 @@ pub enum DrafterSpec {
 }
 
 impl DrafterSpec {
-    /// Parses `draft-model:DIR,mtp[:DIR],assistant:DIR,ngram,oracle:ALPHA`.
+    /// Parses `draft-model:DIR,mtp[:DIR],eagle3:DIR,assistant:DIR,ngram,oracle:ALPHA`.
     pub fn parse_list(list: &str) -> Result<Vec<DrafterSpec>> {
         list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(DrafterSpec::parse).collect()
     }
@@ -42,6 +46,8 @@ impl DrafterSpec {
             ("draft-model", Some(dir)) => DrafterSpec::DraftModel(dir.into()),
             ("draft-model", None) => bail!("`draft-model` needs a directory: draft-model:DIR"),
             ("mtp", dir) => DrafterSpec::Mtp(dir.map(PathBuf::from)),
+            ("eagle3", Some(dir)) => DrafterSpec::Eagle3(dir.into()),
+            ("eagle3", None) => bail!("`eagle3` needs a directory: eagle3:DIR"),
             ("assistant", Some(dir)) => DrafterSpec::Assistant(dir.into()),
             ("assistant", None) => bail!("`assistant` needs a directory: assistant:DIR"),
             ("ngram", None) => DrafterSpec::Ngram,
@@ -54,7 +60,7 @@ impl DrafterSpec {
             }
             ("oracle", None) => bail!("`oracle` needs an acceptance probability: oracle:ALPHA"),
             _ => bail!(
-                "unknown drafter `{s}` (draft-model:DIR, mtp[:DIR], assistant:DIR, ngram, oracle:ALPHA)"
+                "unknown drafter `{s}` (draft-model:DIR, mtp[:DIR], eagle3:DIR, assistant:DIR, ngram, oracle:ALPHA)"
             ),
         })
     }
@@ -64,6 +70,7 @@ impl DrafterSpec {
         match self {
             DrafterSpec::DraftModel(_) => "draft-model".into(),
             DrafterSpec::Mtp(_) => "mtp".into(),
+            DrafterSpec::Eagle3(_) => "eagle3".into(),
             DrafterSpec::Assistant(_) => "assistant".into(),
             DrafterSpec::Ngram => "ngram".into(),
             DrafterSpec::Oracle(a) => format!("oracle:{a}"),
@@ -105,6 +112,10 @@ impl DrafterFactory {
             }
             DrafterSpec::Mtp(dir) => {
                 Box::new(MtpDrafter::load(dir.as_deref().unwrap_or(&self.target_dir), target.clone())?)
+            }
+            // A directory, or a Hugging Face repo id's snapshot.
+            DrafterSpec::Eagle3(dir) => {
+                Box::new(Eagle3Drafter::load(&mtp_base::hub::resolve_from_env(dir)?, target.clone())?)
             }
             DrafterSpec::Assistant(dir) => Box::new(AssistantDrafter::load(dir, target.clone())?),
             DrafterSpec::Ngram => Box::new(NgramDrafter::default()),
@@ -515,18 +526,19 @@ mod tests {
 
     #[test]
     fn parses_drafter_lists() {
-        let l = DrafterSpec::parse_list("draft-model:/m, mtp,mtp:/h,ngram,oracle:0.7").unwrap();
+        let l = DrafterSpec::parse_list("draft-model:/m, mtp,mtp:/h,eagle3:/e,ngram,oracle:0.7").unwrap();
         assert_eq!(
             l,
             vec![
                 DrafterSpec::DraftModel("/m".into()),
                 DrafterSpec::Mtp(None),
                 DrafterSpec::Mtp(Some("/h".into())),
+                DrafterSpec::Eagle3("/e".into()),
                 DrafterSpec::Ngram,
                 DrafterSpec::Oracle(0.7)
             ]
         );
-        for bad in ["draft-model", "oracle", "oracle:2", "oracle:x", "medusa", "ngram:3"] {
+        for bad in ["draft-model", "eagle3", "oracle", "oracle:2", "oracle:x", "medusa", "ngram:3"] {
             assert!(DrafterSpec::parse_list(bad).is_err(), "{bad}");
         }
     }

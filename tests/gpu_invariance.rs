@@ -297,7 +297,7 @@ fn prefill_in_two(model: &Model, prompt: &[u32], tail: usize) -> Vec<f32> {
         cache: &mut cache,
         logits: Logits::Last,
         full_logits: true,
-        hidden: false,
+        hidden: false.into(),
     }];
     model.forward(&mut rows).unwrap();
     cache.commit_window(head.len());
@@ -306,7 +306,7 @@ fn prefill_in_two(model: &Model, prompt: &[u32], tail: usize) -> Vec<f32> {
         cache: &mut cache,
         logits: Logits::Last,
         full_logits: true,
-        hidden: false,
+        hidden: false.into(),
     }];
     model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
 }
@@ -315,12 +315,22 @@ fn prefill_in_two(model: &Model, prompt: &[u32], tail: usize) -> Vec<f32> {
 fn prefill_then_decode(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let (head, last) = prompt.split_at(prompt.len() - 1);
     let mut cache = model.new_cache();
-    let mut rows =
-        [RowInput { tokens: head, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true }];
+    let mut rows = [RowInput {
+        tokens: head,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true.into(),
+    }];
     model.forward(&mut rows).unwrap();
     cache.commit_window(head.len());
-    let mut rows =
-        [RowInput { tokens: last, cache: &mut cache, logits: Logits::Last, full_logits: true, hidden: true }];
+    let mut rows = [RowInput {
+        tokens: last,
+        cache: &mut cache,
+        logits: Logits::Last,
+        full_logits: true,
+        hidden: true.into(),
+    }];
     model.forward(&mut rows).unwrap().remove(0).logits.remove(0)
 }
 
@@ -372,7 +382,7 @@ fn every_attention_kernel_agrees_with_the_cpu_and_with_itself() {
                     cache: &mut cache,
                     logits: Logits::Last,
                     full_logits: true,
-                    hidden: true,
+                    hidden: true.into(),
                 }];
                 let err = model.forward(&mut rows).err().map(|e| e.to_string()).unwrap_or_default();
                 assert!(
@@ -592,7 +602,7 @@ fn device_out_of_memory_is_a_clear_error() {
         cache: &mut cache,
         logits: Logits::Last,
         full_logits: true,
-        hidden: true,
+        hidden: true.into(),
     }];
     assert_eq!(model.forward(&mut rows).unwrap()[0].logits.len(), 1);
 }
@@ -695,8 +705,13 @@ fn decode_and_verify_bits(
     let mut next = Vec::new();
     for (cache, n) in caches.iter_mut().zip([20, 40, 530].into_iter().cycle()) {
         let prompt: Vec<u32> = (0..n).map(|_| rng.below(vocab) as u32).collect();
-        let mut rows =
-            [RowInput { tokens: &prompt, cache, logits: Logits::Last, full_logits: true, hidden: true }];
+        let mut rows = [RowInput {
+            tokens: &prompt,
+            cache,
+            logits: Logits::Last,
+            full_logits: true,
+            hidden: true.into(),
+        }];
         next.push(argmax(&model.forward(&mut rows).unwrap()[0].logits[0]));
         cache.commit_window(n);
     }
@@ -713,7 +728,7 @@ fn decode_and_verify_bits(
                 cache,
                 logits: Logits::Last,
                 full_logits: true,
-                hidden: true,
+                hidden: true.into(),
             })
             .collect();
         for (r, out) in model.forward(&mut rows).unwrap().into_iter().enumerate() {
@@ -741,7 +756,7 @@ fn decode_and_verify_bits(
                 cache,
                 logits: Logits::All,
                 full_logits: true,
-                hidden: true,
+                hidden: true.into(),
             })
             .collect();
         for out in model.forward(&mut rows).unwrap() {

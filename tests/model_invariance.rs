@@ -66,7 +66,7 @@ fn batch_invariant(model: &Model, rng: &mut Lcg) -> bool {
                     cache: c,
                     logits: Logits::All,
                     full_logits: true,
-                    hidden: true,
+                    hidden: true.into(),
                 })
                 .collect();
             let out = model.forward(&mut rows).unwrap();
@@ -157,7 +157,13 @@ fn hidden_states_come_back_only_to_rows_that_ask() {
                 .iter_mut()
                 .zip(&seqs)
                 .zip(asks)
-                .map(|((c, s), hidden)| RowInput { tokens: s, cache: c, logits, full_logits: true, hidden })
+                .map(|((c, s), hidden)| RowInput {
+                    tokens: s,
+                    cache: c,
+                    logits,
+                    full_logits: true,
+                    hidden: hidden.into(),
+                })
                 .collect();
             let out = model.forward(&mut rows).unwrap();
             out.iter()

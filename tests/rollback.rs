@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use common::{fixture, plain, request, Lcg};
 use mtp::cache::RowCache;
-use mtp::drafter::{Commit, DraftAsk, DraftModelDrafter, Drafter, MtpDrafter};
+use mtp::drafter::{Commit, DraftAsk, DraftModelDrafter, Drafter, Eagle3Drafter, MtpDrafter};
 use mtp::engine::prefill;
 use mtp::kernels::{KvDtype, Numerics};
-use mtp::model::{Logits, Model, MtpLayout, RowInput};
+use mtp::model::{Hidden, Logits, Model, MtpLayout, RowInput};
 use mtp::sampling::SamplingMode;
 use mtp::synth::SynthSpec;
 use mtp::verifier::{verify, Verified, VerifyRow, WindowLayout};
@@ -155,7 +155,7 @@ fn rows_as_if_alone(model: &Model, name: &str) {
                 cache: &mut c,
                 logits: Logits::None,
                 full_logits: true,
-                hidden: true,
+                hidden: true.into(),
             }];
             model.forward(&mut rows).unwrap();
             c.commit_window(1);
@@ -184,11 +184,11 @@ fn skipped_compaction_is_caught(model: &Model) {
     }
 }
 
-/// Target hidden states for `seq`, computed in one prefill forward.
-fn hidden_of(model: &Model, seq: &[u32]) -> Vec<f32> {
+/// Target hidden states of `kind` for `seq`, computed in one prefill forward.
+fn hidden_of(model: &Model, seq: &[u32], kind: Hidden) -> Vec<f32> {
     let mut c = model.new_cache();
     let mut rows =
-        [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true, hidden: true }];
+        [RowInput { tokens: seq, cache: &mut c, logits: Logits::None, full_logits: true, hidden: kind }];
     model.forward(&mut rows).unwrap().remove(0).hidden
 }
 
@@ -196,11 +196,12 @@ fn hidden_of(model: &Model, seq: &[u32]) -> Vec<f32> {
 /// and checks, every round, that its proposal equals a fresh drafter's given the whole
 /// committed history in one commit.
 fn drafter_rolls_back(model: &Arc<Model>, make: &dyn Fn() -> Box<dyn Drafter>) {
-    let h = model.config.hidden_size;
+    let kind = make().hidden();
+    let h = kind.width(model.config.hidden_size);
     let prompt: Vec<u32> = (0..11).map(|i| 20 + i * 7).collect();
     let truth = plain(model, &[request("p", prompt.clone(), 70)], 1).remove(0).unwrap().tokens;
     let full: Vec<u32> = prompt.iter().chain(&truth).copied().collect();
-    let hidden = hidden_of(model, &full);
+    let hidden = hidden_of(model, &full, kind);
     let mut rng = Lcg(9);
     let mut d = make();
     let mut committed = prompt.len(); // target positions [0, committed) are committed
@@ -254,4 +255,8 @@ fn drafter_state_rolls_back_exactly() {
         drafter_rolls_back(&model, &|| Box::new(MtpDrafter::load(&dir, model.clone()).unwrap()));
         std::fs::remove_dir_all(&dir).ok();
     }
+    // The EAGLE-3 fixture's head is the trained target's.
+    let trained = Arc::new(common::load(&common::trained("target")));
+    let head = common::eagle3_head();
+    drafter_rolls_back(&trained, &|| Box::new(Eagle3Drafter::load(&head, trained.clone()).unwrap()));
 }

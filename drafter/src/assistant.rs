@@ -13,7 +13,7 @@ use std::sync::Arc;
 use mtp_base::Error;
 use mtp_cache::RowCache;
 use mtp_model::models::gemma4::assistant::{AssistantRow, Gemma4Assistant};
-use mtp_model::Model;
+use mtp_model::{Hidden, Model};
 
 use crate::{check_distinct, draw, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
 
@@ -47,8 +47,8 @@ impl Drafter for AssistantDrafter {
         "assistant"
     }
 
-    fn needs_hidden(&self) -> bool {
-        true
+    fn hidden(&self) -> Hidden {
+        Hidden::Final
     }
 
     fn relative_cost(&self) -> f64 {

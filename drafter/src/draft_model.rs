@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use mtp_base::{Error, Tokenizer};
 use mtp_cache::RowCache;
-use mtp_model::{Logits, Model, RowInput};
+use mtp_model::{Hidden, Logits, Model, RowInput};
 
 use crate::sequences::Sequences;
 use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
@@ -156,7 +156,7 @@ impl Drafter for DraftModelDrafter {
                     cache: &mut r.cache,
                     logits: Logits::Last,
                     full_logits,
-                    hidden: false,
+                    hidden: Hidden::None,
                 });
             }
             let outs = self.model.forward(&mut inputs)?;

@@ -1,5 +1,6 @@
 //! Drafters propose tokens for the target to verify. One interface, several kinds:
-//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), Gemma 4's
+//! a separate draft model ([`DraftModelDrafter`]), an MTP head ([`MtpDrafter`]), an
+//! EAGLE-3 head reading the target's tapped layers ([`Eagle3Drafter`]), Gemma 4's
 //! assistant reading the target's K/V ([`AssistantDrafter`]), n-gram
 //! prompt lookup ([`NgramDrafter`]) and, for benchmarks and tests, an [`OracleDrafter`]
 //! that replays the target's own continuation with controlled corruption.
@@ -11,6 +12,8 @@
 
 mod assistant;
 mod draft_model;
+mod eagle3;
+mod head;
 mod mtp;
 mod ngram;
 mod oracle;
@@ -18,6 +21,7 @@ mod sequences;
 
 pub use assistant::AssistantDrafter;
 pub use draft_model::DraftModelDrafter;
+pub use eagle3::Eagle3Drafter;
 pub use mtp::MtpDrafter;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
@@ -25,6 +29,7 @@ pub use oracle::OracleDrafter;
 use mtp_base::logits::argmax;
 use mtp_base::Error;
 use mtp_cache::RowCache;
+use mtp_model::Hidden;
 use mtp_sampling::{Filtered, SamplingParams};
 
 /// The engine's handle for a row (unique for the engine's lifetime).
@@ -37,8 +42,8 @@ pub type RowId = u64;
 pub struct Commit<'a> {
     pub start: usize,
     pub tokens: &'a [u32],
-    /// The target's final-normed hidden state at each of those positions
-    /// (`tokens.len() * hidden_size` floats) when [`Drafter::needs_hidden`], else empty.
+    /// The target's hidden states at each of those positions, [`Drafter::hidden`]'s kind
+    /// (`tokens.len() * width` floats: [`Hidden::width`]); empty when it wants none.
     pub hidden: &'a [f32],
     pub next: u32,
 }
@@ -69,12 +74,12 @@ pub struct Proposal {
 /// Proposes draft tokens for many rows at once and keeps per-row state in step with the
 /// target.
 pub trait Drafter {
-    /// A short name for tables and logs (`draft-model`, `mtp`, `ngram`, `oracle`).
+    /// A short name for tables and logs (`draft-model`, `mtp`, `eagle3`, `ngram`, `oracle`).
     fn name(&self) -> &str;
 
-    /// Whether commits must carry the target's hidden states.
-    fn needs_hidden(&self) -> bool {
-        false
+    /// Which of the target's hidden states commits must carry (none by default).
+    fn hidden(&self) -> Hidden {
+        Hidden::None
     }
 
     /// Work of one draft step for one row relative to one target decode step (weights

@@ -1,39 +1,25 @@
-//! Drafting with an MTP head that reads the target's hidden states.
-//!
-//! The head's cache holds one entry per target position `i`: the pair (target hidden at
-//! `i`, token at `i + 1`). Commits queue the pairs the target just made known; a
-//! proposal runs the queued pairs (the last one predicts the first draft), then feeds the
-//! head its own output and draft for each further token. Those recursive entries are not
-//! the target's, so the next commit truncates them: that is the head's rollback.
+//! Drafting with an MTP head that reads the target's final-normed hidden states: the
+//! per-row entries, commits and rollback of `crate::head`, over [`MtpHead::forward`].
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use mtp_base::Error;
 use mtp_cache::RowCache;
-use mtp_model::{Model, MtpHead, MtpInput};
+use mtp_model::{Hidden, Model, MtpHead, MtpInput};
 
-use crate::{check_distinct, draw, states_of, unknown_row, Commit, DraftAsk, Drafter, Proposal, RowId};
-
-struct MtpRow {
-    cache: RowCache,
-    /// Entries in `cache` that came from the target (the rest are recursive drafts).
-    true_len: usize,
-    /// Pairs committed by the target but not run yet.
-    queued_hidden: Vec<f32>,
-    queued_tokens: Vec<u32>,
-}
+use crate::head::{Head, HeadRows, Pairs, Step};
+use crate::{Commit, DraftAsk, Drafter, Proposal, RowId};
 
 pub struct MtpDrafter {
     head: MtpHead,
     target: Arc<Model>,
-    rows: HashMap<RowId, MtpRow>,
+    rows: HeadRows,
 }
 
 impl MtpDrafter {
     pub fn new(head: MtpHead, target: Arc<Model>) -> MtpDrafter {
-        MtpDrafter { head, target, rows: HashMap::new() }
+        MtpDrafter { head, target, rows: HeadRows::default() }
     }
 
     /// Loads the head from `dir` (a separate MTP checkpoint or the target's own).
@@ -46,13 +32,42 @@ impl MtpDrafter {
     }
 }
 
+/// The head with its target's hidden size.
+struct Mtp<'a>(&'a MtpHead, usize);
+
+impl Head for Mtp<'_> {
+    const NAME: &'static str = "MTP";
+
+    fn target_width(&self) -> usize {
+        self.1
+    }
+
+    fn new_cache(&self) -> RowCache {
+        self.0.new_cache()
+    }
+
+    fn step(&self, rows: &mut [Pairs], _first: bool) -> Result<Vec<Step>, Error> {
+        // The head reads its own output as it reads the target's: one width, one norm.
+        let mut inputs: Vec<MtpInput> = rows
+            .iter_mut()
+            .map(|p| MtpInput { hidden: p.states, tokens: p.tokens, cache: &mut *p.cache })
+            .collect();
+        Ok(self
+            .0
+            .forward(&mut inputs)?
+            .into_iter()
+            .map(|o| Step { logits: o.logits, state: o.hidden })
+            .collect())
+    }
+}
+
 impl Drafter for MtpDrafter {
     fn name(&self) -> &str {
         "mtp"
     }
 
-    fn needs_hidden(&self) -> bool {
-        true
+    fn hidden(&self) -> Hidden {
+        Hidden::Final
     }
 
     fn kv_bytes_per_token(&self) -> usize {
@@ -67,122 +82,15 @@ impl Drafter for MtpDrafter {
     }
 
     fn commit(&mut self, row: RowId, c: Commit) -> Result<(), Error> {
-        let h = self.target.config.hidden_size;
-        if c.hidden.len() != c.tokens.len() * h {
-            return Err(Error::Request {
-                request: format!("row {row}"),
-                msg: format!("MTP commit needs {} hidden floats, got {}", c.tokens.len() * h, c.hidden.len()),
-            });
-        }
-        let r = self.rows.entry(row).or_insert_with(|| MtpRow {
-            cache: self.head.new_cache(),
-            true_len: 0,
-            queued_hidden: Vec::new(),
-            queued_tokens: Vec::new(),
-        });
-        let known = r.true_len + r.queued_tokens.len();
-        if c.start > known {
-            return Err(Error::Request {
-                request: format!("row {row}"),
-                msg: format!("commit at position {} leaves a gap after {known} MTP entries", c.start),
-            });
-        }
-        // Drop recursive entries and anything at or past `start`, then queue the new pairs.
-        if c.start < r.true_len {
-            r.true_len = c.start;
-            r.queued_tokens.clear();
-            r.queued_hidden.clear();
-        } else {
-            r.queued_tokens.truncate(c.start - r.true_len);
-            r.queued_hidden.truncate((c.start - r.true_len) * h);
-        }
-        r.cache.truncate(r.true_len);
-        r.queued_hidden.extend_from_slice(c.hidden);
-        r.queued_tokens.extend(c.tokens.iter().skip(1).copied().chain([c.next]));
-        Ok(())
+        self.rows.commit(&Mtp(&self.head, self.target.config.hidden_size), row, c)
     }
 
     fn propose(&mut self, asks: &[DraftAsk]) -> Result<Vec<Proposal>, Error> {
-        check_distinct(asks)?;
-        let h = self.target.config.hidden_size;
-        let context = self.target.max_positions();
-        let mut drafts: Vec<Proposal> = vec![Proposal::default(); asks.len()];
-        let mut want = Vec::with_capacity(asks.len());
-        // Logical position of each row's first draft (entry `end - 1` predicts `end + 1`).
-        let mut first = Vec::with_capacity(asks.len());
-        for &DraftAsk { row, k, .. } in asks {
-            let r = self.rows.get(&row).ok_or_else(|| unknown_row(row))?;
-            let end = r.true_len + r.queued_tokens.len();
-            first.push(end + 1);
-            // Without queued pairs there is nothing new to predict from.
-            want.push(if r.queued_tokens.is_empty() { 0 } else { k.min((context + 1).saturating_sub(end)) });
-        }
-        // (hidden, token) to feed each row at the next recursive step.
-        let mut next: Vec<(Vec<f32>, u32)> = vec![(Vec::new(), 0); asks.len()];
-        for step in 0.. {
-            let active: Vec<usize> = (0..asks.len()).filter(|&i| want[i] > step).collect();
-            if active.is_empty() {
-                break;
-            }
-            let ids: Vec<RowId> = active.iter().map(|&i| asks[i].row).collect();
-            let mut state = states_of(&mut self.rows, &ids).into_iter();
-            let mut inputs: Vec<MtpInput> = Vec::with_capacity(active.len());
-            for &i in &active {
-                let r = state.next().expect("one state per active row");
-                if step == 0 {
-                    r.true_len += r.queued_tokens.len();
-                    inputs.push(MtpInput {
-                        hidden: &r.queued_hidden,
-                        tokens: &r.queued_tokens,
-                        cache: &mut r.cache,
-                    });
-                } else {
-                    let (hid, tok) = &next[i];
-                    inputs.push(MtpInput {
-                        hidden: hid,
-                        tokens: std::slice::from_ref(tok),
-                        cache: &mut r.cache,
-                    });
-                }
-            }
-            let result = self.head.forward(&mut inputs);
-            for input in inputs.iter_mut() {
-                let t = if result.is_ok() { input.tokens.len() } else { 0 };
-                input.cache.commit_window(t);
-            }
-            drop(inputs);
-            let outs = match result {
-                Ok(outs) => outs,
-                Err(e) => {
-                    // Nothing was committed: put the queued pairs back in the queue.
-                    if step == 0 {
-                        for &i in &active {
-                            let r = self.rows.get_mut(&asks[i].row).expect("row state exists");
-                            r.true_len -= r.queued_tokens.len();
-                        }
-                    }
-                    return Err(e);
-                }
-            };
-            for (&i, out) in active.iter().zip(outs) {
-                let (d, dist) = draw(&out.logits, &asks[i].sampling, first[i] + step);
-                drafts[i].tokens.push(d);
-                drafts[i].dists.extend(dist);
-                debug_assert_eq!(out.hidden.len(), h);
-                next[i] = (out.hidden, d);
-            }
-            if step == 0 {
-                for &i in &active {
-                    let r = self.rows.get_mut(&asks[i].row).expect("row state exists");
-                    r.queued_tokens.clear();
-                    r.queued_hidden.clear();
-                }
-            }
-        }
-        Ok(drafts)
+        let head = Mtp(&self.head, self.target.config.hidden_size);
+        self.rows.propose(&head, asks, self.target.max_positions())
     }
 
     fn remove(&mut self, row: RowId) {
-        self.rows.remove(&row);
+        self.rows.remove(row);
     }
 }

@@ -13,7 +13,7 @@ use mtp_base::{Error, Tokenizer};
 use mtp_cache::RowCache;
 use mtp_constraint::{Grammars, Guide, TokenMask};
 use mtp_drafter::{Commit, DraftAsk, Drafter, Proposal};
-use mtp_model::{Model, RowInput, RowOutput};
+use mtp_model::{Hidden, Model, RowInput, RowOutput};
 use mtp_sampling::{pick, SamplingMode, SamplingParams};
 use mtp_verifier::{verify_beside, Verified, VerifyRow, WindowLayout};
 
@@ -702,7 +702,7 @@ impl<'a> Engine<'a> {
         let verify_tokens = batch + verified.iter().sum::<usize>();
         let mut taken = self.take_pieces(piece_beside(self.opts.prefill_chunk, verify_tokens), events);
         let starts: Vec<usize> = self.active.iter().map(|r| r.cache.len()).collect();
-        let hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
+        let hidden = self.drafter.as_ref().map_or(Hidden::None, |d| d.hidden());
         let mut rows: Vec<VerifyRow> = self
             .active
             .iter_mut()

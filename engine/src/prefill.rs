@@ -10,7 +10,7 @@ use mtp_base::logits::top_logprobs;
 use mtp_base::{Error, LogitSummary};
 use mtp_cache::RowCache;
 use mtp_constraint::Guide;
-use mtp_model::{Logits, Model, RowInput, RowOutput};
+use mtp_model::{Hidden, Logits, Model, RowInput, RowOutput};
 
 use crate::request::{PromptToken, Request, RequestId};
 
@@ -43,10 +43,11 @@ fn run_piece(
     cache: &mut RowCache,
     piece: &[u32],
     last: bool,
-    hidden: Option<&mut Vec<f32>>,
+    hidden: Option<(Hidden, &mut Vec<f32>)>,
     full_logits: bool,
 ) -> Result<Option<(LogitSummary, Vec<f32>)>, Error> {
-    let want_hidden = hidden.is_some();
+    let want_hidden = hidden.as_ref().map_or(Hidden::None, |(kind, _)| *kind);
+    let hidden = hidden.map(|(_, h)| h);
     let logits = if last { Logits::Last } else { Logits::None };
     let out = forward_alone(model, piece_input(cache, piece, logits, full_logits, want_hidden));
     absorb(cache, piece.len(), out, hidden).map(|mut read| read.pop())
@@ -64,7 +65,7 @@ fn piece_input<'a>(
     piece: &'a [u32],
     logits: Logits,
     full_logits: bool,
-    hidden: bool,
+    hidden: Hidden,
 ) -> RowInput<'a> {
     RowInput { tokens: piece, cache, logits, full_logits, hidden }
 }
@@ -122,9 +123,10 @@ pub fn prefill(
     cache: &mut RowCache,
     prompt: &[u32],
     chunk: usize,
-    want_hidden: bool,
+    want_hidden: impl Into<Hidden>,
     full_logits: bool,
 ) -> Result<Prefilled, Error> {
+    let want_hidden = want_hidden.into();
     if prompt.is_empty() {
         return Err(Error::InvalidOption("cannot prefill an empty prompt".into()));
     }
@@ -135,7 +137,7 @@ pub fn prefill(
     let (mut last, mut hidden) = (None, Vec::new());
     let n_chunks = prompt.len().div_ceil(chunk);
     for (i, piece) in prompt.chunks(chunk).enumerate() {
-        let h = want_hidden.then_some(&mut hidden);
+        let h = want_hidden.wanted().then_some((want_hidden, &mut hidden));
         if let Some(l) = run_piece(model, cache, piece, i + 1 == n_chunks, h, full_logits)? {
             last = Some(l);
         }
@@ -155,7 +157,7 @@ pub(crate) struct Prompt {
     pub reused: usize,
     /// Final-normed hidden states of the prompt so far (when the drafter reads them).
     pub hidden: Vec<f32>,
-    pub want_hidden: bool,
+    pub want_hidden: Hidden,
     /// The last forward returns the whole logits row (sampling, logprobs, a grammar).
     pub full_logits: bool,
     /// A preempted row whose prompt and emitted tokens (`request.prompt`) are being
@@ -223,7 +225,7 @@ impl Prompt {
         piece: Piece,
         out: Result<RowOutput, Error>,
     ) -> Result<Option<Prefilled>, Error> {
-        let hidden = self.want_hidden.then_some(&mut self.hidden);
+        let hidden = self.want_hidden.wanted().then_some(&mut self.hidden);
         let mut read = absorb(&mut self.cache, piece.end - piece.start, out, hidden)?;
         let last = self.is_last(piece).then(|| read.pop()).flatten();
         if let Some(s) = self.scoring.as_mut() {

@@ -17,6 +17,7 @@ use mtp_kernels::{
     SUMMARY_VALUES,
 };
 
+use crate::eagle3::{Eagle3Net, Eagle3Spec};
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::Shard;
 
@@ -181,10 +182,110 @@ pub struct RowInput<'a> {
     /// Whether it wants those logits whole, or their [`LogitSummary`] is enough (greedy
     /// rows: the logits then stay where they were computed).
     pub full_logits: bool,
-    /// Whether it wants its tokens' final hidden states ([`RowOutput::hidden`]): a drafter
+    /// Which hidden states of its tokens it wants back ([`RowOutput::hidden`]): a drafter
     /// reads them. A prompt's forward without them leaves its 2,048 x 4,096 floats (an 8B
     /// model's) on the device.
-    pub hidden: bool,
+    pub hidden: Hidden,
+}
+
+/// The most layers one forward taps ([`Taps`]).
+pub const MAX_TAPS: usize = 8;
+
+/// Layers whose incoming residual stream a forward copies out, in order (repeats allowed
+/// by the type; loaders refuse them). `Copy`, so a row's request costs no allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Taps {
+    ids: [u32; MAX_TAPS],
+    len: u8,
+}
+
+impl Taps {
+    /// The layers `ids`, or None when there are none or more than [`MAX_TAPS`].
+    pub fn new(ids: &[usize]) -> Option<Taps> {
+        if ids.is_empty() || ids.len() > MAX_TAPS {
+            return None;
+        }
+        let mut t = Taps { ids: [0; MAX_TAPS], len: ids.len() as u8 };
+        for (slot, &id) in t.ids.iter_mut().zip(ids) {
+            *slot = u32::try_from(id).ok()?;
+        }
+        Some(t)
+    }
+
+    /// The tapped layers, in order.
+    pub fn layers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.ids[..self.len as usize].iter().map(|&i| i as usize)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Which hidden states a row wants back from a forward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Hidden {
+    #[default]
+    None,
+    /// The last layer's output after the final norm, `hidden_size` floats a token: what MTP
+    /// heads and Gemma 4's assistant read.
+    Final,
+    /// The residual stream entering each tapped layer (the embedding for layer 0; before
+    /// that layer's input norm), concatenated in the taps' order: `taps.len() *
+    /// hidden_size` floats a token, what EAGLE-3 heads read. A forward that taps runs its
+    /// layers launched, never as a recorded replay.
+    Taps(Taps),
+}
+
+impl From<bool> for Hidden {
+    /// `true`: [`Hidden::Final`].
+    fn from(final_states: bool) -> Hidden {
+        if final_states {
+            Hidden::Final
+        } else {
+            Hidden::None
+        }
+    }
+}
+
+impl Hidden {
+    /// Whether any hidden state is wanted.
+    pub fn wanted(self) -> bool {
+        self != Hidden::None
+    }
+
+    /// Floats a token for a model of `hidden_size` `h`.
+    pub fn width(self, h: usize) -> usize {
+        match self {
+            Hidden::None => 0,
+            Hidden::Final => h,
+            Hidden::Taps(t) => t.len() * h,
+        }
+    }
+
+    /// The one kind of hidden state `rows` want (None when none does); rows asking for
+    /// different kinds in one forward are refused.
+    pub(crate) fn of_rows(rows: &[RowInput]) -> Result<Hidden> {
+        let mut kind = Hidden::None;
+        for (r, row) in rows.iter().enumerate() {
+            match (kind, row.hidden) {
+                (_, Hidden::None) => {}
+                (Hidden::None, k) => kind = k,
+                (k, j) if k == j => {}
+                _ => {
+                    return Err(Error::Request {
+                        request: format!("row {r}"),
+                        msg: "rows of one forward ask for different hidden states".into(),
+                    })
+                }
+            }
+        }
+        Ok(kind)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -194,9 +295,8 @@ pub struct RowOutput {
     pub logits: Vec<Vec<f32>>,
     /// One summary per wanted token, always.
     pub summaries: Vec<LogitSummary>,
-    /// The last layer's output after the final norm, one `hidden_size` row per input
-    /// token: the hidden state MTP heads read. Empty unless the row asked for it
-    /// ([`RowInput::hidden`]).
+    /// The hidden states the row asked for ([`RowInput::hidden`]), one row of
+    /// [`Hidden::width`] floats per input token; empty unless it asked.
     pub hidden: Vec<f32>,
 }
 
@@ -235,8 +335,8 @@ pub(crate) fn padding_rows(shape: (usize, usize), tokens: usize, rows: usize) ->
     Ok(std::iter::once(first).chain(std::iter::repeat_n(1, pads - 1)).collect())
 }
 
-/// Each row's outputs from the wanted tokens' `head` results and every token's
-/// final-normed `hidden` state (`h` wide; may be empty where no row wants it).
+/// Each row's outputs from the wanted tokens' `head` results and every token's `hidden`
+/// state (`h` wide: [`Hidden::width`]; may be empty where no row wants it).
 pub(crate) fn row_outputs(
     rows: &[RowInput],
     head: &Head,
@@ -260,7 +360,7 @@ pub(crate) fn row_outputs(
             logits,
             summaries: head.summaries[wanted..wanted + n].to_vec(),
             hidden: match hidden.get(off * h..(off + t) * h) {
-                Some(states) if row.hidden => states.to_vec(),
+                Some(states) if row.hidden.wanted() => states.to_vec(),
                 _ => Vec::new(),
             },
         });
@@ -272,7 +372,10 @@ pub(crate) fn row_outputs(
 
 /// Each row's outputs from the final-normed hidden states `normed` (one `h`-wide row per
 /// token): `lm_head` only for the tokens whose logits were asked for, soft-capped
-/// (`cap * tanh(l / cap)`, on the host) when `softcap` is given.
+/// (`cap * tanh(l / cap)`, on the host) when `softcap` is given. `tapped`: every token's
+/// tapped states ([`Hidden::Taps`]), for rows that asked for them; a model that taps no
+/// layer passes None and refuses such rows.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn head_outputs<B: Kernels>(
     be: &B,
     rows: &[RowInput],
@@ -281,7 +384,15 @@ pub(crate) fn head_outputs<B: Kernels>(
     vocab: usize,
     h: usize,
     softcap: Option<f32>,
+    tapped: Option<Vec<f32>>,
 ) -> Result<Vec<RowOutput>> {
+    let kind = Hidden::of_rows(rows)?;
+    if matches!(kind, Hidden::Taps(_)) && tapped.is_none() {
+        return Err(Error::Request {
+            request: "forward".into(),
+            msg: "this model's forward taps no layers (EAGLE-3 heads read Llama-family targets)".into(),
+        });
+    }
     let want = wanted_tokens(rows);
     let all = rows.iter().map(|r| r.tokens.len()).sum::<usize>();
     let mut head = Head { summaries: Vec::new(), logits: Vec::new() };
@@ -306,8 +417,12 @@ pub(crate) fn head_outputs<B: Kernels>(
             }
         }
     }
-    let hidden = if rows.iter().any(|r| r.hidden) { be.download(normed)? } else { Vec::new() };
-    Ok(row_outputs(rows, &head, &hidden, vocab, h))
+    let hidden = match (kind, tapped) {
+        (Hidden::Taps(_), Some(t)) => t,
+        (Hidden::Final, _) => be.download(normed)?,
+        _ => Vec::new(),
+    };
+    Ok(row_outputs(rows, &head, &hidden, vocab, kind.width(h)))
 }
 
 /// A model's LM head: the whole weight, or a tensor-parallel rank's vocabulary rows.
@@ -369,6 +484,15 @@ pub(crate) trait Net: Send + Sync {
     }
     /// Loads MTP module `prefix` of `ck` onto this model's backend, sharing its weights.
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>>;
+    /// Loads the EAGLE-3 head `ck` (described by `spec`) onto this model's backend.
+    fn load_eagle3(&self, ck: &Checkpoint, spec: &Eagle3Spec) -> Result<Box<dyn Eagle3Net>> {
+        let _ = ck;
+        Err(Error::config(
+            &spec.path,
+            "architectures",
+            "EAGLE-3 heads draft for Llama, Mistral, Qwen2 and Qwen3 targets (this target taps no layers)",
+        ))
+    }
     /// The concrete net, for drafters that share a family's internals (Gemma 4's assistant).
     fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -7,11 +7,13 @@
 //! function of the weights and that row's own token prefix (see docs/design.md).
 
 mod accounting;
+pub mod eagle3;
 pub mod forward;
 pub mod models;
 pub mod mtp;
 pub mod registry;
 mod tensor_parallel;
 
-pub use forward::{Logits, Model, RowInput, RowOutput};
+pub use eagle3::{Eagle3Feed, Eagle3Head, Eagle3Input, Eagle3Layout, Eagle3Output, Eagle3Spec};
+pub use forward::{Hidden, Logits, Model, RowInput, RowOutput, Taps};
 pub use mtp::{MtpHead, MtpInput, MtpLayout, MtpOutput};

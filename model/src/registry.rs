@@ -13,6 +13,7 @@ use mtp_base::Checkpoint;
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype, Numerics};
 
 use crate::accounting;
+use crate::eagle3::{Eagle3Head, Eagle3Spec};
 use crate::forward::{Model, Net};
 use crate::models::gemma4::assistant::Gemma4Assistant;
 use crate::models::{gemma4, llama};
@@ -283,6 +284,19 @@ impl MtpHead {
             tracing::info!("{n_mtp} MTP modules in {}; drafting uses module 0 recursively", dir.display());
         }
         Ok(MtpHead { layout, net })
+    }
+}
+
+impl Eagle3Head {
+    /// Loads the EAGLE-3 head in `dir` to draft for `target`, on the target's backend;
+    /// refuses a head that does not fit it, naming the key or tensor, and any tensor the
+    /// load leaves unread.
+    pub fn load(dir: &Path, target: &Model) -> Result<Eagle3Head> {
+        let spec = Eagle3Spec::read(dir, &target.config)?;
+        let ck = Checkpoint::open(dir)?;
+        let net = target.net().load_eagle3(&ck, &spec)?;
+        accounting::check_all(&ck, "the EAGLE-3 head")?;
+        Ok(Eagle3Head { spec, net })
     }
 }
 

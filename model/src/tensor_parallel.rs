@@ -30,7 +30,7 @@ use mtp_kernels::collective::{Collective, RankSync, ABORTED};
 use mtp_kernels::negative_control::{self, Switches};
 use mtp_kernels::{Activations, Backend, Kernels, KvDtype};
 
-use crate::forward::{check_tokens, slots_for, Cut, Logits, Net, RowInput, RowOutput};
+use crate::forward::{check_tokens, slots_for, Cut, Hidden, Logits, Net, RowInput, RowOutput};
 use crate::mtp::{MtpInput, MtpLayout, MtpNet, MtpOutput};
 
 /// Rank `rank` of `ranks`, with the collective its forward exchanges partials through.
@@ -271,7 +271,7 @@ impl Net for TensorParallel {
         let sizes: Vec<(&RowCache, usize)> = rows.iter().map(|r| (&*r.cache, r.tokens.len())).collect();
         slots_for(&sizes, self.max_positions())?;
         check_tokens(rows.iter().map(|r| r.tokens), self.vocab, "row")?;
-        let meta: Vec<(&[u32], Logits, bool, bool)> =
+        let meta: Vec<(&[u32], Logits, bool, Hidden)> =
             rows.iter().map(|r| (r.tokens, r.logits, r.full_logits, r.hidden)).collect();
         let caches = rows.iter_mut().map(|r| &mut *r.cache).collect();
         on_ranks(&self.ranks, &*self.sync, caches, |net, views| {

@@ -45,8 +45,9 @@ struct Cli {
     /// repository).
     #[arg(long)]
     target: Option<PathBuf>,
-    /// Comma-separated: draft-model:DIR, mtp[:DIR], assistant:DIR (Gemma 4), ngram, oracle:ALPHA (default: the
-    /// shipped draft model and MTP head of the default target, and ngram).
+    /// Comma-separated: draft-model:DIR, mtp[:DIR], eagle3:DIR (directory or repo id),
+    /// assistant:DIR (Gemma 4), ngram, oracle:ALPHA (default: the shipped draft model and MTP
+    /// head of the default target, and ngram).
     #[arg(long)]
     drafters: Option<String>,
     /// Draft lengths to try: auto (adaptive, up to --max-k) and/or fixed counts.

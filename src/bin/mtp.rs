@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use mtp::base::{hub, Tokenizer, WeightDtype};
-use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, MtpDrafter, NgramDrafter};
+use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, Eagle3Drafter, MtpDrafter, NgramDrafter};
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
 use mtp::kernels::Backend;
 use mtp::model::{Model, MtpLayout};
@@ -262,11 +262,11 @@ struct ModelArgs {
     max_batch: usize,
     /// auto (the target's own MTP head when its checkpoint has one, else none), none,
     /// draft-model (needs --draft), mtp (--draft, or the target's own MTP weights),
-    /// assistant (Gemma 4's assistant in --draft, reading the target's K/V) or ngram
-    /// (prompt lookup).
+    /// eagle3 (an EAGLE-3 head in --draft, reading the target's tapped layers), assistant
+    /// (Gemma 4's assistant in --draft, reading the target's K/V) or ngram (prompt lookup).
     #[arg(long, default_value = "auto")]
     drafter: String,
-    /// Draft model, MTP head or assistant checkpoint: directory or Hugging Face repo id
+    /// Draft model, MTP head, EAGLE-3 head or assistant checkpoint: directory or Hugging Face repo id
     /// (org/name[@revision]).
     #[arg(long)]
     draft: Option<PathBuf>,
@@ -354,7 +354,7 @@ impl ModelArgs {
     fn make_drafter(&self, target_dir: &Path, target: &Arc<Model>) -> Result<Option<Box<dyn Drafter>>> {
         let drafter = self.drafter.as_str();
         if self.draft.is_some() && ["none", "auto", "ngram"].contains(&drafter) {
-            bail!("--draft goes with --drafter draft-model, mtp or assistant; --drafter {drafter} reads no checkpoint");
+            bail!("--draft goes with --drafter draft-model, mtp, eagle3 or assistant; --drafter {drafter} reads no checkpoint");
         }
         Ok(match drafter {
             "none" => None,
@@ -378,13 +378,20 @@ impl ModelArgs {
                 let dir = self.draft_dir()?.unwrap_or_else(|| target_dir.to_path_buf());
                 Some(Box::new(MtpDrafter::load(&dir, target.clone())?))
             }
+            "eagle3" => {
+                let dir =
+                    self.draft_dir()?.context("--drafter eagle3 needs --draft DIR (the EAGLE-3 head)")?;
+                Some(Box::new(Eagle3Drafter::load(&dir, target.clone())?))
+            }
             "assistant" => {
                 let dir = self
                     .draft_dir()?
                     .context("--drafter assistant needs --draft DIR (the assistant checkpoint)")?;
                 Some(Box::new(AssistantDrafter::load(&dir, target.clone())?))
             }
-            other => bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, assistant, ngram)"),
+            other => {
+                bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, eagle3, assistant, ngram)")
+            }
         })
     }
 
@@ -455,6 +462,7 @@ fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
     }
     let what = match drafter {
         "mtp" => "the MTP head",
+        "eagle3" => "the EAGLE-3 head",
         "draft-model" => "the draft model",
         "assistant" => "the assistant",
         "ngram" => "n-gram prompt lookup",

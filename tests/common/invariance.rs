@@ -91,7 +91,7 @@ pub fn run_chunked(model: &Model, seq: &[u32], chunks: &[usize]) -> (Vec<Vec<u32
             cache: &mut cache,
             logits: Logits::All,
             full_logits: true,
-            hidden: true,
+            hidden: true.into(),
         }];
         let out = model.forward(&mut rows).unwrap();
         cache.commit_window(piece.len());
@@ -120,7 +120,7 @@ pub fn last_logits(model: &Model, prompts: &[Vec<u32>], together: bool) -> Vec<V
                 cache: c,
                 logits: Logits::Last,
                 full_logits: true,
-                hidden: true,
+                hidden: true.into(),
             })
             .collect();
         model.forward(&mut rows).unwrap().into_iter().map(|o| bits(&o.logits[0])).collect::<Vec<_>>()

@@ -81,6 +81,12 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny").join(name)
 }
 
+/// The EAGLE-3 head for the trained target, with random weights and numpy goldens
+/// (`tests/fixtures/eagle3/make_fixture.py`).
+pub fn eagle3_head() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/eagle3")
+}
+
 /// The trained family (`target`, with its MTP head inside, and `draft`), written by
 /// `training/export.py`.
 pub fn trained(name: &str) -> PathBuf {

@@ -13,7 +13,7 @@ use mtp_base::logits::top_logprobs;
 use mtp_base::Error;
 use mtp_cache::RowCache;
 use mtp_constraint::TokenMask;
-use mtp_model::{Logits, Model, RowInput, RowOutput};
+use mtp_model::{Hidden, Logits, Model, RowInput, RowOutput};
 use mtp_sampling::{Filtered, SamplingMode, SamplingParams};
 use rayon::prelude::*;
 
@@ -45,9 +45,9 @@ pub struct VerifyRow<'a> {
     /// A constrained row's grammar mask at each window position (`draft.len() + 1` of
     /// them): every decision picks among the allowed tokens only.
     pub masks: Option<&'a [TokenMask]>,
-    /// Whether [`Verified::hidden`] is wanted (a drafter that reads the target's hidden
-    /// states); without it the forward leaves them on the device.
-    pub hidden: bool,
+    /// Which hidden states [`Verified::hidden`] carries (those a drafter reads); without
+    /// any the forward leaves them on the device.
+    pub hidden: Hidden,
 }
 
 impl<'a> VerifyRow<'a> {
@@ -61,7 +61,7 @@ impl<'a> VerifyRow<'a> {
             sampling: SamplingParams::default(),
             top_logprobs: 0,
             masks: None,
-            hidden: true,
+            hidden: Hidden::Final,
         }
     }
 }
@@ -160,7 +160,6 @@ pub fn verify_beside(
             });
         }
     }
-    let h = model.config.hidden_size;
     let verified = inputs.len();
     inputs.extend(beside);
     let beside_out = match model.forward(&mut inputs) {
@@ -234,6 +233,7 @@ pub fn verify_beside(
             for ((&i, out), (a, tokens, logprobs, top)) in live.iter().zip(outs).zip(decided) {
                 // Rollback: keep `pending` and the accepted drafts, compact, free the rest.
                 rows[i].cache.commit_window(a + 1);
+                let h = rows[i].hidden.width(model.config.hidden_size);
                 let hidden = out.hidden.get(..(a + 1) * h).map_or_else(Vec::new, <[f32]>::to_vec);
                 results[i] = Some(Ok(Verified { accepted: a, tokens, logprobs, top, hidden }));
             }

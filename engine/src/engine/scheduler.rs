@@ -18,6 +18,7 @@
 
 use mtp_constraint::Guide;
 use mtp_drafter::Commit;
+use mtp_model::Hidden;
 
 use super::{Engine, Held, Row};
 use crate::prefill::{Prompt, Scoring};
@@ -108,7 +109,7 @@ impl Engine<'_> {
     /// Bytes a queued request's prompt takes on admission: the blocks the prefix cache does
     /// not hold (and the copy of a shared partial block), a row's fixed K/V.
     fn admission_need(&self, q: &Queued) -> usize {
-        let want_hidden = self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
+        let want_hidden = self.drafter.as_ref().is_some_and(|d| d.hidden().wanted());
         let cached = self.prefix.as_ref().map_or(0, |p| p.cached_positions(&q.request.prompt, want_hidden));
         self.prompt_growth(cached, q.request.prompt.len(), true).saturating_add(self.model.kv_bytes_per_row())
     }
@@ -183,11 +184,14 @@ impl Engine<'_> {
         let t0 = std::time::Instant::now();
         let mut cache = self.model.new_cache();
         let drafting = q.resumes.as_ref().is_none_or(|r| r.drafting);
-        let want_hidden = drafting && self.drafter.as_ref().is_some_and(|d| d.needs_hidden());
+        let want_hidden = match &self.drafter {
+            Some(d) if drafting => d.hidden(),
+            _ => Hidden::None,
+        };
         // A scored prompt reads every position's logits, so it computes them all.
         let scored = q.resumes.is_none() && q.request.prompt_logprobs.is_some();
         let (reused, hidden) = match self.prefix.as_mut().filter(|_| !scored) {
-            Some(p) => p.load(&q.request.prompt, &mut cache, want_hidden),
+            Some(p) => p.load(&q.request.prompt, &mut cache, want_hidden.wanted()),
             None => (0, Vec::new()),
         };
         self.stats.prefill_time += t0.elapsed();

@@ -264,7 +264,7 @@ impl<B: Kernels> Gemma4<B> {
         let mut normed = be.alloc(m * h)?;
         be.rms_norm(&x, &self.norm, eps, &mut normed, h, 0)?;
         let head = LmHead { w: self.lm_head.as_ref().unwrap_or(&self.embed), shard: self.shard.as_deref() };
-        head_outputs(be, rows, normed, head, c.vocab_size, h, self.g.final_logit_softcapping)
+        head_outputs(be, rows, normed, head, c.vocab_size, h, self.g.final_logit_softcapping, None)
     }
 
     fn layer_forward(

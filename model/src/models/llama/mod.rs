@@ -3,8 +3,11 @@
 //! `x += down(silu(gate(n(x))) * up(n(x)))`, logits = `lm_head(norm(x))`.
 //! The three families differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
 //! Written once over [`Kernels`]: every backend runs this forward. Its MTP head ([`mtp`])
-//! is one more of these layers.
+//! is one more of these layers; an EAGLE-3 head's ([`eagle3`]) is one whose q/k/v read two
+//! normed inputs side by side. Rows may ask for the residual stream entering chosen layers
+//! ([`Hidden::Taps`]); such a forward runs launched, never as a recorded replay.
 
+mod eagle3;
 mod mtp;
 
 use std::sync::{Arc, Mutex};
@@ -19,9 +22,10 @@ use mtp_kernels::{
     SUMMARY_VALUES,
 };
 
+use crate::eagle3::{Eagle3Net, Eagle3Spec};
 use crate::forward::{
-    check_tokens, head_outputs, padding_rows, row_outputs, slots_for, wanted_tokens, Head, LmHead, Net, Proj,
-    RowInput, RowOutput,
+    check_tokens, head_outputs, padding_rows, row_outputs, slots_for, wanted_tokens, Head, Hidden, LmHead,
+    Net, Proj, RowInput, RowOutput,
 };
 use crate::mtp::{MtpLayout, MtpNet};
 use crate::tensor_parallel::{check_split, Shard};
@@ -302,8 +306,21 @@ impl<B: Kernels> Decoder<B> {
         let (be, c) = (&*self.be, &self.config);
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         check_tokens(rows.iter().map(|r| r.tokens), vocab, "row")?;
+        let kind = Hidden::of_rows(rows)?;
+        let taps: Vec<usize> = match kind {
+            Hidden::Taps(t) => t.layers().collect(),
+            _ => Vec::new(),
+        };
+        if let Some(&bad) = taps.iter().find(|&&l| l >= self.layers.len()) {
+            return Err(Error::Request {
+                request: "forward".into(),
+                msg: format!("tapped layer {bad} is past the model's {} layers", self.layers.len()),
+            });
+        }
         let real = rows.iter().map(|r| r.tokens.len()).sum::<usize>();
-        let every_logit = wanted_tokens(rows).len() == real;
+        // A tapping forward copies states out between layers: it runs launched, so that
+        // no recording (CUDA graph) needs those copies.
+        let every_logit = wanted_tokens(rows).len() == real && taps.is_empty();
         // A forward the backend may record runs in the shape it records (padding rows of
         // token 0 added), so that few recordings serve every batch.
         let pads = match real > 0 && every_logit {
@@ -343,7 +360,7 @@ impl<B: Kernels> Decoder<B> {
         // The hidden states, the summaries and the logits: how many of each come back to
         // the host (the batch's own tokens', never the padding's).
         let fetch = [
-            if rows.iter().any(|r| r.hidden) { real * h } else { 0 },
+            if kind == Hidden::Final { real * h } else { 0 },
             SUMMARY_VALUES * real,
             if rows.iter().any(|r| r.full_logits) { real * vocab } else { 0 },
         ];
@@ -351,6 +368,9 @@ impl<B: Kernels> Decoder<B> {
             in_order(first, rows.iter_mut().map(|r| &mut *r.cache).collect(), pad_rows.iter_mut().collect());
         let batch = be.batch(&slots, &tokens, &mut caches)?;
         let lm_head = LmHead { w: &*self.lm_head, shard: self.shard.as_deref() };
+        // Each tap's copy of the residual stream (`m x h`), in the taps' order.
+        let mut tapped: Vec<Vec<f32>> = vec![Vec::new(); taps.len()];
+        let every_row: Vec<usize> = if taps.is_empty() { Vec::new() } else { (0..m).collect() };
         // The embedding, the layers and the final norm, into `normed`.
         let mut hidden_states = |batch: &B::Batch, normed: &mut B::Act| -> Result<()> {
             let mut x = be.alloc(m * h)?;
@@ -362,6 +382,9 @@ impl<B: Kernels> Decoder<B> {
                 // Every layer has the first's shape.
                 let mut s = first.scratch(be, c, m)?;
                 for (li, layer) in self.layers.iter().enumerate() {
+                    for (j, _) in taps.iter().enumerate().filter(|&(_, &l)| l == li) {
+                        tapped[j] = be.download(be.gather(&x, h, &every_row)?)?;
+                    }
                     layer.forward(be, c, &self.rope, &mut x, m, batch, &mut caches, li, &mut s)?;
                 }
             }
@@ -390,7 +413,17 @@ impl<B: Kernels> Decoder<B> {
         let mut normed = be.alloc(m * h)?;
         hidden_states(&batch, &mut normed)?;
         drop(caches);
-        head_outputs(be, rows, normed, lm_head, vocab, h, None)
+        // Token by token, each tap's state beside the others'.
+        let tapped = (!taps.is_empty()).then(|| {
+            let mut out = Vec::with_capacity(m * h * taps.len());
+            for t in 0..m {
+                for tap in &tapped {
+                    out.extend_from_slice(&tap[t * h..(t + 1) * h]);
+                }
+            }
+            out
+        });
+        head_outputs(be, rows, normed, lm_head, vocab, h, None, tapped)
     }
 }
 
@@ -445,6 +478,10 @@ impl<B: Kernels> Net for Decoder<B> {
 
     fn load_mtp(&self, ck: &Checkpoint, layout: MtpLayout, prefix: &str) -> Result<Box<dyn MtpNet>> {
         Ok(Box::new(mtp::MtpBlock::load(self, ck, layout, prefix)?))
+    }
+
+    fn load_eagle3(&self, ck: &Checkpoint, spec: &Eagle3Spec) -> Result<Box<dyn Eagle3Net>> {
+        Ok(Box::new(eagle3::Eagle3Block::load(self, ck, spec)?))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
