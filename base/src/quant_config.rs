@@ -4,9 +4,10 @@
 //!
 //! Contract: every key is either checked (its value must be one this crate computes
 //! exactly) or on a short list of keys that do not change the math (calibration settings,
-//! provenance); any other key is refused by name, so a config is never half-read. MLX's
-//! own copy (`quantization_config` equal to `quantization`, no `quant_method`) is MLX's
-//! and checked by [`crate::Checkpoint`] from its tensors.
+//! provenance); any other key is refused by name, so a config is never half-read. A
+//! `quantization_config` without `quant_method` beside MLX's `quantization` is mlx-lm's copy
+//! of it (mlx-lm reads `quantization` first), and [`crate::Checkpoint`] checks the tensors
+//! against `quantization`.
 
 use std::path::{Path, PathBuf};
 
@@ -159,9 +160,15 @@ pub fn parse(path: &Path, root: &Value) -> Result<Option<Declared>> {
     let Some(q) = root.get("quantization_config").filter(|q| !q.is_null()) else { return Ok(None) };
     let o = Obj::new(path, "quantization_config".into(), q)?;
     let scheme = match o.str("quant_method")? {
-        // mlx-lm writes its `quantization` twice; the tensors are checked against it.
-        None if root.get("quantization") == Some(q) => return Ok(None),
-        None => return Err(o.err("quant_method", "missing: the loader cannot tell how the weights are quantized")),
+        // mlx-lm writes its `quantization` twice and reads `quantization` first: the
+        // tensors are checked against that one.
+        None if root.get("quantization").is_some_and(Value::is_object) => return Ok(None),
+        None => {
+            return Err(o.err(
+                "quant_method",
+                "missing, and no MLX `quantization` beside it: the loader cannot tell how the weights are quantized",
+            ))
+        }
         Some("awq") => awq(&o)?,
         Some("gptq") => gptq(&o)?,
         Some("compressed-tensors") => compressed(&o)?,

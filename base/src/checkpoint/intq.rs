@@ -298,3 +298,44 @@ impl Unpacked {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group of 256 stored as MLX groups of 128, one group a row (384 = 3 x 128), and a
+    /// group of 16 kept: each value is `(q - z) * s` exactly, for f16 scales and zeros up
+    /// to 16 (GPTQ v1's stored 15 plus one).
+    #[test]
+    fn groups_map_onto_mlx_groups_exactly() {
+        let mut seed = 12345u64;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for (cols, group, mlx) in [(512, 256, 128), (384, 384, 128), (48, 16, 16), (96, 96, 32)] {
+            let (rows, groups) = (3, cols / group);
+            let mut u = Unpacked::new(rows, cols, 4, group);
+            u.codes = (0..rows * cols).map(|_| next(16) as u8).collect();
+            u.zeros = (0..rows * groups).map(|_| next(17) as u32).collect();
+            u.scales = (0..rows * groups)
+                .map(|_| half::f16::from_bits(0x2000 + next(0x3000) as u16).to_f32())
+                .collect();
+            let (codes, zeros, scales) = (u.codes.clone(), u.zeros.clone(), u.scales.clone());
+            let w = u.into_weight();
+            assert_eq!(w.quant().map(|q| q.group), Some(mlx));
+            let got = w.to_f32();
+            for r in 0..rows {
+                for k in 0..cols {
+                    let g = r * groups + k / group;
+                    let want = ((codes[r * cols + k] as f64 - zeros[g] as f64) * scales[g] as f64) as f32;
+                    assert_eq!(
+                        got[r * cols + k].to_bits(),
+                        want.to_bits(),
+                        "cols {cols} group {group}: ({r}, {k})"
+                    );
+                }
+            }
+        }
+    }
+}
