@@ -429,7 +429,7 @@ impl Checkpoint {
     pub fn get_stacked(&self, name: &str, shape: [usize; 3]) -> Result<Weight> {
         let [experts, n, cols] = shape;
         if let Some(stem) = name.strip_suffix(".weight") {
-            if self.contains(&format!("{stem}.scales")) {
+            if self.contains(&format!("{stem}.scales")) && self.scheme.is_none() {
                 return self.get_quantized(stem, &[experts, n], cols);
             }
         }

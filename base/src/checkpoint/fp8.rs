@@ -44,6 +44,9 @@ impl Checkpoint {
         scale: &str,
         block: [usize; 2],
     ) -> Result<Weight> {
+        if rows == 0 || cols == 0 {
+            return Err(self.fp8_empty(stem, rows, cols));
+        }
         let [bm, bn] = block;
         let (grid_r, grid_c) = (rows.div_ceil(bm), cols.div_ceil(bn));
         let scale_name = format!("{stem}.{scale}");
@@ -108,6 +111,13 @@ impl Checkpoint {
             got: stored,
             expected: vec![grid_r, grid_c],
         })
+    }
+
+    fn fp8_empty(&self, stem: &str, rows: usize, cols: usize) -> Error {
+        Error::Safetensors {
+            path: self.dir.clone(),
+            msg: format!("`{stem}.weight`: an FP8 weight of {rows} x {cols} values"),
+        }
     }
 
     /// Qwen/DeepSeek's `weight_scale_inv` per `block`.

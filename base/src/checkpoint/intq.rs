@@ -74,7 +74,7 @@ fn mlx_group(g: usize) -> usize {
 /// Refuses a group of `group` values for `stem`'s `cols` inputs unless it divides them in
 /// whole groups of whole u32 words that the kernels take (a multiple of 8 values).
 fn check_group(d: &Declared, stem: &str, group: usize, cols: usize) -> Result<()> {
-    if group == 0 || !cols.is_multiple_of(group) || !group.is_multiple_of(8) {
+    if group == 0 || cols == 0 || !cols.is_multiple_of(group) || !group.is_multiple_of(8) {
         return Err(Error::config(
             &d.path,
             "quantization_config.group_size",
