@@ -262,7 +262,8 @@ fn refusal(fmt: &str, qc: impl FnOnce(&mut Value)) -> String {
 
 #[test]
 fn settings_not_implemented_are_refused_by_key() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>, &str)> = vec![
+    type Edit = Box<dyn FnOnce(&mut Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "awq",
             Box::new(|q| q["quant_method"] = json!("bitsandbytes")),
