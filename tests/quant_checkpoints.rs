@@ -223,7 +223,8 @@ fn run(dir: &Path) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
 /// FP8 dequantizes at load into the bf16 the reference holds: the same model, the same
 /// bits. INT4 runs the quantized matmul over the reference's values: on the CPU the
 /// fixtures' groups of 16 dequantize each row (exactly) and take the f32 tiles, so the bits
-/// are the reference's too (measured: 0 difference); groups of 32 and up take the fused
+/// are the reference's too (measured: 0 difference, and on the Metal emulator, which
+/// dequantizes each value as it loads it); groups of 32 and up take the CPU's fused
 /// kernel, `scale * dot(x, q) + bias * sum(x)` a group, another order of the same sums, and
 /// the GPUs' quantized matmuls theirs: there the logits agree to rounding (asserted within
 /// 1e-4) and the greedy tokens are equal.

@@ -5,8 +5,9 @@
 //! the `rows x cols` (out x in) weight, with the reference meaning `w = (q - z) * s`; they
 //! are stored as MLX's `scale * q + bias` with `scale = s` and `bias = -(z * s)` in f32,
 //! codes repacked low bits first into u32 words along each row. For 16-bit `s` (what every
-//! writer stores for a 16-bit model) `z * s` and `s * q` are exact in f32 (at most 5 + 11
-//! significant bits) and so is their sum, which is then `(q - z) * s` exactly: the reference
+//! writer stores for a 16-bit model) `z * s` and `s * q` are exact in f32 (at most 11 + 9
+//! significant bits: 8-bit codes, zeros up to 256) and so is their sum, which is then
+//! `(q - z) * s` exactly: the reference
 //! dequantization in f32, bit for bit. A group size that is a multiple of 128, 64 or 32 is
 //! stored as groups of that size with the scales repeated (same values); one group a row
 //! likewise. Every tensor's shape is checked against the weight's, naming the tensor.
@@ -303,9 +304,9 @@ impl Unpacked {
 mod tests {
     use super::*;
 
-    /// A group of 256 stored as MLX groups of 128, one group a row (384 = 3 x 128), and a
-    /// group of 16 kept: each value is `(q - z) * s` exactly, for f16 scales and zeros up
-    /// to 16 (GPTQ v1's stored 15 plus one).
+    /// A group of 256 stored as MLX groups of 128, one group a row (384 = 3 x 128), a group
+    /// of 16 kept, 8-bit codes: each value is `(q - z) * s` exactly, for f16 scales and
+    /// zeros up to `2^bits` (GPTQ v1's largest stored zero plus one).
     #[test]
     fn groups_map_onto_mlx_groups_exactly() {
         let mut seed = 12345u64;
@@ -313,11 +314,13 @@ mod tests {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             (seed >> 33) % n
         };
-        for (cols, group, mlx) in [(512, 256, 128), (384, 384, 128), (48, 16, 16), (96, 96, 32)] {
-            let (rows, groups) = (3, cols / group);
-            let mut u = Unpacked::new(rows, cols, 4, group);
-            u.codes = (0..rows * cols).map(|_| next(16) as u8).collect();
-            u.zeros = (0..rows * groups).map(|_| next(17) as u32).collect();
+        let cases =
+            [(4, 512, 256, 128), (4, 384, 384, 128), (4, 48, 16, 16), (4, 96, 96, 32), (8, 256, 64, 64)];
+        for (bits, cols, group, mlx) in cases {
+            let (rows, groups, levels) = (3, cols / group, 1u64 << bits);
+            let mut u = Unpacked::new(rows, cols, bits, group);
+            u.codes = (0..rows * cols).map(|_| next(levels) as u8).collect();
+            u.zeros = (0..rows * groups).map(|_| next(levels + 1) as u32).collect();
             u.scales = (0..rows * groups)
                 .map(|_| half::f16::from_bits(0x2000 + next(0x3000) as u16).to_f32())
                 .collect();
