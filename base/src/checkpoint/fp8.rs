@@ -9,6 +9,7 @@
 //! scale grid is the ceiling division of the shape). Every backend then runs the weight
 //! through its 16-bit path; the GPU holds twice the file's bytes until FP8 kernels exist.
 
+use rayon::prelude::*;
 use safetensors::Dtype;
 
 use crate::checkpoint::Checkpoint;
@@ -74,22 +75,25 @@ impl Checkpoint {
         let table: Vec<f32> = (0..=255u8).map(e4m3).collect();
         let codes = &e.map[e.range.clone()];
         let dense = d.dense;
-        let mut out = Vec::with_capacity(rows * cols * dense.size());
-        for (r, row) in codes.chunks_exact(cols).enumerate() {
-            let srow = &s[(r / bm) * grid_c..][..grid_c];
-            for (c, &q) in row.iter().enumerate() {
-                let w = table[q as usize] * srow[c / bn];
-                match dense {
-                    WeightDtype::Bf16 => {
-                        out.extend_from_slice(&half::bf16::from_f32(w).to_bits().to_le_bytes())
+        let size = dense.size();
+        let mut out = vec![0u8; rows * cols * size];
+        out.par_chunks_mut(cols * size).zip(codes.par_chunks(cols)).enumerate().for_each(
+            |(r, (out, row))| {
+                let srow = &s[(r / bm) * grid_c..][..grid_c];
+                for ((c, &q), o) in row.iter().enumerate().zip(out.chunks_exact_mut(size)) {
+                    let w = table[q as usize] * srow[c / bn];
+                    match dense {
+                        WeightDtype::Bf16 => {
+                            o.copy_from_slice(&half::bf16::from_f32(w).to_bits().to_le_bytes())
+                        }
+                        WeightDtype::F16 => {
+                            o.copy_from_slice(&half::f16::from_f32(w).to_bits().to_le_bytes())
+                        }
+                        WeightDtype::F32 => o.copy_from_slice(&w.to_le_bytes()),
                     }
-                    WeightDtype::F16 => {
-                        out.extend_from_slice(&half::f16::from_f32(w).to_bits().to_le_bytes())
-                    }
-                    WeightDtype::F32 => out.extend_from_slice(&w.to_le_bytes()),
                 }
-            }
-        }
+            },
+        );
         Ok(Weight::from_le_bytes(out, dense, rows, cols))
     }
 

@@ -16,6 +16,7 @@ use crate::checkpoint::{Checkpoint, Entry};
 use crate::error::{Error, Result};
 use crate::quant_config::Declared;
 use crate::weights::{Quant, Weight, WeightDtype};
+use rayon::prelude::*;
 use safetensors::Dtype;
 
 /// Where AWQ's GEMM packing puts output column `j` of 8: nibble `AWQ_NIBBLE[j]` of the word
@@ -40,13 +41,13 @@ impl Unpacked {
         let Unpacked { rows, cols, bits, group, codes, zeros, scales } = self;
         let mlx_group = mlx_group(group);
         let (groups, mlx_groups, per_word) = (cols / group, cols / mlx_group, 32 / bits);
-        let mut packed = Vec::with_capacity(rows * cols * bits / 8);
-        for row in codes.chunks_exact(cols) {
-            for word in row.chunks_exact(per_word) {
+        let mut packed = vec![0u8; rows * cols * bits / 8];
+        packed.par_chunks_mut(cols * bits / 8).zip(codes.par_chunks(cols)).for_each(|(out, row)| {
+            for (o, word) in out.chunks_exact_mut(4).zip(row.chunks_exact(per_word)) {
                 let w = word.iter().enumerate().fold(0u32, |w, (j, &q)| w | (q as u32) << (j * bits));
-                packed.extend_from_slice(&w.to_le_bytes());
+                o.copy_from_slice(&w.to_le_bytes());
             }
-        }
+        });
         let (mut s, mut b) = (Vec::with_capacity(rows * mlx_groups), Vec::with_capacity(rows * mlx_groups));
         for r in 0..rows {
             for j in 0..mlx_groups {
@@ -270,18 +271,20 @@ impl Checkpoint {
 
 /// The `rows x cols` codes `code(n, k)`, filled in square tiles (the transposing formats
 /// read their words down columns).
-fn tiled(rows: usize, cols: usize, code: impl Fn(usize, usize) -> u8) -> Vec<u8> {
+fn tiled(rows: usize, cols: usize, code: impl Fn(usize, usize) -> u8 + Sync) -> Vec<u8> {
     const T: usize = 64;
     let mut out = vec![0u8; rows * cols];
-    for n0 in (0..rows).step_by(T) {
+    // Each task fills T whole rows (in tiles of T columns).
+    out.par_chunks_mut(T * cols).enumerate().for_each(|(t, band)| {
+        let n0 = t * T;
         for k0 in (0..cols).step_by(T) {
-            for n in n0..(n0 + T).min(rows) {
+            for (i, row) in band.chunks_exact_mut(cols).enumerate() {
                 for k in k0..(k0 + T).min(cols) {
-                    out[n * cols + k] = code(n, k);
+                    row[k] = code(n0 + i, k);
                 }
             }
         }
-    }
+    });
     out
 }
 
