@@ -279,8 +279,9 @@ fn tiled(rows: usize, cols: usize, code: impl Fn(usize, usize) -> u8 + Sync) -> 
         let n0 = t * T;
         for k0 in (0..cols).step_by(T) {
             for (i, row) in band.chunks_exact_mut(cols).enumerate() {
-                for k in k0..(k0 + T).min(cols) {
-                    row[k] = code(n0 + i, k);
+                let end = (k0 + T).min(cols);
+                for (k, v) in row[k0..end].iter_mut().enumerate() {
+                    *v = code(n0 + i, k0 + k);
                 }
             }
         }
