@@ -38,9 +38,25 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant")
 }
 
+/// A temporary directory, removed when dropped.
+struct Tmp(PathBuf);
+
+impl std::ops::Deref for Tmp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Tmp {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.0).ok();
+    }
+}
+
 /// A fresh directory holding format `fmt`'s checkpoint: its config, index and shard, the
 /// shared base shard, and hf-tiny's tokenizer (`tag` names the copy).
-fn assemble(fmt: &str, tag: &str) -> PathBuf {
+fn assemble(fmt: &str, tag: &str) -> Tmp {
     let dir = std::env::temp_dir().join(format!("mtp-quant-{tag}-{}", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
     std::fs::create_dir_all(&dir).unwrap();
@@ -53,12 +69,12 @@ fn assemble(fmt: &str, tag: &str) -> PathBuf {
     for f in ["tokenizer.json", "generation_config.json"] {
         std::fs::copy(tiny.join(f), dir.join(f)).unwrap();
     }
-    dir
+    Tmp(dir)
 }
 
 /// A checkpoint of the base shard and reference `name`'s dequantized projections, with
 /// hf-tiny's plain config (`dtype` as given).
-fn reference(name: &str, dtype: &str) -> PathBuf {
+fn reference(name: &str, dtype: &str) -> Tmp {
     let dir = assemble("awq", &format!("ref-{name}"));
     let shard = dir.join("model-00002-of-00002.safetensors");
     std::fs::copy(fixtures().join(format!("{name}.safetensors")), &shard).unwrap();
