@@ -4,11 +4,16 @@
 //! A checkpoint remembers which tensors were read ([`Checkpoint::unread`]), so a loader can
 //! refuse a checkpoint holding tensors its config.json does not describe.
 
+mod fp8;
 mod header;
+mod intq;
+
+pub use fp8::e4m3;
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use memmap2::Mmap;
@@ -16,6 +21,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::config::read_json;
 use crate::error::{Error, Result};
+use crate::quant_config::{Declared, Scheme};
 use crate::weights::{Quant, Weight, WeightDtype};
 
 struct Entry {
@@ -50,6 +56,10 @@ pub struct Checkpoint {
     read: Mutex<HashSet<String>>,
     /// config.json (when the directory has one) and its `quantization` object.
     declared: Option<(PathBuf, serde_json::Value)>,
+    /// config.json's `quantization_config` (AWQ, GPTQ, compressed-tensors, FP8), and how
+    /// many weights were read in its layout.
+    scheme: Option<Declared>,
+    imported: AtomicUsize,
 }
 
 impl Checkpoint {
@@ -141,15 +151,22 @@ impl Checkpoint {
             }
         }
         let config = dir.join("config.json");
-        let declared = match crate::files::present(&config) {
-            true => read_json(&config)?
-                .get("quantization")
-                .filter(|q| q.is_object())
-                .cloned()
-                .map(|q| (config, q)),
-            false => None,
+        let (declared, scheme) = match crate::files::present(&config) {
+            true => {
+                let v = read_json(&config)?;
+                let scheme = crate::quant_config::parse(&config, &v)?;
+                (v.get("quantization").filter(|q| q.is_object()).cloned().map(|q| (config, q)), scheme)
+            }
+            false => (None, None),
         };
-        Ok(Checkpoint { dir: dir.to_path_buf(), tensors, read: Mutex::default(), declared })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            tensors,
+            read: Mutex::default(),
+            declared,
+            scheme,
+            imported: AtomicUsize::new(0),
+        })
     }
 
     /// The entry of `name`, recorded as read; an error naming it when absent.
@@ -208,8 +225,11 @@ impl Checkpoint {
     /// quantized weight of that logical shape.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Weight> {
         if let (Some(stem), [rows, cols]) = (name.strip_suffix(".weight"), shape) {
-            if self.contains(&format!("{stem}.scales")) {
+            if self.contains(&format!("{stem}.scales")) && self.scheme.is_none() {
                 return self.get_quantized(stem, &[*rows], *cols);
+            }
+            if let Some(w) = self.get_declared(stem, *rows, *cols)? {
+                return Ok(w);
             }
         }
         let (rows, cols) = match shape {
@@ -218,6 +238,61 @@ impl Checkpoint {
             _ => unreachable!("weights are 1-D or 2-D"),
         };
         self.get_as(name, shape, rows, cols)
+    }
+
+    /// `{stem}`'s `rows x cols` weight in the layout config.json's `quantization_config`
+    /// declares, when it is stored so (`None`: stored as a plain tensor, e.g. a module the
+    /// quantizer left out).
+    fn get_declared(&self, stem: &str, rows: usize, cols: usize) -> Result<Option<Weight>> {
+        let Some(d) = &self.scheme else { return Ok(None) };
+        let has = |suffix: &str| self.contains(&format!("{stem}.{suffix}"));
+        let w = match d.scheme {
+            Scheme::Awq { group } if has("qweight") => self.awq(d, stem, rows, cols, group)?,
+            Scheme::Gptq { bits, group, zero_offset } if has("qweight") => {
+                self.gptq(d, stem, (rows, cols), bits, group, zero_offset)?
+            }
+            Scheme::CtInt { bits, group, symmetric } if has("weight_packed") => {
+                self.ct_int(d, stem, (rows, cols), bits, group, symmetric)?
+            }
+            Scheme::Fp8Block { block } if has("weight_scale_inv") => {
+                self.fp8_block(d, stem, (rows, cols), block)?
+            }
+            Scheme::CtFp8 { strategy } if has("weight_scale") => {
+                self.ct_fp8(d, stem, (rows, cols), strategy)?
+            }
+            _ => return Ok(None),
+        };
+        self.imported.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(w))
+    }
+
+    /// Refuses a checkpoint whose `quantization_config` declares a scheme none of its
+    /// weights is stored in (a 16-bit checkpoint with a stale `fp8` or `awq` config was
+    /// loaded as if the config were not there). Called once a load is done.
+    pub fn check_declared_used(&self) -> Result<()> {
+        match &self.scheme {
+            Some(d) if self.imported.load(Ordering::Relaxed) == 0 => Err(Error::config(
+                &d.path,
+                "quantization_config.quant_method",
+                format!(
+                    "declares {}, but no weight of {} is stored in that layout (its tensors: {})",
+                    d.scheme.name(),
+                    self.dir.display(),
+                    match d.scheme {
+                        Scheme::Awq { .. } | Scheme::Gptq { .. } => "`*.qweight`, `*.qzeros`, `*.scales`",
+                        Scheme::CtInt { .. } => "`*.weight_packed`, `*.weight_scale`",
+                        Scheme::Fp8Block { .. } => "F8_E4M3 `*.weight` with `*.weight_scale_inv`",
+                        Scheme::CtFp8 { .. } => "F8_E4M3 `*.weight` with `*.weight_scale`",
+                    }
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The quantization scheme config.json declares, if any.
+    pub fn scheme(&self) -> Option<&Scheme> {
+        self.scheme.as_ref().map(|d| &d.scheme)
     }
 
     /// `{stem}.weight` (packed u32), `{stem}.scales` and `{stem}.biases` as one quantized
@@ -354,7 +429,7 @@ impl Checkpoint {
     pub fn get_stacked(&self, name: &str, shape: [usize; 3]) -> Result<Weight> {
         let [experts, n, cols] = shape;
         if let Some(stem) = name.strip_suffix(".weight") {
-            if self.contains(&format!("{stem}.scales")) {
+            if self.contains(&format!("{stem}.scales")) && self.scheme.is_none() {
                 return self.get_quantized(stem, &[experts, n], cols);
             }
         }

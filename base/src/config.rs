@@ -287,6 +287,9 @@ impl Config {
                 ));
             }
         }
+        // Pre-quantized checkpoints' `quantization_config`: an unknown method or setting is
+        // refused here, by name, before any tensor is read.
+        crate::quant_config::parse(path, v)?;
         // A multimodal Gemma 4 keeps its decoder's settings under `text_config`.
         if arch_name == "Gemma4ForConditionalGeneration" {
             let text = v

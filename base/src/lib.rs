@@ -11,6 +11,7 @@ pub mod isa;
 pub mod json;
 pub mod logits;
 pub mod quant;
+pub mod quant_config;
 pub mod tokenizer;
 pub mod weights;
 

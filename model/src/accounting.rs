@@ -93,7 +93,8 @@ pub(crate) fn check_target(ck: &Checkpoint, c: &Config) -> Result<()> {
         .filter(|name| head_module(ck, name, n).is_none_or(|(i, _)| i >= c.num_nextn_predict_layers))
         .collect();
     let reader = format!("a {} of {n} layers (config.json)", c.arch.hf_name());
-    refuse(ck, reader, &unread, target_hint(ck, c, &unread))
+    refuse(ck, reader, &unread, target_hint(ck, c, &unread))?;
+    ck.check_declared_used()
 }
 
 /// What in config.json the unread tensors of a target load suggest is wrong: an MTP head
