@@ -171,7 +171,8 @@ impl Checkpoint {
         let tensors = built
             .into_iter()
             .map(|b| {
-                let e = Entry { file: path.clone(), map: b.map, range: b.range, dtype: b.dtype, shape: b.shape };
+                let e =
+                    Entry { file: path.clone(), map: b.map, range: b.range, dtype: b.dtype, shape: b.shape };
                 (b.name, e)
             })
             .collect();

@@ -81,7 +81,9 @@ pub fn config_json(g: &GgufFile) -> Result<Json> {
     let scaling_key = format!("{a}.rope.scaling.type");
     if let Some(s) = g.get(&scaling_key) {
         if s.as_str() != Some("none") {
-            return Err(g.err(format!("metadata `{scaling_key}` is {s:?}: RoPE scaling is not supported for GGUF yet")));
+            return Err(g.err(format!(
+                "metadata `{scaling_key}` is {s:?}: RoPE scaling is not supported for GGUF yet"
+            )));
         }
     }
     if g.tensor("rope_freqs.weight").is_some() {

@@ -52,6 +52,26 @@ pub fn tokenizer_json(path: &Path) -> Result<Vec<u8>> {
     serde_json::to_vec(&v).map_err(|e| g.err(format!("tokenizer: {e}")))
 }
 
+/// What `tokenizer_config.json` would say for the chat template: `chat_template` (from
+/// `tokenizer.chat_template`, absent when the file has none) and the BOS and EOS texts.
+pub fn tokenizer_config(path: &Path) -> Result<serde_json::Value> {
+    let g = GgufFile::open(path)?;
+    let mut out = serde_json::Map::new();
+    if g.get("tokenizer.chat_template").is_some() {
+        out.insert("chat_template".into(), g.str("tokenizer.chat_template")?.into());
+    }
+    let tokens = g.get("tokenizer.ggml.tokens").and_then(|t| t.as_array());
+    for (key, id) in
+        [("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id")]
+    {
+        let text = g.opt_u64(id)?.and_then(|i| tokens?.get(usize::try_from(i).ok()?)?.as_str());
+        if let Some(t) = text {
+            out.insert(key.into(), t.into());
+        }
+    }
+    Ok(out.into())
+}
+
 /// The file's tensors under transformers' names, quantized ones repacked.
 pub fn checkpoint(path: &Path) -> Result<Checkpoint> {
     checkpoint_with(path, true)

@@ -183,9 +183,9 @@ impl Cursor<'_> {
         let left = self.b.len() - self.pos;
         match usize::try_from(n) {
             Ok(n) if n.checked_mul(min_each).is_some_and(|b| b <= left) => Ok(n),
-            _ => Err(self.err(format!(
-                "{what} is {n}, more than the {left} bytes left in the file can hold"
-            ))),
+            _ => {
+                Err(self.err(format!("{what} is {n}, more than the {left} bytes left in the file can hold")))
+            }
         }
     }
 
@@ -270,9 +270,9 @@ impl GgufFile {
             None => 32,
             Some(Value::U32(a)) if a.is_power_of_two() => *a as usize,
             Some(v) => {
-                return Err(c.err(format!(
-                    "metadata `general.alignment` is {v:?}: expected a u32 power of two"
-                )))
+                return Err(
+                    c.err(format!("metadata `general.alignment` is {v:?}: expected a u32 power of two"))
+                )
             }
         };
         let mut raw = Vec::with_capacity(n_tensors);
@@ -289,8 +289,8 @@ impl GgufFile {
                 dims.push(usize::try_from(d).map_err(|_| c.err(what(&format!("dimension {d} too large"))))?);
             }
             let ty_id = c.u32(&what("type"))?;
-            let ty = GgmlType::from_id(ty_id)
-                .ok_or_else(|| c.err(what(&format!("unknown ggml type {ty_id}"))))?;
+            let ty =
+                GgmlType::from_id(ty_id).ok_or_else(|| c.err(what(&format!("unknown ggml type {ty_id}"))))?;
             let offset = c.u64(&what("data offset"))?;
             raw.push((name, dims, ty, offset));
         }
@@ -301,7 +301,10 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(n_tensors);
         let mut seen = std::collections::HashSet::new();
         for (name, dims, ty, offset) in raw {
-            let bad = |msg: String| Error::Gguf { path: path.to_path_buf(), msg: format!("tensor `{name}`: {msg}") };
+            let bad = |msg: String| Error::Gguf {
+                path: path.to_path_buf(),
+                msg: format!("tensor `{name}`: {msg}"),
+            };
             if !seen.insert(name.clone()) {
                 return Err(bad("appears twice".into()));
             }
@@ -315,16 +318,17 @@ impl GgufFile {
                 .ok()
                 .filter(|o| o.is_multiple_of(alignment))
                 .and_then(|o| data_start.checked_add(o))
-                .ok_or_else(|| bad(format!("data offset {offset} is not a multiple of the alignment {alignment}, or overflows")))?;
-            let end = start
-                .checked_add(bytes)
-                .filter(|&e| e <= map.len())
                 .ok_or_else(|| {
                     bad(format!(
-                        "its {bytes} bytes at offset {start} run past the end of the file ({} bytes): truncated",
-                        map.len()
+                        "data offset {offset} is not a multiple of the alignment {alignment}, or overflows"
                     ))
                 })?;
+            let end = start.checked_add(bytes).filter(|&e| e <= map.len()).ok_or_else(|| {
+                bad(format!(
+                    "its {bytes} bytes at offset {start} run past the end of the file ({} bytes): truncated",
+                    map.len()
+                ))
+            })?;
             tensors.push(TensorInfo { name, dims, ty, range: start..end });
         }
         drop(c);
@@ -364,7 +368,9 @@ impl GgufFile {
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         self.meta
             .get(key)
-            .map(|v| v.as_f64().ok_or_else(|| self.err(format!("metadata `{key}` is {v:?}, expected a number"))))
+            .map(|v| {
+                v.as_f64().ok_or_else(|| self.err(format!("metadata `{key}` is {v:?}, expected a number")))
+            })
             .transpose()
     }
 

@@ -117,7 +117,9 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         .enumerate()
         .map(|(i, m)| match m.split_once(' ') {
             Some((a, b)) if !b.contains(' ') => Ok(json!([a, b])),
-            _ => Err(g.err(format!("metadata `tokenizer.ggml.merges`[{i}] `{m}` is not two tokens and a space"))),
+            _ => Err(
+                g.err(format!("metadata `tokenizer.ggml.merges`[{i}] `{m}` is not two tokens and a space"))
+            ),
         })
         .collect::<Result<_>>()?;
     Ok(json!({

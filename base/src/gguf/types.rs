@@ -100,10 +100,7 @@ impl GgmlType {
     pub fn bytes_for(self, cols: usize, values: usize) -> Result<usize, String> {
         let (block, size) = self.block();
         if !cols.is_multiple_of(block) {
-            return Err(format!(
-                "its rows of {cols} values are not whole {} blocks of {block}",
-                self.name()
-            ));
+            return Err(format!("its rows of {cols} values are not whole {} blocks of {block}", self.name()));
         }
         (values / block).checked_mul(size).ok_or_else(|| format!("{values} values overflow"))
     }
@@ -139,7 +136,13 @@ pub type ScaleMin = fn(usize, &[u8]) -> (u8, u8);
 
 /// Decodes one block into `codes` (unsigned, one per value) and its groups' `(scale,
 /// bias)`s. The block has the type's size; `codes` its values.
-fn decode_block(ty: GgmlType, b: &[u8], codes: &mut [u8], groups: &mut Vec<(f32, f32)>, scale_min_k4: ScaleMin) {
+fn decode_block(
+    ty: GgmlType,
+    b: &[u8],
+    codes: &mut [u8],
+    groups: &mut Vec<(f32, f32)>,
+    scale_min_k4: ScaleMin,
+) {
     match ty {
         // w = d * (q - 8): scale d, bias -8d (exact: d has 11 significant bits).
         GgmlType::Q4_0 => {
