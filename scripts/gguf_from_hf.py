@@ -9,7 +9,9 @@ Reads from CHECKPOINT_DIR:
 - model.safetensors, or model.safetensors.index.json and its shards: read directly (an
   8-byte little-endian header length, a JSON header, then raw data) through a memory map;
 - tokenizer.json: a byte-level BPE tokenizer (vocabulary, added tokens, merges);
-- generation_config.json, if present: its bos/eos ids win over config.json's.
+- generation_config.json, if present: its bos/eos ids win over config.json's;
+- chat_template.jinja, else tokenizer_config.json's `chat_template` string, if present (or
+  the file `--chat-template` names): written as `tokenizer.chat_template`.
 
 Writes a GGUF with arch `qwen3`, `qwen2` or `llama`. Matrices keep their dtype (BF16, F16 or F32; BF16 is
 copied bit for bit as u16); 1-D tensors (the norms) are widened to F32, as llama.cpp's own
@@ -262,7 +264,21 @@ def tokenizer(ckpt, hp, pre):
     return tokens, types, merge_lines, pre, add_bos
 
 
-def convert(ckpt, out, pre):
+def chat_template(ckpt, file):
+    if file is None:
+        jinja = os.path.join(ckpt, "chat_template.jinja")
+        if not os.path.exists(jinja):
+            t = (read_json(os.path.join(ckpt, "tokenizer_config.json"), required=False) or {}).get("chat_template")
+            return t if isinstance(t, str) else None
+        file = jinja
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{file}: cannot read: {e}")
+
+
+def convert(ckpt, out, pre, template_file=None):
     hp = hyperparameters(ckpt)
     tokens, types, merges, pre, add_bos = tokenizer(ckpt, hp, pre)
     weights = load_weights(ckpt)
@@ -330,6 +346,9 @@ def convert(ckpt, out, pre):
     if hp["eos_token_id"] is not None:
         w.add_eos_token_id(hp["eos_token_id"])
     w.add_add_bos_token(add_bos)
+    template = chat_template(ckpt, template_file)
+    if template:
+        w.add_chat_template(template)
 
     for name, kind in wanted.items():
         if kind not in allowed:
@@ -372,9 +391,10 @@ def main():
     ap.add_argument("checkpoint", help="Hugging Face checkpoint directory (Qwen3, Qwen2 or Llama)")
     ap.add_argument("out", help="GGUF file to write")
     ap.add_argument("--pre", help="llama.cpp pre-tokenizer name (default: read off tokenizer.json)")
+    ap.add_argument("--chat-template", help="a Jinja chat template file (default: the checkpoint's own)")
     args = ap.parse_args()
     try:
-        convert(args.checkpoint, args.out, args.pre)
+        convert(args.checkpoint, args.out, args.pre, args.chat_template)
     except BadInput as e:
         sys.exit(f"error: {e}")
 

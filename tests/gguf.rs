@@ -200,3 +200,21 @@ fn truncated_and_corrupt_files_are_refused_by_name() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The chat template comes from `tokenizer.chat_template`, with the BOS and EOS texts of
+/// the ids the metadata names; a file without one has none.
+#[test]
+fn chat_template_from_metadata() {
+    use mtp::server::chat::{ChatTemplate, Conversation};
+    let t = ChatTemplate::from_dir(&fixture("qwen3-mixed.gguf")).unwrap().expect("a template");
+    let source = std::fs::read_to_string(common::trained("target").join("chat_template.jinja")).unwrap();
+    assert_eq!(t.source(), source);
+    assert_eq!(t.special_texts(), [("bos_token", "<|im_start|>"), ("eos_token", "<|endoftext|>")]);
+    let chat = Conversation {
+        messages: vec![serde_json::json!({"role": "user", "content": "add two numbers"})],
+        ..Conversation::default()
+    };
+    let want = ChatTemplate::from_source(source, "<|im_start|>".into(), "<|endoftext|>".into()).unwrap();
+    assert_eq!(t.render(&chat).unwrap(), want.render(&chat).unwrap());
+    assert!(ChatTemplate::from_dir(&fixture("llama-q4_0.gguf")).unwrap().is_none());
+}
