@@ -187,7 +187,11 @@ pub fn permuted_heads(fam: Family, name: &str, heads: usize, kv_heads: usize) ->
 /// the rows do not split into heads of an even size.
 pub fn unpermute_rows(data: &[u8], row_bytes: usize, heads: usize) -> Option<Vec<u8>> {
     let rows = data.len().checked_div(row_bytes)?;
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 || rows * row_bytes != data.len() {
+    if heads == 0
+        || !rows.is_multiple_of(heads)
+        || !(rows / heads).is_multiple_of(2)
+        || rows * row_bytes != data.len()
+    {
         return None;
     }
     let (hd, half) = (rows / heads, rows / heads / 2);

@@ -331,7 +331,6 @@ impl GgufFile {
             })?;
             tensors.push(TensorInfo { name, dims, ty, range: start..end });
         }
-        drop(c);
         Ok(GgufFile { path: path.to_path_buf(), map, version, meta, tensors })
     }
 
