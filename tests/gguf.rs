@@ -218,3 +218,46 @@ fn chat_template_from_metadata() {
     assert_eq!(t.render(&chat).unwrap(), want.render(&chat).unwrap());
     assert!(ChatTemplate::from_dir(&fixture("llama-q4_0.gguf")).unwrap().is_none());
 }
+
+/// What the loader does not implement is refused naming the key or tensor: an unknown
+/// architecture, a tensor type outside the supported ones (IQ4_NL: Q4_0's block size, so
+/// the file stays well-formed), a tokenizer model or pre-tokenizer it cannot reproduce.
+#[test]
+fn unsupported_architectures_types_and_tokenizers_are_refused_by_name() {
+    let bytes = std::fs::read(fixture("qwen3-mixed.gguf")).unwrap();
+    let dir = std::env::temp_dir().join(format!("mtp-gguf-refused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The position just past string `s` (its u64 length, then its bytes) in the header.
+    let after = |s: &str| {
+        let mut pat = (s.len() as u64).to_le_bytes().to_vec();
+        pat.extend_from_slice(s.as_bytes());
+        bytes.windows(pat.len()).position(|w| w == pat).unwrap() + pat.len()
+    };
+    let patched = |name: &str, at: usize, new: &[u8]| {
+        let mut b = bytes.clone();
+        b[at..at + new.len()].copy_from_slice(new);
+        let path = dir.join(name);
+        std::fs::write(&path, b).unwrap();
+        path
+    };
+    // general.architecture: the key, a u32 type, then the value string's length and text.
+    let arch = patched("arch.gguf", after("general.architecture") + 4 + 8, b"qwen9");
+    let err = Config::from_dir(&arch).err().unwrap().to_string();
+    assert!(
+        err.contains("general.architecture") && err.contains("qwen9") && err.contains("arch.gguf"),
+        "{err}"
+    );
+    // blk.0.attn_q.weight's info: 2 dims (u32), dims (2 x u64), then its type.
+    let ty = patched("type.gguf", after("blk.0.attn_q.weight") + 4 + 16, &20u32.to_le_bytes());
+    let err = Model::load(&ty).err().unwrap().to_string();
+    assert!(
+        err.contains("blk.0.attn_q.weight") && err.contains("IQ4_NL") && err.contains("not supported"),
+        "{err}"
+    );
+    for (key, value) in [("tokenizer.ggml.model", &b"gpt3"[..]), ("tokenizer.ggml.pre", b"gpt-3")] {
+        let path = patched("tok.gguf", after(key) + 4 + 8, value);
+        let err = Tokenizer::from_dir(&path).err().unwrap().to_string();
+        assert!(err.contains(key) && err.contains(std::str::from_utf8(value).unwrap()), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

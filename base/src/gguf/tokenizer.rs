@@ -1,7 +1,8 @@
 //! A GGUF's vocabulary (`tokenizer.ggml.*`) as the `tokenizer.json` transformers would
 //! load: byte-level BPE (`tokenizer.ggml.model` = `gpt2`) with the pre-tokenizer that
 //! `tokenizer.ggml.pre` names, control tokens as special added tokens, user-defined ones as
-//! plain added tokens, BOS prepended where `tokenizer.ggml.add_bos_token` says.
+//! plain added tokens, BOS prepended where `tokenizer.ggml.add_bos_token` says; `qwen2`
+//! text is NFC-normalized first, as Qwen's tokenizer.json says.
 //!
 //! Contract: the result encodes text to the ids the original `tokenizer.json` gives, for
 //! the pre-tokenizers named here (`gpt-2`, `qwen2`, `llama-bpe`); another pre-tokenizer, or
@@ -127,7 +128,8 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json> {
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
+        // Qwen2's tokenizer.json composes text to NFC first.
+        "normalizer": if pre == "qwen2" { json!({"type": "NFC"}) } else { Json::Null },
         "pre_tokenizer": pre_tokenizer,
         "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
