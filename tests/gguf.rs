@@ -247,6 +247,10 @@ fn unsupported_architectures_types_and_tokenizers_are_refused_by_name() {
         err.contains("general.architecture") && err.contains("qwen9") && err.contains("arch.gguf"),
         "{err}"
     );
+    // qwen3.attention.head_count_kv: the key, a u32 type, then the u32 value.
+    let kv = patched("kv.gguf", after("qwen3.attention.head_count_kv") + 4, &0u32.to_le_bytes());
+    let err = Config::from_dir(&kv).err().unwrap().to_string();
+    assert!(err.contains("metadata `qwen3.attention.head_count_kv`") && err.contains("positive"), "{err}");
     // blk.0.attn_q.weight's info: 2 dims (u32), dims (2 x u64), then its type.
     let ty = patched("type.gguf", after("blk.0.attn_q.weight") + 4 + 16, &20u32.to_le_bytes());
     let err = Model::load(&ty).err().unwrap().to_string();

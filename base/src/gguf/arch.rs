@@ -134,6 +134,27 @@ pub fn config_json(g: &GgufFile) -> Result<Json> {
     Ok(cfg)
 }
 
+/// The GGUF metadata key `config_json` fills transformers' `key` from, to name it in
+/// errors; `None` for keys it derives otherwise.
+pub fn gguf_key(g: &GgufFile, key: &str) -> Option<String> {
+    let a = Family::of(g).ok()?.key();
+    let k = match key {
+        "hidden_size" => "embedding_length",
+        "intermediate_size" => "feed_forward_length",
+        "num_hidden_layers" => "block_count",
+        "num_attention_heads" => "attention.head_count",
+        "num_key_value_heads" => "attention.head_count_kv",
+        "head_dim" => "attention.key_length",
+        "rope_theta" => "rope.freq_base",
+        "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
+        "max_position_embeddings" => "context_length",
+        "eos_token_id" => return Some("tokenizer.ggml.eos_token_id".into()),
+        "bos_token_id" => return Some("tokenizer.ggml.bos_token_id".into()),
+        _ => return None,
+    };
+    Some(format!("{a}.{k}"))
+}
+
 /// The transformers name of llama.cpp tensor `name`, or `None` for a name this family
 /// does not have.
 pub fn hf_name(fam: Family, name: &str) -> Option<String> {

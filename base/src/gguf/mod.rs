@@ -42,7 +42,14 @@ pub fn is_gguf(path: &Path) -> bool {
 /// The model's settings, from the metadata.
 pub fn config(path: &Path) -> Result<Config> {
     let g = GgufFile::open(path)?;
-    Config::from_value(path, &arch::config_json(&g)?)
+    // A setting refused is named by the GGUF key it came from.
+    Config::from_value(path, &arch::config_json(&g)?).map_err(|e| match e {
+        Error::Config { key, msg, .. } => {
+            let name = arch::gguf_key(&g, &key).unwrap_or(key);
+            g.err(format!("metadata `{name}`: {msg}"))
+        }
+        e => e,
+    })
 }
 
 /// The tokenizer the metadata describes, as `tokenizer.json` bytes.
