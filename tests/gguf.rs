@@ -192,6 +192,9 @@ fn truncated_and_corrupt_files_are_refused_by_name() {
         let err = GgufFile::open(&path).err().expect("a corrupt count opened").to_string();
         assert!(err.contains("cut.gguf"), "{err}");
     }
+    let missing = dir.join("missing.gguf");
+    let err = Model::load(&missing).err().unwrap().to_string();
+    assert!(err.contains("missing.gguf") && !err.contains("config.json"), "{err}");
     for bad in [&b"GGUG"[..], &[b'G', b'G', b'U', b'F', 1, 0, 0, 0]] {
         let mut b = bytes.clone();
         b[..bad.len()].copy_from_slice(bad);

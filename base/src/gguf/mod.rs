@@ -33,10 +33,10 @@ use crate::checkpoint::{Built, Checkpoint};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
-/// Whether `path` names a GGUF file (a regular file named `*.gguf`) rather than a
-/// checkpoint directory.
+/// Whether `path` names a GGUF file (`*.gguf`, not a directory) rather than a checkpoint
+/// directory; one that is missing or not a regular file is then an error naming it.
 pub fn is_gguf(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) && path.is_file()
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) && !path.is_dir()
 }
 
 /// The model's settings, from the metadata.
