@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
-"""Converts a Hugging Face Qwen3 checkpoint to GGUF for llama.cpp, without torch or
+"""Converts a Hugging Face Qwen3, Qwen2 or Llama checkpoint to GGUF for llama.cpp, without torch or
 transformers: only numpy and the `gguf` package of the llama.cpp tree you run it with.
 
     PYTHONPATH=LLAMA_CPP/gguf-py python3 scripts/gguf_from_hf.py CHECKPOINT_DIR OUT.gguf [--pre NAME]
 
 Reads from CHECKPOINT_DIR:
-- config.json: the Qwen3 hyperparameters (`model_type` must be `qwen3`);
+- config.json: the hyperparameters (`model_type` must be `qwen3`, `qwen2` or `llama`);
 - model.safetensors, or model.safetensors.index.json and its shards: read directly (an
   8-byte little-endian header length, a JSON header, then raw data) through a memory map;
 - tokenizer.json: a byte-level BPE tokenizer (vocabulary, added tokens, merges);
-- generation_config.json, if present: its bos/eos ids win over config.json's.
+- generation_config.json, if present: its bos/eos ids win over config.json's;
+- chat_template.jinja, else tokenizer_config.json's `chat_template` string, if present (or
+  the file `--chat-template` names): written as `tokenizer.chat_template`.
 
-Writes a GGUF with arch `qwen3`. Matrices keep their dtype (BF16, F16 or F32; BF16 is
+Writes a GGUF with arch `qwen3`, `qwen2` or `llama`. Matrices keep their dtype (BF16, F16 or F32; BF16 is
 copied bit for bit as u16); 1-D tensors (the norms) are widened to F32, as llama.cpp's own
 converter does. A tied LM head (`tie_word_embeddings`) is written as no `output.weight`:
 llama.cpp then reuses `token_embd.weight`. Tensor names are llama.cpp's (`token_embd`,
 `blk.N.attn_q`, `blk.N.attn_q_norm`, `blk.N.ffn_gate`, `output_norm`, `output`, ...), taken
-from the gguf package's constants and checked against its tensor-name map. An MTP head
+from the gguf package's constants and checked against its tensor-name map. Qwen2's q/k/v
+biases go in as F32. For `llama`, the q and k rows (and biases) of each head are permuted
+as llama.cpp's own converter does (`LlamaModel.permute`: a head's rows `[2, hd/2]` stored
+as `[hd/2, 2]`), since llama.cpp's llama rotates adjacent pairs. An MTP head
 (`mtp_layers.*`, which llama.cpp's qwen3 does not read) is left out with a note.
 
 The pre-tokenizer name (`tokenizer.ggml.pre`, which selects llama.cpp's splitting regex) is
@@ -64,6 +69,14 @@ PER_LAYER = {"input_layernorm.weight": T.ATTN_NORM, "self_attn.q_proj.weight": T
              "self_attn.k_norm.weight": T.ATTN_K_NORM, "post_attention_layernorm.weight": T.FFN_NORM,
              "mlp.gate_proj.weight": T.FFN_GATE, "mlp.up_proj.weight": T.FFN_UP,
              "mlp.down_proj.weight": T.FFN_DOWN}
+ARCHS = {"qwen3": gguf.MODEL_ARCH.QWEN3, "qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}
+
+
+def permute_heads(data, heads):
+    """llama.cpp's converter's row order for llama's q/k: within each head, rows
+    (half, i) -> (i, half)."""
+    shape = data.shape
+    return data.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
 def read_json(path, required=True):
@@ -148,11 +161,13 @@ def load_weights(ckpt):
 def hyperparameters(ckpt):
     path = os.path.join(ckpt, "config.json")
     cfg = read_json(path)
-    if cfg.get("model_type") != "qwen3":
-        raise BadInput(f"{path}: `model_type` is {cfg.get('model_type')!r}; this converter writes qwen3 only")
+    if cfg.get("model_type") not in ARCHS:
+        raise BadInput(f"{path}: `model_type` is {cfg.get('model_type')!r}; this converter writes "
+                       "qwen3, qwen2 and llama only")
     hidden = key(cfg, path, "hidden_size")
     heads = key(cfg, path, "num_attention_heads")
     hp = {
+        "model_type": cfg["model_type"],
         "vocab": key(cfg, path, "vocab_size"),
         "hidden": hidden,
         "layers": key(cfg, path, "num_hidden_layers"),
@@ -249,11 +264,25 @@ def tokenizer(ckpt, hp, pre):
     return tokens, types, merge_lines, pre, add_bos
 
 
-def convert(ckpt, out, pre):
+def chat_template(ckpt, file):
+    if file is None:
+        jinja = os.path.join(ckpt, "chat_template.jinja")
+        if not os.path.exists(jinja):
+            t = (read_json(os.path.join(ckpt, "tokenizer_config.json"), required=False) or {}).get("chat_template")
+            return t if isinstance(t, str) else None
+        file = jinja
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{file}: cannot read: {e}")
+
+
+def convert(ckpt, out, pre, template_file=None):
     hp = hyperparameters(ckpt)
     tokens, types, merges, pre, add_bos = tokenizer(ckpt, hp, pre)
     weights = load_weights(ckpt)
-    arch = gguf.MODEL_ARCH.QWEN3
+    arch = ARCHS[hp["model_type"]]
     allowed = set(gguf.MODEL_TENSORS[arch])
     name_map = gguf.get_tensor_name_map(arch, hp["layers"])
     head, kvd, h, ffn = hp["heads"] * hp["head_dim"], hp["kv_heads"] * hp["head_dim"], hp["hidden"], hp["ffn"]
@@ -265,8 +294,14 @@ def convert(ckpt, out, pre):
         else "model.safetensors.index.json"
 
     wanted = dict(GLOBAL)
+    per_layer = dict(PER_LAYER)
+    if hp["model_type"] != "qwen3":
+        del per_layer["self_attn.q_norm.weight"], per_layer["self_attn.k_norm.weight"]
+    if hp["model_type"] == "qwen2":
+        per_layer.update({f"self_attn.{p}_proj.bias": t for p, t in (("q", T.ATTN_Q), ("k", T.ATTN_K),
+                                                                     ("v", T.ATTN_V))})
     for b in range(hp["layers"]):
-        wanted.update({f"model.layers.{b}.{k}": v for k, v in PER_LAYER.items()})
+        wanted.update({f"model.layers.{b}.{k}": v for k, v in per_layer.items()})
     if hp["tied"]:
         wanted.pop("lm_head.weight")
     missing = sorted(set(wanted) - set(weights))
@@ -280,9 +315,9 @@ def convert(ckpt, out, pre):
         if "mtp_layers." in name or (hp["tied"] and name == "lm_head.weight"):
             skipped.append(name)
         else:
-            raise BadInput(f"{ckpt}/{safetensors_name}: tensor `{name}` is not part of a qwen3 model")
+            raise BadInput(f"{ckpt}/{safetensors_name}: tensor `{name}` is not part of a {hp['model_type']} model")
     if skipped:
-        print(f"note: left out {len(skipped)} tensors llama.cpp's qwen3 does not read "
+        print(f"note: left out {len(skipped)} tensors llama.cpp's {hp['model_type']} does not read "
               f"(e.g. {skipped[0]})", file=sys.stderr)
 
     matrix_dtype = weights["model.embed_tokens.weight"][0]
@@ -311,44 +346,55 @@ def convert(ckpt, out, pre):
     if hp["eos_token_id"] is not None:
         w.add_eos_token_id(hp["eos_token_id"])
     w.add_add_bos_token(add_bos)
+    template = chat_template(ckpt, template_file)
+    if template:
+        w.add_chat_template(template)
 
     for name, kind in wanted.items():
         if kind not in allowed:
-            raise BadInput(f"gguf-py: {kind.name} is not a tensor of arch qwen3 in this llama.cpp tree")
+            raise BadInput(f"gguf-py: {kind.name} is not a tensor of arch {hp['model_type']} in this llama.cpp tree")
         bid = None
         if name.startswith("model.layers."):
             bid = int(name.split(".")[2])
+        suffix = ".bias" if name.endswith(".bias") else ".weight"
         gguf_name = gguf.TENSOR_NAMES[kind].format(bid=bid)
-        mapped = name_map.get_name(name, try_suffixes=(".weight",))
-        if mapped != gguf_name + ".weight":
-            raise BadInput(f"gguf-py: tensor map sends `{name}` to {mapped!r}, expected {gguf_name}.weight")
+        mapped = name_map.get_name(name, try_suffixes=(suffix,))
+        if mapped != gguf_name + suffix:
+            raise BadInput(f"gguf-py: tensor map sends `{name}` to {mapped!r}, expected {gguf_name}{suffix}")
         dtype, shape, data = weights[name]
-        if shape != shapes[kind]:
+        if suffix == ".bias":
+            want = shapes[kind][:1]
+        else:
+            want = shapes[kind]
+        if hp["model_type"] == "llama" and kind in (T.ATTN_Q, T.ATTN_K):
+            data = permute_heads(np.asarray(data), hp["heads"] if kind == T.ATTN_Q else hp["kv_heads"])
+        if shape != want:
             raise BadInput(f"{ckpt}/{safetensors_name}: tensor `{name}` has shape {shape}, "
-                           f"config.json implies {shapes[kind]}")
+                           f"config.json implies {want}")
         if len(shape) == 1:  # norms go in as f32
             data = (data.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else data.astype(np.float32)
-            w.add_tensor(gguf_name + ".weight", data)
+            w.add_tensor(gguf_name + suffix, data)
         else:
-            w.add_tensor(gguf_name + ".weight", data, raw_dtype=DTYPES[dtype][1])
+            w.add_tensor(gguf_name + suffix, data, raw_dtype=DTYPES[dtype][1])
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
     w.close()
     os.replace(tmp, out)
-    print(f"wrote {out}: qwen3, {hp['layers']} layers, {len(wanted)} tensors ({matrix_dtype} matrices), "
+    print(f"wrote {out}: {hp['model_type']}, {hp['layers']} layers, {len(wanted)} tensors ({matrix_dtype} matrices), "
           f"{len(tokens)} tokens, pre-tokenizer {pre}", file=sys.stderr)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", help="Hugging Face checkpoint directory (Qwen3)")
+    ap.add_argument("checkpoint", help="Hugging Face checkpoint directory (Qwen3, Qwen2 or Llama)")
     ap.add_argument("out", help="GGUF file to write")
     ap.add_argument("--pre", help="llama.cpp pre-tokenizer name (default: read off tokenizer.json)")
+    ap.add_argument("--chat-template", help="a Jinja chat template file (default: the checkpoint's own)")
     args = ap.parse_args()
     try:
-        convert(args.checkpoint, args.out, args.pre)
+        convert(args.checkpoint, args.out, args.pre, args.chat_template)
     except BadInput as e:
         sys.exit(f"error: {e}")
 

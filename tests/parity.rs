@@ -303,6 +303,19 @@ fn gate_qwen3_4bit_sampled() {
     gate_on(&t, "qwen3-q4g32");
 }
 
+/// A llama.cpp GGUF (hf-tiny's qwen3 at Q4_0 with BF16, F16 and Q8_0 tensors, repacked at
+/// load); its MTP heads are made for hf-tiny's qwen3, whose shape it has.
+#[test]
+fn gate_qwen3_gguf() {
+    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/qwen3-mixed.gguf");
+    let shape = fixture("qwen3-target");
+    let (mimo, deepseek) =
+        (mtp_dir("gguf", &shape, MtpLayout::MiMo), mtp_dir("gguf", &shape, MtpLayout::DeepSeek));
+    let written = vec![mimo.clone(), deepseek.clone()];
+    let t = Target::from_dirs(&file, &fixture("qwen3-draft"), mimo, deepseek, written, false, KvDtype::Auto);
+    gate_on(&t, "qwen3-mixed.gguf");
+}
+
 #[test]
 fn gate_qwen3_mxfp4() {
     let t =

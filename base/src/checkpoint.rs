@@ -48,6 +48,16 @@ impl Entry {
     }
 }
 
+/// A tensor a loader of another format built (a GGUF's, [`crate::gguf`]): its bytes in
+/// `map`, described as a safetensors file would describe them.
+pub(crate) struct Built {
+    pub name: String,
+    pub map: Arc<Mmap>,
+    pub range: Range<usize>,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
 /// The tensors of one checkpoint directory.
 pub struct Checkpoint {
     dir: PathBuf,
@@ -64,6 +74,9 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if crate::gguf::is_gguf(dir) {
+            return crate::gguf::checkpoint(dir);
+        }
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         // The index's shard for each tensor it lists (none for a single file).
@@ -167,6 +180,20 @@ impl Checkpoint {
             scheme,
             imported: AtomicUsize::new(0),
         })
+    }
+
+    /// The tensors `built` of the file `file` (not a directory: a GGUF).
+    pub(crate) fn from_built(file: &Path, built: Vec<Built>) -> Checkpoint {
+        let path = Arc::new(file.to_path_buf());
+        let tensors = built
+            .into_iter()
+            .map(|b| {
+                let e =
+                    Entry { file: path.clone(), map: b.map, range: b.range, dtype: b.dtype, shape: b.shape };
+                (b.name, e)
+            })
+            .collect();
+        Checkpoint { dir: file.to_path_buf(), tensors, read: Mutex::default(), declared: None }
     }
 
     /// The entry of `name`, recorded as read; an error naming it when absent.

@@ -233,6 +233,9 @@ impl Config {
 
     /// Reads `dir/config.json` and, if present, `dir/generation_config.json`.
     pub fn from_dir(dir: &Path) -> Result<Config> {
+        if crate::gguf::is_gguf(dir) {
+            return crate::gguf::config(dir);
+        }
         let path = dir.join("config.json");
         let v = read_json(&path)?;
         let mut cfg = Config::from_value(&path, &v)?;

@@ -19,6 +19,8 @@ pub enum Error {
     UnknownArchitecture { path: PathBuf, arch: String },
     #[error("{path}: invalid safetensors file: {msg}")]
     Safetensors { path: PathBuf, msg: String },
+    #[error("{path}: invalid GGUF file: {msg}")]
+    Gguf { path: PathBuf, msg: String },
     #[error("{dir}: missing tensor `{name}`")]
     MissingTensor { dir: PathBuf, name: String },
     /// Tensors a checkpoint holds that the loaded architecture never read: the checkpoint

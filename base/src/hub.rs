@@ -13,6 +13,10 @@
 //! `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`. Every failure is an
 //! [`Error::Hub`] naming the id, and where it looked. Any other argument comes back as a
 //! path unchanged, so the loader reports it as before.
+//!
+//! `org/name/FILE.gguf[@revision]` names one GGUF file of a repo (llama.cpp's repos hold
+//! several quantizations side by side): the file of the cached snapshot, else that file
+//! alone downloaded into the cache (offline: an error naming it).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -173,6 +177,12 @@ pub fn resolve(spec: impl AsRef<Path>, cache: &HubCache, offline: bool) -> Resul
     if path.exists() {
         return Ok(path.to_path_buf());
     }
+    if let Some((repo_spec, file)) = path.to_str().and_then(gguf_in_repo) {
+        return match RepoId::parse(&repo_spec) {
+            None => Ok(path.to_path_buf()),
+            Some(repo) => resolve_file(&repo?, file, cache, offline),
+        };
+    }
     let repo = match path.to_str().and_then(RepoId::parse) {
         None => return Ok(path.to_path_buf()),
         Some(parsed) => parsed?,
@@ -192,6 +202,39 @@ pub fn resolve(spec: impl AsRef<Path>, cache: &HubCache, offline: bool) -> Resul
         return Err(repo.error(format!("{missing}; HF_HUB_OFFLINE is set: unset it to download the repo")));
     }
     download(&repo, cache).map_err(|e| repo.error(format!("{missing}, and downloading failed: {e}")))
+}
+
+/// `org/name/FILE.gguf[@revision]` split into the repo's spec (`org/name[@revision]`) and
+/// the file's name; `None` for anything else.
+fn gguf_in_repo(spec: &str) -> Option<(String, &str)> {
+    let (id, revision) = match spec.split_once('@') {
+        Some((id, rev)) => (id, Some(rev)),
+        None => (spec, None),
+    };
+    let (repo, file) = id.rsplit_once('/')?;
+    let gguf = file.len() > 5 && file[file.len() - 5..].eq_ignore_ascii_case(".gguf");
+    if !gguf || !valid_part(file) || repo.matches('/').count() != 1 {
+        return None;
+    }
+    Some((revision.map_or_else(|| repo.to_string(), |r| format!("{repo}@{r}")), file))
+}
+
+/// File `file` of `repo`: the cached snapshot's, else downloaded unless `offline`.
+fn resolve_file(repo: &RepoId, file: &str, cache: &HubCache, offline: bool) -> Result<PathBuf> {
+    let missing = match cache.snapshot(repo) {
+        Ok(snap) if snap.join(file).is_file() => return Ok(snap.join(file)),
+        Ok(snap) => format!("the cached snapshot {} has no {file}", snap.display()),
+        Err(why) => format!(
+            "revision `{}` is not in the Hugging Face cache {} ({why})",
+            repo.revision,
+            cache.dir.display()
+        ),
+    };
+    if offline {
+        return Err(repo.error(format!("{missing}; HF_HUB_OFFLINE is set: unset it to download {file}")));
+    }
+    download_file(repo, cache, file)
+        .map_err(|e| repo.error(format!("{missing}, and downloading {file} failed: {e}")))
 }
 
 /// The first file a checkpoint needs that `dir` lacks (`config.json`, then the weights).
@@ -229,10 +272,15 @@ fn download(_repo: &RepoId, _cache: &HubCache) -> std::result::Result<PathBuf, S
         .into())
 }
 
-/// Fetches what a checkpoint needs into `cache` and returns its snapshot folder. Reads
-/// `HF_TOKEN` (else the cache's `token` file) and `HF_ENDPOINT`.
+#[cfg(not(feature = "download"))]
+fn download_file(repo: &RepoId, cache: &HubCache, _file: &str) -> std::result::Result<PathBuf, String> {
+    download(repo, cache)
+}
+
+/// The Hub's API for `repo`, caching into `cache`. Reads `HF_TOKEN` (else the cache's
+/// `token` file) and `HF_ENDPOINT`.
 #[cfg(feature = "download")]
-fn download(repo: &RepoId, cache: &HubCache) -> std::result::Result<PathBuf, String> {
+fn hub_repo(repo: &RepoId, cache: &HubCache) -> std::result::Result<hf_hub::api::sync::ApiRepo, String> {
     use hf_hub::api::sync::ApiBuilder;
     use hf_hub::{Cache, Repo, RepoType};
     let mut builder =
@@ -244,13 +292,28 @@ fn download(repo: &RepoId, cache: &HubCache) -> std::result::Result<PathBuf, Str
         builder = builder.with_endpoint(endpoint);
     }
     let api = builder.build().map_err(|e| e.to_string())?;
-    let hub = api.repo(Repo::with_revision(repo.id.clone(), RepoType::Model, repo.revision.clone()));
     eprintln!(
         "{}@{}: fetching from the Hugging Face Hub into {}",
         repo.id,
         repo.revision,
         cache.dir.display()
     );
+    Ok(api.repo(Repo::with_revision(repo.id.clone(), RepoType::Model, repo.revision.clone())))
+}
+
+/// Fetches one file of `repo` (a GGUF) into `cache`; its path in the snapshot.
+#[cfg(feature = "download")]
+fn download_file(repo: &RepoId, cache: &HubCache, file: &str) -> std::result::Result<PathBuf, String> {
+    hub_repo(repo, cache)?
+        .download(file)
+        .map_err(|e| format!("{e} (is the id and file name right, is the Hub reachable, and for a gated repo, is HF_TOKEN set?)"))
+}
+
+/// Fetches what a checkpoint needs into `cache` and returns its snapshot folder. Reads
+/// `HF_TOKEN` (else the cache's `token` file) and `HF_ENDPOINT`.
+#[cfg(feature = "download")]
+fn download(repo: &RepoId, cache: &HubCache) -> std::result::Result<PathBuf, String> {
+    let hub = hub_repo(repo, cache)?;
     let info = hub.info().map_err(|e| {
         format!("{e} (is the id right, is the Hub reachable, and for a gated repo, is HF_TOKEN set?)")
     })?;
@@ -380,6 +443,22 @@ mod tests {
         for path in ["/nonexistent/model", "./org/tiny", "../org/tiny", "model", "a/b/c", "~/org/tiny"] {
             assert_eq!(resolve(path, &c, true).unwrap(), PathBuf::from(path), "{path}");
         }
+        std::fs::remove_dir_all(c.dir()).ok();
+    }
+
+    /// Catches a GGUF file of a repo taken for a path, looked up in the wrong snapshot, or
+    /// reported missing without its name.
+    #[test]
+    fn a_gguf_file_of_a_repo_resolves_in_its_snapshot() {
+        let c = cache("gguf");
+        std::fs::write(snap(&c, HASH).join("m-Q4_K_M.gguf"), b"GGUF").unwrap();
+        assert_eq!(
+            resolve("org/tiny/m-Q4_K_M.gguf", &c, true).unwrap(),
+            snap(&c, HASH).join("m-Q4_K_M.gguf")
+        );
+        let e = err("org/tiny/m-Q4_K_M.gguf@dev", &c);
+        assert!(e.contains("has no m-Q4_K_M.gguf") && e.contains("HF_HUB_OFFLINE"), "{e}");
+        assert_eq!(resolve("a/b/c/d.gguf", &c, true).unwrap(), PathBuf::from("a/b/c/d.gguf"));
         std::fs::remove_dir_all(c.dir()).ok();
     }
 

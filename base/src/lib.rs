@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod files;
+pub mod gguf;
 pub mod hub;
 pub mod isa;
 pub mod json;

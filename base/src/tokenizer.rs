@@ -74,14 +74,23 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        // A GGUF's vocabulary is in its metadata.
+        if crate::gguf::is_gguf(dir) {
+            return Tokenizer::from_bytes(dir.to_path_buf(), &crate::gguf::tokenizer_json(dir)?);
+        }
         let path = dir.join("tokenizer.json");
         if !crate::files::present(&path) {
             return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::NotFound, "not found")));
         }
         let bytes = crate::files::read_bounded(&path, crate::files::MAX_TOKENIZER_BYTES)?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+        Tokenizer::from_bytes(path, &bytes)
+    }
+
+    /// A tokenizer from `tokenizer.json` bytes; `path` is where they came from, for errors.
+    fn from_bytes(path: PathBuf, bytes: &[u8]) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
-        check_added_ids(&bytes, &inner).map_err(|msg| Error::Tokenizer { path: path.clone(), msg })?;
+        check_added_ids(bytes, &inner).map_err(|msg| Error::Tokenizer { path: path.clone(), msg })?;
         let specials = Specials::new(
             inner
                 .get_added_tokens_decoder()
@@ -134,7 +143,7 @@ impl Tokenizer {
     /// The tokenizer of `dir`, or `None` when it has no `tokenizer.json`; a file that is
     /// there but cannot be read or parsed is an error naming it.
     pub fn from_dir_if_present(dir: &Path) -> Result<Option<Tokenizer>> {
-        if crate::files::present(&dir.join("tokenizer.json")) {
+        if crate::files::present(&dir.join("tokenizer.json")) || crate::gguf::is_gguf(dir) {
             Tokenizer::from_dir(dir).map(Some)
         } else {
             Ok(None)

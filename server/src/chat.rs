@@ -189,8 +189,12 @@ impl ChatTemplate {
     }
 
     fn load(dir: &Path, file: Option<&Path>) -> Result<Option<ChatTemplate>> {
-        let config_path = dir.join("tokenizer_config.json");
-        let config: Json = if mtp_base::files::present(&config_path) {
+        // A GGUF keeps these keys in its metadata.
+        let gguf = mtp_base::gguf::is_gguf(dir);
+        let config_path = if gguf { dir.to_path_buf() } else { dir.join("tokenizer_config.json") };
+        let config: Json = if gguf {
+            mtp_base::gguf::tokenizer_config(dir)?
+        } else if mtp_base::files::present(&config_path) {
             mtp_base::config::read_json(&config_path)?
         } else {
             Json::Null

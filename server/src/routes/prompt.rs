@@ -81,7 +81,7 @@ pub(crate) async fn tokenize(
             let template = app.template.as_ref().ok_or_else(|| {
                 ApiError::bad(
                     param,
-                    "the target has no chat template (chat_template.jinja or tokenizer_config.json)",
+                    "the target has no chat template (chat_template.jinja or tokenizer_config.json; a GGUF's tokenizer.chat_template)",
                 )
             })?;
             let rendered =
