@@ -193,7 +193,15 @@ impl Checkpoint {
                 (b.name, e)
             })
             .collect();
-        Checkpoint { dir: file.to_path_buf(), tensors, read: Mutex::default(), declared: None }
+        // A GGUF's quantization is its tensors' own types: no config declares a scheme.
+        Checkpoint {
+            dir: file.to_path_buf(),
+            tensors,
+            read: Mutex::default(),
+            declared: None,
+            scheme: None,
+            imported: AtomicUsize::new(0),
+        }
     }
 
     /// The entry of `name`, recorded as read; an error naming it when absent.
