@@ -55,9 +55,12 @@ impl Drop for Tmp {
 }
 
 /// A fresh directory holding format `fmt`'s checkpoint: its config, index and shard, the
-/// shared base shard, and hf-tiny's tokenizer (`tag` names the copy).
+/// shared base shard, and hf-tiny's tokenizer (`tag` names the copy; each call gets its own
+/// directory, since tests running at once assemble the same tags and remove theirs when done).
 fn assemble(fmt: &str, tag: &str) -> Tmp {
-    let dir = std::env::temp_dir().join(format!("mtp-quant-{tag}-{}", std::process::id()));
+    static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("mtp-quant-{tag}-{}-{n}", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
     std::fs::create_dir_all(&dir).unwrap();
     for e in std::fs::read_dir(fixtures().join(fmt)).unwrap() {
