@@ -19,6 +19,7 @@ pub use mtp_server as server;
 pub use mtp_verifier as verifier;
 
 pub mod bench;
+pub mod load;
 pub mod synth;
 
 /// `e` and its causes as one line for the user, outermost first: a cause whose text the

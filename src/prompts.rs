@@ -99,52 +99,63 @@ pub fn read_bounded(
         if line.trim().is_empty() {
             continue;
         }
-        let l = parse_line(line).with_context(|| format!("{}: invalid request", at()))?;
-        let id = l.id.unwrap_or_else(|| format!("line{n}"));
-        let prompt = match (l.prompt, l.prompt_ids) {
-            (Some(_), Some(_)) => bail!("{}: request {id}: give `prompt` or `prompt_ids`, not both", at()),
-            (None, None) => bail!("{}: request {id}: needs `prompt` or `prompt_ids`", at()),
-            (None, Some(ids)) => ids,
-            (Some(text), None) => {
-                let tok = tokenizer.ok_or_else(|| {
-                    anyhow!("{}: request {id}: text prompt but the target has no tokenizer.json", at())
-                })?;
-                tok.encode(&text).with_context(|| format!("{}: request {id}", at()))?
-            }
-        };
-        if !ids.insert(id.clone()) {
-            bail!("{}: duplicate request id `{id}`", at());
+        let (request, arrives) =
+            parse_request(line, &format!("line{n}"), tokenizer, defaults).map_err(|e| e.context(at()))?;
+        if !ids.insert(request.id.clone()) {
+            bail!("{}: duplicate request id `{}`", at(), request.id);
         }
-        let d = defaults.sampling;
-        let top_p = l
-            .top_p
-            .map(crate::top_p_f32)
-            .transpose()
-            .map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
-        let sampling = SamplingParams {
-            temperature: l.temperature.unwrap_or(d.temperature),
-            top_k: l.top_k.unwrap_or(d.top_k),
-            top_p: top_p.unwrap_or(d.top_p),
-            min_p: l.min_p.unwrap_or(d.min_p),
-            seed: l.seed.unwrap_or(d.seed),
-        };
-        sampling.validate().map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
-        let constraint = constraint(l.json_schema, l.regex, l.grammar, l.response_format)
-            .map_err(|msg| anyhow!("{}: request {id}: {msg}", at()))?;
-        out.push(Request {
-            id,
-            prompt,
-            max_tokens: l.max_tokens.unwrap_or(defaults.max_tokens),
-            ignore_eos: defaults.ignore_eos,
-            stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
-            sampling,
-            top_logprobs: l.top_logprobs.unwrap_or(defaults.top_logprobs),
-            prompt_logprobs: l.prompt_logprobs,
-            constraint,
-        });
-        arrive_at.push(l.arrive_at.unwrap_or(0));
+        out.push(request);
+        arrive_at.push(arrives);
     }
     Ok(Prompts { requests: out, arrive_at })
+}
+
+/// One request from one JSON object of the prompts format (`line` without its line
+/// ending), named `default_id` when it gives no `id`, and the round it arrives at. What is
+/// wrong is said without a place: [`read`] adds the file and line, the Python binding the
+/// prompt's index.
+pub fn parse_request(
+    line: &str,
+    default_id: &str,
+    tokenizer: Option<&Tokenizer>,
+    defaults: &Request,
+) -> Result<(Request, u64)> {
+    let l = parse_line(line).context("invalid request")?;
+    let id = l.id.unwrap_or_else(|| default_id.to_string());
+    let prompt = match (l.prompt, l.prompt_ids) {
+        (Some(_), Some(_)) => bail!("request {id}: give `prompt` or `prompt_ids`, not both"),
+        (None, None) => bail!("request {id}: needs `prompt` or `prompt_ids`"),
+        (None, Some(ids)) => ids,
+        (Some(text), None) => {
+            let tok = tokenizer
+                .ok_or_else(|| anyhow!("request {id}: text prompt but the target has no tokenizer.json"))?;
+            tok.encode(&text).with_context(|| format!("request {id}"))?
+        }
+    };
+    let d = defaults.sampling;
+    let top_p = l.top_p.map(crate::top_p_f32).transpose().map_err(|msg| anyhow!("request {id}: {msg}"))?;
+    let sampling = SamplingParams {
+        temperature: l.temperature.unwrap_or(d.temperature),
+        top_k: l.top_k.unwrap_or(d.top_k),
+        top_p: top_p.unwrap_or(d.top_p),
+        min_p: l.min_p.unwrap_or(d.min_p),
+        seed: l.seed.unwrap_or(d.seed),
+    };
+    sampling.validate().map_err(|msg| anyhow!("request {id}: {msg}"))?;
+    let constraint = constraint(l.json_schema, l.regex, l.grammar, l.response_format)
+        .map_err(|msg| anyhow!("request {id}: {msg}"))?;
+    let request = Request {
+        id,
+        prompt,
+        max_tokens: l.max_tokens.unwrap_or(defaults.max_tokens),
+        ignore_eos: defaults.ignore_eos,
+        stop: l.stop.unwrap_or_else(|| defaults.stop.clone()),
+        sampling,
+        top_logprobs: l.top_logprobs.unwrap_or(defaults.top_logprobs),
+        prompt_logprobs: l.prompt_logprobs,
+        constraint,
+    };
+    Ok((request, l.arrive_at.unwrap_or(0)))
 }
 
 /// One line of the file as text without its line ending, or what is wrong with it.

@@ -131,7 +131,9 @@ impl AppState {
     }
 }
 
-/// A server ready to bind: the engine thread is running.
+/// A server ready to bind: the engine thread is running. Clones share the engine thread
+/// (one may answer in-process while another listens).
+#[derive(Clone)]
 pub struct Server {
     state: Arc<AppState>,
     access: Access,
@@ -246,9 +248,40 @@ impl Server {
         router.layer(axum::middleware::from_fn_with_state(gate, access::check))
     }
 
+    /// Where requests for the engine thread go, beside the HTTP side's (the Python binding
+    /// submits there).
+    pub fn jobs(&self) -> Sender<Job> {
+        self.state.jobs.clone()
+    }
+
+    /// The same server behind other access rules (its engine thread shared).
+    pub fn with_access(mut self, access: Access) -> Server {
+        self.access = access;
+        self
+    }
+
+    /// The engine's gauges as the engine thread last published them.
+    pub fn gauges(&self) -> Gauges {
+        self.state.gauges.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Serves on `addr` until ctrl-c; `bound` is told the address actually bound (port 0
     /// picks a free one).
     pub async fn serve(self, addr: SocketAddr, bound: impl FnOnce(SocketAddr)) -> Result<()> {
+        self.serve_until(addr, bound, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+    }
+
+    /// [`Server::serve`] until `shutdown` completes instead of ctrl-c (an embedding process
+    /// keeps its own signal handling).
+    pub async fn serve_until(
+        self,
+        addr: SocketAddr,
+        bound: impl FnOnce(SocketAddr),
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<()> {
         let listener =
             tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let local = listener.local_addr()?;
@@ -257,10 +290,7 @@ impl Server {
         }
         bound(local);
         let router = self.router(local);
-        net::serve(listener, router, self.state.limits.clone(), async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await;
+        net::serve(listener, router, self.state.limits.clone(), shutdown).await;
         Ok(())
     }
 }

@@ -9,10 +9,9 @@ use clap::{Args, Parser, Subcommand};
 use std::path::Path;
 use std::sync::Arc;
 
-use mtp::base::{hub, Tokenizer, WeightDtype};
-use mtp::drafter::{AssistantDrafter, DraftModelDrafter, Drafter, Eagle3Drafter, MtpDrafter, NgramDrafter};
+use mtp::base::{Tokenizer, WeightDtype};
+use mtp::drafter::Drafter;
 use mtp::engine::{generate, Engine, EngineOptions, Request, SamplingMode, SamplingParams};
-use mtp::kernels::Backend;
 use mtp::model::{Model, MtpLayout};
 use mtp::server::access::Access;
 use mtp::server::net::Limits;
@@ -331,83 +330,38 @@ impl ModelArgs {
     /// The target checkpoint (default: the trained family), loaded on the backend, and its
     /// tokenizer when it has one.
     fn load(&self) -> Result<(PathBuf, Arc<Model>, Option<Tokenizer>)> {
-        let backend = self.backend.parse::<Backend>()?;
-        mtp::model::registry::check(backend)?;
-        let target = mtp::target_dir(self.target.as_deref())?;
-        let model = Arc::new(Model::load_parallel(
-            &target,
-            backend,
-            mtp::numerics(&self.kv_dtype, self.kv_bits, &self.activations)?,
-            self.tensor_parallel,
-        )?);
-        let tokenizer = Tokenizer::for_model(&target, &model.config)?;
-        if tokenizer.is_none() {
-            tracing::warn!(
-                "{}: no tokenizer.json; text prompts, stop strings and output text are unavailable",
-                target.display()
-            );
-        }
-        Ok((target, model, tokenizer))
+        let opts = mtp::load::TargetOptions {
+            target: self.target.clone(),
+            backend: self.backend.clone(),
+            kv_dtype: self.kv_dtype.clone(),
+            kv_bits: self.kv_bits,
+            activations: self.activations.clone(),
+            tensor_parallel: self.tensor_parallel,
+        };
+        let mtp::load::Loaded { dir, model, tokenizer } = opts.load()?;
+        Ok((dir, model, tokenizer))
     }
 
     /// The drafter `--drafter` names, for the target loaded from `target_dir`.
     fn make_drafter(&self, target_dir: &Path, target: &Arc<Model>) -> Result<Option<Box<dyn Drafter>>> {
-        let drafter = self.drafter.as_str();
-        if self.draft.is_some() && ["none", "auto", "ngram"].contains(&drafter) {
-            bail!("--draft goes with --drafter draft-model, mtp, eagle3 or assistant; --drafter {drafter} reads no checkpoint");
-        }
-        Ok(match drafter {
-            "none" => None,
-            "auto" => {
-                if target.config.num_nextn_predict_layers == 0 {
-                    None
-                } else {
-                    Some(Box::new(MtpDrafter::load(target_dir, target.clone())?))
-                }
-            }
-            "ngram" => {
-                Some(Box::new(NgramDrafter::new(self.ngram_min, self.ngram_max).with_context(|| {
-                    format!("--ngram-min {} --ngram-max {}", self.ngram_min, self.ngram_max)
-                })?))
-            }
-            "draft-model" => {
-                let dir = self.draft_dir()?.context("--drafter draft-model needs --draft DIR")?;
-                Some(Box::new(DraftModelDrafter::load(&dir, target_dir, target)?))
-            }
-            "mtp" => {
-                let dir = self.draft_dir()?.unwrap_or_else(|| target_dir.to_path_buf());
-                Some(Box::new(MtpDrafter::load(&dir, target.clone())?))
-            }
-            "eagle3" => {
-                let dir =
-                    self.draft_dir()?.context("--drafter eagle3 needs --draft DIR (the EAGLE-3 head)")?;
-                Some(Box::new(Eagle3Drafter::load(&dir, target.clone())?))
-            }
-            "assistant" => {
-                let dir = self
-                    .draft_dir()?
-                    .context("--drafter assistant needs --draft DIR (the assistant checkpoint)")?;
-                Some(Box::new(AssistantDrafter::load(&dir, target.clone())?))
-            }
-            other => {
-                bail!("unknown --drafter `{other}` (auto, none, draft-model, mtp, eagle3, assistant, ngram)")
-            }
-        })
-    }
-
-    /// `--draft`: a directory as is, a Hugging Face repo id as its snapshot in the cache.
-    fn draft_dir(&self) -> Result<Option<PathBuf>> {
-        Ok(self.draft.as_deref().map(hub::resolve_from_env).transpose()?)
+        let opts = mtp::load::DrafterOptions {
+            drafter: self.drafter.clone(),
+            draft: self.draft.clone(),
+            ngram_min: self.ngram_min,
+            ngram_max: self.ngram_max,
+        };
+        opts.make(target_dir, target)
     }
 
     fn engine_options(&self) -> EngineOptions {
-        EngineOptions {
+        let opts = mtp::load::BatchOptions {
             max_batch: self.max_batch,
-            prefill_chunk: self.prefill_chunk.unwrap_or(if self.backend == "cuda" { 2048 } else { 64 }),
-            k: self.k.with_max(self.max_k),
-            kv_budget_bytes: self.kv_budget_mib.map(|m| m << 20),
-            ..EngineOptions::default()
-        }
+            k: self.k,
+            max_k: self.max_k,
+            kv_budget_mib: self.kv_budget_mib,
+            prefill_chunk: self.prefill_chunk,
+        };
+        opts.engine_options(&self.backend)
     }
 }
 
