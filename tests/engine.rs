@@ -54,7 +54,7 @@ fn events_stream_every_token_then_the_finish() {
                     finished[ids.iter().position(|&x| x == request).unwrap()] = Some(reason);
                 }
                 Event::Failed { error, .. } => panic!("{error}"),
-                Event::Admitted { .. } | Event::PromptScored { .. } => {}
+                Event::Admitted { .. } | Event::PromptScored { .. } | Event::Verified { .. } => {}
             }
         }
     }
@@ -212,7 +212,7 @@ fn preemption_storm(model: &Arc<Model>, n: usize, mtp_head: Option<&Path>) -> (V
                 }
                 Event::Finished { .. } => finished += 1,
                 Event::Failed { error, .. } => panic!("{error}"),
-                Event::Admitted { .. } | Event::PromptScored { .. } => {}
+                Event::Admitted { .. } | Event::PromptScored { .. } | Event::Verified { .. } => {}
             }
         }
         let held = engine.kv_bytes();

@@ -890,6 +890,11 @@ impl<'a> Engine<'a> {
                 continue;
             }
             self.stats.record(drafts[i].tokens.len(), v.accepted);
+            events.push(Event::Verified {
+                request: row.id,
+                drafted: drafts[i].tokens.len(),
+                accepted: v.accepted,
+            });
             let behind = if ks[i] > 0 { std::mem::take(&mut row.behind) } else { 0 };
             row.behind += v.accepted + 1;
             outcomes.push(Outcome {

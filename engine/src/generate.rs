@@ -54,7 +54,7 @@ pub fn generate(
                     partial[index_of[&request]].prompt_logprobs = scores;
                     continue;
                 }
-                Event::Admitted { .. } => continue,
+                Event::Admitted { .. } | Event::Verified { .. } => continue,
                 Event::Finished { request, reason } => (request, Ok(reason)),
                 Event::Failed { request, error } => (request, Err(error)),
             };

@@ -81,6 +81,14 @@ pub enum Event {
         /// first (empty when it asked for none).
         top: Vec<(u32, f32)>,
     },
+    /// One verify of the request's row: `drafted` draft tokens checked (0 in a plain
+    /// round), `accepted` of them kept; the round's tokens follow. Per-request speculation
+    /// statistics are these summed.
+    Verified {
+        request: RequestId,
+        drafted: usize,
+        accepted: usize,
+    },
     Finished {
         request: RequestId,
         reason: FinishReason,

@@ -26,6 +26,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "RequestOutput",
+    "Speculation",
     "StreamDelta",
     "ChatOutput",
     "Tokenizer",
@@ -97,12 +98,32 @@ class SamplingParams:
 
 
 @dataclass
+class Speculation:
+    """What speculation did for one request: its target verifies after the prompt (one a
+    round), the draft tokens they checked and those accepted."""
+
+    verifies: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target verify (plain decoding: 1)."""
+        return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
+
+
+@dataclass
 class RequestOutput:
     """One finished request. `logprobs[i]` is the natural-log probability of `token_ids[i]`
     under the target; `top_logprobs[i]` its alternatives `(token_id, logprob)`, most likely
     first, when asked; `prompt_logprobs` the prompt's tokens after the first as `(token_id,
     logprob, rank, alternatives)`, when asked. `finish_reason` is eos, length, stop or
-    grammar."""
+    grammar. `speculation` says what the drafter did for this request."""
 
     request_id: str
     prompt: Prompt
@@ -112,6 +133,7 @@ class RequestOutput:
     finish_reason: str
     top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
     prompt_logprobs: Optional[List[Tuple[int, float, int, List[Tuple[int, float]]]]] = None
+    speculation: Speculation = field(default_factory=Speculation)
 
     @property
     def outputs(self) -> List["RequestOutput"]:
@@ -122,13 +144,15 @@ class RequestOutput:
 @dataclass
 class StreamDelta:
     """One token of a stream: its id and logprob, the text it completes (empty while a
-    character's bytes are still arriving) and, on the last delta, `finish_reason`."""
+    character's bytes are still arriving) and, on the last delta (no token),
+    `finish_reason` and the request's `speculation`."""
 
     token_id: Optional[int]
     logprob: Optional[float]
     text: str
     top_logprobs: List[Tuple[int, float]] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    speculation: Optional["Speculation"] = None
 
 
 @dataclass
@@ -299,6 +323,7 @@ class LLM:
         logprobs: List[float] = []
         tops: List[List[Tuple[int, float]]] = []
         prompt_scores = None
+        spec = Speculation()
         while True:
             ev = s.next(_POLL_S)
             if ev is None:
@@ -310,6 +335,10 @@ class LLM:
                 tops.append(ev[3])
             elif kind == "prompt":
                 prompt_scores = ev[1]
+            elif kind == "verified":
+                spec.verifies += 1
+                spec.drafted += ev[1]
+                spec.accepted += ev[2]
             elif kind == "finished":
                 text = self._engine.decode(tokens) if self._engine.has_tokenizer() else ""
                 return RequestOutput(
@@ -321,6 +350,7 @@ class LLM:
                     finish_reason=ev[1],
                     top_logprobs=tops if params.logprobs else None,
                     prompt_logprobs=prompt_scores,
+                    speculation=spec,
                 )
             else:
                 raise Error("the request ended without finishing")
@@ -333,6 +363,7 @@ class LLM:
         tok = self._engine.has_tokenizer()
         tokens: List[int] = []
         shown = ""
+        spec = Speculation()
         try:
             while True:
                 ev = s.next(_POLL_S)
@@ -347,12 +378,16 @@ class LLM:
                         if not full.endswith("\ufffd") and full.startswith(shown):
                             text, shown = full[len(shown):], full
                     yield StreamDelta(token_id=ev[1], logprob=ev[2], text=text, top_logprobs=ev[3])
+                elif ev[0] == "verified":
+                    spec.verifies += 1
+                    spec.drafted += ev[1]
+                    spec.accepted += ev[2]
                 elif ev[0] == "finished":
                     rest = ""
                     if tok:
                         full = self._engine.decode(tokens)
                         rest = full[len(shown):] if full.startswith(shown) else ""
-                    yield StreamDelta(token_id=None, logprob=None, text=rest, finish_reason=ev[1])
+                    yield StreamDelta(token_id=None, logprob=None, text=rest, finish_reason=ev[1], speculation=spec)
                     return
                 elif ev[0] == "ended":
                     return

@@ -312,7 +312,8 @@ struct Stream {
 impl Stream {
     /// The next event, waiting at most `timeout` seconds (None: nothing yet):
     /// `("token", id, logprob, [(id, logprob), ...])`, `("prompt", [(id, logprob, rank,
-    /// [(id, logprob), ...]), ...])`, `("finished", reason)` (the last), or the engine's
+    /// [(id, logprob), ...]), ...])`, `("verified", drafted, accepted)` (one verify of the
+    /// row: its tokens follow), `("finished", reason)` (the last), or the engine's
     /// refusal raised as `mtp.Error`. After the last event (or a cancel): `("ended",)`.
     fn next<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Option<Bound<'py, PyAny>>> {
         let wait = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
@@ -359,6 +360,9 @@ impl Stream {
                 let scores: Vec<ScoredToken> =
                     scores.into_iter().map(|p| (p.token, p.logprob, p.rank, p.top)).collect();
                 ("prompt", scores).into_pyobject(py)?.into_any()
+            }
+            Some(Some(Update::Verified { drafted, accepted })) => {
+                ("verified", drafted, accepted).into_pyobject(py)?.into_any()
             }
             Some(Some(Update::Finished(reason))) => {
                 ("finished", reason.as_str()).into_pyobject(py)?.into_any()

@@ -75,6 +75,13 @@ def test_batched_and_speculative_equal_plain_alone(plain, params):
         assert stats["drafted"] > 0, (d, stats)
         if d["drafter"] != "ngram":
             assert stats["accepted"] > 0, (d, stats)
+        # The per-request counts add up to the engine's, and to each output's tokens: the
+        # prompt's forward gives the first token, each verify its accepted drafts plus one.
+        for key in ("drafted", "accepted", "verifies"):
+            assert sum(getattr(o.speculation, key) for o in got) == stats[key], (d, key)
+        for o in got:
+            s = o.speculation
+            assert len(o.token_ids) <= 1 + s.verifies + s.accepted, (d, s)
 
 
 def test_the_bits_comparison_can_fail(plain):
@@ -115,6 +122,8 @@ def test_stream_equals_generate(plain):
             f"<{len(want.logprobs)}f", *want.logprobs
         )
         assert "".join(d.text for d in deltas) == want.text
+        s = deltas[-1].speculation
+        assert 0 < s.verifies and len(tokens) <= 1 + s.verifies + s.accepted, s
 
 
 def test_interleaved_streams_are_batched_and_each_alone(plain):

@@ -212,6 +212,7 @@ pub(crate) async fn collect(
         while let Some(u) = rx.recv().await {
             match u {
                 Update::Prompt(scores) => c.prompt = scores,
+                Update::Verified { .. } => {}
                 Update::Token { token, logprob, top } => {
                     log.token();
                     c.text.push(token);
@@ -570,6 +571,7 @@ impl Streaming {
         };
         let mut out = Vec::new();
         match update {
+            Update::Verified { .. } => {}
             Update::Prompt(scores) => {
                 if let Some(v) = self.prompt_chunk(i, &scores) {
                     out.push(v);

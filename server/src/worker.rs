@@ -30,6 +30,11 @@ pub enum Update {
         logprob: f32,
         top: Vec<(u32, f32)>,
     },
+    /// A verify of the request's row: draft tokens checked and kept ([`Event::Verified`]).
+    Verified {
+        drafted: usize,
+        accepted: usize,
+    },
     Finished(FinishReason),
     Failed(String),
 }
@@ -185,6 +190,9 @@ fn route(
             return None;
         }
         Event::PromptScored { request, scores } => (request, Update::Prompt(scores), false),
+        Event::Verified { request, drafted, accepted } => {
+            (request, Update::Verified { drafted, accepted }, false)
+        }
         Event::Token { request, token, logprob, top } => {
             tally.generated_tokens = tally.generated_tokens.saturating_add(1);
             // The step's tokens of this request are timed together, at its first.

@@ -184,6 +184,7 @@ impl Events {
             Some(Update::Failed(msg)) => self.fail(&msg, &mut out),
             // A response's plan never scores its prompt.
             Some(Update::Prompt(_)) => {}
+            Some(Update::Verified { .. }) => {}
             None => self.fail("the engine stopped", &mut out),
         }
         out
