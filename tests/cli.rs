@@ -198,6 +198,44 @@ fn default_family_drafters_print_what_plain_decoding_prints() {
 }
 
 #[test]
+fn compare_plain_times_both_runs_and_checks_the_bits() {
+    // The README's run command: the speculative run, then the same requests without a drafter.
+    for extra in [vec![], vec!["--k", "4", "--max-batch", "2"]] {
+        let args: Vec<&str> =
+            ["generate", "--compare-plain"].into_iter().chain(extra.iter().copied()).collect();
+        let (code, out, err) = mtp(&args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        assert_eq!(out.lines().count(), 3, "stdout holds the speculative run's lines only");
+        let mut last = err.lines().rev();
+        let (compared, summary) = (last.next().unwrap(), last.next().unwrap());
+        assert!(summary.starts_with("drafter the MTP head"), "{summary}");
+        assert!(
+            compared.starts_with("beside plain decoding of the same 3 requests (--compare-plain): ")
+                && compared.contains("x its speed")
+                && compared.ends_with("every token and logprob bitwise plain decoding's"),
+            "{extra:?}: {compared}"
+        );
+    }
+    let (code, _, err) = mtp(&["generate", "--compare-plain", "--drafter", "none", "--max-tokens", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(err.lines().last(), Some("--compare-plain: this run was plain decoding already"));
+    let (code, _, err) = mtp(&[
+        "generate",
+        "--compare-plain",
+        "--k",
+        "2",
+        "--temperature",
+        "0.8",
+        "--sampling",
+        "rejection",
+        "--max-tokens",
+        "4",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.lines().last().unwrap().contains("outputs not compared: rejection sampling"), "{err}");
+}
+
+#[test]
 fn auto_drafter_without_a_head_decodes_plainly_and_says_so() {
     let target = common::fixture("qwen3-target");
     let (code, out, err) =

@@ -66,6 +66,11 @@ enum Command {
         /// Do not stop at EOS ids.
         #[arg(long)]
         ignore_eos: bool,
+        /// Then decode the same requests again without a drafter, and say how long each run
+        /// took and whether every token and logprob was plain decoding's, bit for bit (exit
+        /// status 1 if not).
+        #[arg(long)]
+        compare_plain: bool,
         #[command(flatten)]
         sampling: SamplingArgs,
     },
@@ -403,8 +408,88 @@ impl SamplingArgs {
     }
 }
 
+/// Each request's tokens and logprobs' bits (None: the request failed).
+type Bits = Vec<Option<(Vec<u32>, Vec<u32>)>>;
+
+fn bits(results: &[Result<mtp::engine::Completion, mtp::base::Error>]) -> Bits {
+    results
+        .iter()
+        .map(|r| {
+            r.as_ref().ok().map(|c| (c.tokens.clone(), c.logprobs.iter().map(|x| x.to_bits()).collect()))
+        })
+        .collect()
+}
+
+/// `--compare-plain`: the same requests decoded again with no drafter, on the same target
+/// and engine options.
+struct Plain<'a> {
+    model: &'a Arc<Model>,
+    tokenizer: Option<&'a Tokenizer>,
+    opts: EngineOptions,
+    requests: &'a [Request],
+    arrive_at: &'a [u64],
+}
+
+impl Plain<'_> {
+    /// The line that compares the run that took `spec_secs` with plain decoding, and
+    /// whether every request's tokens and logprobs were plain decoding's bits.
+    fn compare(&self, drafter: &str, spec: &Bits, spec_secs: f64) -> Result<(String, bool)> {
+        if drafter == "none" {
+            return Ok(("--compare-plain: this run was plain decoding already".into(), true));
+        }
+        tracing::info!("--compare-plain: decoding the same requests again with --drafter none");
+        let t = std::time::Instant::now();
+        let mut engine = Engine::new(self.model, None, self.opts.clone())?;
+        if let Some(tok) = self.tokenizer {
+            engine = engine.with_tokenizer(tok);
+        }
+        let plain = bits(&generate(&mut engine, self.requests, self.arrive_at, |_, _| {}));
+        let plain_secs = t.elapsed().as_secs_f64();
+        let timing = format!(
+            "beside plain decoding of the same {} requests (--compare-plain): {:.1} ms against plain's {:.1} ms, \
+             {:.2}x its speed",
+            self.requests.len(),
+            spec_secs * 1e3,
+            plain_secs * 1e3,
+            plain_secs / spec_secs,
+        );
+        if self.opts.sampling_mode == SamplingMode::Rejection {
+            return Ok((
+                format!("{timing}; outputs not compared: rejection sampling keeps plain sampling's distribution, not its draws"),
+                true,
+            ));
+        }
+        let first_difference = first_difference(self.requests.iter().map(|r| r.id.as_str()), spec, &plain);
+        Ok(match first_difference {
+            None => (format!("{timing}; every token and logprob bitwise plain decoding's"), true),
+            Some(d) => (format!("{timing}; {d}: the exactness guarantee is broken, please report it"), false),
+        })
+    }
+}
+
+/// The first request whose tokens or logprobs' bits differ between two runs, and where.
+fn first_difference<'a>(ids: impl Iterator<Item = &'a str>, a: &Bits, b: &Bits) -> Option<String> {
+    ids.zip(a.iter().zip(b)).find_map(|(id, (x, y))| {
+        let at = match (x, y) {
+            (Some((xt, xl)), Some((yt, yl))) => {
+                (0..xt.len().max(yt.len())).find(|&i| xt.get(i) != yt.get(i) || xl.get(i) != yl.get(i))
+            }
+            // The same failure in both runs is no difference.
+            (None, None) => None,
+            _ => Some(0),
+        }?;
+        Some(format!("request {id} differs from plain decoding at output token {at}"))
+    })
+}
+
 /// The last stderr line of `mtp generate`: what speculation did, in plain words.
-fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
+fn summary(
+    drafter: &str,
+    auto: bool,
+    auto_k: bool,
+    compare_plain: bool,
+    s: &mtp::engine::SpecStats,
+) -> String {
     match (drafter, auto) {
         ("none", true) => {
             return "plain decoding: the target has no MTP head for --drafter auto (try --drafter ngram, or \
@@ -427,10 +512,16 @@ fn summary(drafter: &str, auto: bool, s: &mtp::engine::SpecStats) -> String {
             "drafter {what} proposed nothing: speculation did not pay here, so every round decoded plainly"
         );
     }
-    let speed = match s.estimated_speedup() {
-        Some(x) => format!("; about {x:.2}x the speed of plain decoding (the engine's estimate)"),
-        None => String::new(),
-    };
+    // Adaptive k that drafted in under one round in twenty: say so before the counts.
+    if auto_k && (s.drafted as f64) < 0.05 * s.verifies as f64 {
+        return format!(
+            "drafter {what}, adaptive k: {} draft tokens in {} row verifies ({} accepted): it found that drafts \
+             do not pay for their cost on this backend and model, so nearly every round decoded plainly \
+             (--k 4 drafts anyway)",
+            s.drafted, s.verifies, s.accepted
+        );
+    }
+    let speed = if compare_plain { "" } else { "; --compare-plain times it beside plain decoding" };
     format!(
         "drafter {what}: {:.0}% of {} draft tokens accepted, {:.2} tokens per target forward per request \
          (plain decoding: 1), {:.1} drafts per request per round on average{speed}",
@@ -511,7 +602,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Command::Generate { model: margs, prompts, max_tokens, ignore_eos, sampling } => {
+        Command::Generate { model: margs, prompts, max_tokens, ignore_eos, compare_plain, sampling } => {
             let (sampling, sampling_mode) = sampling.params()?;
             let prompts = match prompts {
                 Some(p) => p,
@@ -539,13 +630,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
             );
             let t1 = std::time::Instant::now();
             let opts = EngineOptions { sampling_mode, ..margs.engine_options() };
-            let mut engine = Engine::new(&model, drafter, opts)?;
+            let mut engine = Engine::new(&model, drafter, opts.clone())?;
             if let Some(t) = &tokenizer {
                 engine = engine.with_tokenizer(t);
             }
             let results = generate(&mut engine, &requests, &arrive_at, |done, total| {
                 tracing::info!("finished {done}/{total} requests");
             });
+            let decode_secs = t1.elapsed().as_secs_f64();
+            let spec_bits = compare_plain.then(|| bits(&results));
             let mut stdout = std::io::stdout().lock();
             let mut failed = 0;
             let mut generated = 0;
@@ -599,8 +692,35 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 mean_accepted_length = stats.mean_accepted_length(),
                 "done"
             );
-            eprintln!("{}", summary(&drafter_name, asked_auto, stats));
-            Ok(if failed > 0 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+            let auto_k = matches!(margs.k, mtp::KArg::Auto);
+            let line = summary(&drafter_name, asked_auto, auto_k, compare_plain, stats);
+            let comparison = match spec_bits {
+                Some(spec) => {
+                    let plain = Plain {
+                        model: &model,
+                        tokenizer: tokenizer.as_ref(),
+                        opts,
+                        requests: &requests,
+                        arrive_at: &arrive_at,
+                    };
+                    Some(plain.compare(&drafter_name, &spec, decode_secs)?)
+                }
+                None => None,
+            };
+            // What speculation did, then how it compares: the last lines on stderr.
+            eprintln!("{line}");
+            let mut differs = false;
+            if let Some((line, same)) = comparison {
+                eprintln!("{line}");
+                differs = !same;
+            }
+            Ok(if failed > 0 {
+                ExitCode::from(2)
+            } else if differs {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            })
         }
         Command::Serve {
             model: margs,
@@ -744,5 +864,31 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .with_context(|| format!("writing {}", out.display()))?;
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{first_difference, Bits};
+
+    fn run(rows: &[Option<(&[u32], &[f32])>]) -> Bits {
+        rows.iter().map(|r| r.map(|(t, l)| (t.to_vec(), l.iter().map(|x| x.to_bits()).collect()))).collect()
+    }
+
+    #[test]
+    fn a_difference_in_one_logprob_bit_or_one_token_is_named() {
+        let ids = || ["a", "b"].into_iter();
+        let same = run(&[Some((&[1, 2], &[-0.5, -1.25])), None]);
+        assert_eq!(first_difference(ids(), &same, &same.clone()), None);
+        // Negative controls: the last ulp of one logprob, one token more, one failure.
+        let ulp = run(&[Some((&[1, 2], &[-0.5, f32::from_bits((-1.25f32).to_bits() + 1)])), None]);
+        assert_eq!(
+            first_difference(ids(), &same, &ulp).as_deref(),
+            Some("request a differs from plain decoding at output token 1")
+        );
+        let longer = run(&[Some((&[1, 2, 3], &[-0.5, -1.25, -2.0])), None]);
+        assert!(first_difference(ids(), &same, &longer).unwrap().contains("token 2"));
+        let failed = run(&[Some((&[1, 2], &[-0.5, -1.25])), Some((&[], &[]))]);
+        assert!(first_difference(ids(), &same, &failed).unwrap().starts_with("request b"));
     }
 }
