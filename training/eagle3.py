@@ -30,7 +30,6 @@ import json
 import lzma
 import math
 import os
-import struct
 import time
 
 import numpy as np
@@ -75,6 +74,7 @@ def train(args):
     import torch.nn as nn
     import torch.nn.functional as F
     import transformers as tf
+    from safetensors.torch import save_file
 
     torch.manual_seed(SEED)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -238,17 +238,14 @@ def train(args):
              "gate": "midlayer.mlp.gate_proj", "up": "midlayer.mlp.up_proj", "down": "midlayer.mlp.down_proj",
              "input_layernorm": "midlayer.input_layernorm", "hidden_norm": "midlayer.hidden_norm",
              "post_attention_layernorm": "midlayer.post_attention_layernorm", "norm": "norm", "lm_head": "lm_head"}
-    tensors = {}
-    for k, v in head.state_dict().items():
-        module = k.removesuffix(".weight")
-        bits = v.detach().float().cpu().contiguous().to(torch.bfloat16).view(torch.int16).numpy().astype("<i2")
-        tensors[f"{names[module]}.weight"] = ("BF16", tuple(v.shape), bits.tobytes())
-    ids = draft_ids.numpy()
-    tensors["d2t"] = ("I64", (DRAFT_VOCAB,), (ids - np.arange(DRAFT_VOCAB)).astype("<i8").tobytes())
-    t2d = np.zeros(cfg.vocab_size, dtype=np.uint8)
-    t2d[ids] = 1
-    tensors["t2d"] = ("BOOL", (cfg.vocab_size,), t2d.tobytes())
-    write_safetensors(os.path.join(out, "model.safetensors"), tensors)
+    tensors = {f"{names[k.removesuffix('.weight')]}.weight": v.detach().cpu().to(torch.bfloat16).contiguous()
+               for k, v in head.state_dict().items()}
+    ids = draft_ids.cpu().to(torch.int64)
+    tensors["d2t"] = ids - torch.arange(DRAFT_VOCAB, dtype=torch.int64)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, os.path.join(out, "model.safetensors"))
     config = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "hidden_size": h, "intermediate_size": INTERMEDIATE, "num_attention_heads": heads,
@@ -264,20 +261,6 @@ def train(args):
     with open(os.path.join(args.out, "eval.json"), "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
-
-
-def write_safetensors(path, tensors):
-    """tensors: name -> (dtype, shape, bytes), written in sorted order."""
-    header, blobs, off = {}, [], 0
-    for name in sorted(tensors):
-        dtype, shape, raw = tensors[name]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def main():
